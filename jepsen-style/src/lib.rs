@@ -1,0 +1,1 @@
+//! `allot-jepsen`: the fault-injection harness. Empty until the harness issue lands.

@@ -1,0 +1,193 @@
+//! The audit trail: every applied command emits events (log index, logical time, actor,
+//! command, outcome) plus one event per ledger movement, hash-chained per shard.
+//!
+//! Events are an *output* of apply, not part of the state: the node persists and indexes
+//! them; the state keeps only the chain head, so snapshots stay small while every
+//! replica computes the identical chain from the identical log.
+
+use crate::command::{BudgetScope, Command};
+use crate::ids::{Account, Actor, BucketId, HoldId, OrgId, RequestId};
+use crate::outcome::Outcome;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+pub type Hash32 = [u8; 32];
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EventBody {
+    /// A command was applied (or rejected); `replayed` marks a retry answered from the
+    /// idempotency table with the first outcome.
+    Command {
+        command: Command,
+        outcome: Outcome,
+        replayed: bool,
+    },
+    HoldDrawn {
+        bucket: BucketId,
+        amount_micro: u64,
+    },
+    Captured {
+        bucket: BucketId,
+        amount_micro: u64,
+    },
+    /// Usage captured earlier but not billable (work after the last checkpoint on a
+    /// platform-caused ending) returned from consumed to the hold.
+    CaptureReversed {
+        bucket: BucketId,
+        amount_micro: u64,
+    },
+    Refunded {
+        bucket: BucketId,
+        amount_micro: u64,
+    },
+    /// A refund whose bucket had expired: forfeited at once, counted as expired.
+    RefundForfeited {
+        bucket: BucketId,
+        amount_micro: u64,
+    },
+    BucketExpired {
+        bucket: BucketId,
+        amount_micro: u64,
+    },
+    TransferredOut {
+        bucket: BucketId,
+        amount_micro: u64,
+    },
+    TransferredIn {
+        bucket: BucketId,
+        amount_micro: u64,
+    },
+    /// A soft budget was passed (or a hard one reached); once per period.
+    BudgetAlert {
+        scope: BudgetScope,
+        limit_micro: u64,
+        used_micro: u64,
+    },
+}
+
+/// An event before it is numbered and chained.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PendingEvent {
+    pub org: Option<OrgId>,
+    pub account: Option<Account>,
+    pub hold: Option<HoldId>,
+    pub body: EventBody,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuditEvent {
+    /// Position in the shard's chain, from 0, without gaps.
+    pub seq: u64,
+    pub log_index: u64,
+    pub time_ms: u64,
+    pub actor: Actor,
+    pub request_id: RequestId,
+    /// Indexed references for queries by account, job and time range.
+    pub org: Option<OrgId>,
+    pub account: Option<Account>,
+    pub hold: Option<HoldId>,
+    pub body: EventBody,
+    pub prev_hash: Hash32,
+    pub hash: Hash32,
+}
+
+impl AuditEvent {
+    /// The hash of this event's content chained onto `prev_hash`.
+    pub fn compute_hash(&self, scratch: &mut Vec<u8>) -> Hash32 {
+        scratch.clear();
+        let content = (
+            self.seq,
+            self.log_index,
+            self.time_ms,
+            &self.actor,
+            self.request_id,
+            &self.org,
+            &self.account,
+            &self.hold,
+            &self.body,
+        );
+        // Encoding an in-memory value of these types cannot fail.
+        crate::codec::encode_into(scratch, &content);
+        let mut h = Sha256::new();
+        h.update(self.prev_hash);
+        h.update(&scratch[..]);
+        h.finalize().into()
+    }
+}
+
+/// The chain's head: the only audit data kept in the replicated state.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuditChain {
+    pub next_seq: u64,
+    pub head: Hash32,
+}
+
+/// Identity of the event being chained (shared by all events of one command).
+pub(crate) struct Stamp {
+    pub log_index: u64,
+    pub time_ms: u64,
+    pub actor: Actor,
+    pub request_id: RequestId,
+}
+
+impl AuditChain {
+    pub(crate) fn append(
+        &mut self,
+        stamp: &Stamp,
+        pending: PendingEvent,
+        out: &mut Vec<AuditEvent>,
+        scratch: &mut Vec<u8>,
+    ) {
+        let mut ev = AuditEvent {
+            seq: self.next_seq,
+            log_index: stamp.log_index,
+            time_ms: stamp.time_ms,
+            actor: stamp.actor,
+            request_id: stamp.request_id,
+            org: pending.org,
+            account: pending.account,
+            hold: pending.hold,
+            body: pending.body,
+            prev_hash: self.head,
+            hash: [0; 32],
+        };
+        ev.hash = ev.compute_hash(scratch);
+        self.head = ev.hash;
+        self.next_seq += 1;
+        out.push(ev);
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ChainError {
+    #[error("event {seq}: sequence gap (expected {expected})")]
+    Gap { seq: u64, expected: u64 },
+    #[error("event {seq}: prev_hash does not match the previous event")]
+    BrokenLink { seq: u64 },
+    #[error("event {seq}: hash does not match its content")]
+    BadHash { seq: u64 },
+}
+
+/// Verifies a contiguous run of events starting from `start` (the chain state before
+/// the first event). Returns the chain state after the last one.
+pub fn verify_chain(start: &AuditChain, events: &[AuditEvent]) -> Result<AuditChain, ChainError> {
+    let mut chain = start.clone();
+    let mut scratch = Vec::new();
+    for ev in events {
+        if ev.seq != chain.next_seq {
+            return Err(ChainError::Gap {
+                seq: ev.seq,
+                expected: chain.next_seq,
+            });
+        }
+        if ev.prev_hash != chain.head {
+            return Err(ChainError::BrokenLink { seq: ev.seq });
+        }
+        if ev.compute_hash(&mut scratch) != ev.hash {
+            return Err(ChainError::BadHash { seq: ev.seq });
+        }
+        chain.head = ev.hash;
+        chain.next_seq += 1;
+    }
+    Ok(chain)
+}

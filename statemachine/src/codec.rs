@@ -1,0 +1,63 @@
+//! The one place that knows the persisted encoding. bincode 1.x is frozen upstream
+//! (RUSTSEC-2025-0141, "unmaintained"), so everything persisted goes through here, behind
+//! a format-version byte: a future codec swap is a new version, not a silent change.
+
+use bincode::Options;
+use serde::{de::DeserializeOwned, Serialize};
+
+/// The current format version, written as the first byte of every persisted blob.
+pub const FORMAT_VERSION: u8 = 1;
+/// The largest blob decode accepts (guards against hostile length prefixes).
+pub const DECODE_BYTES_MAX: u64 = 4 << 30;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum CodecError {
+    #[error("empty input")]
+    Empty,
+    #[error("unsupported format version {0} (this build reads {FORMAT_VERSION})")]
+    UnsupportedVersion(u8),
+    #[error("malformed payload: {0}")]
+    Malformed(String),
+}
+
+fn encode_options() -> impl Options {
+    bincode::DefaultOptions::new()
+        .with_no_limit()
+        .with_little_endian()
+        .with_varint_encoding()
+}
+
+fn decode_options() -> impl Options {
+    bincode::DefaultOptions::new()
+        .with_limit(DECODE_BYTES_MAX)
+        .with_little_endian()
+        .with_varint_encoding()
+        .reject_trailing_bytes()
+}
+
+/// Appends the encoding of `value` (without version byte) to `buf`.
+pub fn encode_into<T: Serialize + ?Sized>(buf: &mut Vec<u8>, value: &T) {
+    // Serialising our own in-memory types into a Vec with no size limit cannot fail: the
+    // writer never errors and every type has a known length.
+    if let Err(e) = encode_options().serialize_into(&mut *buf, value) {
+        unreachable!("encoding an in-memory value failed: {e}");
+    }
+}
+
+/// Versioned encoding: `[FORMAT_VERSION] ++ bincode(value)`.
+pub fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
+    let mut buf = vec![FORMAT_VERSION];
+    encode_into(&mut buf, value);
+    buf
+}
+
+/// Decodes a versioned blob; any malformed input is an error, never a panic.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
+    let (&version, rest) = bytes.split_first().ok_or(CodecError::Empty)?;
+    if version != FORMAT_VERSION {
+        return Err(CodecError::UnsupportedVersion(version));
+    }
+    decode_options()
+        .deserialize(rest)
+        .map_err(|e| CodecError::Malformed(e.to_string()))
+}

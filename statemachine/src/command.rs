@@ -1,0 +1,248 @@
+//! The commands a shard's log carries. One enum: the state machine is a function of the
+//! sequence of these (wrapped in [`Request`]s, batched in [`Entry`]s).
+
+use crate::ids::{
+    Account, Actor, BucketId, GpuType, HoldId, OrgId, ProjectId, RequestId, Tier, UserId,
+};
+use serde::{Deserialize, Serialize};
+
+/// One Raft log entry's payload: the leader stamps the logical time; the node's batching
+/// proposer packs many client requests into one entry (one fsync for all of them).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Entry {
+    pub log_index: u64,
+    /// Consensus-assigned logical time (ms since the Unix epoch). The state machine never
+    /// lets its clock go back: it applies `max(previous, logical_time_ms)`.
+    pub logical_time_ms: u64,
+    pub requests: Vec<Request>,
+}
+
+/// A client's command with the identity that sent it and its idempotency key.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request {
+    pub actor: Actor,
+    /// Generated once by the client per logical operation and reused on every retry.
+    /// Zero is "missing" and rejected for every mutating command.
+    pub request_id: RequestId,
+    pub command: Command,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum BucketKind {
+    Paid,
+    Promotional,
+    Granted,
+}
+
+impl BucketKind {
+    /// Rank in the spend order's third key: promotional before granted before paid
+    /// (free money goes first; paid credit, which a customer may ask back, goes last).
+    pub fn spend_rank(self) -> u8 {
+        match self {
+            BucketKind::Promotional => 0,
+            BucketKind::Granted => 1,
+            BucketKind::Paid => 2,
+        }
+    }
+}
+
+/// Restrictions on what a bucket may pay for. Empty lists mean "any".
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BucketPolicy {
+    /// The bucket pays only for holds whose every acceptable GPU type is listed here.
+    pub gpu_types: Vec<GpuType>,
+    /// The bucket pays only for holds of these tiers.
+    pub tiers: Vec<Tier>,
+}
+
+/// A grant of credits: a purchase (paid), a promotion, or a free grant.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Grant {
+    pub bucket: BucketId,
+    pub owner: Account,
+    pub kind: BucketKind,
+    pub amount_micro: u64,
+    /// Logical-time instant at which the unspent remainder expires (must be in the future).
+    pub expires_at_ms: Option<u64>,
+    /// Spend order's first key: the lower value is spent first.
+    pub priority: u8,
+    pub policy: Option<BucketPolicy>,
+    /// External reference, e.g. the purchase id.
+    pub source_ref: Option<String>,
+}
+
+/// A reservation of credits for work in a project, made at submission.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HoldSpec {
+    pub hold: HoldId,
+    pub project: ProjectId,
+    pub user: UserId,
+    pub tier: Tier,
+    /// The GPU types the work may run on (bucket GPU policies are checked against all).
+    pub gpu_types: Vec<GpuType>,
+    pub amount_micro: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum BudgetScope {
+    Org(OrgId),
+    Project(ProjectId),
+    User(UserId),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BudgetPeriod {
+    /// A UTC calendar day of logical time.
+    Day,
+    /// A UTC calendar month of logical time.
+    Month,
+    /// No reset.
+    Lifetime,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BudgetMode {
+    /// A spend (hold or top-up) that would pass the limit is rejected.
+    Hard,
+    /// The spend is allowed and a `BudgetAlert` audit event is emitted once per period.
+    Soft,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BudgetSpec {
+    pub limit_micro: u64,
+    pub period: BudgetPeriod,
+    pub mode: BudgetMode,
+}
+
+/// Why a metered hold is settled. It decides up to when usage is charged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum SettleReason {
+    /// The job finished: charged up to the settlement instant.
+    Succeeded,
+    /// The job failed on its own: charged up to the settlement instant.
+    Failed,
+    /// The user cancelled it: charged up to the settlement instant.
+    Cancelled,
+    /// Platform-caused preemption: charged only up to the last checkpoint.
+    Preempted,
+    /// The node failed (platform fault): charged only up to the last checkpoint.
+    NodeFailure,
+    /// No heartbeat within the lease (e.g. the finish call was lost): charged up to the
+    /// last accepted heartbeat, the last evidence that the job was running.
+    Lost,
+    /// The hold could not be topped up: charged for everything the account could pay.
+    OutOfCredits,
+}
+
+impl SettleReason {
+    /// Platform-caused endings bill only work that a checkpoint preserved.
+    pub fn is_platform_fault(self) -> bool {
+        matches!(self, SettleReason::Preempted | SettleReason::NodeFailure)
+    }
+}
+
+/// A metering heartbeat from the agent running a hold's job.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    pub hold: HoldId,
+    /// The attempt (fencing token) the agent was given; a stale one is rejected.
+    pub attempt: u32,
+    /// Strictly increasing per attempt; a duplicate or older seq is ignored.
+    pub seq: u64,
+    /// Progress in parts per million (0..=1_000_000), informational.
+    pub progress_ppm: u32,
+    /// Number of the last durable checkpoint (0 = none); it never goes back.
+    pub checkpoint: u64,
+}
+
+/// Every mutating operation. Reads are queries on [`crate::State`], not commands.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Command {
+    CreateOrg {
+        org: OrgId,
+    },
+    CreateProject {
+        project: ProjectId,
+        org: OrgId,
+    },
+    CreateUser {
+        user: UserId,
+        org: OrgId,
+    },
+    /// Replaces the price table with a new version (micro-credits per GPU-hour).
+    SetPrices {
+        prices: Vec<(GpuType, u64)>,
+    },
+    IssueGrant(Grant),
+    /// Sets (`Some`) or removes (`None`) the budget of an org, project or user.
+    SetBudget {
+        scope: BudgetScope,
+        budget: Option<BudgetSpec>,
+    },
+    CreateHold(HoldSpec),
+    /// An explicit partial capture from an unmetered hold.
+    Capture {
+        hold: HoldId,
+        amount_micro: u64,
+    },
+    TopUp {
+        hold: HoldId,
+        amount_micro: u64,
+    },
+    /// Returns the whole unused remainder of an unmetered hold and closes it.
+    ReleaseHold {
+        hold: HoldId,
+    },
+    /// Starts metering an attempt: fixes the price of the GPU type actually placed on.
+    StartMeter {
+        hold: HoldId,
+        attempt: u32,
+        gpu_type: GpuType,
+        gpus: u32,
+    },
+    Heartbeat(Heartbeat),
+    /// Final capture for the attempt, then the unused hold returns to its buckets.
+    Settle {
+        hold: HoldId,
+        attempt: u32,
+        reason: SettleReason,
+    },
+    /// Moves credits between two accounts of one organisation, keeping each moved part's
+    /// kind, expiry, priority and policy.
+    Transfer {
+        from: Account,
+        to: Account,
+        amount_micro: u64,
+    },
+    /// Advances logical time only (expiry, leases, pruning run in every entry).
+    Tick,
+}
+
+impl Command {
+    /// A stable short name for logs, metrics and audit queries.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Command::CreateOrg { .. } => "create_org",
+            Command::CreateProject { .. } => "create_project",
+            Command::CreateUser { .. } => "create_user",
+            Command::SetPrices { .. } => "set_prices",
+            Command::IssueGrant(_) => "issue_grant",
+            Command::SetBudget { .. } => "set_budget",
+            Command::CreateHold(_) => "create_hold",
+            Command::Capture { .. } => "capture",
+            Command::TopUp { .. } => "top_up",
+            Command::ReleaseHold { .. } => "release_hold",
+            Command::StartMeter { .. } => "start_meter",
+            Command::Heartbeat(_) => "heartbeat",
+            Command::Settle { .. } => "settle",
+            Command::Transfer { .. } => "transfer",
+            Command::Tick => "tick",
+        }
+    }
+
+    /// Commands that change nothing but time need no request id.
+    pub fn needs_request_id(&self) -> bool {
+        !matches!(self, Command::Tick)
+    }
+}

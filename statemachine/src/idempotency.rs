@@ -1,0 +1,93 @@
+//! The idempotency table: `(actor, request_id) → (fingerprint, outcome)`, written in the
+//! same apply as the command's effect, kept for a retention window of logical time.
+
+use crate::ids::{Actor, RequestId};
+use crate::limits::{IDEMPOTENCY_ENTRIES_MAX, PRUNE_PER_ENTRY_MAX};
+use crate::outcome::Outcome;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeMap, VecDeque};
+
+pub type Fingerprint = [u8; 16];
+
+/// The fingerprint of a command's canonical encoding.
+pub fn fingerprint(encoded_command: &[u8]) -> Fingerprint {
+    let digest = Sha256::digest(encoded_command);
+    let mut fp = [0u8; 16];
+    fp.copy_from_slice(&digest[..16]);
+    fp
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdemRecord {
+    pub fingerprint: Fingerprint,
+    pub at_ms: u64,
+    pub outcome: Outcome,
+}
+
+pub(crate) enum Lookup {
+    New,
+    Replay(Outcome),
+    Conflict,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdempotencyTable {
+    pub retention_ms: u64,
+    pub records: BTreeMap<(Actor, RequestId), IdemRecord>,
+    /// Keys in insertion order (= logical time order), for pruning.
+    pub queue: VecDeque<(u64, Actor, RequestId)>,
+}
+
+impl IdempotencyTable {
+    pub fn new(retention_ms: u64) -> Self {
+        IdempotencyTable {
+            retention_ms,
+            ..Default::default()
+        }
+    }
+
+    pub(crate) fn lookup(&self, actor: Actor, id: RequestId, fp: &Fingerprint) -> Lookup {
+        match self.records.get(&(actor, id)) {
+            None => Lookup::New,
+            Some(r) if &r.fingerprint == fp => Lookup::Replay(r.outcome.clone()),
+            Some(_) => Lookup::Conflict,
+        }
+    }
+
+    pub(crate) fn is_full(&self) -> bool {
+        self.records.len() >= IDEMPOTENCY_ENTRIES_MAX
+    }
+
+    pub(crate) fn insert(
+        &mut self,
+        actor: Actor,
+        id: RequestId,
+        fingerprint: Fingerprint,
+        now: u64,
+        outcome: Outcome,
+    ) {
+        self.records.insert(
+            (actor, id),
+            IdemRecord {
+                fingerprint,
+                at_ms: now,
+                outcome,
+            },
+        );
+        self.queue.push_back((now, actor, id));
+    }
+
+    /// Drops records older than the retention window (bounded per entry).
+    pub(crate) fn prune(&mut self, now: u64) {
+        for _ in 0..PRUNE_PER_ENTRY_MAX {
+            match self.queue.front() {
+                Some(&(at, actor, id)) if at.saturating_add(self.retention_ms) <= now => {
+                    self.queue.pop_front();
+                    self.records.remove(&(actor, id));
+                }
+                _ => return,
+            }
+        }
+    }
+}

@@ -1,0 +1,79 @@
+//! Balance queries with a breakdown. Pure reads of the state at an instant.
+
+use super::Ledger;
+use crate::command::BucketKind;
+use crate::ids::{Account, BucketId};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpcomingExpiry {
+    pub bucket: BucketId,
+    pub kind: BucketKind,
+    pub expires_at_ms: u64,
+    pub remaining_micro: u64,
+}
+
+/// An account's credits at one instant. `issued + moved_in = available + held +
+/// consumed + expired + moved_out` holds for every balance.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Balance {
+    pub paid_available_micro: u64,
+    pub promotional_available_micro: u64,
+    pub granted_available_micro: u64,
+    pub held_micro: u64,
+    pub consumed_micro: u64,
+    pub expired_micro: u64,
+    pub issued_micro: u64,
+    pub moved_in_micro: u64,
+    pub moved_out_micro: u64,
+    /// Spendable buckets expiring within the horizon, soonest first.
+    pub upcoming_expirations: Vec<UpcomingExpiry>,
+}
+
+impl Balance {
+    pub fn available_micro(&self) -> u64 {
+        self.paid_available_micro + self.promotional_available_micro + self.granted_available_micro
+    }
+}
+
+impl Ledger {
+    /// The balance of `account`'s own buckets at `now`. Credit past its expiry instant
+    /// counts as expired even before the expiry pass has processed its bucket.
+    pub fn balance(&self, account: Account, now: u64, horizon_ms: u64) -> Option<Balance> {
+        let rec = self.account(account)?;
+        let mut b = Balance::default();
+        for id in &rec.buckets {
+            let Some(bucket) = self.buckets.get(id) else {
+                continue;
+            };
+            b.held_micro += bucket.held;
+            b.consumed_micro += bucket.consumed;
+            b.expired_micro += bucket.expired;
+            b.issued_micro += bucket.issued;
+            b.moved_in_micro += bucket.moved_in;
+            b.moved_out_micro += bucket.moved_out;
+            if !bucket.spendable_at(now) {
+                b.expired_micro += bucket.remaining;
+                continue;
+            }
+            *match bucket.kind {
+                BucketKind::Paid => &mut b.paid_available_micro,
+                BucketKind::Promotional => &mut b.promotional_available_micro,
+                BucketKind::Granted => &mut b.granted_available_micro,
+            } += bucket.remaining;
+            if let Some(at) = bucket.expires_at_ms {
+                if at <= now.saturating_add(horizon_ms) && bucket.remaining > 0 {
+                    b.upcoming_expirations.push(UpcomingExpiry {
+                        bucket: bucket.id,
+                        kind: bucket.kind,
+                        expires_at_ms: at,
+                        remaining_micro: bucket.remaining,
+                    });
+                }
+            }
+        }
+        b.upcoming_expirations
+            .sort_by_key(|u| (u.expires_at_ms, u.bucket));
+        Some(b)
+    }
+}

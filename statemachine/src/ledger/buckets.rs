@@ -1,0 +1,286 @@
+//! Buckets: issuance, the spend-order index, expiry, and transfers.
+
+use super::tenancy::check_gpu_types;
+use super::{unknown_account, AccountRec, Bucket, BucketRef, Ctx, Ledger};
+use crate::audit::EventBody;
+use crate::command::{BucketPolicy, Grant};
+use crate::ids::{Account, BucketId};
+use crate::limits::*;
+use crate::outcome::{CommandError, Limit};
+
+/// Checks a command amount: non-zero and within the per-command maximum.
+pub(crate) fn check_amount(amount: u64) -> Result<(), CommandError> {
+    if amount == 0 {
+        return Err(CommandError::AmountZero);
+    }
+    if amount > AMOUNT_MICRO_MAX {
+        return Err(CommandError::AmountTooLarge);
+    }
+    Ok(())
+}
+
+fn check_policy(policy: &BucketPolicy) -> Result<(), CommandError> {
+    check_gpu_types(
+        policy.gpu_types.iter(),
+        GPU_TYPES_PER_LIST_MAX,
+        Limit::GpuTypesPerList,
+    )?;
+    if policy.tiers.len() > TIERS_PER_POLICY_MAX {
+        return Err(CommandError::LimitReached(Limit::TiersPerPolicy));
+    }
+    let mut tiers = policy.tiers.clone();
+    tiers.sort();
+    tiers.dedup();
+    if tiers.len() != policy.tiers.len() {
+        return Err(CommandError::DuplicateEntry);
+    }
+    Ok(())
+}
+
+impl AccountRec {
+    pub(crate) fn live_insert(&mut self, bucket: BucketRef) {
+        let entry = (bucket.key, bucket.id);
+        if let Err(pos) = self.live.binary_search(&entry) {
+            self.live.insert(pos, entry);
+        }
+    }
+
+    pub(crate) fn live_remove(&mut self, bucket: BucketRef) {
+        if let Ok(pos) = self.live.binary_search(&(bucket.key, bucket.id)) {
+            self.live.remove(pos);
+        }
+    }
+}
+
+impl Ledger {
+    /// Adds or removes a bucket from its owner's spend index.
+    pub(crate) fn set_live(&mut self, bucket: BucketRef, live: bool) {
+        if let Some(rec) = self.account_mut(bucket.owner) {
+            if live {
+                rec.live_insert(bucket);
+            } else {
+                rec.live_remove(bucket);
+            }
+        }
+    }
+}
+
+impl Ledger {
+    /// Checks that `account` may own one more bucket and the shard one more.
+    fn check_bucket_room(&self, account: Account, extra: usize) -> Result<(), CommandError> {
+        let rec = self.account(account).ok_or(unknown_account(account))?;
+        if rec.buckets.len() + extra > BUCKETS_PER_ACCOUNT_MAX {
+            return Err(CommandError::LimitReached(Limit::BucketsPerAccount));
+        }
+        if self.buckets.len() + extra > BUCKETS_MAX {
+            return Err(CommandError::LimitReached(Limit::Buckets));
+        }
+        Ok(())
+    }
+
+    /// Adds a fully built bucket: to the map, its account, the spend index and the
+    /// expiry queue.
+    fn insert_bucket(&mut self, bucket: Bucket) {
+        self.next_bucket_seq += 1;
+        if let Some(at) = bucket.expires_at_ms {
+            self.expiry_queue.insert((at, bucket.id));
+        }
+        if let Some(rec) = self.account_mut(bucket.owner) {
+            rec.buckets.push(bucket.id);
+            rec.live_insert(bucket.refs());
+        }
+        self.buckets.insert(bucket.id, bucket);
+    }
+
+    pub(crate) fn issue_grant(&mut self, now: u64, g: &Grant) -> Result<(), CommandError> {
+        check_amount(g.amount_micro)?;
+        if g.bucket.0 >= INTERNAL_ID_BASE {
+            return Err(CommandError::IdOutOfRange);
+        }
+        if g.source_ref
+            .as_ref()
+            .is_some_and(|s| s.len() > SOURCE_REF_LEN_MAX)
+        {
+            return Err(CommandError::SourceRefTooLong);
+        }
+        if let Some(p) = &g.policy {
+            check_policy(p)?;
+        }
+        if g.expires_at_ms.is_some_and(|at| at <= now) {
+            return Err(CommandError::ExpiryInPast);
+        }
+        let org = self.org_of(g.owner).ok_or(unknown_account(g.owner))?;
+        if self.buckets.contains_key(&g.bucket) {
+            return Err(CommandError::AlreadyExists);
+        }
+        self.check_bucket_room(g.owner, 1)?;
+        self.insert_bucket(Bucket {
+            id: g.bucket,
+            owner: g.owner,
+            org,
+            kind: g.kind,
+            priority: g.priority,
+            expires_at_ms: g.expires_at_ms,
+            policy: g.policy.clone(),
+            source_ref: g.source_ref.clone(),
+            seq: self.next_bucket_seq,
+            issued: g.amount_micro,
+            moved_in: 0,
+            remaining: g.amount_micro,
+            held: 0,
+            consumed: 0,
+            expired: 0,
+            moved_out: 0,
+            is_expired: false,
+        });
+        self.totals.issued += g.amount_micro as u128;
+        Ok(())
+    }
+
+    /// The expiry pass, run at the start of every entry: expires every bucket whose
+    /// instant has come (up to `EXPIRATIONS_PER_ENTRY_MAX`; the rest next entry, and in
+    /// the meantime the spend paths' own instant check keeps them unspendable).
+    pub(crate) fn expire_due(&mut self, ctx: &mut Ctx) {
+        for _ in 0..EXPIRATIONS_PER_ENTRY_MAX {
+            let Some(&(at, id)) = self.expiry_queue.first() else {
+                return;
+            };
+            if at > ctx.now {
+                return;
+            }
+            self.expiry_queue.pop_first();
+            let Some(bucket) = self.buckets.get_mut(&id) else {
+                continue;
+            };
+            let amount = bucket.remaining;
+            bucket.expired += amount;
+            bucket.remaining = 0;
+            bucket.is_expired = true;
+            self.totals.expired += amount as u128;
+            let r = bucket.refs();
+            self.set_live(r, false);
+            ctx.bucket_event(
+                r,
+                None,
+                EventBody::BucketExpired {
+                    bucket: id,
+                    amount_micro: amount,
+                },
+            );
+        }
+    }
+
+    /// Moves `amount` from `from`'s own buckets (spend order, spendable only) to `to`,
+    /// as new buckets that keep each part's kind, expiry, priority and policy.
+    pub(crate) fn transfer(
+        &mut self,
+        ctx: &mut Ctx,
+        from: Account,
+        to: Account,
+        amount: u64,
+    ) -> Result<Vec<BucketId>, CommandError> {
+        check_amount(amount)?;
+        let from_org = self.org_of(from).ok_or(unknown_account(from))?;
+        let to_org = self.org_of(to).ok_or(unknown_account(to))?;
+        if from == to || from_org != to_org {
+            return Err(CommandError::InvalidTransfer);
+        }
+        let plan = self.plan_from_live(ctx.now, &[from], amount, |_| true)?;
+        self.check_bucket_room(to, plan.len())?;
+        let mut created = Vec::with_capacity(plan.len());
+        for (src_id, part) in plan {
+            let Some(src) = self.buckets.get_mut(&src_id) else {
+                continue;
+            };
+            src.remaining -= part;
+            src.moved_out += part;
+            let src = src.clone();
+            if src.remaining == 0 {
+                self.set_live(src.refs(), false);
+            }
+            ctx.bucket_event(
+                src.refs(),
+                None,
+                EventBody::TransferredOut {
+                    bucket: src_id,
+                    amount_micro: part,
+                },
+            );
+            let id = BucketId(self.next_internal_id);
+            self.next_internal_id += 1;
+            let dst = Bucket {
+                id,
+                owner: to,
+                seq: self.next_bucket_seq,
+                issued: 0,
+                moved_in: part,
+                remaining: part,
+                held: 0,
+                consumed: 0,
+                expired: 0,
+                moved_out: 0,
+                ..src
+            };
+            ctx.bucket_event(
+                dst.refs(),
+                None,
+                EventBody::TransferredIn {
+                    bucket: id,
+                    amount_micro: part,
+                },
+            );
+            self.insert_bucket(dst);
+            created.push(id);
+        }
+        self.totals.moved += amount as u128;
+        Ok(created)
+    }
+
+    /// Plans taking `amount` from the live buckets of `accounts` (merged in spend
+    /// order), skipping unspendable ones and those `eligible` refuses. Read-only.
+    pub(crate) fn plan_from_live(
+        &self,
+        now: u64,
+        accounts: &[Account],
+        amount: u64,
+        eligible: impl Fn(&Bucket) -> bool,
+    ) -> Result<Vec<(BucketId, u64)>, CommandError> {
+        let lists: Vec<&[(super::SpendKey, BucketId)]> = accounts
+            .iter()
+            .filter_map(|a| self.account(*a))
+            .map(|r| r.live.as_slice())
+            .collect();
+        let mut pos = vec![0usize; lists.len()];
+        let mut plan = Vec::new();
+        let mut left = amount;
+        let mut available: u64 = 0;
+        loop {
+            // Next bucket in spend order across the lists (keys are unique: seq).
+            let next = (0..lists.len())
+                .filter(|&i| pos[i] < lists[i].len())
+                .min_by_key(|&i| lists[i][pos[i]]);
+            let Some(i) = next else { break };
+            let id = lists[i][pos[i]].1;
+            pos[i] += 1;
+            let Some(b) = self.buckets.get(&id) else {
+                continue;
+            };
+            if !b.spendable_at(now) || b.remaining == 0 || !eligible(b) {
+                continue;
+            }
+            available = available.saturating_add(b.remaining);
+            if left > 0 {
+                let take = b.remaining.min(left);
+                plan.push((id, take));
+                left -= take;
+            }
+            if left == 0 {
+                return Ok(plan);
+            }
+        }
+        Err(CommandError::InsufficientCredits {
+            available,
+            needed: amount,
+        })
+    }
+}

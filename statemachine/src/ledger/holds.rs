@@ -1,0 +1,354 @@
+//! Holds: reservation in spend order with per-bucket draws, partial captures, capture
+//! reversal, top-ups, and release to the exact source buckets.
+
+use super::buckets::check_amount;
+use super::budget::{SpendPath, UsageMove};
+use super::tenancy::check_gpu_types;
+use super::{Bucket, Ctx, Draw, Hold, Ledger};
+use crate::audit::EventBody;
+use crate::command::HoldSpec;
+use crate::ids::{Account, BucketId, HoldId};
+use crate::limits::*;
+use crate::outcome::{CommandError, DrawReport, Limit};
+
+impl Hold {
+    pub(crate) fn path(&self) -> SpendPath {
+        SpendPath {
+            org: self.org,
+            project: self.project,
+            user: self.user,
+        }
+    }
+
+    pub fn is_open(&self) -> bool {
+        self.settled.is_none()
+    }
+}
+
+/// What a release did.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Released {
+    pub refunded: u64,
+    pub forfeited: u64,
+}
+
+impl Ledger {
+    pub(crate) fn open_hold(&self, id: HoldId) -> Result<&Hold, CommandError> {
+        let hold = self.holds.get(&id).ok_or(CommandError::UnknownHold)?;
+        if !hold.is_open() {
+            return Err(CommandError::HoldSettled);
+        }
+        Ok(hold)
+    }
+
+    pub(crate) fn create_hold(
+        &mut self,
+        ctx: &mut Ctx,
+        spec: &HoldSpec,
+    ) -> Result<Vec<DrawReport>, CommandError> {
+        check_amount(spec.amount_micro)?;
+        check_gpu_types(
+            spec.gpu_types.iter(),
+            GPU_TYPES_PER_LIST_MAX,
+            Limit::GpuTypesPerList,
+        )?;
+        let project = self
+            .projects
+            .get(&spec.project)
+            .ok_or(CommandError::UnknownProject)?;
+        let user = self
+            .users
+            .get(&spec.user)
+            .ok_or(CommandError::UnknownUser)?;
+        if user.org != project.org {
+            return Err(CommandError::WrongOrg);
+        }
+        if self.holds.contains_key(&spec.hold) {
+            return Err(CommandError::AlreadyExists);
+        }
+        if self.holds_open >= HOLDS_OPEN_MAX {
+            return Err(CommandError::LimitReached(Limit::HoldsOpen));
+        }
+        let mut hold = Hold {
+            id: spec.hold,
+            org: project.org,
+            project: spec.project,
+            user: spec.user,
+            tier: spec.tier,
+            gpu_types: spec.gpu_types.clone(),
+            draws: Vec::new(),
+            held: 0,
+            captured: 0,
+            created_ms: ctx.now,
+            meter: None,
+            settled: None,
+        };
+        let drawn = self.draw(ctx, &mut hold, spec.amount_micro)?;
+        self.holds.insert(spec.hold, hold);
+        self.holds_open += 1;
+        Ok(drawn)
+    }
+
+    /// Reserves `amount` more for `hold` from its project's and org's buckets in spend
+    /// order, after checking budgets. All or nothing.
+    pub(crate) fn draw(
+        &mut self,
+        ctx: &mut Ctx,
+        hold: &mut Hold,
+        amount: u64,
+    ) -> Result<Vec<DrawReport>, CommandError> {
+        let accounts = [Account::Project(hold.project), Account::Org(hold.org)];
+        let plan = self.plan_from_live(ctx.now, &accounts, amount, |b| {
+            b.pays_for(hold.tier, &hold.gpu_types)
+        })?;
+        let new_draws = plan
+            .iter()
+            .filter(|(b, _)| !hold.draws.iter().any(|d| d.bucket == *b))
+            .count();
+        if hold.draws.len() + new_draws > DRAWS_PER_HOLD_MAX {
+            return Err(CommandError::LimitReached(Limit::DrawsPerHold));
+        }
+        hold.held
+            .checked_add(amount)
+            .ok_or(CommandError::Overflow)?;
+        self.check_budgets(ctx, hold.path(), amount)?;
+        let mut reports = Vec::with_capacity(plan.len());
+        for (id, part) in plan {
+            let Some(bucket) = self.buckets.get_mut(&id) else {
+                continue;
+            };
+            bucket.remaining -= part;
+            bucket.held += part;
+            let (r, empty) = (bucket.refs(), bucket.remaining == 0);
+            if empty {
+                self.set_live(r, false);
+            }
+            match hold.draws.iter_mut().find(|d| d.bucket == id) {
+                Some(d) => d.held += part,
+                None => hold.draws.push(Draw {
+                    bucket: id,
+                    held: part,
+                    captured: 0,
+                }),
+            }
+            ctx.bucket_event(
+                r,
+                Some(hold.id),
+                EventBody::HoldDrawn {
+                    bucket: id,
+                    amount_micro: part,
+                },
+            );
+            reports.push(DrawReport {
+                bucket: id,
+                amount_micro: part,
+            });
+        }
+        hold.held += amount;
+        self.move_usage(ctx.now, hold.path(), UsageMove::Hold(amount));
+        Ok(reports)
+    }
+
+    /// Captures `amount` (≤ held) from the hold's draws in order: held → consumed.
+    pub(crate) fn capture(
+        &mut self,
+        ctx: &mut Ctx,
+        hold: &mut Hold,
+        amount: u64,
+    ) -> Result<(), CommandError> {
+        if amount > hold.held {
+            return Err(CommandError::CaptureExceedsHold {
+                requested: amount,
+                held: hold.held,
+            });
+        }
+        let mut left = amount;
+        for d in hold.draws.iter_mut() {
+            if left == 0 {
+                break;
+            }
+            let take = d.held.min(left);
+            if take == 0 {
+                continue;
+            }
+            d.held -= take;
+            d.captured += take;
+            left -= take;
+            move_in_bucket(
+                ctx,
+                &mut self.buckets,
+                d.bucket,
+                hold.id,
+                take,
+                Movement::Capture,
+            );
+        }
+        hold.held -= amount;
+        hold.captured += amount;
+        self.totals.consumed += amount as u128;
+        self.move_usage(ctx.now, hold.path(), UsageMove::Spend(amount));
+        Ok(())
+    }
+
+    /// Reverses `amount` (≤ captured) of earlier captures, last draw first:
+    /// consumed → held. Used when work after the last checkpoint is not billable.
+    pub(crate) fn uncapture(&mut self, ctx: &mut Ctx, hold: &mut Hold, amount: u64) {
+        let amount = amount.min(hold.captured);
+        let mut left = amount;
+        for d in hold.draws.iter_mut().rev() {
+            if left == 0 {
+                break;
+            }
+            let take = d.captured.min(left);
+            if take == 0 {
+                continue;
+            }
+            d.captured -= take;
+            d.held += take;
+            left -= take;
+            move_in_bucket(
+                ctx,
+                &mut self.buckets,
+                d.bucket,
+                hold.id,
+                take,
+                Movement::Uncapture,
+            );
+        }
+        hold.held += amount;
+        hold.captured -= amount;
+        self.totals.consumed -= amount as u128;
+        self.move_usage(ctx.now, hold.path(), UsageMove::Unspend(amount));
+    }
+
+    /// Returns everything still held to the exact buckets it came from. A bucket that
+    /// has expired (or reached its instant) meanwhile forfeits the refund at once.
+    pub(crate) fn release(&mut self, ctx: &mut Ctx, hold: &mut Hold) -> Released {
+        let mut out = Released::default();
+        for d in hold.draws.iter_mut() {
+            let part = std::mem::take(&mut d.held);
+            if part == 0 {
+                continue;
+            }
+            let Some(bucket) = self.buckets.get_mut(&d.bucket) else {
+                continue;
+            };
+            bucket.held -= part;
+            if bucket.spendable_at(ctx.now) {
+                let was_empty = bucket.remaining == 0;
+                bucket.remaining += part;
+                out.refunded += part;
+                let r = bucket.refs();
+                if was_empty {
+                    self.set_live(r, true);
+                }
+                ctx.bucket_event(
+                    r,
+                    Some(hold.id),
+                    EventBody::Refunded {
+                        bucket: d.bucket,
+                        amount_micro: part,
+                    },
+                );
+            } else {
+                bucket.expired += part;
+                out.forfeited += part;
+                self.totals.expired += part as u128;
+                ctx.bucket_event(
+                    bucket.refs(),
+                    Some(hold.id),
+                    EventBody::RefundForfeited {
+                        bucket: d.bucket,
+                        amount_micro: part,
+                    },
+                );
+            }
+        }
+        self.move_usage(ctx.now, hold.path(), UsageMove::Unhold(hold.held));
+        hold.held = 0;
+        out
+    }
+
+    /// Marks a hold settled and queues its tombstone for pruning.
+    pub(crate) fn close(
+        &mut self,
+        now: u64,
+        hold: &mut Hold,
+        settlement: crate::outcome::Settlement,
+    ) {
+        hold.settled = Some((now, settlement));
+        self.holds_open -= 1;
+        self.settled_queue.push_back((now, hold.id));
+    }
+
+    /// Drops settled tombstones older than the retention window (bounded per entry), and
+    /// the oldest ones early if the tombstone table is full.
+    pub(crate) fn prune_settled(&mut self, now: u64) {
+        for _ in 0..PRUNE_PER_ENTRY_MAX {
+            let Some(&(at, id)) = self.settled_queue.front() else {
+                return;
+            };
+            let due = at.saturating_add(self.config.settled_retention_ms) <= now;
+            if !due && self.settled_queue.len() <= HOLDS_SETTLED_MAX {
+                return;
+            }
+            self.settled_queue.pop_front();
+            self.holds.remove(&id);
+        }
+    }
+
+    /// Runs `f` on an open hold taken out of the map, putting it back afterwards (so `f`
+    /// may use the rest of the ledger mutably). The hold is restored unchanged on error
+    /// only if `f` did not change it: every caller validates before it mutates.
+    pub(crate) fn with_open_hold<T>(
+        &mut self,
+        id: HoldId,
+        f: impl FnOnce(&mut Ledger, &mut Hold) -> Result<T, CommandError>,
+    ) -> Result<T, CommandError> {
+        self.open_hold(id)?;
+        let Some(mut hold) = self.holds.remove(&id) else {
+            return Err(CommandError::UnknownHold);
+        };
+        let result = f(self, &mut hold);
+        self.holds.insert(id, hold);
+        result
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Movement {
+    Capture,
+    Uncapture,
+}
+
+fn move_in_bucket(
+    ctx: &mut Ctx,
+    buckets: &mut std::collections::BTreeMap<BucketId, Bucket>,
+    id: BucketId,
+    hold: HoldId,
+    amount: u64,
+    mv: Movement,
+) {
+    let Some(b) = buckets.get_mut(&id) else {
+        return;
+    };
+    let body = match mv {
+        Movement::Capture => {
+            b.held -= amount;
+            b.consumed += amount;
+            EventBody::Captured {
+                bucket: id,
+                amount_micro: amount,
+            }
+        }
+        Movement::Uncapture => {
+            b.consumed -= amount;
+            b.held += amount;
+            EventBody::CaptureReversed {
+                bucket: id,
+                amount_micro: amount,
+            }
+        }
+    };
+    ctx.bucket_event(b.refs(), Some(hold), body);
+}

@@ -1,0 +1,281 @@
+//! Metering: usage is billed from *logical* time between accepted heartbeats of the
+//! current attempt, never from client timestamps. The price is fixed on the meter when
+//! the attempt starts (the price of the GPU type actually placed on).
+
+use super::{Ctx, Hold, Ledger};
+use crate::command::{Heartbeat, SettleReason};
+use crate::ids::{GpuType, HoldId};
+use crate::limits::GPUS_PER_HOLD_MAX;
+use crate::outcome::{CommandError, HeartbeatReply, Settlement};
+use serde::{Deserialize, Serialize};
+
+const MS_PER_HOUR: u128 = 3_600_000;
+
+/// The cost of `ms` of run time on `gpus` GPUs at `price` micro-credits per GPU-hour,
+/// rounded down. Billing always recomputes from the attempt's total billed time, so
+/// rounding never accumulates across heartbeats.
+pub fn cost_micro(ms: u64, price_micro_per_gpu_hour: u64, gpus: u32) -> u64 {
+    let c = ms as u128 * price_micro_per_gpu_hour as u128 * gpus as u128 / MS_PER_HOUR;
+    c.min(u64::MAX as u128) as u64
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Meter {
+    /// The fencing token of the attempt being metered.
+    pub attempt: u32,
+    pub gpu_type: GpuType,
+    pub gpus: u32,
+    pub price_micro_per_gpu_hour: u64,
+    pub price_version: u32,
+    pub started_ms: u64,
+    pub last_seq: u64,
+    pub last_heartbeat_ms: u64,
+    pub progress_ppm: u32,
+    /// Last checkpoint number reported, and the logical time of the heartbeat that first
+    /// reported it (the earliest instant the ledger knew the checkpoint was durable).
+    pub checkpoint: u64,
+    pub checkpoint_ms: Option<u64>,
+    /// Captured for this attempt, net of reversals.
+    pub captured_attempt: u64,
+    /// The attempt has been billed to its end (settled or requeued).
+    pub closed: bool,
+}
+
+impl Meter {
+    /// How much run time of this attempt a given ending bills.
+    pub fn billable_ms(&self, reason: SettleReason, now: u64) -> u64 {
+        let end = if reason.is_platform_fault() {
+            self.checkpoint_ms.unwrap_or(self.started_ms)
+        } else if reason == SettleReason::Lost {
+            self.last_heartbeat_ms
+        } else {
+            now
+        };
+        end.saturating_sub(self.started_ms)
+    }
+
+    fn cost(&self, ms: u64) -> u64 {
+        cost_micro(ms, self.price_micro_per_gpu_hour, self.gpus)
+    }
+}
+
+impl Ledger {
+    pub(crate) fn start_meter(
+        &mut self,
+        hold_id: HoldId,
+        attempt: u32,
+        gpu_type: &GpuType,
+        gpus: u32,
+        now: u64,
+    ) -> Result<(u64, u32), CommandError> {
+        if !gpu_type.is_valid() {
+            return Err(CommandError::InvalidGpuType(gpu_type.clone()));
+        }
+        if gpus == 0 || gpus > GPUS_PER_HOLD_MAX {
+            return Err(CommandError::InvalidGpuCount);
+        }
+        let hold = self.open_hold(hold_id)?;
+        let price = self
+            .price_of(gpu_type)
+            .ok_or(CommandError::UnknownPrice(gpu_type.clone()))?;
+        if !hold.gpu_types.is_empty() && !hold.gpu_types.contains(gpu_type) {
+            return Err(CommandError::InvalidGpuType(gpu_type.clone()));
+        }
+        if let Some(m) = &hold.meter {
+            if attempt <= m.attempt || !m.closed {
+                return Err(CommandError::StaleAttempt {
+                    given: attempt,
+                    current: m.attempt,
+                });
+            }
+        }
+        let version = self.prices.version;
+        let meter = Meter {
+            attempt,
+            gpu_type: gpu_type.clone(),
+            gpus,
+            price_micro_per_gpu_hour: price,
+            price_version: version,
+            started_ms: now,
+            last_seq: 0,
+            last_heartbeat_ms: now,
+            progress_ppm: 0,
+            checkpoint: 0,
+            checkpoint_ms: None,
+            captured_attempt: 0,
+            closed: false,
+        };
+        if let Some(h) = self.holds.get_mut(&hold_id) {
+            h.meter = Some(meter);
+        }
+        Ok((price, version))
+    }
+
+    pub(crate) fn heartbeat(
+        &mut self,
+        ctx: &mut Ctx,
+        hb: &Heartbeat,
+    ) -> Result<HeartbeatReply, CommandError> {
+        if hb.progress_ppm > 1_000_000 {
+            return Err(CommandError::InvalidProgress);
+        }
+        self.with_open_hold(hb.hold, |ledger, hold| {
+            let meter = current_meter(hold, hb.attempt)?;
+            if hb.seq <= meter.last_seq {
+                return Ok(HeartbeatReply {
+                    accepted: false,
+                    captured_delta_micro: 0,
+                    captured_attempt_micro: meter.captured_attempt,
+                    held_micro: hold.held,
+                    stop: None,
+                });
+            }
+            meter.last_seq = hb.seq;
+            meter.last_heartbeat_ms = ctx.now;
+            meter.progress_ppm = hb.progress_ppm;
+            if hb.checkpoint > meter.checkpoint {
+                meter.checkpoint = hb.checkpoint;
+                meter.checkpoint_ms = Some(ctx.now);
+            }
+            let billed_ms = ctx.now.saturating_sub(meter.started_ms);
+            let before = meter.captured_attempt;
+            let uncollected = ledger.bill_to(ctx, hold, billed_ms);
+            let stop = (uncollected > 0)
+                .then(|| ledger.finish(ctx, hold, SettleReason::OutOfCredits, uncollected));
+            let captured_attempt = hold.meter.as_ref().map_or(0, |m| m.captured_attempt);
+            Ok(HeartbeatReply {
+                accepted: true,
+                captured_delta_micro: captured_attempt - before,
+                captured_attempt_micro: captured_attempt,
+                held_micro: hold.held,
+                stop,
+            })
+        })
+    }
+
+    /// Settles a hold: bills the current attempt as `reason` says, returns the unused
+    /// hold to its buckets, and closes it.
+    pub(crate) fn settle(
+        &mut self,
+        ctx: &mut Ctx,
+        hold_id: HoldId,
+        attempt: u32,
+        reason: SettleReason,
+    ) -> Result<Settlement, CommandError> {
+        self.with_open_hold(hold_id, |ledger, hold| {
+            let uncollected = ledger.end_attempt(ctx, hold, attempt, reason)?;
+            Ok(ledger.finish(ctx, hold, reason, uncollected))
+        })
+    }
+
+    /// Bills the open attempt (if any) to its end as `reason` says and closes its meter;
+    /// the hold stays open (a requeued job keeps its reservation). Returns what could not
+    /// be collected.
+    pub(crate) fn end_attempt(
+        &mut self,
+        ctx: &mut Ctx,
+        hold: &mut Hold,
+        attempt: u32,
+        reason: SettleReason,
+    ) -> Result<u64, CommandError> {
+        let Some(meter) = hold.meter.as_mut().filter(|m| !m.closed) else {
+            return Ok(0);
+        };
+        if meter.attempt != attempt {
+            return Err(CommandError::StaleAttempt {
+                given: attempt,
+                current: meter.attempt,
+            });
+        }
+        let billed_ms = meter.billable_ms(reason, ctx.now);
+        let uncollected = self.bill_to(ctx, hold, billed_ms);
+        if let Some(m) = hold.meter.as_mut() {
+            m.closed = true;
+        }
+        Ok(uncollected)
+    }
+
+    /// Releases what is left and closes the hold.
+    fn finish(
+        &mut self,
+        ctx: &mut Ctx,
+        hold: &mut Hold,
+        reason: SettleReason,
+        uncollected: u64,
+    ) -> Settlement {
+        if let Some(m) = hold.meter.as_mut() {
+            m.closed = true;
+        }
+        let released = self.release(ctx, hold);
+        let settlement = Settlement {
+            reason,
+            captured_micro: hold.captured,
+            refunded_micro: released.refunded,
+            forfeited_micro: released.forfeited,
+            uncollected_micro: uncollected,
+        };
+        self.close(ctx.now, hold, settlement);
+        settlement
+    }
+
+    /// Brings the attempt's captures to exactly the cost of `billed_ms`: captures more
+    /// (topping the hold up when it runs low) or reverses captures already made. Returns
+    /// the part of the cost the account could not pay.
+    fn bill_to(&mut self, ctx: &mut Ctx, hold: &mut Hold, billed_ms: u64) -> u64 {
+        let Some(meter) = hold.meter.as_ref() else {
+            return 0;
+        };
+        let target = meter.cost(billed_ms);
+        let captured = meter.captured_attempt;
+        let topup_chunk = meter.cost(self.config.hold_topup_ms);
+        if target < captured {
+            self.uncapture(ctx, hold, captured - target);
+        } else if target > captured {
+            let need = target - captured;
+            if need > hold.held {
+                let short = need - hold.held;
+                // Shortfall plus a chunk of run time; failing that, the shortfall alone;
+                // failing that, whatever the account still has.
+                if self
+                    .draw(ctx, hold, short.saturating_add(topup_chunk))
+                    .is_err()
+                {
+                    if let Err(CommandError::InsufficientCredits { available, .. }) =
+                        self.draw(ctx, hold, short)
+                    {
+                        if available > 0 {
+                            let _ = self.draw(ctx, hold, available);
+                        }
+                    }
+                }
+            }
+            let take = need.min(hold.held);
+            // `take <= hold.held`, so the capture cannot fail.
+            let _ = self.capture(ctx, hold, take);
+            if let Some(m) = hold.meter.as_mut() {
+                m.captured_attempt = captured + take;
+            }
+            return need - take;
+        }
+        if let Some(m) = hold.meter.as_mut() {
+            m.captured_attempt = target;
+        }
+        0
+    }
+}
+
+/// The hold's open meter, if `attempt` is its current attempt.
+fn current_meter(hold: &mut Hold, attempt: u32) -> Result<&mut Meter, CommandError> {
+    let meter = hold
+        .meter
+        .as_mut()
+        .filter(|m| !m.closed)
+        .ok_or(CommandError::HoldNotMetered)?;
+    if meter.attempt != attempt {
+        return Err(CommandError::StaleAttempt {
+            given: attempt,
+            current: meter.attempt,
+        });
+    }
+    Ok(meter)
+}

@@ -1,0 +1,295 @@
+//! The credit ledger: tenancy, buckets, holds, metering, budgets, balances.
+//!
+//! Money is integer micro-credits. Every bucket keeps its own conservation equation
+//! `issued + moved_in = remaining + held + consumed + expired + moved_out`, and every
+//! movement below changes two of those terms by the same amount, so accounts and the
+//! shard conserve by construction; [`crate::invariants`] checks it independently.
+
+mod balance;
+mod buckets;
+mod budget;
+mod holds;
+mod meter;
+mod tenancy;
+
+pub use balance::{Balance, UpcomingExpiry};
+pub(crate) use buckets::check_amount;
+pub use budget::{Budget, Usage};
+pub use meter::{cost_micro, Meter};
+
+use crate::audit::{EventBody, PendingEvent};
+use crate::command::{BucketKind, BucketPolicy};
+use crate::ids::{Account, BucketId, GpuType, HoldId, OrgId, ProjectId, Tier, UserId};
+use crate::outcome::Settlement;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+/// Ledger settings, fixed at shard creation (replicated with the state).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LedgerConfig {
+    /// When a metered hold runs out, it is topped up by the shortfall plus this much
+    /// run time at the attempt's price.
+    pub hold_topup_ms: u64,
+    /// How long a settled hold is kept as a tombstone ("already settled").
+    pub settled_retention_ms: u64,
+}
+
+impl Default for LedgerConfig {
+    fn default() -> Self {
+        LedgerConfig {
+            hold_topup_ms: 15 * 60_000,
+            settled_retention_ms: 7 * 86_400_000,
+        }
+    }
+}
+
+/// Spend order key: priority, then earliest expiry (none = last), then promotional
+/// before granted before paid, then the project's own buckets before the org's shared
+/// ones, then oldest (creation sequence).
+pub type SpendKey = (u8, u64, u8, u8, u64);
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Bucket {
+    pub id: BucketId,
+    pub owner: Account,
+    pub org: OrgId,
+    pub kind: BucketKind,
+    pub priority: u8,
+    pub expires_at_ms: Option<u64>,
+    pub policy: Option<BucketPolicy>,
+    pub source_ref: Option<String>,
+    /// Creation order in the shard (the "oldest first" key).
+    pub seq: u64,
+    pub issued: u64,
+    pub moved_in: u64,
+    pub remaining: u64,
+    pub held: u64,
+    pub consumed: u64,
+    pub expired: u64,
+    pub moved_out: u64,
+    /// Set by the expiry pass; from then on `remaining` is 0 and refunds are forfeited.
+    pub is_expired: bool,
+}
+
+impl Bucket {
+    /// Spendable at `now`: not expired, and not past its expiry instant even if the
+    /// bounded expiry pass has not reached it yet.
+    pub fn spendable_at(&self, now: u64) -> bool {
+        !self.is_expired && self.expires_at_ms.is_none_or(|e| e > now)
+    }
+
+    pub fn spend_key(&self) -> SpendKey {
+        let owner_rank = match self.owner {
+            Account::Project(_) => 0,
+            Account::Org(_) => 1,
+        };
+        (
+            self.priority,
+            self.expires_at_ms.unwrap_or(u64::MAX),
+            self.kind.spend_rank(),
+            owner_rank,
+            self.seq,
+        )
+    }
+
+    pub(crate) fn refs(&self) -> BucketRef {
+        BucketRef {
+            id: self.id,
+            org: self.org,
+            owner: self.owner,
+            key: self.spend_key(),
+        }
+    }
+
+    /// May this bucket pay for a hold of `tier` that may run on any of `gpu_types`?
+    pub fn pays_for(&self, tier: Tier, gpu_types: &[GpuType]) -> bool {
+        match &self.policy {
+            None => true,
+            Some(p) => {
+                (p.tiers.is_empty() || p.tiers.contains(&tier))
+                    && (p.gpu_types.is_empty()
+                        || (!gpu_types.is_empty()
+                            && gpu_types.iter().all(|t| p.gpu_types.contains(t))))
+            }
+        }
+    }
+
+    /// The bucket's own conservation equation.
+    pub fn is_balanced(&self) -> bool {
+        let lhs = self.issued as u128 + self.moved_in as u128;
+        let rhs = self.remaining as u128
+            + self.held as u128
+            + self.consumed as u128
+            + self.expired as u128
+            + self.moved_out as u128;
+        lhs == rhs
+    }
+}
+
+/// An org's or project's credit account.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AccountRec {
+    /// Every bucket the account ever owned (bounded by `BUCKETS_PER_ACCOUNT_MAX`).
+    pub buckets: Vec<BucketId>,
+    /// Buckets with remaining credit, sorted by spend order.
+    pub live: Vec<(SpendKey, BucketId)>,
+    pub usage: Usage,
+    pub budget: Option<Budget>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OrgRec {
+    pub account: AccountRec,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProjectRec {
+    pub org: OrgId,
+    pub account: AccountRec,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UserRec {
+    pub org: OrgId,
+    pub usage: Usage,
+    pub budget: Option<Budget>,
+}
+
+/// One bucket's part of a hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Draw {
+    pub bucket: BucketId,
+    /// Still reserved.
+    pub held: u64,
+    /// Captured (consumed) from this draw, net of reversals.
+    pub captured: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hold {
+    pub id: HoldId,
+    pub org: OrgId,
+    pub project: ProjectId,
+    pub user: UserId,
+    pub tier: Tier,
+    pub gpu_types: Vec<GpuType>,
+    /// In spend order at the time of each draw; top-ups append.
+    pub draws: Vec<Draw>,
+    pub held: u64,
+    pub captured: u64,
+    pub created_ms: u64,
+    pub meter: Option<Meter>,
+    /// Set once, at settlement (with its logical time).
+    pub settled: Option<(u64, Settlement)>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PriceTable {
+    pub version: u32,
+    pub since_ms: u64,
+    pub prices: BTreeMap<GpuType, u64>,
+}
+
+/// Shard totals kept alongside the buckets, so invariant checks can compare two
+/// independent accounts of the same money.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Totals {
+    pub issued: u128,
+    pub consumed: u128,
+    pub expired: u128,
+    pub moved: u128,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ledger {
+    pub config: LedgerConfig,
+    pub orgs: BTreeMap<OrgId, OrgRec>,
+    pub projects: BTreeMap<ProjectId, ProjectRec>,
+    pub users: BTreeMap<UserId, UserRec>,
+    pub buckets: BTreeMap<BucketId, Bucket>,
+    /// Open holds and settled tombstones.
+    pub holds: BTreeMap<HoldId, Hold>,
+    pub holds_open: usize,
+    /// Settled holds in settlement order, pruned after `settled_retention_ms`.
+    pub settled_queue: VecDeque<(u64, HoldId)>,
+    /// The expiry min-queue: (expires_at_ms, bucket), smallest first. An ordered set
+    /// rather than a binary heap so its encoding (and the state hash) is canonical.
+    pub expiry_queue: BTreeSet<(u64, BucketId)>,
+    pub prices: PriceTable,
+    pub next_bucket_seq: u64,
+    /// Next id for buckets the ledger creates itself (transfers), from `INTERNAL_ID_BASE`.
+    pub next_internal_id: u64,
+    pub totals: Totals,
+}
+
+/// What a ledger operation needs from the apply loop: the instant, and where to put
+/// the events it emits (discarded if the command fails).
+pub(crate) struct Ctx<'a> {
+    pub now: u64,
+    pub effects: &'a mut Vec<PendingEvent>,
+}
+
+impl Ctx<'_> {
+    fn bucket_event(&mut self, bucket: BucketRef, hold: Option<HoldId>, body: EventBody) {
+        self.effects.push(PendingEvent {
+            org: Some(bucket.org),
+            account: Some(bucket.owner),
+            hold,
+            body,
+        });
+    }
+}
+
+/// The few facts about a bucket that events and the spend index need (cheap to copy
+/// out while the bucket itself is borrowed).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BucketRef {
+    pub id: BucketId,
+    pub org: OrgId,
+    pub owner: Account,
+    pub key: SpendKey,
+}
+
+/// The typed "unknown id" error for an account.
+pub(crate) fn unknown_account(account: Account) -> crate::outcome::CommandError {
+    match account {
+        Account::Org(_) => crate::outcome::CommandError::UnknownOrg,
+        Account::Project(_) => crate::outcome::CommandError::UnknownProject,
+    }
+}
+
+impl Ledger {
+    pub fn new(config: LedgerConfig) -> Ledger {
+        Ledger {
+            config,
+            next_internal_id: crate::limits::INTERNAL_ID_BASE,
+            ..Ledger::default()
+        }
+    }
+
+    pub fn account(&self, account: Account) -> Option<&AccountRec> {
+        match account {
+            Account::Org(o) => self.orgs.get(&o).map(|r| &r.account),
+            Account::Project(p) => self.projects.get(&p).map(|r| &r.account),
+        }
+    }
+
+    fn account_mut(&mut self, account: Account) -> Option<&mut AccountRec> {
+        match account {
+            Account::Org(o) => self.orgs.get_mut(&o).map(|r| &mut r.account),
+            Account::Project(p) => self.projects.get_mut(&p).map(|r| &mut r.account),
+        }
+    }
+
+    /// The org an account belongs to, if the account exists.
+    pub fn org_of(&self, account: Account) -> Option<OrgId> {
+        match account {
+            Account::Org(o) => self.orgs.contains_key(&o).then_some(o),
+            Account::Project(p) => self.projects.get(&p).map(|r| r.org),
+        }
+    }
+
+    pub fn hold(&self, id: HoldId) -> Option<&Hold> {
+        self.holds.get(&id)
+    }
+}

@@ -1,0 +1,132 @@
+//! Tenancy (org → project → user) and the versioned price table.
+
+use super::{Ledger, OrgRec, PriceTable, ProjectRec, UserRec};
+use crate::ids::{GpuType, OrgId, ProjectId, UserId};
+use crate::limits::*;
+use crate::outcome::{CommandError, Limit};
+use std::collections::BTreeMap;
+
+fn check_id(id: u64) -> Result<(), CommandError> {
+    if id >= INTERNAL_ID_BASE {
+        return Err(CommandError::IdOutOfRange);
+    }
+    Ok(())
+}
+
+/// Validates a list of GPU types: each well-formed, no duplicates, within the bound.
+pub(crate) fn check_gpu_types<'a>(
+    types: impl ExactSizeIterator<Item = &'a GpuType>,
+    max: usize,
+    limit: Limit,
+) -> Result<(), CommandError> {
+    if types.len() > max {
+        return Err(CommandError::LimitReached(limit));
+    }
+    let mut seen: Vec<&GpuType> = Vec::with_capacity(types.len());
+    for t in types {
+        if !t.is_valid() {
+            return Err(CommandError::InvalidGpuType(t.clone()));
+        }
+        if seen.contains(&t) {
+            return Err(CommandError::DuplicateEntry);
+        }
+        seen.push(t);
+    }
+    Ok(())
+}
+
+impl Ledger {
+    pub(crate) fn create_org(&mut self, org: OrgId) -> Result<(), CommandError> {
+        check_id(org.0)?;
+        if self.orgs.contains_key(&org) {
+            return Err(CommandError::AlreadyExists);
+        }
+        if self.orgs.len() >= ORGS_MAX {
+            return Err(CommandError::LimitReached(Limit::Orgs));
+        }
+        self.orgs.insert(org, OrgRec::default());
+        Ok(())
+    }
+
+    pub(crate) fn create_project(
+        &mut self,
+        project: ProjectId,
+        org: OrgId,
+    ) -> Result<(), CommandError> {
+        check_id(project.0)?;
+        if !self.orgs.contains_key(&org) {
+            return Err(CommandError::UnknownOrg);
+        }
+        if self.projects.contains_key(&project) {
+            return Err(CommandError::AlreadyExists);
+        }
+        if self.projects.len() >= PROJECTS_MAX {
+            return Err(CommandError::LimitReached(Limit::Projects));
+        }
+        self.projects.insert(
+            project,
+            ProjectRec {
+                org,
+                account: Default::default(),
+            },
+        );
+        Ok(())
+    }
+
+    pub(crate) fn create_user(&mut self, user: UserId, org: OrgId) -> Result<(), CommandError> {
+        check_id(user.0)?;
+        if !self.orgs.contains_key(&org) {
+            return Err(CommandError::UnknownOrg);
+        }
+        if self.users.contains_key(&user) {
+            return Err(CommandError::AlreadyExists);
+        }
+        if self.users.len() >= USERS_MAX {
+            return Err(CommandError::LimitReached(Limit::Users));
+        }
+        self.users.insert(
+            user,
+            UserRec {
+                org,
+                usage: Default::default(),
+                budget: None,
+            },
+        );
+        Ok(())
+    }
+
+    /// Replaces the price table with a new version. Running work keeps the price fixed
+    /// on its meter at placement; only later placements see the new prices.
+    pub(crate) fn set_prices(
+        &mut self,
+        now: u64,
+        prices: &[(GpuType, u64)],
+    ) -> Result<u32, CommandError> {
+        check_gpu_types(
+            prices.iter().map(|(t, _)| t),
+            PRICE_TABLE_TYPES_MAX,
+            Limit::PriceTableTypes,
+        )?;
+        if prices
+            .iter()
+            .any(|&(_, p)| p == 0 || p > PRICE_MICRO_PER_GPU_HOUR_MAX)
+        {
+            return Err(CommandError::InvalidPrice);
+        }
+        let version = self
+            .prices
+            .version
+            .checked_add(1)
+            .ok_or(CommandError::Overflow)?;
+        self.prices = PriceTable {
+            version,
+            since_ms: now,
+            prices: prices.iter().cloned().collect::<BTreeMap<_, _>>(),
+        };
+        Ok(version)
+    }
+
+    pub fn price_of(&self, gpu_type: &GpuType) -> Option<u64> {
+        self.prices.prices.get(gpu_type).copied()
+    }
+}

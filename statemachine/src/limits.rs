@@ -1,0 +1,51 @@
+//! Every table, queue, batch and loop in the state machine has a named bound here.
+//! Each bound is checked with a typed error (or a bounded loop) where it applies, and
+//! tested at the bound.
+
+/// Commands one log entry may carry; the node's batching proposer stays below it.
+pub const COMMANDS_PER_ENTRY_MAX: usize = 8_192;
+/// Organisations per shard.
+pub const ORGS_MAX: usize = 4_000_000;
+/// Projects per shard.
+pub const PROJECTS_MAX: usize = 8_000_000;
+/// Users per shard.
+pub const USERS_MAX: usize = 8_000_000;
+/// Buckets (grants and transfer-created buckets) per shard, drained ones included.
+pub const BUCKETS_MAX: usize = 16_000_000;
+/// Buckets one org or project may own over its life: bounds the spend-order scan.
+pub const BUCKETS_PER_ACCOUNT_MAX: usize = 1_024;
+/// Holds that are open (not yet settled) per shard.
+pub const HOLDS_OPEN_MAX: usize = 1_000_000;
+/// Settled holds kept as tombstones (so a late finish is told "already settled").
+pub const HOLDS_SETTLED_MAX: usize = 4_000_000;
+/// Bucket draws one hold may record (top-ups add draws).
+pub const DRAWS_PER_HOLD_MAX: usize = 64;
+/// Entries in the idempotency table per shard.
+pub const IDEMPOTENCY_ENTRIES_MAX: usize = 16_000_000;
+/// Idempotency records and settled-hold tombstones pruned per entry (amortised; the
+/// bound keeps one entry's apply time bounded, the rest is pruned by later entries).
+pub const PRUNE_PER_ENTRY_MAX: usize = 65_536;
+/// Buckets expired by one entry's expiry pass. Buckets past their expiry that the pass
+/// has not reached yet are still never spendable: every spend path checks the instant.
+pub const EXPIRATIONS_PER_ENTRY_MAX: usize = 16_384;
+/// Largest amount in one command, in micro-credits (one billion credits).
+pub const AMOUNT_MICRO_MAX: u64 = 1_000_000_000_000_000;
+/// Largest price, micro-credits per GPU-hour (one million credits per GPU-hour).
+pub const PRICE_MICRO_PER_GPU_HOUR_MAX: u64 = 1_000_000_000_000;
+/// GPU types in one price table.
+pub const PRICE_TABLE_TYPES_MAX: usize = 64;
+/// Price-table versions kept (jobs keep the price they were placed at on themselves).
+pub const PRICE_VERSIONS_KEPT_MAX: usize = 64;
+/// Length of a GPU type name ("A100", "H100-80G").
+pub const GPU_TYPE_LEN_MAX: usize = 16;
+/// GPU types one bucket policy or one hold may name.
+pub const GPU_TYPES_PER_LIST_MAX: usize = 16;
+/// Tiers one bucket policy may name.
+pub const TIERS_PER_POLICY_MAX: usize = 16;
+/// Length of a bucket's source reference (purchase id).
+pub const SOURCE_REF_LEN_MAX: usize = 128;
+/// GPUs one metered hold may bill for (a job's GPUs all sit on one node).
+pub const GPUS_PER_HOLD_MAX: u32 = 8;
+/// Ids at or above this are reserved for ids the state machine allocates itself
+/// (buckets created by transfers); a client-chosen id there is rejected.
+pub const INTERNAL_ID_BASE: u64 = 1 << 63;

@@ -1,0 +1,166 @@
+//! Typed results. Every command yields an [`Outcome`]: a [`Reply`] or a [`CommandError`].
+//! Errors are declared in order of precedence: when several apply, validation of the
+//! request itself comes first, then unknown ids, then conflicts, then resource limits.
+
+use crate::command::{BudgetScope, SettleReason};
+use crate::ids::{BucketId, GpuType, HoldId};
+use serde::{Deserialize, Serialize};
+
+pub type Outcome = Result<Reply, CommandError>;
+
+/// Which bounded table or list was full.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Limit {
+    CommandsPerEntry,
+    Orgs,
+    Projects,
+    Users,
+    Buckets,
+    BucketsPerAccount,
+    HoldsOpen,
+    HoldsSettled,
+    DrawsPerHold,
+    IdempotencyEntries,
+    PriceTableTypes,
+    GpuTypesPerList,
+    TiersPerPolicy,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum CommandError {
+    // -- the request itself --
+    #[error("a mutating command needs a non-zero request id")]
+    MissingRequestId,
+    #[error("request id already used with a different payload")]
+    RequestIdReused,
+    #[error("amount must be greater than zero")]
+    AmountZero,
+    #[error("amount exceeds the per-command maximum")]
+    AmountTooLarge,
+    #[error("invalid GPU type name {0:?}")]
+    InvalidGpuType(GpuType),
+    #[error("GPU count must be between 1 and 8")]
+    InvalidGpuCount,
+    #[error("price must be between 1 and the maximum micro-credits per GPU-hour")]
+    InvalidPrice,
+    #[error("the list names the same entry twice")]
+    DuplicateEntry,
+    #[error("the source reference is too long")]
+    SourceRefTooLong,
+    #[error("expiry must be after the current logical time")]
+    ExpiryInPast,
+    #[error("ids at or above 2^63 are reserved")]
+    IdOutOfRange,
+    #[error("the command is not allowed for this caller")]
+    Unauthorized,
+    #[error("a transfer needs two distinct accounts of one organisation")]
+    InvalidTransfer,
+    #[error("progress must be at most 1,000,000 ppm")]
+    InvalidProgress,
+    // -- unknown ids --
+    #[error("unknown organisation")]
+    UnknownOrg,
+    #[error("unknown project")]
+    UnknownProject,
+    #[error("unknown user")]
+    UnknownUser,
+    #[error("unknown hold")]
+    UnknownHold,
+    #[error("no price for GPU type {0}")]
+    UnknownPrice(GpuType),
+    // -- conflicts --
+    #[error("an object with this id already exists")]
+    AlreadyExists,
+    #[error("the user belongs to another organisation")]
+    WrongOrg,
+    #[error("the hold is already settled")]
+    HoldSettled,
+    #[error("the hold is metered: captures come from heartbeats and settlement")]
+    HoldMetered,
+    #[error("the hold is not being metered")]
+    HoldNotMetered,
+    #[error("attempt {given} is not the current attempt {current}")]
+    StaleAttempt { given: u32, current: u32 },
+    #[error("capture of {requested} exceeds the {held} still held")]
+    CaptureExceedsHold { requested: u64, held: u64 },
+    #[error("insufficient credits: {available} available, {needed} needed")]
+    InsufficientCredits { available: u64, needed: u64 },
+    #[error("hard budget of {scope:?} exceeded: limit {limit}, used {used}, asked {asked}")]
+    BudgetExceeded {
+        scope: BudgetScope,
+        limit: u64,
+        used: u64,
+        asked: u64,
+    },
+    #[error("arithmetic overflow")]
+    Overflow,
+    // -- limits --
+    #[error("limit reached: {0:?}")]
+    LimitReached(Limit),
+}
+
+/// One draw of a hold from one bucket, as reported to clients.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DrawReport {
+    pub bucket: BucketId,
+    pub amount_micro: u64,
+}
+
+/// What settlement did with a hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Settlement {
+    pub reason: SettleReason,
+    /// Everything captured from the hold over its life.
+    pub captured_micro: u64,
+    /// Returned to live buckets.
+    pub refunded_micro: u64,
+    /// Would have been refunded, but the bucket had expired: counted as expired.
+    pub forfeited_micro: u64,
+    /// Usage that the account could not pay (hold and top-ups exhausted).
+    pub uncollected_micro: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeartbeatReply {
+    /// False when the seq was a duplicate or stale: nothing changed.
+    pub accepted: bool,
+    pub captured_delta_micro: u64,
+    pub captured_attempt_micro: u64,
+    pub held_micro: u64,
+    /// Set when the job must stop (out of credits); the hold is then settled.
+    pub stop: Option<Settlement>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reply {
+    Created,
+    PricesSet {
+        version: u32,
+    },
+    GrantIssued {
+        bucket: BucketId,
+    },
+    BudgetSet,
+    HoldCreated {
+        hold: HoldId,
+        draws: Vec<DrawReport>,
+    },
+    Captured {
+        captured_micro: u64,
+        held_micro: u64,
+    },
+    ToppedUp {
+        added_micro: u64,
+        held_micro: u64,
+    },
+    MeterStarted {
+        price_micro_per_gpu_hour: u64,
+        price_version: u32,
+    },
+    Heartbeat(HeartbeatReply),
+    Settled(Settlement),
+    Transferred {
+        buckets: Vec<BucketId>,
+    },
+    Ticked,
+}

@@ -1,0 +1,343 @@
+//! The replicated state and the pure `apply` function.
+
+use crate::audit::{AuditChain, AuditEvent, EventBody, PendingEvent, Stamp};
+use crate::authz::authorize;
+use crate::codec;
+use crate::command::{Command, Entry, Request};
+use crate::idempotency::{fingerprint, IdempotencyTable, Lookup};
+use crate::ids::Account;
+use crate::ledger::{Ctx, Ledger, LedgerConfig};
+use crate::limits::COMMANDS_PER_ENTRY_MAX;
+use crate::outcome::{CommandError, Limit, Outcome, Reply};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// Settings fixed when a shard is created; replicated as part of the state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Config {
+    pub ledger: LedgerConfig,
+    /// How long a request id is remembered (logical time). Clients must not retry a
+    /// request longer than this after first sending it.
+    pub idempotency_retention_ms: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            ledger: LedgerConfig::default(),
+            idempotency_retention_ms: 24 * 3_600_000,
+        }
+    }
+}
+
+/// A shard's whole replicated state. Everything in it is ordered (BTreeMap, VecDeque in
+/// log order), so its encoding, and so [`State::state_hash`], is canonical.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct State {
+    pub config: Config,
+    /// Logical time of the last applied entry; never goes back.
+    pub time_ms: u64,
+    pub last_applied: Option<u64>,
+    pub ledger: Ledger,
+    pub idempotency: IdempotencyTable,
+    pub audit: AuditChain,
+}
+
+/// What applying one entry produced: one outcome per request, in order, and the audit
+/// events (already numbered and chained).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ApplyOutput {
+    pub outcomes: Vec<Outcome>,
+    pub events: Vec<AuditEvent>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ApplyError {
+    #[error("entry {given} was already applied (last applied {last})")]
+    AlreadyApplied { given: u64, last: u64 },
+}
+
+impl Default for State {
+    fn default() -> Self {
+        State::new(Config::default())
+    }
+}
+
+impl State {
+    pub fn new(config: Config) -> State {
+        State {
+            config,
+            time_ms: 0,
+            last_applied: None,
+            ledger: Ledger::new(config.ledger),
+            idempotency: IdempotencyTable::new(config.idempotency_retention_ms),
+            audit: AuditChain::default(),
+        }
+    }
+
+    /// SHA-256 of the canonical encoding of the whole state. Two replicas that applied
+    /// the same log have the same hash.
+    pub fn state_hash(&self) -> [u8; 32] {
+        let mut buf = Vec::new();
+        codec::encode_into(&mut buf, self);
+        Sha256::digest(&buf).into()
+    }
+
+    /// Snapshot encoding (versioned).
+    pub fn encode(&self) -> Vec<u8> {
+        codec::encode(self)
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<State, codec::CodecError> {
+        codec::decode(bytes)
+    }
+}
+
+/// Applies one log entry. Pure: the result depends only on `state` and `entry`.
+pub fn apply(state: &mut State, entry: &Entry) -> Result<ApplyOutput, ApplyError> {
+    if let Some(last) = state.last_applied {
+        if entry.log_index <= last {
+            return Err(ApplyError::AlreadyApplied {
+                given: entry.log_index,
+                last,
+            });
+        }
+    }
+    state.last_applied = Some(entry.log_index);
+    state.time_ms = state.time_ms.max(entry.logical_time_ms);
+    let now = state.time_ms;
+    let mut out = ApplyOutput {
+        outcomes: Vec::with_capacity(entry.requests.len()),
+        events: Vec::new(),
+    };
+    let mut scratch = Vec::with_capacity(256);
+    let mut effects = Vec::new();
+
+    // Time-driven work first, so nothing in this entry can spend an expired credit.
+    state.ledger.expire_due(&mut Ctx {
+        now,
+        effects: &mut effects,
+    });
+    let system = Stamp {
+        log_index: entry.log_index,
+        time_ms: now,
+        actor: crate::ids::Actor::System,
+        request_id: 0,
+    };
+    for ev in effects.drain(..) {
+        state
+            .audit
+            .append(&system, ev, &mut out.events, &mut scratch);
+    }
+    state.idempotency.prune(now);
+    state.ledger.prune_settled(now);
+
+    for (i, req) in entry.requests.iter().enumerate() {
+        let stamp = Stamp {
+            log_index: entry.log_index,
+            time_ms: now,
+            actor: req.actor,
+            request_id: req.request_id,
+        };
+        let (outcome, replayed) = if i >= COMMANDS_PER_ENTRY_MAX {
+            (
+                Err(CommandError::LimitReached(Limit::CommandsPerEntry)),
+                false,
+            )
+        } else {
+            apply_request(state, req, now, &mut effects, &mut scratch)
+        };
+        let head = PendingEvent {
+            org: None,
+            account: None,
+            hold: None,
+            body: EventBody::Command {
+                command: req.command.clone(),
+                outcome: outcome.clone(),
+                replayed,
+            },
+        };
+        let head = refs_of(state, &req.command, head);
+        state
+            .audit
+            .append(&stamp, head, &mut out.events, &mut scratch);
+        for ev in effects.drain(..) {
+            state
+                .audit
+                .append(&stamp, ev, &mut out.events, &mut scratch);
+        }
+        out.outcomes.push(outcome);
+    }
+    Ok(out)
+}
+
+/// Idempotency around one command. Returns the outcome and whether it was a replay.
+fn apply_request(
+    state: &mut State,
+    req: &Request,
+    now: u64,
+    effects: &mut Vec<PendingEvent>,
+    scratch: &mut Vec<u8>,
+) -> (Outcome, bool) {
+    if !req.command.needs_request_id() {
+        return (execute(state, req, now, effects), false);
+    }
+    if req.request_id == 0 {
+        return (Err(CommandError::MissingRequestId), false);
+    }
+    scratch.clear();
+    codec::encode_into(scratch, &req.command);
+    let fp = fingerprint(scratch);
+    match state.idempotency.lookup(req.actor, req.request_id, &fp) {
+        Lookup::Replay(outcome) => return (outcome, true),
+        Lookup::Conflict => return (Err(CommandError::RequestIdReused), false),
+        Lookup::New => {}
+    }
+    if state.idempotency.is_full() {
+        return (
+            Err(CommandError::LimitReached(Limit::IdempotencyEntries)),
+            false,
+        );
+    }
+    let outcome = execute(state, req, now, effects);
+    state
+        .idempotency
+        .insert(req.actor, req.request_id, fp, now, outcome.clone());
+    (outcome, false)
+}
+
+/// Runs one command. On error, its effects are discarded (every operation validates
+/// before it mutates, so an error leaves the state as it was).
+fn execute(state: &mut State, req: &Request, now: u64, effects: &mut Vec<PendingEvent>) -> Outcome {
+    let mark = effects.len();
+    let result = authorize(&state.ledger, req.actor, &req.command)
+        .and_then(|()| dispatch(&mut state.ledger, &req.command, &mut Ctx { now, effects }));
+    if result.is_err() {
+        effects.truncate(mark);
+    }
+    result
+}
+
+fn dispatch(ledger: &mut Ledger, command: &Command, ctx: &mut Ctx) -> Outcome {
+    let now = ctx.now;
+    match command {
+        Command::CreateOrg { org } => ledger.create_org(*org).map(|()| Reply::Created),
+        Command::CreateProject { project, org } => ledger
+            .create_project(*project, *org)
+            .map(|()| Reply::Created),
+        Command::CreateUser { user, org } => {
+            ledger.create_user(*user, *org).map(|()| Reply::Created)
+        }
+        Command::SetPrices { prices } => ledger
+            .set_prices(now, prices)
+            .map(|version| Reply::PricesSet { version }),
+        Command::IssueGrant(g) => ledger
+            .issue_grant(now, g)
+            .map(|()| Reply::GrantIssued { bucket: g.bucket }),
+        Command::SetBudget { scope, budget } => ledger
+            .set_budget(*scope, *budget)
+            .map(|()| Reply::BudgetSet),
+        Command::CreateHold(spec) => {
+            ledger
+                .create_hold(ctx, spec)
+                .map(|draws| Reply::HoldCreated {
+                    hold: spec.hold,
+                    draws,
+                })
+        }
+        Command::Capture { hold, amount_micro } => ledger.with_open_hold(*hold, |l, h| {
+            if h.meter.is_some() {
+                return Err(CommandError::HoldMetered);
+            }
+            crate::ledger::check_amount(*amount_micro)?;
+            l.capture(ctx, h, *amount_micro)?;
+            Ok(Reply::Captured {
+                captured_micro: h.captured,
+                held_micro: h.held,
+            })
+        }),
+        Command::TopUp { hold, amount_micro } => ledger.with_open_hold(*hold, |l, h| {
+            crate::ledger::check_amount(*amount_micro)?;
+            l.draw(ctx, h, *amount_micro)?;
+            Ok(Reply::ToppedUp {
+                added_micro: *amount_micro,
+                held_micro: h.held,
+            })
+        }),
+        Command::ReleaseHold { hold } => {
+            if ledger.open_hold(*hold)?.meter.is_some() {
+                return Err(CommandError::HoldMetered);
+            }
+            ledger
+                .settle(ctx, *hold, 0, crate::command::SettleReason::Cancelled)
+                .map(Reply::Settled)
+        }
+        Command::StartMeter {
+            hold,
+            attempt,
+            gpu_type,
+            gpus,
+        } => ledger
+            .start_meter(*hold, *attempt, gpu_type, *gpus, now)
+            .map(
+                |(price_micro_per_gpu_hour, price_version)| Reply::MeterStarted {
+                    price_micro_per_gpu_hour,
+                    price_version,
+                },
+            ),
+        Command::Heartbeat(hb) => ledger.heartbeat(ctx, hb).map(Reply::Heartbeat),
+        Command::Settle {
+            hold,
+            attempt,
+            reason,
+        } => ledger
+            .settle(ctx, *hold, *attempt, *reason)
+            .map(Reply::Settled),
+        Command::Transfer {
+            from,
+            to,
+            amount_micro,
+        } => ledger
+            .transfer(ctx, *from, *to, *amount_micro)
+            .map(|buckets| Reply::Transferred { buckets }),
+        Command::Tick => Ok(Reply::Ticked),
+    }
+}
+
+/// Fills a command event's query references (org, account, hold) from the command.
+fn refs_of(state: &State, command: &Command, mut ev: PendingEvent) -> PendingEvent {
+    let ledger = &state.ledger;
+    let hold_refs = |id| {
+        let h = ledger.hold(id);
+        (
+            h.map(|h| h.org),
+            h.map(|h| Account::Project(h.project)),
+            Some(id),
+        )
+    };
+    let (org, account, hold) = match command {
+        Command::CreateOrg { org } => (Some(*org), Some(Account::Org(*org)), None),
+        Command::CreateProject { project, org } => {
+            (Some(*org), Some(Account::Project(*project)), None)
+        }
+        Command::CreateUser { org, .. } => (Some(*org), Some(Account::Org(*org)), None),
+        Command::IssueGrant(g) => (ledger.org_of(g.owner), Some(g.owner), None),
+        Command::CreateHold(s) => (
+            ledger.org_of(Account::Project(s.project)),
+            Some(Account::Project(s.project)),
+            Some(s.hold),
+        ),
+        Command::Capture { hold, .. }
+        | Command::TopUp { hold, .. }
+        | Command::ReleaseHold { hold }
+        | Command::StartMeter { hold, .. }
+        | Command::Settle { hold, .. } => hold_refs(*hold),
+        Command::Heartbeat(hb) => hold_refs(hb.hold),
+        Command::Transfer { from, .. } => (ledger.org_of(*from), Some(*from), None),
+        Command::SetBudget { .. } | Command::SetPrices { .. } | Command::Tick => (None, None, None),
+    };
+    ev.org = org;
+    ev.account = account;
+    ev.hold = hold;
+    ev
+}

@@ -1,0 +1,260 @@
+//! Shared fixtures for tests, benchmarks and the simulator: a harness that applies
+//! commands entry by entry, checks every invariant and the audit chain after each entry,
+//! and a standard small world. Pure like the rest of the crate.
+
+use crate::audit::{verify_chain, AuditChain, AuditEvent};
+use crate::command::*;
+use crate::ids::*;
+use crate::invariants::check_invariants;
+use crate::outcome::Outcome;
+use crate::state::{apply, Config, State};
+
+/// 2026-11-01T00:00:00Z in ms: the fixtures' logical epoch.
+pub const T0_MS: u64 = 1_793_491_200_000;
+pub const HOUR_MS: u64 = 3_600_000;
+pub const ORG: OrgId = OrgId(1);
+pub const OTHER_ORG: OrgId = OrgId(2);
+pub const PROJECT: ProjectId = ProjectId(11);
+pub const PROJECT_B: ProjectId = ProjectId(12);
+pub const OTHER_PROJECT: ProjectId = ProjectId(13);
+pub const USER: UserId = UserId(21);
+pub const USER_B: UserId = UserId(22);
+pub const OTHER_USER: UserId = UserId(23);
+pub const ADMIN: Actor = Actor::Admin(PrincipalId(1));
+/// Fixture prices: A100 at 2 credits per GPU-hour, H100 at 4.
+pub const A100_PRICE: u64 = 2_000_000;
+pub const H100_PRICE: u64 = 4_000_000;
+
+/// Whole credits in micro-credits.
+pub const fn credits(c: u64) -> u64 {
+    c * 1_000_000
+}
+
+pub fn a100() -> GpuType {
+    GpuType::new("A100")
+}
+
+pub fn h100() -> GpuType {
+    GpuType::new("H100")
+}
+
+pub fn tenant(org: OrgId) -> Actor {
+    Actor::Tenant {
+        org,
+        principal: PrincipalId(100 + org.0),
+    }
+}
+
+/// Applies entries one at a time, asserting invariants and chain continuity after each.
+pub struct Harness {
+    pub state: State,
+    pub index: u64,
+    pub now: u64,
+    pub events: Vec<AuditEvent>,
+    chain: AuditChain,
+    next_request_id: u128,
+}
+
+impl Default for Harness {
+    fn default() -> Self {
+        Harness::new(Config::default())
+    }
+}
+
+impl Harness {
+    pub fn new(config: Config) -> Harness {
+        Harness {
+            state: State::new(config),
+            index: 0,
+            now: T0_MS,
+            events: Vec::new(),
+            chain: AuditChain::default(),
+            next_request_id: 1,
+        }
+    }
+
+    /// The standard world: orgs 1 and 2; projects 11, 12 in org 1 and 13 in org 2;
+    /// users 21, 22 in org 1 and 23 in org 2; prices for A100 and H100.
+    pub fn world() -> Harness {
+        let mut h = Harness::default();
+        for cmd in [
+            Command::CreateOrg { org: ORG },
+            Command::CreateOrg { org: OTHER_ORG },
+            Command::CreateProject {
+                project: PROJECT,
+                org: ORG,
+            },
+            Command::CreateProject {
+                project: PROJECT_B,
+                org: ORG,
+            },
+            Command::CreateProject {
+                project: OTHER_PROJECT,
+                org: OTHER_ORG,
+            },
+            Command::CreateUser {
+                user: USER,
+                org: ORG,
+            },
+            Command::CreateUser {
+                user: USER_B,
+                org: ORG,
+            },
+            Command::CreateUser {
+                user: OTHER_USER,
+                org: OTHER_ORG,
+            },
+            Command::SetPrices {
+                prices: vec![(a100(), A100_PRICE), (h100(), H100_PRICE)],
+            },
+        ] {
+            h.ok(cmd);
+        }
+        h
+    }
+
+    pub fn fresh_request_id(&mut self) -> RequestId {
+        let id = self.next_request_id;
+        self.next_request_id += 1;
+        id
+    }
+
+    pub fn advance(&mut self, ms: u64) {
+        self.now += ms;
+    }
+
+    /// Applies one entry of requests at the current time.
+    pub fn apply(&mut self, requests: Vec<Request>) -> Vec<Outcome> {
+        self.index += 1;
+        let entry = Entry {
+            log_index: self.index,
+            logical_time_ms: self.now,
+            requests,
+        };
+        let out = apply(&mut self.state, &entry).expect("fresh log index");
+        if let Err(v) = check_invariants(&self.state) {
+            panic!("invariant violated after entry {}: {v}", self.index);
+        }
+        self.chain = verify_chain(&self.chain, &out.events).expect("audit chain continues");
+        assert_eq!(
+            self.chain, self.state.audit,
+            "chain head matches the state's"
+        );
+        self.events.extend(out.events);
+        out.outcomes
+    }
+
+    pub fn run_as(&mut self, actor: Actor, command: Command) -> Outcome {
+        let request_id = self.fresh_request_id();
+        self.apply(vec![Request {
+            actor,
+            request_id,
+            command,
+        }])
+        .remove(0)
+    }
+
+    pub fn run(&mut self, command: Command) -> Outcome {
+        self.run_as(ADMIN, command)
+    }
+
+    /// Runs a command as admin and panics with its error if it fails.
+    pub fn ok(&mut self, command: Command) -> crate::outcome::Reply {
+        let name = command.name();
+        match self.run(command) {
+            Ok(r) => r,
+            Err(e) => panic!("{name} failed: {e:?}"),
+        }
+    }
+
+    pub fn tick(&mut self) {
+        self.apply(vec![Request {
+            actor: Actor::System,
+            request_id: 0,
+            command: Command::Tick,
+        }]);
+    }
+
+    /// Issues a grant with the common defaults (no policy, priority 100).
+    pub fn grant(
+        &mut self,
+        bucket: u64,
+        owner: Account,
+        kind: BucketKind,
+        amount: u64,
+        expires_at_ms: Option<u64>,
+    ) {
+        self.ok(Command::IssueGrant(Grant {
+            bucket: BucketId(bucket),
+            owner,
+            kind,
+            amount_micro: amount,
+            expires_at_ms,
+            priority: 100,
+            policy: None,
+            source_ref: None,
+        }));
+    }
+
+    pub fn hold_spec(hold: u64, amount: u64) -> HoldSpec {
+        HoldSpec {
+            hold: HoldId(hold),
+            project: PROJECT,
+            user: USER,
+            tier: Tier::PAID,
+            gpu_types: vec![a100(), h100()],
+            amount_micro: amount,
+        }
+    }
+
+    pub fn bucket(&self, id: u64) -> &crate::ledger::Bucket {
+        &self.state.ledger.buckets[&BucketId(id)]
+    }
+
+    pub fn hold(&self, id: u64) -> &crate::ledger::Hold {
+        &self.state.ledger.holds[&HoldId(id)]
+    }
+
+    /// The non-command events emitted since event `from`, as (kind, bucket, amount).
+    pub fn movements_since(&self, from: usize) -> Vec<(&'static str, u64, u64)> {
+        use crate::audit::EventBody::*;
+        self.events[from..]
+            .iter()
+            .filter_map(|e| match &e.body {
+                Command { .. } | BudgetAlert { .. } => None,
+                HoldDrawn {
+                    bucket,
+                    amount_micro,
+                } => Some(("drawn", bucket.0, *amount_micro)),
+                Captured {
+                    bucket,
+                    amount_micro,
+                } => Some(("captured", bucket.0, *amount_micro)),
+                CaptureReversed {
+                    bucket,
+                    amount_micro,
+                } => Some(("reversed", bucket.0, *amount_micro)),
+                Refunded {
+                    bucket,
+                    amount_micro,
+                } => Some(("refunded", bucket.0, *amount_micro)),
+                RefundForfeited {
+                    bucket,
+                    amount_micro,
+                } => Some(("forfeited", bucket.0, *amount_micro)),
+                BucketExpired {
+                    bucket,
+                    amount_micro,
+                } => Some(("expired", bucket.0, *amount_micro)),
+                TransferredOut {
+                    bucket,
+                    amount_micro,
+                } => Some(("moved_out", bucket.0, *amount_micro)),
+                TransferredIn {
+                    bucket,
+                    amount_micro,
+                } => Some(("moved_in", bucket.0, *amount_micro)),
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,797 @@
+//! Unit tests of the ledger's rules, one rule per test, through `apply` only.
+
+use allot_statemachine::testkit::*;
+use allot_statemachine::*;
+
+const P: Account = Account::Project(PROJECT);
+const O: Account = Account::Org(ORG);
+
+fn drawn_buckets(reply: Reply) -> Vec<(u64, u64)> {
+    match reply {
+        Reply::HoldCreated { draws, .. } => {
+            draws.iter().map(|d| (d.bucket.0, d.amount_micro)).collect()
+        }
+        other => panic!("expected HoldCreated, got {other:?}"),
+    }
+}
+
+/// Spend order: priority, then earliest expiry, then promotional before granted before
+/// paid, then the project's own before the org's, then oldest.
+#[test]
+fn spend_order() {
+    struct Case {
+        grants: Vec<(u64, Account, BucketKind, u8, Option<u64>)>,
+        expected_first: u64,
+    }
+    let far = T0_MS + 1_000 * HOUR_MS;
+    let near = T0_MS + 10 * HOUR_MS;
+    let cases = [
+        // priority beats expiry
+        Case {
+            grants: vec![
+                (1, P, BucketKind::Paid, 5, Some(near)),
+                (2, P, BucketKind::Paid, 1, None),
+            ],
+            expected_first: 2,
+        },
+        // earliest expiry first; no expiry last
+        Case {
+            grants: vec![
+                (1, P, BucketKind::Paid, 1, None),
+                (2, P, BucketKind::Paid, 1, Some(far)),
+                (3, P, BucketKind::Paid, 1, Some(near)),
+            ],
+            expected_first: 3,
+        },
+        // promotional before granted before paid
+        Case {
+            grants: vec![
+                (1, P, BucketKind::Paid, 1, None),
+                (2, P, BucketKind::Granted, 1, None),
+                (3, P, BucketKind::Promotional, 1, None),
+            ],
+            expected_first: 3,
+        },
+        Case {
+            grants: vec![
+                (1, P, BucketKind::Paid, 1, None),
+                (2, P, BucketKind::Granted, 1, None),
+            ],
+            expected_first: 2,
+        },
+        // project's own before the org's shared pool
+        Case {
+            grants: vec![
+                (1, O, BucketKind::Paid, 1, None),
+                (2, P, BucketKind::Paid, 1, None),
+            ],
+            expected_first: 2,
+        },
+        // oldest first
+        Case {
+            grants: vec![
+                (7, P, BucketKind::Paid, 1, None),
+                (3, P, BucketKind::Paid, 1, None),
+            ],
+            expected_first: 7,
+        },
+    ];
+    for (i, case) in cases.into_iter().enumerate() {
+        let mut h = Harness::world();
+        for (id, owner, kind, priority, exp) in case.grants {
+            h.ok(Command::IssueGrant(Grant {
+                bucket: BucketId(id),
+                owner,
+                kind,
+                amount_micro: credits(10),
+                expires_at_ms: exp,
+                priority,
+                policy: None,
+                source_ref: None,
+            }));
+        }
+        let draws = drawn_buckets(h.ok(Command::CreateHold(Harness::hold_spec(1, credits(5)))));
+        assert_eq!(draws, vec![(case.expected_first, credits(5))], "case {i}");
+    }
+}
+
+/// A hold spanning buckets records each (bucket, amount) draw; release returns each
+/// part to exactly the bucket it came from.
+#[test]
+fn hold_draws_and_exact_release() {
+    let mut h = Harness::world();
+    h.grant(1, P, BucketKind::Promotional, credits(3), None);
+    h.grant(2, P, BucketKind::Paid, credits(10), None);
+    let draws = drawn_buckets(h.ok(Command::CreateHold(Harness::hold_spec(1, credits(5)))));
+    assert_eq!(draws, vec![(1, credits(3)), (2, credits(2))]);
+    // Partial captures come from the draws in order.
+    h.ok(Command::Capture {
+        hold: HoldId(1),
+        amount_micro: credits(1),
+    });
+    h.ok(Command::Capture {
+        hold: HoldId(1),
+        amount_micro: credits(3),
+    });
+    assert_eq!(
+        (h.bucket(1).consumed, h.bucket(2).consumed),
+        (credits(3), credits(1))
+    );
+    let Reply::Settled(s) = h.ok(Command::ReleaseHold { hold: HoldId(1) }) else {
+        panic!()
+    };
+    assert_eq!(
+        (s.captured_micro, s.refunded_micro, s.forfeited_micro),
+        (credits(4), credits(1), 0)
+    );
+    assert_eq!(h.bucket(1).remaining, 0);
+    assert_eq!(h.bucket(2).remaining, credits(9));
+    assert_eq!(
+        h.run(Command::ReleaseHold { hold: HoldId(1) }),
+        Err(CommandError::HoldSettled)
+    );
+}
+
+#[test]
+fn capture_more_than_held_is_rejected() {
+    let mut h = Harness::world();
+    h.grant(1, P, BucketKind::Paid, credits(10), None);
+    h.ok(Command::CreateHold(Harness::hold_spec(1, credits(2))));
+    assert_eq!(
+        h.run(Command::Capture {
+            hold: HoldId(1),
+            amount_micro: credits(3)
+        }),
+        Err(CommandError::CaptureExceedsHold {
+            requested: credits(3),
+            held: credits(2)
+        })
+    );
+    assert_eq!(h.hold(1).captured, 0);
+}
+
+#[test]
+fn top_up_draws_more_in_spend_order() {
+    let mut h = Harness::world();
+    h.grant(1, P, BucketKind::Paid, credits(4), None);
+    h.ok(Command::CreateHold(Harness::hold_spec(1, credits(3))));
+    h.grant(2, P, BucketKind::Promotional, credits(4), None);
+    h.ok(Command::TopUp {
+        hold: HoldId(1),
+        amount_micro: credits(2),
+    });
+    assert_eq!(h.hold(1).held, credits(5));
+    assert_eq!(
+        h.bucket(2).held,
+        credits(2),
+        "the promo bucket is now first in spend order"
+    );
+    assert_eq!(
+        h.run(Command::TopUp {
+            hold: HoldId(1),
+            amount_micro: credits(4)
+        }),
+        Err(CommandError::InsufficientCredits {
+            available: credits(3),
+            needed: credits(4)
+        })
+    );
+}
+
+/// Expired credits are never spendable, not even in the entry stamped with the
+/// expiry instant itself.
+#[test]
+fn expired_credit_is_never_spendable() {
+    let mut h = Harness::world();
+    let at = T0_MS + HOUR_MS;
+    h.grant(1, P, BucketKind::Promotional, credits(10), Some(at));
+    h.now = at;
+    let err = h.run(Command::CreateHold(Harness::hold_spec(1, credits(1))));
+    assert_eq!(
+        err,
+        Err(CommandError::InsufficientCredits {
+            available: 0,
+            needed: credits(1)
+        })
+    );
+    assert!(h.bucket(1).is_expired);
+    assert_eq!(h.bucket(1).expired, credits(10));
+    assert!(h.movements_since(0).contains(&("expired", 1, credits(10))));
+}
+
+/// A bucket that expires mid-run: the held part stays valid for the running hold;
+/// only the unheld remainder expires; a refund landing after expiry is forfeited.
+#[test]
+fn expiry_mid_hold_keeps_held_and_forfeits_late_refund() {
+    let mut h = Harness::world();
+    h.grant(
+        1,
+        P,
+        BucketKind::Promotional,
+        credits(10),
+        Some(T0_MS + HOUR_MS),
+    );
+    h.ok(Command::CreateHold(Harness::hold_spec(1, credits(6))));
+    h.advance(2 * HOUR_MS);
+    h.tick();
+    assert_eq!(
+        (h.bucket(1).held, h.bucket(1).expired),
+        (credits(6), credits(4))
+    );
+    // Held credit is still capturable after the expiry.
+    h.ok(Command::Capture {
+        hold: HoldId(1),
+        amount_micro: credits(2),
+    });
+    let mark = h.events.len();
+    let Reply::Settled(s) = h.ok(Command::ReleaseHold { hold: HoldId(1) }) else {
+        panic!()
+    };
+    assert_eq!((s.refunded_micro, s.forfeited_micro), (0, credits(4)));
+    assert_eq!(h.movements_since(mark), vec![("forfeited", 1, credits(4))]);
+    assert_eq!(h.bucket(1).expired, credits(8));
+    assert_eq!(h.bucket(1).consumed, credits(2));
+}
+
+#[test]
+fn promotional_policy_limits_gpu_types_and_tiers() {
+    let mut h = Harness::world();
+    h.ok(Command::IssueGrant(Grant {
+        bucket: BucketId(1),
+        owner: P,
+        kind: BucketKind::Promotional,
+        amount_micro: credits(10),
+        expires_at_ms: None,
+        priority: 0,
+        policy: Some(BucketPolicy {
+            gpu_types: vec![a100()],
+            tiers: vec![Tier::PAID],
+        }),
+        source_ref: None,
+    }));
+    h.grant(2, P, BucketKind::Paid, credits(10), None);
+    // A hold that may land on an H100 cannot use the A100-only promo.
+    let draws = drawn_buckets(h.ok(Command::CreateHold(Harness::hold_spec(1, credits(1)))));
+    assert_eq!(draws, vec![(2, credits(1))]);
+    let mut a100_only = Harness::hold_spec(2, credits(1));
+    a100_only.gpu_types = vec![a100()];
+    assert_eq!(
+        drawn_buckets(h.ok(Command::CreateHold(a100_only.clone()))),
+        vec![(1, credits(1))]
+    );
+    // Wrong tier: the promo is skipped.
+    a100_only.hold = HoldId(3);
+    a100_only.tier = Tier::FREE;
+    assert_eq!(
+        drawn_buckets(h.ok(Command::CreateHold(a100_only))),
+        vec![(2, credits(1))]
+    );
+}
+
+fn metered(h: &mut Harness, hold: u64, amount: u64, gpus: u32) {
+    h.ok(Command::CreateHold(Harness::hold_spec(hold, amount)));
+    h.ok(Command::StartMeter {
+        hold: HoldId(hold),
+        attempt: 1,
+        gpu_type: a100(),
+        gpus,
+    });
+}
+
+fn heartbeat(h: &mut Harness, hold: u64, attempt: u32, seq: u64, checkpoint: u64) -> Outcome {
+    h.run_as(
+        Actor::Agent(NodeId(1)),
+        Command::Heartbeat(Heartbeat {
+            hold: HoldId(hold),
+            attempt,
+            seq,
+            progress_ppm: 0,
+            checkpoint,
+        }),
+    )
+}
+
+/// Metering bills logical time between accepted heartbeats; duplicates and stale
+/// sequence numbers change nothing; a stale attempt is rejected.
+#[test]
+fn metering_from_logical_time_and_fencing() {
+    let mut h = Harness::world();
+    h.grant(1, P, BucketKind::Paid, credits(100), None);
+    metered(&mut h, 1, credits(20), 2);
+    h.advance(HOUR_MS / 2);
+    let Ok(Reply::Heartbeat(r)) = heartbeat(&mut h, 1, 1, 1, 0) else {
+        panic!()
+    };
+    // 0.5 h × 2 GPUs × 2 credits = 2 credits.
+    assert_eq!((r.accepted, r.captured_delta_micro), (true, credits(2)));
+    let Ok(Reply::Heartbeat(dup)) = heartbeat(&mut h, 1, 1, 1, 0) else {
+        panic!()
+    };
+    assert_eq!((dup.accepted, dup.captured_delta_micro), (false, 0));
+    h.advance(HOUR_MS / 2);
+    let Ok(Reply::Heartbeat(old)) = heartbeat(&mut h, 1, 1, 0, 0) else {
+        panic!()
+    };
+    assert!(!old.accepted);
+    assert_eq!(h.hold(1).captured, credits(2), "stale seq billed nothing");
+    assert_eq!(
+        heartbeat(&mut h, 1, 0, 9, 0),
+        Err(CommandError::StaleAttempt {
+            given: 0,
+            current: 1
+        })
+    );
+    let Ok(Reply::Heartbeat(r)) = heartbeat(&mut h, 1, 1, 2, 0) else {
+        panic!()
+    };
+    assert_eq!(r.captured_attempt_micro, credits(4));
+}
+
+/// Rounding never accumulates: billing recomputes from the attempt's total time.
+#[test]
+fn metering_rounding_does_not_drift() {
+    let mut h = Harness::world();
+    h.grant(1, P, BucketKind::Paid, credits(100), None);
+    metered(&mut h, 1, credits(50), 1);
+    for seq in 1..=1_000 {
+        h.advance(7); // 7 ms × 2 credits/h = 3.888… micro each: rounds down each time
+        heartbeat(&mut h, 1, 1, seq, 0).unwrap();
+    }
+    assert_eq!(h.hold(1).captured, ledger::cost_micro(7_000, A100_PRICE, 1));
+    assert_eq!(h.hold(1).captured, 3_888);
+}
+
+/// Platform-caused endings bill only up to the last checkpoint; captures beyond it are
+/// reversed and refunded. Lost jobs bill to the last heartbeat; user endings to now.
+#[test]
+fn settlement_billing_by_reason() {
+    struct Case {
+        reason: SettleReason,
+        expected_captured: u64,
+    }
+    // Timeline: start, +1h heartbeat with checkpoint 1, +2h heartbeat (no new
+    // checkpoint), +3h settle. 1 A100 = 2 credits/h.
+    let cases = [
+        Case {
+            reason: SettleReason::Succeeded,
+            expected_captured: credits(6),
+        },
+        Case {
+            reason: SettleReason::Failed,
+            expected_captured: credits(6),
+        },
+        Case {
+            reason: SettleReason::Cancelled,
+            expected_captured: credits(6),
+        },
+        Case {
+            reason: SettleReason::Lost,
+            expected_captured: credits(4),
+        },
+        Case {
+            reason: SettleReason::Preempted,
+            expected_captured: credits(2),
+        },
+        Case {
+            reason: SettleReason::NodeFailure,
+            expected_captured: credits(2),
+        },
+    ];
+    for case in cases {
+        let mut h = Harness::world();
+        h.grant(1, P, BucketKind::Paid, credits(100), None);
+        metered(&mut h, 1, credits(20), 1);
+        h.advance(HOUR_MS);
+        heartbeat(&mut h, 1, 1, 1, 1).unwrap();
+        h.advance(HOUR_MS);
+        heartbeat(&mut h, 1, 1, 2, 1).unwrap();
+        h.advance(HOUR_MS);
+        let Reply::Settled(s) = h.ok(Command::Settle {
+            hold: HoldId(1),
+            attempt: 1,
+            reason: case.reason,
+        }) else {
+            panic!()
+        };
+        assert_eq!(
+            s.captured_micro, case.expected_captured,
+            "{:?}",
+            case.reason
+        );
+        assert_eq!(
+            s.refunded_micro,
+            credits(20) - case.expected_captured,
+            "{:?}",
+            case.reason
+        );
+        assert_eq!(h.bucket(1).remaining, credits(100) - case.expected_captured);
+    }
+}
+
+/// A hold that runs low is topped up from the buckets; when the account cannot pay,
+/// the job is told to stop (out of credits) and the hold is settled.
+#[test]
+fn low_hold_tops_up_then_stops_when_account_is_empty() {
+    let mut h = Harness::world();
+    h.grant(1, P, BucketKind::Paid, credits(5), None);
+    metered(&mut h, 1, credits(1), 1); // 1 credit = 30 min on one A100
+    h.advance(HOUR_MS);
+    let Ok(Reply::Heartbeat(r)) = heartbeat(&mut h, 1, 1, 1, 0) else {
+        panic!()
+    };
+    assert_eq!(r.captured_attempt_micro, credits(2));
+    assert!(r.stop.is_none());
+    assert!(
+        r.held_micro > 0,
+        "topped up beyond the shortfall by a chunk"
+    );
+    h.advance(2 * HOUR_MS);
+    let Ok(Reply::Heartbeat(r)) = heartbeat(&mut h, 1, 1, 2, 0) else {
+        panic!()
+    };
+    let stop = r.stop.expect("out of credits");
+    assert_eq!(stop.reason, SettleReason::OutOfCredits);
+    assert_eq!(
+        stop.captured_micro,
+        credits(5),
+        "everything the account had"
+    );
+    assert_eq!(stop.uncollected_micro, credits(1));
+    assert!(!h.hold(1).is_open());
+    assert_eq!(
+        heartbeat(&mut h, 1, 1, 3, 0),
+        Err(CommandError::HoldSettled)
+    );
+}
+
+#[test]
+fn hard_budgets_reject_at_every_level() {
+    for scope in [
+        BudgetScope::User(USER),
+        BudgetScope::Project(PROJECT),
+        BudgetScope::Org(ORG),
+    ] {
+        let mut h = Harness::world();
+        h.grant(1, P, BucketKind::Paid, credits(100), None);
+        h.ok(Command::SetBudget {
+            scope,
+            budget: Some(BudgetSpec {
+                limit_micro: credits(10),
+                period: BudgetPeriod::Month,
+                mode: BudgetMode::Hard,
+            }),
+        });
+        h.ok(Command::CreateHold(Harness::hold_spec(1, credits(6))));
+        h.ok(Command::Capture {
+            hold: HoldId(1),
+            amount_micro: credits(6),
+        });
+        h.ok(Command::ReleaseHold { hold: HoldId(1) });
+        let err = h
+            .run(Command::CreateHold(Harness::hold_spec(2, credits(5))))
+            .unwrap_err();
+        assert_eq!(
+            err,
+            CommandError::BudgetExceeded {
+                scope,
+                limit: credits(10),
+                used: credits(6),
+                asked: credits(5)
+            }
+        );
+        h.ok(Command::CreateHold(Harness::hold_spec(3, credits(4))));
+        // A new calendar month (logical time) resets the period's spend.
+        h.now = T0_MS + 31 * 24 * HOUR_MS;
+        h.ok(Command::CreateHold(Harness::hold_spec(4, credits(6))));
+        // Held credit still counts in the new period: 4 + 6 = 10.
+        assert!(h
+            .run(Command::CreateHold(Harness::hold_spec(5, 1)))
+            .is_err());
+    }
+}
+
+#[test]
+fn soft_budget_allows_and_alerts_once_per_period() {
+    let mut h = Harness::world();
+    h.grant(1, P, BucketKind::Paid, credits(100), None);
+    h.ok(Command::SetBudget {
+        scope: BudgetScope::Project(PROJECT),
+        budget: Some(BudgetSpec {
+            limit_micro: credits(5),
+            period: BudgetPeriod::Day,
+            mode: BudgetMode::Soft,
+        }),
+    });
+    let alerts = |h: &Harness| {
+        h.events
+            .iter()
+            .filter(|e| matches!(e.body, EventBody::BudgetAlert { .. }))
+            .count()
+    };
+    h.ok(Command::CreateHold(Harness::hold_spec(1, credits(4))));
+    assert_eq!(alerts(&h), 0);
+    h.ok(Command::CreateHold(Harness::hold_spec(2, credits(4))));
+    h.ok(Command::CreateHold(Harness::hold_spec(3, credits(4))));
+    assert_eq!(alerts(&h), 1);
+    h.advance(24 * HOUR_MS);
+    h.ok(Command::CreateHold(Harness::hold_spec(4, credits(1))));
+    assert_eq!(
+        alerts(&h),
+        2,
+        "held credit still exceeds the limit in the new day"
+    );
+}
+
+/// A retry returns the first outcome without applying twice; the same id with a
+/// different payload is an error; records are pruned after the retention window.
+#[test]
+fn idempotent_retries() {
+    let mut h = Harness::world();
+    h.grant(1, P, BucketKind::Paid, credits(10), None);
+    let req = |id, amount| Request {
+        actor: ADMIN,
+        request_id: id,
+        command: Command::CreateHold(Harness::hold_spec(7, amount)),
+    };
+    let first = h.apply(vec![req(9_000, credits(4))]).remove(0);
+    assert!(first.is_ok());
+    let held = h.bucket(1).held;
+    // Same id, same payload, even in the same entry: the first outcome, nothing twice.
+    let retries = h.apply(vec![req(9_000, credits(4)), req(9_000, credits(4))]);
+    assert_eq!(retries, vec![first.clone(), first.clone()]);
+    assert_eq!(h.bucket(1).held, held);
+    assert!(matches!(
+        h.events.last().map(|e| &e.body),
+        Some(EventBody::Command { replayed: true, .. })
+    ));
+    assert_eq!(
+        h.apply(vec![req(9_000, credits(5))]).remove(0),
+        Err(CommandError::RequestIdReused)
+    );
+    // A failed outcome is remembered too: the retry sees the first rejection.
+    let big = h.apply(vec![req(9_001, credits(50))]).remove(0);
+    assert!(matches!(big, Err(CommandError::AlreadyExists)));
+    // Another tenant's request ids never collide with the admin's.
+    let other = Request {
+        actor: tenant(ORG),
+        ..req(9_000, credits(4))
+    };
+    assert_eq!(
+        h.apply(vec![other]).remove(0),
+        Err(CommandError::AlreadyExists)
+    );
+    // After the retention window the record is gone.
+    h.advance(h.state.config.idempotency_retention_ms);
+    h.tick();
+    assert!(!h.state.idempotency.records.contains_key(&(ADMIN, 9_000)));
+}
+
+#[test]
+fn transfer_keeps_kind_expiry_and_policy() {
+    let mut h = Harness::world();
+    let exp = T0_MS + 5 * HOUR_MS;
+    h.grant(1, O, BucketKind::Promotional, credits(3), Some(exp));
+    h.grant(2, O, BucketKind::Paid, credits(10), None);
+    let Reply::Transferred { buckets } = h.ok(Command::Transfer {
+        from: O,
+        to: P,
+        amount_micro: credits(5),
+    }) else {
+        panic!()
+    };
+    assert_eq!(buckets.len(), 2);
+    let (a, b) = (
+        &h.state.ledger.buckets[&buckets[0]],
+        &h.state.ledger.buckets[&buckets[1]],
+    );
+    assert_eq!(
+        (a.kind, a.expires_at_ms, a.moved_in),
+        (BucketKind::Promotional, Some(exp), credits(3))
+    );
+    assert_eq!(
+        (b.kind, b.expires_at_ms, b.moved_in),
+        (BucketKind::Paid, None, credits(2))
+    );
+    assert_eq!(h.bucket(1).moved_out, credits(3));
+    let bal = h.state.ledger.balance(P, h.now, HOUR_MS * 10).unwrap();
+    assert_eq!(bal.moved_in_micro, credits(5));
+    assert_eq!(bal.upcoming_expirations.len(), 1);
+    // Across orgs: refused.
+    assert_eq!(
+        h.run(Command::Transfer {
+            from: O,
+            to: Account::Project(OTHER_PROJECT),
+            amount_micro: 1
+        }),
+        Err(CommandError::InvalidTransfer)
+    );
+}
+
+#[test]
+fn balance_breakdown_and_upcoming_expirations() {
+    let mut h = Harness::world();
+    h.grant(1, P, BucketKind::Paid, credits(10), None);
+    h.grant(
+        2,
+        P,
+        BucketKind::Promotional,
+        credits(4),
+        Some(T0_MS + 2 * HOUR_MS),
+    );
+    h.grant(
+        3,
+        P,
+        BucketKind::Granted,
+        credits(6),
+        Some(T0_MS + 100 * HOUR_MS),
+    );
+    h.ok(Command::CreateHold(Harness::hold_spec(1, credits(5))));
+    h.ok(Command::Capture {
+        hold: HoldId(1),
+        amount_micro: credits(1),
+    });
+    let b = h.state.ledger.balance(P, h.now, 24 * HOUR_MS).unwrap();
+    assert_eq!(b.promotional_available_micro, 0);
+    assert_eq!(b.granted_available_micro, credits(5));
+    assert_eq!(b.paid_available_micro, credits(10));
+    assert_eq!((b.held_micro, b.consumed_micro), (credits(4), credits(1)));
+    assert_eq!(b.upcoming_expirations, vec![]);
+    let later = h.state.ledger.balance(P, h.now, 200 * HOUR_MS).unwrap();
+    assert_eq!(later.upcoming_expirations.len(), 1);
+    assert_eq!(later.upcoming_expirations[0].bucket, BucketId(3));
+    assert_eq!(
+        b.issued_micro + b.moved_in_micro,
+        b.available_micro() + b.held_micro + b.consumed_micro + b.expired_micro + b.moved_out_micro
+    );
+}
+
+/// Tenants act only inside their org; touching another org's objects answers as if
+/// they did not exist. Admin-only commands are refused to tenants and agents.
+#[test]
+fn authorisation_inside_apply() {
+    let mut h = Harness::world();
+    h.grant(
+        1,
+        Account::Project(OTHER_PROJECT),
+        BucketKind::Paid,
+        credits(10),
+        None,
+    );
+    let mut spec = Harness::hold_spec(1, credits(1));
+    spec.project = OTHER_PROJECT;
+    spec.user = OTHER_USER;
+    assert_eq!(
+        h.run_as(tenant(ORG), Command::CreateHold(spec.clone())),
+        Err(CommandError::UnknownProject)
+    );
+    assert!(h
+        .run_as(tenant(OTHER_ORG), Command::CreateHold(spec))
+        .is_ok());
+    assert_eq!(
+        h.run_as(tenant(ORG), Command::ReleaseHold { hold: HoldId(1) }),
+        Err(CommandError::UnknownHold)
+    );
+    assert_eq!(
+        h.run_as(tenant(ORG), Command::CreateOrg { org: OrgId(9) }),
+        Err(CommandError::Unauthorized)
+    );
+    let grant = Command::IssueGrant(Grant {
+        bucket: BucketId(5),
+        owner: P,
+        kind: BucketKind::Promotional,
+        amount_micro: 1,
+        expires_at_ms: None,
+        priority: 0,
+        policy: None,
+        source_ref: None,
+    });
+    assert_eq!(
+        h.run_as(tenant(ORG), grant.clone()),
+        Err(CommandError::Unauthorized)
+    );
+    assert_eq!(
+        h.run_as(Actor::Agent(NodeId(1)), grant),
+        Err(CommandError::Unauthorized)
+    );
+    assert_eq!(
+        h.run_as(Actor::System, Command::CreateOrg { org: OrgId(9) }),
+        Err(CommandError::Unauthorized)
+    );
+}
+
+/// The audit chain detects any edit, removal or reordering of events.
+#[test]
+fn audit_chain_detects_tampering() {
+    let mut h = Harness::world();
+    h.grant(1, P, BucketKind::Paid, credits(10), None);
+    h.ok(Command::CreateHold(Harness::hold_spec(1, credits(5))));
+    let events = h.events.clone();
+    let start = AuditChain::default();
+    assert_eq!(verify_chain(&start, &events).unwrap(), h.state.audit);
+    let mut edited = events.clone();
+    if let EventBody::HoldDrawn { amount_micro, .. } = &mut edited.last_mut().unwrap().body {
+        *amount_micro += 1;
+    } else {
+        panic!("last event is the draw");
+    }
+    assert!(matches!(
+        verify_chain(&start, &edited),
+        Err(audit::ChainError::BadHash { .. })
+    ));
+    let mut dropped = events.clone();
+    dropped.remove(3);
+    assert!(matches!(
+        verify_chain(&start, &dropped),
+        Err(audit::ChainError::Gap { .. })
+    ));
+    let mut swapped = events;
+    swapped.swap(2, 3);
+    assert!(verify_chain(&start, &swapped).is_err());
+}
+
+#[test]
+fn snapshot_round_trip_and_corrupt_input() {
+    let mut h = Harness::world();
+    h.grant(
+        1,
+        P,
+        BucketKind::Promotional,
+        credits(10),
+        Some(T0_MS + HOUR_MS),
+    );
+    metered(&mut h, 1, credits(3), 1);
+    let bytes = h.state.encode();
+    assert_eq!(bytes[0], codec::FORMAT_VERSION);
+    let decoded = State::decode(&bytes).unwrap();
+    assert_eq!(decoded, h.state);
+    assert_eq!(decoded.state_hash(), h.state.state_hash());
+    assert_eq!(State::decode(&[]), Err(codec::CodecError::Empty));
+    let mut wrong_version = bytes.clone();
+    wrong_version[0] = 99;
+    assert_eq!(
+        State::decode(&wrong_version),
+        Err(codec::CodecError::UnsupportedVersion(99))
+    );
+    for cut in [1, bytes.len() / 2, bytes.len() - 1] {
+        assert!(State::decode(&bytes[..cut]).is_err());
+    }
+    let mut trailing = bytes;
+    trailing.push(0);
+    assert!(State::decode(&trailing).is_err());
+}
+
+#[test]
+fn an_entry_is_applied_once() {
+    let mut h = Harness::world();
+    let entry = Entry {
+        log_index: h.index,
+        logical_time_ms: h.now,
+        requests: vec![],
+    };
+    assert_eq!(
+        apply(&mut h.state, &entry),
+        Err(ApplyError::AlreadyApplied {
+            given: h.index,
+            last: h.index
+        })
+    );
+}
+
+/// Logical time never goes back, even if an entry carries an older stamp.
+#[test]
+fn logical_time_is_monotonic() {
+    let mut h = Harness::world();
+    h.grant(
+        1,
+        P,
+        BucketKind::Paid,
+        credits(1),
+        Some(T0_MS + 10 * HOUR_MS),
+    );
+    h.now = T0_MS + 20 * HOUR_MS;
+    h.tick();
+    h.now = T0_MS;
+    h.tick();
+    assert_eq!(h.state.time_ms, T0_MS + 20 * HOUR_MS);
+    assert!(h.bucket(1).is_expired);
+}
