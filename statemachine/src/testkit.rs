@@ -51,6 +51,8 @@ pub struct Harness {
     pub index: u64,
     pub now: u64,
     pub events: Vec<AuditEvent>,
+    /// Every entry applied, for replay and determinism checks.
+    pub entries: Vec<Entry>,
     chain: AuditChain,
     next_request_id: u128,
 }
@@ -68,6 +70,7 @@ impl Harness {
             index: 0,
             now: T0_MS,
             events: Vec::new(),
+            entries: Vec::new(),
             chain: AuditChain::default(),
             next_request_id: 1,
         }
@@ -132,6 +135,7 @@ impl Harness {
             requests,
         };
         let out = apply(&mut self.state, &entry).expect("fresh log index");
+        self.entries.push(entry);
         if let Err(v) = check_invariants(&self.state) {
             panic!("invariant violated after entry {}: {v}", self.index);
         }
@@ -256,5 +260,138 @@ impl Harness {
                 } => Some(("moved_in", bucket.0, *amount_micro)),
             })
             .collect()
+    }
+}
+
+/// A bucket's figures as rebuilt from the audit trail alone.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BucketFigures {
+    pub issued: u64,
+    pub moved_in: u64,
+    pub remaining: u64,
+    pub held: u64,
+    pub consumed: u64,
+    pub expired: u64,
+    pub moved_out: u64,
+}
+
+impl From<&crate::ledger::Bucket> for BucketFigures {
+    fn from(b: &crate::ledger::Bucket) -> Self {
+        BucketFigures {
+            issued: b.issued,
+            moved_in: b.moved_in,
+            remaining: b.remaining,
+            held: b.held,
+            consumed: b.consumed,
+            expired: b.expired,
+            moved_out: b.moved_out,
+        }
+    }
+}
+
+/// Rebuilds every bucket's figures from the audit events only (grants from successful
+/// `IssueGrant` command events, movements from movement events). Equal to the state's
+/// figures exactly when the audit trail is a complete account of the ledger.
+pub fn replay_buckets(
+    events: &[AuditEvent],
+) -> std::collections::BTreeMap<BucketId, BucketFigures> {
+    use crate::audit::EventBody::*;
+    let mut m: std::collections::BTreeMap<BucketId, BucketFigures> = Default::default();
+    for e in events {
+        match &e.body {
+            Command {
+                command: crate::command::Command::IssueGrant(g),
+                outcome: Ok(_),
+                replayed: false,
+            } => {
+                let f = m.entry(g.bucket).or_default();
+                f.issued += g.amount_micro;
+                f.remaining += g.amount_micro;
+            }
+            HoldDrawn {
+                bucket,
+                amount_micro: a,
+            } => {
+                let f = m.entry(*bucket).or_default();
+                f.remaining -= a;
+                f.held += a;
+            }
+            Captured {
+                bucket,
+                amount_micro: a,
+            } => {
+                let f = m.entry(*bucket).or_default();
+                f.held -= a;
+                f.consumed += a;
+            }
+            CaptureReversed {
+                bucket,
+                amount_micro: a,
+            } => {
+                let f = m.entry(*bucket).or_default();
+                f.consumed -= a;
+                f.held += a;
+            }
+            Refunded {
+                bucket,
+                amount_micro: a,
+            } => {
+                let f = m.entry(*bucket).or_default();
+                f.held -= a;
+                f.remaining += a;
+            }
+            RefundForfeited {
+                bucket,
+                amount_micro: a,
+            } => {
+                let f = m.entry(*bucket).or_default();
+                f.held -= a;
+                f.expired += a;
+            }
+            BucketExpired {
+                bucket,
+                amount_micro: a,
+            } => {
+                let f = m.entry(*bucket).or_default();
+                f.remaining -= a;
+                f.expired += a;
+            }
+            TransferredOut {
+                bucket,
+                amount_micro: a,
+            } => {
+                let f = m.entry(*bucket).or_default();
+                f.remaining -= a;
+                f.moved_out += a;
+            }
+            TransferredIn {
+                bucket,
+                amount_micro: a,
+            } => {
+                let f = m.entry(*bucket).or_default();
+                f.moved_in += a;
+                f.remaining += a;
+            }
+            Command { .. } | BudgetAlert { .. } => {}
+        }
+    }
+    m
+}
+
+impl Harness {
+    /// Asserts that the audit trail alone rebuilds every bucket exactly.
+    pub fn assert_audit_rebuilds_ledger(&self) {
+        let rebuilt = replay_buckets(&self.events);
+        let actual: std::collections::BTreeMap<BucketId, BucketFigures> = self
+            .state
+            .ledger
+            .buckets
+            .iter()
+            .map(|(id, b)| (*id, BucketFigures::from(b)))
+            .collect();
+        assert_eq!(
+            rebuilt, actual,
+            "the audit trail is a complete account of the ledger"
+        );
     }
 }
