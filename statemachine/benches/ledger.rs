@@ -1,1 +1,333 @@
-fn main() {}
+//! Ledger benchmark (a bench binary, not a timed test):
+//!
+//! 1. apply throughput of a realistic ledger mix on one core — every hold's life is
+//!    create → start meter → 10 heartbeats → settle, with grants and transfers mixed in
+//!    (≈ 75% heartbeats, the hottest path per the seed's sizing), full apply path:
+//!    authorisation, idempotency record, audit events with SHA-256 chaining;
+//! 2. memory per account with 1M accounts (org + one paid bucket), measured with a
+//!    counting global allocator.
+//!
+//! Run: `cargo bench -p allot-statemachine --bench ledger` (add `-- --json` for JSON).
+
+use allot_statemachine::testkit::*;
+use allot_statemachine::*;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::time::Instant;
+
+struct Counting;
+static LIVE_BYTES: AtomicIsize = AtomicIsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        LIVE_BYTES.fetch_add(l.size() as isize, Ordering::Relaxed);
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        LIVE_BYTES.fetch_sub(l.size() as isize, Ordering::Relaxed);
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        LIVE_BYTES.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
+        unsafe { System.realloc(p, l, new) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+const ORGS: u64 = 10_000;
+const HOLDS_CONCURRENT: u64 = 20_000;
+const HEARTBEATS_PER_HOLD: u64 = 10;
+const COMMANDS_PER_ENTRY: usize = 2_000;
+const ENTRIES: usize = 1_000;
+
+struct Mix {
+    rid: u128,
+    next_hold: u64,
+    next_bucket: u64,
+    /// (hold, project, heartbeats sent so far or None before the meter starts)
+    running: Vec<(u64, u64, Option<u64>)>,
+    cursor: usize,
+}
+
+fn req(rid: &mut u128, actor: Actor, command: Command) -> Request {
+    *rid += 1;
+    Request {
+        actor,
+        request_id: *rid,
+        command,
+    }
+}
+
+fn setup(state: &mut State, mix: &mut Mix) -> u64 {
+    let mut index = 0;
+    let mut reqs = vec![req(
+        &mut mix.rid,
+        ADMIN,
+        Command::SetPrices {
+            prices: vec![(a100(), A100_PRICE), (h100(), H100_PRICE)],
+        },
+    )];
+    for o in 1..=ORGS {
+        reqs.push(req(
+            &mut mix.rid,
+            ADMIN,
+            Command::CreateOrg { org: OrgId(o) },
+        ));
+        reqs.push(req(
+            &mut mix.rid,
+            ADMIN,
+            Command::CreateProject {
+                project: ProjectId(o),
+                org: OrgId(o),
+            },
+        ));
+        reqs.push(req(
+            &mut mix.rid,
+            ADMIN,
+            Command::CreateUser {
+                user: UserId(o),
+                org: OrgId(o),
+            },
+        ));
+        for (kind, owner) in [
+            (BucketKind::Promotional, Account::Project(ProjectId(o))),
+            (BucketKind::Paid, Account::Org(OrgId(o))),
+        ] {
+            mix.next_bucket += 1;
+            reqs.push(req(
+                &mut mix.rid,
+                ADMIN,
+                Command::IssueGrant(Grant {
+                    bucket: BucketId(mix.next_bucket),
+                    owner,
+                    kind,
+                    amount_micro: credits(1_000_000),
+                    expires_at_ms: None,
+                    priority: 100,
+                    policy: None,
+                    source_ref: None,
+                }),
+            ));
+        }
+    }
+    for chunk in reqs.chunks(COMMANDS_PER_ENTRY) {
+        index += 1;
+        let out = apply(
+            state,
+            &Entry {
+                log_index: index,
+                logical_time_ms: T0_MS,
+                requests: chunk.to_vec(),
+            },
+        )
+        .unwrap();
+        assert!(out.outcomes.iter().all(|o| o.is_ok()));
+    }
+    index
+}
+
+/// The next command of the steady-state mix.
+fn next(mix: &mut Mix) -> Request {
+    let i = mix.cursor % mix.running.len();
+    mix.cursor += 1;
+    let agent = Actor::Agent(NodeId(1));
+    let (hold, project, beats) = mix.running[i];
+    let command = match beats {
+        None if hold == 0 => {
+            mix.next_hold += 1;
+            let id = mix.next_hold;
+            mix.running[i] = (id, project, None);
+            let mut spec = Harness::hold_spec(id, credits(40));
+            spec.project = ProjectId(project);
+            spec.user = UserId(project);
+            return req(&mut mix.rid, ADMIN, Command::CreateHold(spec));
+        }
+        None => {
+            mix.running[i].2 = Some(0);
+            Command::StartMeter {
+                hold: HoldId(hold),
+                attempt: 1,
+                gpu_type: h100(),
+                gpus: 2,
+            }
+        }
+        Some(n) if n < HEARTBEATS_PER_HOLD => {
+            mix.running[i].2 = Some(n + 1);
+            return req(
+                &mut mix.rid,
+                agent,
+                Command::Heartbeat(Heartbeat {
+                    hold: HoldId(hold),
+                    attempt: 1,
+                    seq: n + 1,
+                    progress_ppm: 0,
+                    checkpoint: n / 3,
+                }),
+            );
+        }
+        Some(_) => {
+            mix.running[i] = (0, project, None);
+            if mix.cursor % 8 == 0 {
+                // Every so often a transfer from the org's pool to the project.
+                let _ = req(&mut mix.rid, ADMIN, Command::Tick);
+                return req(
+                    &mut mix.rid,
+                    ADMIN,
+                    Command::Transfer {
+                        from: Account::Org(OrgId(project)),
+                        to: Account::Project(ProjectId(project)),
+                        amount_micro: credits(1),
+                    },
+                );
+            }
+            return req(
+                &mut mix.rid,
+                agent,
+                Command::Settle {
+                    hold: HoldId(hold),
+                    attempt: 1,
+                    reason: SettleReason::Succeeded,
+                },
+            );
+        }
+    };
+    req(&mut mix.rid, ADMIN, command)
+}
+
+fn throughput() -> (f64, usize, usize) {
+    let mut state = State::default();
+    let mut mix = Mix {
+        rid: 0,
+        next_hold: 0,
+        next_bucket: 0,
+        running: Vec::new(),
+        cursor: 0,
+    };
+    let mut index = setup(&mut state, &mut mix);
+    mix.running = (0..HOLDS_CONCURRENT)
+        .map(|i| (0, 1 + i % ORGS, None))
+        .collect();
+    // Warm up until every slot is metering, then generate the measured entries.
+    let make = |mix: &mut Mix, index: &mut u64, t: u64| {
+        *index += 1;
+        Entry {
+            log_index: *index,
+            logical_time_ms: t,
+            requests: (0..COMMANDS_PER_ENTRY).map(|_| next(mix)).collect(),
+        }
+    };
+    let mut t = T0_MS;
+    for _ in 0..40 {
+        t += 50;
+        let e = make(&mut mix, &mut index, t);
+        apply(&mut state, &e).unwrap();
+    }
+    let entries: Vec<Entry> = (0..ENTRIES)
+        .map(|_| {
+            t += 50;
+            make(&mut mix, &mut index, t)
+        })
+        .collect();
+    let commands: usize = entries.iter().map(|e| e.requests.len()).sum();
+    let heartbeats = entries
+        .iter()
+        .flat_map(|e| &e.requests)
+        .filter(|r| matches!(r.command, Command::Heartbeat(_)))
+        .count();
+    let start = Instant::now();
+    let mut errors = 0;
+    let mut out = ApplyOutput::default();
+    for e in &entries {
+        apply_into(&mut state, e, &mut out).unwrap();
+        errors += out.outcomes.iter().filter(|o| o.is_err()).count();
+        std::hint::black_box(out.events.len());
+    }
+    let secs = start.elapsed().as_secs_f64();
+    assert_eq!(errors, 0, "the mix should be all valid commands");
+    check_invariants(&state).expect("invariants after the run");
+    (commands as f64 / secs, commands, heartbeats)
+}
+
+fn memory_per_account(accounts: u64) -> (f64, f64) {
+    let base = LIVE_BYTES.load(Ordering::Relaxed);
+    let mut state = State::default();
+    let mut rid = 0u128;
+    let mut index = 0;
+    let batch = |index: &mut u64, state: &mut State, reqs: Vec<Request>, t| {
+        *index += 1;
+        apply(
+            state,
+            &Entry {
+                log_index: *index,
+                logical_time_ms: t,
+                requests: reqs,
+            },
+        )
+        .unwrap();
+    };
+    for chunk_start in (1..=accounts).step_by(4_000) {
+        let mut reqs = Vec::with_capacity(8_000);
+        for o in chunk_start..(chunk_start + 4_000).min(accounts + 1) {
+            reqs.push(req(&mut rid, ADMIN, Command::CreateOrg { org: OrgId(o) }));
+            reqs.push(req(
+                &mut rid,
+                ADMIN,
+                Command::IssueGrant(Grant {
+                    bucket: BucketId(o),
+                    owner: Account::Org(OrgId(o)),
+                    kind: BucketKind::Paid,
+                    amount_micro: credits(100),
+                    expires_at_ms: None,
+                    priority: 100,
+                    policy: None,
+                    source_ref: None,
+                }),
+            ));
+        }
+        batch(&mut index, &mut state, reqs, T0_MS);
+    }
+    let with_idempotency = (LIVE_BYTES.load(Ordering::Relaxed) - base) as f64 / accounts as f64;
+    // After the idempotency retention window the request records are pruned.
+    let mut t = T0_MS + state.config.idempotency_retention_ms;
+    while !state.idempotency.records.is_empty() {
+        t += 1;
+        batch(&mut index, &mut state, vec![], t);
+    }
+    state.idempotency.records = Default::default();
+    state.idempotency.queue.shrink_to_fit();
+    let steady = (LIVE_BYTES.load(Ordering::Relaxed) - base) as f64 / accounts as f64;
+    std::hint::black_box(&state);
+    (steady, with_idempotency)
+}
+
+fn main() {
+    let json = std::env::args().any(|a| a == "--json");
+    let only_throughput = std::env::args().any(|a| a == "--throughput-only");
+    let (rate, commands, heartbeats) = throughput();
+    let (steady, with_idem) = if only_throughput {
+        (0.0, 0.0)
+    } else {
+        memory_per_account(1_000_000)
+    };
+    if json {
+        println!(
+            "{{\"apply_commands_per_s\":{rate:.0},\"commands\":{commands},\"heartbeat_share\":{:.3},\"bytes_per_account\":{steady:.0},\"bytes_per_account_with_idempotency_records\":{with_idem:.0}}}",
+            heartbeats as f64 / commands as f64
+        );
+    } else {
+        println!(
+            "ledger apply throughput (one core, full apply path incl. idempotency + audit chain)"
+        );
+        println!("  commands applied       {commands}");
+        println!(
+            "  heartbeat share        {:.1}%",
+            100.0 * heartbeats as f64 / commands as f64
+        );
+        println!("  commands/s             {rate:.0}   (target >= 1,000,000)");
+        println!("memory per account (1,000,000 orgs, one paid bucket each)");
+        println!("  bytes/account steady   {steady:.0}   (target <= 1024)");
+        println!("  bytes/account incl. idempotency records still in retention  {with_idem:.0}");
+    }
+}

@@ -16,9 +16,13 @@ pub type Hash32 = [u8; 32];
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum EventBody {
     /// A command was applied (or rejected); `replayed` marks a retry answered from the
-    /// idempotency table with the first outcome.
+    /// idempotency table with the first outcome. The chain hashes the command through
+    /// `digest` (SHA-256 of its canonical encoding, also the source of the idempotency
+    /// fingerprint), so the command is encoded and hashed once; verification checks the
+    /// digest against the command.
     Command {
-        command: Command,
+        command: Box<Command>,
+        digest: Hash32,
         outcome: Outcome,
         replayed: bool,
     },
@@ -95,7 +99,7 @@ impl AuditEvent {
     /// The hash of this event's content chained onto `prev_hash`.
     pub fn compute_hash(&self, scratch: &mut Vec<u8>) -> Hash32 {
         scratch.clear();
-        let content = (
+        let header = (
             self.seq,
             self.log_index,
             self.time_ms,
@@ -104,15 +108,29 @@ impl AuditEvent {
             &self.org,
             &self.account,
             &self.hold,
-            &self.body,
         );
-        // Encoding an in-memory value of these types cannot fail.
-        crate::codec::encode_into(scratch, &content);
+        crate::codec::encode_into(scratch, &header);
+        match &self.body {
+            EventBody::Command {
+                digest,
+                outcome,
+                replayed,
+                ..
+            } => crate::codec::encode_into(scratch, &(0u8, digest, outcome, replayed)),
+            body => crate::codec::encode_into(scratch, &(1u8, body)),
+        }
         let mut h = Sha256::new();
         h.update(self.prev_hash);
         h.update(&scratch[..]);
         h.finalize().into()
     }
+}
+
+/// SHA-256 of a command's canonical encoding.
+pub fn command_digest(command: &Command, scratch: &mut Vec<u8>) -> Hash32 {
+    scratch.clear();
+    crate::codec::encode_into(scratch, command);
+    Sha256::digest(&scratch[..]).into()
 }
 
 /// The chain's head: the only audit data kept in the replicated state.
@@ -185,6 +203,14 @@ pub fn verify_chain(start: &AuditChain, events: &[AuditEvent]) -> Result<AuditCh
         }
         if ev.compute_hash(&mut scratch) != ev.hash {
             return Err(ChainError::BadHash { seq: ev.seq });
+        }
+        if let EventBody::Command {
+            command, digest, ..
+        } = &ev.body
+        {
+            if command_digest(command, &mut scratch) != *digest {
+                return Err(ChainError::BadHash { seq: ev.seq });
+            }
         }
         chain.head = ev.hash;
         chain.next_seq += 1;

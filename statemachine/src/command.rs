@@ -241,8 +241,12 @@ impl Command {
         }
     }
 
-    /// Commands that change nothing but time need no request id.
-    pub fn needs_request_id(&self) -> bool {
-        !matches!(self, Command::Tick)
+    /// Whether the command goes through the idempotency table. Ticks change nothing but
+    /// time. Heartbeats are idempotent by their own key — `(hold, attempt, seq)` with
+    /// `seq` strictly increasing — so a resent heartbeat is recognised as a duplicate and
+    /// changes nothing; they are the hottest command (one per running job every 30–60 s)
+    /// and must not fill the bounded request table.
+    pub fn uses_idempotency_table(&self) -> bool {
+        !matches!(self, Command::Tick | Command::Heartbeat(_))
     }
 }

@@ -5,14 +5,12 @@ use crate::ids::{Actor, RequestId};
 use crate::limits::{IDEMPOTENCY_ENTRIES_MAX, PRUNE_PER_ENTRY_MAX};
 use crate::outcome::Outcome;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, VecDeque};
 
 pub type Fingerprint = [u8; 16];
 
-/// The fingerprint of a command's canonical encoding.
-pub fn fingerprint(encoded_command: &[u8]) -> Fingerprint {
-    let digest = Sha256::digest(encoded_command);
+/// The fingerprint of a command: the first 128 bits of its digest.
+pub fn fingerprint(digest: &crate::audit::Hash32) -> Fingerprint {
     let mut fp = [0u8; 16];
     fp.copy_from_slice(&digest[..16]);
     fp

@@ -53,4 +53,4 @@ pub use command::*;
 pub use ids::*;
 pub use invariants::{check_invariants, Violation};
 pub use outcome::*;
-pub use state::{apply, ApplyError, ApplyOutput, Config, State};
+pub use state::{apply, apply_into, ApplyError, ApplyOutput, Config, State};

@@ -1,6 +1,8 @@
 //! The replicated state and the pure `apply` function.
 
-use crate::audit::{AuditChain, AuditEvent, EventBody, PendingEvent, Stamp};
+use crate::audit::{
+    command_digest, AuditChain, AuditEvent, EventBody, Hash32, PendingEvent, Stamp,
+};
 use crate::authz::authorize;
 use crate::codec;
 use crate::command::{Command, Entry, Request};
@@ -95,6 +97,18 @@ impl State {
 
 /// Applies one log entry. Pure: the result depends only on `state` and `entry`.
 pub fn apply(state: &mut State, entry: &Entry) -> Result<ApplyOutput, ApplyError> {
+    let mut out = ApplyOutput::default();
+    apply_into(state, entry, &mut out)?;
+    Ok(out)
+}
+
+/// [`apply`] into a caller-owned output whose buffers are cleared and reused (the
+/// apply loop of a busy shard avoids reallocating megabytes of events per entry).
+pub fn apply_into(
+    state: &mut State,
+    entry: &Entry,
+    out: &mut ApplyOutput,
+) -> Result<(), ApplyError> {
     if let Some(last) = state.last_applied {
         if entry.log_index <= last {
             return Err(ApplyError::AlreadyApplied {
@@ -106,10 +120,9 @@ pub fn apply(state: &mut State, entry: &Entry) -> Result<ApplyOutput, ApplyError
     state.last_applied = Some(entry.log_index);
     state.time_ms = state.time_ms.max(entry.logical_time_ms);
     let now = state.time_ms;
-    let mut out = ApplyOutput {
-        outcomes: Vec::with_capacity(entry.requests.len()),
-        events: Vec::new(),
-    };
+    out.outcomes.clear();
+    out.events.clear();
+    out.outcomes.reserve(entry.requests.len());
     let mut scratch = Vec::with_capacity(256);
     let mut effects = Vec::new();
 
@@ -139,20 +152,22 @@ pub fn apply(state: &mut State, entry: &Entry) -> Result<ApplyOutput, ApplyError
             actor: req.actor,
             request_id: req.request_id,
         };
+        let digest = command_digest(&req.command, &mut scratch);
         let (outcome, replayed) = if i >= COMMANDS_PER_ENTRY_MAX {
             (
                 Err(CommandError::LimitReached(Limit::CommandsPerEntry)),
                 false,
             )
         } else {
-            apply_request(state, req, now, &mut effects, &mut scratch)
+            apply_request(state, req, &digest, now, &mut effects)
         };
         let head = PendingEvent {
             org: None,
             account: None,
             hold: None,
             body: EventBody::Command {
-                command: req.command.clone(),
+                command: Box::new(req.command.clone()),
+                digest,
                 outcome: outcome.clone(),
                 replayed,
             },
@@ -168,26 +183,24 @@ pub fn apply(state: &mut State, entry: &Entry) -> Result<ApplyOutput, ApplyError
         }
         out.outcomes.push(outcome);
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Idempotency around one command. Returns the outcome and whether it was a replay.
 fn apply_request(
     state: &mut State,
     req: &Request,
+    digest: &Hash32,
     now: u64,
     effects: &mut Vec<PendingEvent>,
-    scratch: &mut Vec<u8>,
 ) -> (Outcome, bool) {
-    if !req.command.needs_request_id() {
+    if !req.command.uses_idempotency_table() {
         return (execute(state, req, now, effects), false);
     }
     if req.request_id == 0 {
         return (Err(CommandError::MissingRequestId), false);
     }
-    scratch.clear();
-    codec::encode_into(scratch, &req.command);
-    let fp = fingerprint(scratch);
+    let fp = fingerprint(digest);
     match state.idempotency.lookup(req.actor, req.request_id, &fp) {
         Lookup::Replay(outcome) => return (outcome, true),
         Lookup::Conflict => return (Err(CommandError::RequestIdReused), false),

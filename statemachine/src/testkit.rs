@@ -300,10 +300,14 @@ pub fn replay_buckets(
     for e in events {
         match &e.body {
             Command {
-                command: crate::command::Command::IssueGrant(g),
+                command,
                 outcome: Ok(_),
                 replayed: false,
+                ..
             } => {
+                let crate::command::Command::IssueGrant(g) = command.as_ref() else {
+                    continue;
+                };
                 let f = m.entry(g.bucket).or_default();
                 f.issued += g.amount_micro;
                 f.remaining += g.amount_micro;

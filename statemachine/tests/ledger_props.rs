@@ -351,8 +351,15 @@ fn run_sequence(ops: &[Op]) -> Harness {
                 continue;
             }
             Op::Retry { pick } if !sent.is_empty() => sent[pick % sent.len()].clone(),
-            Op::RetryDifferent { pick } if !sent.is_empty() => {
-                let mut r = sent[pick % sent.len()].clone();
+            Op::RetryDifferent { pick }
+                if sent.iter().any(|r| r.command.uses_idempotency_table()) =>
+            {
+                // Only ids the table remembers can conflict (heartbeats are keyed by seq).
+                let keyed: Vec<&Request> = sent
+                    .iter()
+                    .filter(|r| r.command.uses_idempotency_table())
+                    .collect();
+                let mut r = keyed[pick % keyed.len()].clone();
                 r.command = Command::CreateOrg {
                     org: OrgId(1_000 + r.request_id as u64),
                 };
@@ -376,11 +383,25 @@ fn run_sequence(ops: &[Op]) -> Harness {
                 first.insert(request.request_id, outcome);
                 sent.push(request);
             }
-            Some(original) if matches!(op, Op::RetryDifferent { .. }) => {
+            Some(_) if matches!(op, Op::RetryDifferent { .. }) => {
                 assert_eq!(outcome, Err(CommandError::RequestIdReused));
-                let _ = original;
                 assert_eq!(h.state.ledger.holds, before.holds);
                 assert_eq!(h.state.ledger.buckets, before.buckets);
+            }
+            Some(original) if matches!(request.command, Command::Heartbeat(_)) => {
+                // Heartbeats are idempotent by (hold, attempt, seq), not by request id:
+                // a resend of an accepted heartbeat is a duplicate and changes nothing.
+                // (A resend of a refused one may be accepted: it was never applied.)
+                let accepted = |o: &Outcome| {
+                    matches!(
+                        o,
+                        Ok(Reply::Heartbeat(HeartbeatReply { accepted: true, .. }))
+                    )
+                };
+                if accepted(original) {
+                    assert!(!accepted(&outcome), "{outcome:?}");
+                    assert_eq!(h.state.ledger, before, "a resent heartbeat applies nothing");
+                }
             }
             Some(original) => {
                 assert_eq!(&outcome, original, "a retry returns the first outcome");

@@ -105,14 +105,13 @@ fn job_preempted_at_60_percent_of_its_hold() {
         ]
     );
     let settle_event = &h.events[mark];
-    assert!(matches!(
-        &settle_event.body,
-        EventBody::Command {
-            command: Command::Settle { .. },
-            outcome: Ok(_),
-            ..
-        }
-    ));
+    let EventBody::Command {
+        command, outcome, ..
+    } = &settle_event.body
+    else {
+        panic!("the settlement's command event comes first")
+    };
+    assert!(matches!(command.as_ref(), Command::Settle { .. }) && outcome.is_ok());
     assert_eq!(settle_event.hold, Some(HoldId(1)));
 
     // 5. End state: 40 credits consumed (30 promo + 10 paid), paid back to 90.

@@ -26,11 +26,13 @@ pub struct Usage {
 
 impl Usage {
     fn roll(&mut self, now: u64) {
-        let (day, month) = (day_index(now), month_index(now));
-        if day != self.day {
-            self.day = day;
-            self.spent_day = 0;
+        let day = day_index(now);
+        if day == self.day {
+            return; // same day, so same month: no calendar arithmetic on the hot path
         }
+        self.day = day;
+        self.spent_day = 0;
+        let month = month_index(now);
         if month != self.month {
             self.month = month;
             self.spent_month = 0;

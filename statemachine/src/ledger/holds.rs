@@ -298,20 +298,44 @@ impl Ledger {
     }
 
     /// Runs `f` on an open hold taken out of the map, putting it back afterwards (so `f`
-    /// may use the rest of the ledger mutably). The hold is restored unchanged on error
-    /// only if `f` did not change it: every caller validates before it mutates.
+    /// may use the rest of the ledger mutably). Every `f` validates before it mutates,
+    /// so an error leaves the hold as it was.
     pub(crate) fn with_open_hold<T>(
         &mut self,
         id: HoldId,
         f: impl FnOnce(&mut Ledger, &mut Hold) -> Result<T, CommandError>,
     ) -> Result<T, CommandError> {
-        self.open_hold(id)?;
-        let Some(mut hold) = self.holds.remove(&id) else {
-            return Err(CommandError::UnknownHold);
-        };
+        let slot = self.holds.get_mut(&id).ok_or(CommandError::UnknownHold)?;
+        if !slot.is_open() {
+            return Err(CommandError::HoldSettled);
+        }
+        // Swap the hold out (the slot keeps a placeholder while `f` runs; `f` never
+        // reads this hold through the map) and back in: two lookups, no rebalancing.
+        let mut hold = std::mem::replace(slot, Hold::placeholder(id));
         let result = f(self, &mut hold);
-        self.holds.insert(id, hold);
+        if let Some(slot) = self.holds.get_mut(&id) {
+            *slot = hold;
+        }
         result
+    }
+}
+
+impl Hold {
+    fn placeholder(id: HoldId) -> Hold {
+        Hold {
+            id,
+            org: crate::ids::OrgId(0),
+            project: crate::ids::ProjectId(0),
+            user: crate::ids::UserId(0),
+            tier: crate::ids::Tier(0),
+            gpu_types: Vec::new(),
+            draws: Vec::new(),
+            held: 0,
+            captured: 0,
+            created_ms: 0,
+            meter: None,
+            settled: None,
+        }
     }
 }
 
