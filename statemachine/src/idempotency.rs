@@ -1,11 +1,12 @@
 //! The idempotency table: `(actor, request_id) → (fingerprint, outcome)`, written in the
 //! same apply as the command's effect, kept for a retention window of logical time.
 
+use crate::idmap::IdMap;
 use crate::ids::{Actor, RequestId};
 use crate::limits::{IDEMPOTENCY_ENTRIES_MAX, PRUNE_PER_ENTRY_MAX};
 use crate::outcome::Outcome;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 
 pub type Fingerprint = [u8; 16];
 
@@ -32,7 +33,7 @@ pub(crate) enum Lookup {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IdempotencyTable {
     pub retention_ms: u64,
-    pub records: BTreeMap<(Actor, RequestId), IdemRecord>,
+    pub records: IdMap<(Actor, RequestId), IdemRecord>,
     /// Keys in insertion order (= logical time order), for pruning.
     pub queue: VecDeque<(u64, Actor, RequestId)>,
 }

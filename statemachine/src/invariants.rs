@@ -40,12 +40,12 @@ pub fn check_invariants(state: &State) -> Result<(), Violation> {
 fn check_buckets(state: &State) -> Result<(), Violation> {
     let l = &state.ledger;
     let mut drawn: BTreeMap<BucketId, u64> = BTreeMap::new();
-    for h in l.holds.values().filter(|h| h.is_open()) {
+    for (_, h) in l.holds.sorted().into_iter().filter(|(_, h)| h.is_open()) {
         for d in &h.draws {
             *drawn.entry(d.bucket).or_default() += d.held;
         }
     }
-    for b in l.buckets.values() {
+    for (_, b) in l.buckets.sorted() {
         if !b.is_balanced() {
             return Err(Violation::BucketUnbalanced(b.id));
         }
@@ -74,7 +74,7 @@ fn check_buckets(state: &State) -> Result<(), Violation> {
 fn check_holds(state: &State) -> Result<(), Violation> {
     let l = &state.ledger;
     let mut open = 0;
-    for h in l.holds.values() {
+    for (_, h) in l.holds.sorted() {
         let held: u64 = h.draws.iter().map(|d| d.held).sum();
         let captured: u64 = h.draws.iter().map(|d| d.captured).sum();
         if held != h.held || captured != h.captured {
@@ -99,7 +99,7 @@ fn check_totals(state: &State) -> Result<(), Violation> {
     let l = &state.ledger;
     let (mut issued, mut moved_in, mut moved_out, mut consumed, mut expired, mut rest) =
         (0u128, 0u128, 0u128, 0u128, 0u128, 0u128);
-    for b in l.buckets.values() {
+    for (_, b) in l.buckets.sorted() {
         issued += b.issued as u128;
         moved_in += b.moved_in as u128;
         moved_out += b.moved_out as u128;
@@ -132,7 +132,7 @@ fn check_usage(state: &State) -> Result<(), Violation> {
     let mut orgs: BTreeMap<OrgId, u64> = BTreeMap::new();
     let mut projects: BTreeMap<ProjectId, u64> = BTreeMap::new();
     let mut users: BTreeMap<UserId, u64> = BTreeMap::new();
-    for h in l.holds.values().filter(|h| h.is_open()) {
+    for (_, h) in l.holds.sorted().into_iter().filter(|(_, h)| h.is_open()) {
         *orgs.entry(h.org).or_default() += h.held;
         *projects.entry(h.project).or_default() += h.held;
         *users.entry(h.user).or_default() += h.held;
@@ -140,7 +140,7 @@ fn check_usage(state: &State) -> Result<(), Violation> {
     let mismatch = |what: String, recorded: u64, counted: u64| {
         (recorded != counted).then_some(Violation::UsageHeldMismatch(what, recorded, counted))
     };
-    for (id, r) in &l.orgs {
+    for (id, r) in l.orgs.sorted() {
         if let Some(v) = mismatch(
             Account::Org(*id).to_string(),
             r.account.usage.held,
@@ -149,7 +149,7 @@ fn check_usage(state: &State) -> Result<(), Violation> {
             return Err(v);
         }
     }
-    for (id, r) in &l.projects {
+    for (id, r) in l.projects.sorted() {
         if let Some(v) = mismatch(
             id.to_string(),
             r.account.usage.held,
@@ -158,7 +158,7 @@ fn check_usage(state: &State) -> Result<(), Violation> {
             return Err(v);
         }
     }
-    for (id, r) in &l.users {
+    for (id, r) in l.users.sorted() {
         if let Some(v) = mismatch(
             id.to_string(),
             r.usage.held,

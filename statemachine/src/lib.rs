@@ -40,6 +40,7 @@ pub mod calendar;
 pub mod codec;
 pub mod command;
 pub mod idempotency;
+pub mod idmap;
 pub mod ids;
 pub mod invariants;
 pub mod ledger;

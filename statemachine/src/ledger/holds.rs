@@ -347,7 +347,7 @@ enum Movement {
 
 fn move_in_bucket(
     ctx: &mut Ctx,
-    buckets: &mut std::collections::BTreeMap<BucketId, Bucket>,
+    buckets: &mut crate::idmap::IdMap<BucketId, Bucket>,
     id: BucketId,
     hold: HoldId,
     amount: u64,

@@ -19,6 +19,7 @@ pub use meter::{cost_micro, Meter};
 
 use crate::audit::{EventBody, PendingEvent};
 use crate::command::{BucketKind, BucketPolicy};
+use crate::idmap::IdMap;
 use crate::ids::{Account, BucketId, GpuType, HoldId, OrgId, ProjectId, Tier, UserId};
 use crate::outcome::Settlement;
 use serde::{Deserialize, Serialize};
@@ -203,12 +204,12 @@ pub struct Totals {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Ledger {
     pub config: LedgerConfig,
-    pub orgs: BTreeMap<OrgId, OrgRec>,
-    pub projects: BTreeMap<ProjectId, ProjectRec>,
-    pub users: BTreeMap<UserId, UserRec>,
-    pub buckets: BTreeMap<BucketId, Bucket>,
+    pub orgs: IdMap<OrgId, OrgRec>,
+    pub projects: IdMap<ProjectId, ProjectRec>,
+    pub users: IdMap<UserId, UserRec>,
+    pub buckets: IdMap<BucketId, Bucket>,
     /// Open holds and settled tombstones.
-    pub holds: BTreeMap<HoldId, Hold>,
+    pub holds: IdMap<HoldId, Hold>,
     pub holds_open: usize,
     /// Settled holds in settlement order, pruned after `settled_retention_ms`.
     pub settled_queue: VecDeque<(u64, HoldId)>,
