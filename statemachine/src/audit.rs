@@ -15,16 +15,21 @@ pub type Hash32 = [u8; 32];
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum EventBody {
-    /// A command was applied (or rejected); `replayed` marks a retry answered from the
-    /// idempotency table with the first outcome. The chain hashes the command through
-    /// `digest` (SHA-256 of its canonical encoding, also the source of the idempotency
-    /// fingerprint), so the command is encoded and hashed once; verification checks the
-    /// digest against the command.
+    /// The command at position `request` of the entry at `log_index` was applied (or
+    /// rejected); `replayed` marks a retry answered from the idempotency table with the
+    /// first outcome. The command itself lives in the replicated log entry; `digest`
+    /// (SHA-256 of its canonical encoding) binds it into the chain, and the node's audit
+    /// store persists it beside the event (see [`command_of`], [`verify_commands`]).
     Command {
-        command: Box<Command>,
+        request: u32,
         digest: Hash32,
         outcome: Outcome,
         replayed: bool,
+    },
+    /// Credits issued into a bucket (a grant).
+    Issued {
+        bucket: BucketId,
+        amount_micro: u64,
     },
     HoldDrawn {
         bucket: BucketId,
@@ -112,11 +117,11 @@ impl AuditEvent {
         crate::codec::encode_into(scratch, &header);
         match &self.body {
             EventBody::Command {
+                request,
                 digest,
                 outcome,
                 replayed,
-                ..
-            } => crate::codec::encode_into(scratch, &(0u8, digest, outcome, replayed)),
+            } => crate::codec::encode_into(scratch, &(0u8, request, digest, outcome, replayed)),
             body => crate::codec::encode_into(scratch, &(1u8, body)),
         }
         let mut h = Sha256::new();
@@ -204,16 +209,40 @@ pub fn verify_chain(start: &AuditChain, events: &[AuditEvent]) -> Result<AuditCh
         if ev.compute_hash(&mut scratch) != ev.hash {
             return Err(ChainError::BadHash { seq: ev.seq });
         }
-        if let EventBody::Command {
-            command, digest, ..
-        } = &ev.body
-        {
-            if command_digest(command, &mut scratch) != *digest {
-                return Err(ChainError::BadHash { seq: ev.seq });
-            }
-        }
         chain.head = ev.hash;
         chain.next_seq += 1;
     }
     Ok(chain)
+}
+
+/// The command a command event refers to, from the entry it was applied in.
+pub fn command_of<'a>(event: &AuditEvent, entry: &'a crate::command::Entry) -> Option<&'a Command> {
+    match event.body {
+        EventBody::Command { request, .. } if event.log_index == entry.log_index => {
+            entry.requests.get(request as usize).map(|r| &r.command)
+        }
+        _ => None,
+    }
+}
+
+/// Checks that every command event's digest matches the command at its position in
+/// `entries` (the log, or the commands an audit store persisted beside the events).
+pub fn verify_commands(
+    events: &[AuditEvent],
+    entries: &[crate::command::Entry],
+) -> Result<(), ChainError> {
+    let mut scratch = Vec::new();
+    for ev in events {
+        let EventBody::Command { digest, .. } = &ev.body else {
+            continue;
+        };
+        let entry = entries.iter().find(|e| e.log_index == ev.log_index);
+        let command = entry
+            .and_then(|e| command_of(ev, e))
+            .ok_or(ChainError::BadHash { seq: ev.seq })?;
+        if command_digest(command, &mut scratch) != *digest {
+            return Err(ChainError::BadHash { seq: ev.seq });
+        }
+    }
+    Ok(())
 }

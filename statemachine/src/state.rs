@@ -166,7 +166,7 @@ pub fn apply_into(
             account: None,
             hold: None,
             body: EventBody::Command {
-                command: Box::new(req.command.clone()),
+                request: i as u32,
                 digest,
                 outcome: outcome.clone(),
                 replayed,
@@ -245,7 +245,7 @@ fn dispatch(ledger: &mut Ledger, command: &Command, ctx: &mut Ctx) -> Outcome {
             .set_prices(now, prices)
             .map(|version| Reply::PricesSet { version }),
         Command::IssueGrant(g) => ledger
-            .issue_grant(now, g)
+            .issue_grant(ctx, g)
             .map(|()| Reply::GrantIssued { bucket: g.bucket }),
         Command::SetBudget { scope, budget } => ledger
             .set_budget(*scope, *budget)

@@ -140,6 +140,11 @@ impl Harness {
             panic!("invariant violated after entry {}: {v}", self.index);
         }
         self.chain = verify_chain(&self.chain, &out.events).expect("audit chain continues");
+        crate::audit::verify_commands(
+            &out.events,
+            std::slice::from_ref(self.entries.last().expect("just pushed")),
+        )
+        .expect("command digests match");
         assert_eq!(
             self.chain, self.state.audit,
             "chain head matches the state's"
@@ -226,6 +231,10 @@ impl Harness {
             .iter()
             .filter_map(|e| match &e.body {
                 Command { .. } | BudgetAlert { .. } => None,
+                Issued {
+                    bucket,
+                    amount_micro,
+                } => Some(("issued", bucket.0, *amount_micro)),
                 HoldDrawn {
                     bucket,
                     amount_micro,
@@ -299,18 +308,13 @@ pub fn replay_buckets(
     let mut m: std::collections::BTreeMap<BucketId, BucketFigures> = Default::default();
     for e in events {
         match &e.body {
-            Command {
-                command,
-                outcome: Ok(_),
-                replayed: false,
-                ..
+            Issued {
+                bucket,
+                amount_micro: a,
             } => {
-                let crate::command::Command::IssueGrant(g) = command.as_ref() else {
-                    continue;
-                };
-                let f = m.entry(g.bucket).or_default();
-                f.issued += g.amount_micro;
-                f.remaining += g.amount_micro;
+                let f = m.entry(*bucket).or_default();
+                f.issued += a;
+                f.remaining += a;
             }
             HoldDrawn {
                 bucket,

@@ -464,6 +464,8 @@ fn generator_reaches_the_interesting_paths() {
         let ops = strategy.new_tree(&mut runner).unwrap().current();
         let h = run_sequence(&ops);
         for e in &h.events {
+            let entry = &h.entries[e.log_index as usize - 1];
+            let name = audit::command_of(e, entry).map_or("", |c| c.name());
             let key = match &e.body {
                 EventBody::Command { replayed: true, .. } => "replayed",
                 EventBody::Command {
@@ -486,15 +488,9 @@ fn generator_reaches_the_interesting_paths() {
                     outcome: Ok(Reply::Settled(s)),
                     ..
                 } if s.reason == SettleReason::Preempted => "settled_preempted",
+                EventBody::Command { outcome: Ok(_), .. } => name,
                 EventBody::Command {
-                    outcome: Ok(_),
-                    command,
-                    ..
-                } => command.name(),
-                EventBody::Command {
-                    command,
-                    outcome: Err(e),
-                    ..
+                    outcome: Err(e), ..
                 } => {
                     let reason = format!("{e:?}");
                     let reason = reason
@@ -502,9 +498,7 @@ fn generator_reaches_the_interesting_paths() {
                         .next()
                         .unwrap_or_default()
                         .to_string();
-                    *rejected
-                        .entry(format!("{} {reason}", command.name()))
-                        .or_default() += 1;
+                    *rejected.entry(format!("{} {reason}", name)).or_default() += 1;
                     "rejected"
                 }
                 EventBody::CaptureReversed { .. } => "capture_reversed",

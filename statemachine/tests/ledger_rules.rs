@@ -708,6 +708,14 @@ fn audit_chain_detects_tampering() {
     let events = h.events.clone();
     let start = AuditChain::default();
     assert_eq!(verify_chain(&start, &events).unwrap(), h.state.audit);
+    // The commands are bound to the chain by digest: editing one in the log (or in the
+    // audit store beside its event) is detected.
+    assert!(audit::verify_commands(&events, &h.entries).is_ok());
+    let mut forged = h.entries.clone();
+    if let Command::CreateHold(spec) = &mut forged.last_mut().unwrap().requests[0].command {
+        spec.amount_micro = credits(1);
+    }
+    assert!(audit::verify_commands(&events, &forged).is_err());
     let mut edited = events.clone();
     if let EventBody::HoldDrawn { amount_micro, .. } = &mut edited.last_mut().unwrap().body {
         *amount_micro += 1;

@@ -105,13 +105,11 @@ fn job_preempted_at_60_percent_of_its_hold() {
         ]
     );
     let settle_event = &h.events[mark];
-    let EventBody::Command {
-        command, outcome, ..
-    } = &settle_event.body
-    else {
+    let EventBody::Command { outcome, .. } = &settle_event.body else {
         panic!("the settlement's command event comes first")
     };
-    assert!(matches!(command.as_ref(), Command::Settle { .. }) && outcome.is_ok());
+    let command = audit::command_of(settle_event, h.entries.last().unwrap());
+    assert!(matches!(command, Some(Command::Settle { .. })) && outcome.is_ok());
     assert_eq!(settle_event.hold, Some(HoldId(1)));
 
     // 5. End state: 40 credits consumed (30 promo + 10 paid), paid back to 90.

@@ -92,7 +92,8 @@ impl Ledger {
         self.buckets.insert(bucket.id, bucket);
     }
 
-    pub(crate) fn issue_grant(&mut self, now: u64, g: &Grant) -> Result<(), CommandError> {
+    pub(crate) fn issue_grant(&mut self, ctx: &mut Ctx, g: &Grant) -> Result<(), CommandError> {
+        let now = ctx.now;
         check_amount(g.amount_micro)?;
         if g.bucket.0 >= INTERNAL_ID_BASE {
             return Err(CommandError::IdOutOfRange);
@@ -134,6 +135,16 @@ impl Ledger {
             is_expired: false,
         });
         self.totals.issued += g.amount_micro as u128;
+        if let Some(b) = self.buckets.get(&g.bucket) {
+            ctx.bucket_event(
+                b.refs(),
+                None,
+                EventBody::Issued {
+                    bucket: g.bucket,
+                    amount_micro: g.amount_micro,
+                },
+            );
+        }
         Ok(())
     }
 
