@@ -174,9 +174,8 @@ fn next(mix: &mut Mix) -> Request {
         }
         Some(_) => {
             mix.running[i] = (0, project, None);
-            if mix.cursor % 8 == 0 {
+            if mix.cursor.is_multiple_of(8) {
                 // Every so often a transfer from the org's pool to the project.
-                let _ = req(&mut mix.rid, ADMIN, Command::Tick);
                 return req(
                     &mut mix.rid,
                     ADMIN,

@@ -500,9 +500,8 @@ fn expiry_pass_is_bounded_but_never_lets_expired_credit_through() {
     h.now = T0_MS + HOUR_MS;
     let mut spec = Harness::hold_spec(1, 1);
     spec.project = ProjectId(1_000 + projects - 1);
-    let out = vec![h.run(Command::CreateHold(spec))];
     assert_eq!(
-        out[0],
+        h.run(Command::CreateHold(spec)),
         Err(CommandError::InsufficientCredits {
             available: 0,
             needed: 1

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs what building allot needs on a fresh Debian 12 machine, and nothing twice.
+# - clang + libclang-dev: bindgen for RocksDB's C++ build (used by allot-node).
+# - the Rust toolchain pinned in rust-toolchain.toml must already be present (rustup).
+# .proto files are compiled with protox (pure Rust): no system protoc.
+set -euo pipefail
+
+need=()
+for pkg in clang libclang-dev; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
+done
+if ((${#need[@]})); then
+  echo "setup: installing ${need[*]} (apt)" >&2
+  sudo_cmd=()
+  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+  "${sudo_cmd[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+command -v cargo >/dev/null || { echo "setup: cargo not found; install Rust (rustup) first" >&2; exit 1; }
