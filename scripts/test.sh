@@ -16,12 +16,13 @@ cargo fmt --all -- --check
 step "clippy (-D warnings)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
+step "doc tests"
+cargo test --workspace --locked --doc
+
+# Last, so its summary is the closing line.
 step "tests (nextest)"
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --locked --no-fail-fast
 else
   cargo test --workspace --locked --no-fail-fast
 fi
-
-step "doc tests"
-cargo test --workspace --locked --doc

@@ -37,7 +37,15 @@ unsafe impl GlobalAlloc for Counting {
 static GLOBAL: Counting = Counting;
 
 const ORGS: u64 = 10_000;
-const HOLDS_CONCURRENT: u64 = 20_000;
+/// Concurrently metered holds (running jobs). Default: 20,000 (a stress working set,
+/// 10× the seed's "low-thousands of concurrently running jobs"); `ALLOT_BENCH_HOLDS`
+/// overrides it (e.g. 2,000 for the seed's own sizing).
+fn holds_concurrent() -> u64 {
+    std::env::var("ALLOT_BENCH_HOLDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000)
+}
 const HEARTBEATS_PER_HOLD: u64 = 10;
 const COMMANDS_PER_ENTRY: usize = 2_000;
 fn entries() -> usize {
@@ -210,7 +218,7 @@ fn throughput() -> (f64, usize, usize) {
         cursor: 0,
     };
     let mut index = setup(&mut state, &mut mix);
-    mix.running = (0..HOLDS_CONCURRENT)
+    mix.running = (0..holds_concurrent())
         .map(|i| (0, 1 + i % ORGS, None))
         .collect();
     // Warm up until every slot is metering, then generate the measured entries.
@@ -331,7 +339,8 @@ fn main() {
     };
     if json {
         println!(
-            "{{\"apply_commands_per_s_best\":{best:.0},\"apply_commands_per_s_median\":{median:.0},\"repetitions\":{reps},\"commands_per_repetition\":{commands},\"heartbeat_share\":{:.3},\"bytes_per_account\":{steady:.0},\"bytes_per_account_with_idempotency_records\":{with_idem:.0}}}",
+            "{{\"apply_commands_per_s_best\":{best:.0},\"apply_commands_per_s_median\":{median:.0},\"repetitions\":{reps},\"holds_concurrent\":{},\"commands_per_repetition\":{commands},\"heartbeat_share\":{:.3},\"bytes_per_account\":{steady:.0},\"bytes_per_account_with_idempotency_records\":{with_idem:.0}}}",
+            holds_concurrent(),
             heartbeats as f64 / commands as f64
         );
     } else {
@@ -339,6 +348,10 @@ fn main() {
             "ledger apply throughput (one core, full apply path incl. idempotency + audit chain)"
         );
         println!("  commands per repetition {commands} ({reps} repetitions, fresh state each)");
+        println!(
+            "  orgs {ORGS}, concurrently metered holds {}",
+            holds_concurrent()
+        );
         println!(
             "  heartbeat share         {:.1}%",
             100.0 * heartbeats as f64 / commands as f64
