@@ -281,7 +281,7 @@ fn workload() {
             print!(
                 "\r  entry {:>4}/{ENTRIES}  running {:>4}  settled {:>5}  out-of-credit {:>3}  consumed {:>12}  events {:>7}",
                 i + 1,
-                h.state.ledger.holds_open,
+                h.state.ledger.holds.open,
                 settled,
                 stopped,
                 c(t.consumed as u64),

@@ -86,10 +86,10 @@ fn check_holds(state: &State) -> Result<(), Violation> {
             return Err(Violation::SettledHoldHolds(h.id));
         }
     }
-    if open != l.holds_open {
+    if open != l.holds.open {
         return Err(Violation::OpenHoldCount {
             counted: open,
-            recorded: l.holds_open,
+            recorded: l.holds.open,
         });
     }
     Ok(())

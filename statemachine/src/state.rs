@@ -258,27 +258,29 @@ fn dispatch(ledger: &mut Ledger, command: &Command, ctx: &mut Ctx) -> Outcome {
                     draws,
                 })
         }
-        Command::Capture { hold, amount_micro } => ledger.with_open_hold(*hold, |l, h| {
-            if h.meter.is_some() {
+        Command::Capture { hold, amount_micro } => {
+            let hc = ledger.open_hold(*hold)?;
+            if hc.hold.meter.is_some() {
                 return Err(CommandError::HoldMetered);
             }
             crate::ledger::check_amount(*amount_micro)?;
-            l.capture(ctx, h, *amount_micro)?;
+            hc.books.capture(ctx, hc.hold, *amount_micro)?;
             Ok(Reply::Captured {
-                captured_micro: h.captured,
-                held_micro: h.held,
+                captured_micro: hc.hold.captured,
+                held_micro: hc.hold.held,
             })
-        }),
-        Command::TopUp { hold, amount_micro } => ledger.with_open_hold(*hold, |l, h| {
+        }
+        Command::TopUp { hold, amount_micro } => {
+            let hc = ledger.open_hold(*hold)?;
             crate::ledger::check_amount(*amount_micro)?;
-            l.draw(ctx, h, *amount_micro)?;
+            hc.books.draw(ctx, hc.hold, *amount_micro)?;
             Ok(Reply::ToppedUp {
                 added_micro: *amount_micro,
-                held_micro: h.held,
+                held_micro: hc.hold.held,
             })
-        }),
+        }
         Command::ReleaseHold { hold } => {
-            if ledger.open_hold(*hold)?.meter.is_some() {
+            if ledger.open_hold(*hold)?.hold.meter.is_some() {
                 return Err(CommandError::HoldMetered);
             }
             ledger

@@ -1,6 +1,6 @@
 //! Balance queries with a breakdown. Pure reads of the state at an instant.
 
-use super::Ledger;
+use super::Books;
 use crate::command::BucketKind;
 use crate::ids::{Account, BucketId};
 use serde::{Deserialize, Serialize};
@@ -36,7 +36,7 @@ impl Balance {
     }
 }
 
-impl Ledger {
+impl Books {
     /// The balance of `account`'s own buckets at `now`. Credit past its expiry instant
     /// counts as expired even before the expiry pass has processed its bucket.
     pub fn balance(&self, account: Account, now: u64, horizon_ms: u64) -> Option<Balance> {

@@ -1,7 +1,7 @@
 //! Buckets: issuance, the spend-order index, expiry, and transfers.
 
 use super::tenancy::check_gpu_types;
-use super::{unknown_account, AccountRec, Bucket, BucketRef, Ctx, Ledger};
+use super::{unknown_account, AccountRec, Books, Bucket, BucketRef, Ctx};
 use crate::audit::EventBody;
 use crate::command::{BucketPolicy, Grant};
 use crate::ids::{Account, BucketId};
@@ -52,7 +52,7 @@ impl AccountRec {
     }
 }
 
-impl Ledger {
+impl Books {
     /// Adds or removes a bucket from its owner's spend index.
     pub(crate) fn set_live(&mut self, bucket: BucketRef, live: bool) {
         if let Some(rec) = self.account_mut(bucket.owner) {
@@ -65,7 +65,7 @@ impl Ledger {
     }
 }
 
-impl Ledger {
+impl Books {
     /// Checks that `account` may own one more bucket and the shard one more.
     fn check_bucket_room(&self, account: Account, extra: usize) -> Result<(), CommandError> {
         let rec = self.account(account).ok_or(unknown_account(account))?;

@@ -4,7 +4,7 @@
 //! current period. Every hold and top-up must fit every budget on its path (user,
 //! project, org); a hard budget rejects, a soft one allows and emits one alert per period.
 
-use super::{Ctx, Ledger};
+use super::{Books, Ctx};
 use crate::audit::{EventBody, PendingEvent};
 use crate::calendar::{day_index, month_index};
 use crate::command::{BudgetMode, BudgetPeriod, BudgetScope, BudgetSpec};
@@ -108,7 +108,7 @@ pub(crate) enum UsageMove {
     Unspend(u64),
 }
 
-impl Ledger {
+impl Books {
     fn usage_and_budget_mut(
         &mut self,
         scope: BudgetScope,

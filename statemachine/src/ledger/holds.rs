@@ -4,12 +4,13 @@
 use super::buckets::check_amount;
 use super::budget::{SpendPath, UsageMove};
 use super::tenancy::check_gpu_types;
-use super::{Bucket, Ctx, Draw, Hold, Ledger};
+use super::{Books, Bucket, Ctx, Draw, Hold, HoldTable, Ledger};
 use crate::audit::EventBody;
 use crate::command::HoldSpec;
 use crate::ids::{Account, BucketId, HoldId};
 use crate::limits::*;
-use crate::outcome::{CommandError, DrawReport, Limit};
+use crate::outcome::{CommandError, DrawReport, Limit, Settlement};
+use std::collections::VecDeque;
 
 impl Hold {
     pub(crate) fn path(&self) -> SpendPath {
@@ -32,13 +33,43 @@ pub(crate) struct Released {
     pub forfeited: u64,
 }
 
+/// One open hold borrowed together with the books and the hold table's counters, so
+/// operations can change both without moving the hold out of its table.
+pub(crate) struct HoldCtx<'a> {
+    pub books: &'a mut Books,
+    pub hold: &'a mut Hold,
+    open: &'a mut usize,
+    settled_queue: &'a mut VecDeque<(u64, HoldId)>,
+}
+
+impl HoldCtx<'_> {
+    /// Marks the hold settled and queues its tombstone for pruning.
+    pub(crate) fn close(&mut self, now: u64, settlement: Settlement) {
+        self.hold.settled = Some((now, settlement));
+        *self.open -= 1;
+        self.settled_queue.push_back((now, self.hold.id));
+    }
+}
+
 impl Ledger {
-    pub(crate) fn open_hold(&self, id: HoldId) -> Result<&Hold, CommandError> {
-        let hold = self.holds.get(&id).ok_or(CommandError::UnknownHold)?;
+    /// The open hold `id` with the books, or `UnknownHold` / `HoldSettled`.
+    pub(crate) fn open_hold(&mut self, id: HoldId) -> Result<HoldCtx<'_>, CommandError> {
+        let Ledger { books, holds } = self;
+        let HoldTable {
+            map,
+            open,
+            settled_queue,
+        } = holds;
+        let hold = map.get_mut(&id).ok_or(CommandError::UnknownHold)?;
         if !hold.is_open() {
             return Err(CommandError::HoldSettled);
         }
-        Ok(hold)
+        Ok(HoldCtx {
+            books,
+            hold,
+            open,
+            settled_queue,
+        })
     }
 
     pub(crate) fn create_hold(
@@ -63,10 +94,10 @@ impl Ledger {
         if user.org != project.org {
             return Err(CommandError::WrongOrg);
         }
-        if self.holds.contains_key(&spec.hold) {
+        if self.holds.map.contains_key(&spec.hold) {
             return Err(CommandError::AlreadyExists);
         }
-        if self.holds_open >= HOLDS_OPEN_MAX {
+        if self.holds.open >= HOLDS_OPEN_MAX {
             return Err(CommandError::LimitReached(Limit::HoldsOpen));
         }
         let mut hold = Hold {
@@ -83,12 +114,32 @@ impl Ledger {
             meter: None,
             settled: None,
         };
-        let drawn = self.draw(ctx, &mut hold, spec.amount_micro)?;
-        self.holds.insert(spec.hold, hold);
-        self.holds_open += 1;
+        let drawn = self.books.draw(ctx, &mut hold, spec.amount_micro)?;
+        self.holds.map.insert(spec.hold, hold);
+        self.holds.open += 1;
         Ok(drawn)
     }
 
+    /// Drops settled tombstones older than the retention window (bounded per entry), and
+    /// the oldest ones early if the tombstone table is full.
+    pub(crate) fn prune_settled(&mut self, now: u64) {
+        let retention = self.books.config.settled_retention_ms;
+        let t = &mut self.holds;
+        for _ in 0..PRUNE_PER_ENTRY_MAX {
+            let Some(&(at, id)) = t.settled_queue.front() else {
+                return;
+            };
+            let due = at.saturating_add(retention) <= now;
+            if !due && t.settled_queue.len() <= HOLDS_SETTLED_MAX {
+                return;
+            }
+            t.settled_queue.pop_front();
+            t.map.remove(&id);
+        }
+    }
+}
+
+impl Books {
     /// Reserves `amount` more for `hold` from its project's and org's buckets in spend
     /// order, after checking budgets. All or nothing.
     pub(crate) fn draw(
@@ -267,75 +318,6 @@ impl Ledger {
         self.move_usage(ctx.now, hold.path(), UsageMove::Unhold(hold.held));
         hold.held = 0;
         out
-    }
-
-    /// Marks a hold settled and queues its tombstone for pruning.
-    pub(crate) fn close(
-        &mut self,
-        now: u64,
-        hold: &mut Hold,
-        settlement: crate::outcome::Settlement,
-    ) {
-        hold.settled = Some((now, settlement));
-        self.holds_open -= 1;
-        self.settled_queue.push_back((now, hold.id));
-    }
-
-    /// Drops settled tombstones older than the retention window (bounded per entry), and
-    /// the oldest ones early if the tombstone table is full.
-    pub(crate) fn prune_settled(&mut self, now: u64) {
-        for _ in 0..PRUNE_PER_ENTRY_MAX {
-            let Some(&(at, id)) = self.settled_queue.front() else {
-                return;
-            };
-            let due = at.saturating_add(self.config.settled_retention_ms) <= now;
-            if !due && self.settled_queue.len() <= HOLDS_SETTLED_MAX {
-                return;
-            }
-            self.settled_queue.pop_front();
-            self.holds.remove(&id);
-        }
-    }
-
-    /// Runs `f` on an open hold taken out of the map, putting it back afterwards (so `f`
-    /// may use the rest of the ledger mutably). Every `f` validates before it mutates,
-    /// so an error leaves the hold as it was.
-    pub(crate) fn with_open_hold<T>(
-        &mut self,
-        id: HoldId,
-        f: impl FnOnce(&mut Ledger, &mut Hold) -> Result<T, CommandError>,
-    ) -> Result<T, CommandError> {
-        let slot = self.holds.get_mut(&id).ok_or(CommandError::UnknownHold)?;
-        if !slot.is_open() {
-            return Err(CommandError::HoldSettled);
-        }
-        // Swap the hold out (the slot keeps a placeholder while `f` runs; `f` never
-        // reads this hold through the map) and back in: two lookups, no rebalancing.
-        let mut hold = std::mem::replace(slot, Hold::placeholder(id));
-        let result = f(self, &mut hold);
-        if let Some(slot) = self.holds.get_mut(&id) {
-            *slot = hold;
-        }
-        result
-    }
-}
-
-impl Hold {
-    fn placeholder(id: HoldId) -> Hold {
-        Hold {
-            id,
-            org: crate::ids::OrgId(0),
-            project: crate::ids::ProjectId(0),
-            user: crate::ids::UserId(0),
-            tier: crate::ids::Tier(0),
-            gpu_types: Vec::new(),
-            draws: Vec::new(),
-            held: 0,
-            captured: 0,
-            created_ms: 0,
-            meter: None,
-            settled: None,
-        }
     }
 }
 

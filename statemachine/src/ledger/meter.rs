@@ -2,7 +2,8 @@
 //! current attempt, never from client timestamps. The price is fixed on the meter when
 //! the attempt starts (the price of the GPU type actually placed on).
 
-use super::{Ctx, Hold, Ledger};
+use super::holds::HoldCtx;
+use super::{Books, Ctx, Hold, Ledger};
 use crate::command::{Heartbeat, SettleReason};
 use crate::ids::{GpuType, HoldId};
 use crate::limits::GPUS_PER_HOLD_MAX;
@@ -74,14 +75,15 @@ impl Ledger {
         if gpus == 0 || gpus > GPUS_PER_HOLD_MAX {
             return Err(CommandError::InvalidGpuCount);
         }
-        let hold = self.open_hold(hold_id)?;
-        let price = self
+        let hc = self.open_hold(hold_id)?;
+        let price = hc
+            .books
             .price_of(gpu_type)
             .ok_or(CommandError::UnknownPrice(gpu_type.clone()))?;
-        if !hold.gpu_types.is_empty() && !hold.gpu_types.contains(gpu_type) {
+        if !hc.hold.gpu_types.is_empty() && !hc.hold.gpu_types.contains(gpu_type) {
             return Err(CommandError::InvalidGpuType(gpu_type.clone()));
         }
-        if let Some(m) = &hold.meter {
+        if let Some(m) = &hc.hold.meter {
             if attempt <= m.attempt || !m.closed {
                 return Err(CommandError::StaleAttempt {
                     given: attempt,
@@ -89,8 +91,8 @@ impl Ledger {
                 });
             }
         }
-        let version = self.prices.version;
-        let meter = Meter {
+        let version = hc.books.prices.version;
+        hc.hold.meter = Some(Meter {
             attempt,
             gpu_type: gpu_type.clone(),
             gpus,
@@ -104,10 +106,7 @@ impl Ledger {
             checkpoint_ms: None,
             captured_attempt: 0,
             closed: false,
-        };
-        if let Some(h) = self.holds.get_mut(&hold_id) {
-            h.meter = Some(meter);
-        }
+        });
         Ok((price, version))
     }
 
@@ -119,37 +118,36 @@ impl Ledger {
         if hb.progress_ppm > 1_000_000 {
             return Err(CommandError::InvalidProgress);
         }
-        self.with_open_hold(hb.hold, |ledger, hold| {
-            let meter = current_meter(hold, hb.attempt)?;
-            if hb.seq <= meter.last_seq {
-                return Ok(HeartbeatReply {
-                    accepted: false,
-                    captured_delta_micro: 0,
-                    captured_attempt_micro: meter.captured_attempt,
-                    held_micro: hold.held,
-                    stop: None,
-                });
-            }
-            meter.last_seq = hb.seq;
-            meter.last_heartbeat_ms = ctx.now;
-            meter.progress_ppm = hb.progress_ppm;
-            if hb.checkpoint > meter.checkpoint {
-                meter.checkpoint = hb.checkpoint;
-                meter.checkpoint_ms = Some(ctx.now);
-            }
-            let billed_ms = ctx.now.saturating_sub(meter.started_ms);
-            let before = meter.captured_attempt;
-            let uncollected = ledger.bill_to(ctx, hold, billed_ms);
-            let stop = (uncollected > 0)
-                .then(|| ledger.finish(ctx, hold, SettleReason::OutOfCredits, uncollected));
-            let captured_attempt = hold.meter.as_ref().map_or(0, |m| m.captured_attempt);
-            Ok(HeartbeatReply {
-                accepted: true,
-                captured_delta_micro: captured_attempt - before,
-                captured_attempt_micro: captured_attempt,
-                held_micro: hold.held,
-                stop,
-            })
+        let mut hc = self.open_hold(hb.hold)?;
+        let meter = current_meter(hc.hold, hb.attempt)?;
+        if hb.seq <= meter.last_seq {
+            return Ok(HeartbeatReply {
+                accepted: false,
+                captured_delta_micro: 0,
+                captured_attempt_micro: meter.captured_attempt,
+                held_micro: hc.hold.held,
+                stop: None,
+            });
+        }
+        meter.last_seq = hb.seq;
+        meter.last_heartbeat_ms = ctx.now;
+        meter.progress_ppm = hb.progress_ppm;
+        if hb.checkpoint > meter.checkpoint {
+            meter.checkpoint = hb.checkpoint;
+            meter.checkpoint_ms = Some(ctx.now);
+        }
+        let billed_ms = ctx.now.saturating_sub(meter.started_ms);
+        let before = meter.captured_attempt;
+        let uncollected = hc.books.bill_to(ctx, hc.hold, billed_ms);
+        let stop =
+            (uncollected > 0).then(|| hc.finish(ctx, SettleReason::OutOfCredits, uncollected));
+        let captured_attempt = hc.hold.meter.as_ref().map_or(0, |m| m.captured_attempt);
+        Ok(HeartbeatReply {
+            accepted: true,
+            captured_delta_micro: captured_attempt - before,
+            captured_attempt_micro: captured_attempt,
+            held_micro: hc.hold.held,
+            stop,
         })
     }
 
@@ -162,12 +160,37 @@ impl Ledger {
         attempt: u32,
         reason: SettleReason,
     ) -> Result<Settlement, CommandError> {
-        self.with_open_hold(hold_id, |ledger, hold| {
-            let uncollected = ledger.end_attempt(ctx, hold, attempt, reason)?;
-            Ok(ledger.finish(ctx, hold, reason, uncollected))
-        })
+        let mut hc = self.open_hold(hold_id)?;
+        let uncollected = hc.books.end_attempt(ctx, hc.hold, attempt, reason)?;
+        Ok(hc.finish(ctx, reason, uncollected))
     }
+}
 
+impl HoldCtx<'_> {
+    /// Releases what is left and closes the hold.
+    pub(crate) fn finish(
+        &mut self,
+        ctx: &mut Ctx,
+        reason: SettleReason,
+        uncollected: u64,
+    ) -> Settlement {
+        if let Some(m) = self.hold.meter.as_mut() {
+            m.closed = true;
+        }
+        let released = self.books.release(ctx, self.hold);
+        let settlement = Settlement {
+            reason,
+            captured_micro: self.hold.captured,
+            refunded_micro: released.refunded,
+            forfeited_micro: released.forfeited,
+            uncollected_micro: uncollected,
+        };
+        self.close(ctx.now, settlement);
+        settlement
+    }
+}
+
+impl Books {
     /// Bills the open attempt (if any) to its end as `reason` says and closes its meter;
     /// the hold stays open (a requeued job keeps its reservation). Returns what could not
     /// be collected.
@@ -193,29 +216,6 @@ impl Ledger {
             m.closed = true;
         }
         Ok(uncollected)
-    }
-
-    /// Releases what is left and closes the hold.
-    fn finish(
-        &mut self,
-        ctx: &mut Ctx,
-        hold: &mut Hold,
-        reason: SettleReason,
-        uncollected: u64,
-    ) -> Settlement {
-        if let Some(m) = hold.meter.as_mut() {
-            m.closed = true;
-        }
-        let released = self.release(ctx, hold);
-        let settlement = Settlement {
-            reason,
-            captured_micro: hold.captured,
-            refunded_micro: released.refunded,
-            forfeited_micro: released.forfeited,
-            uncollected_micro: uncollected,
-        };
-        self.close(ctx.now, hold, settlement);
-        settlement
     }
 
     /// Brings the attempt's captures to exactly the cost of `billed_ms`: captures more

@@ -201,18 +201,22 @@ pub struct Totals {
     pub moved: u128,
 }
 
+/// The ledger: the books (accounts, buckets, prices, totals) and the hold table, kept
+/// apart so an operation can borrow one hold and the books at once (one lookup, no
+/// moves). `Ledger` dereferences to its [`Books`].
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Ledger {
+    pub books: Books,
+    pub holds: HoldTable,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Books {
     pub config: LedgerConfig,
     pub orgs: IdMap<OrgId, OrgRec>,
     pub projects: IdMap<ProjectId, ProjectRec>,
     pub users: IdMap<UserId, UserRec>,
     pub buckets: IdMap<BucketId, Bucket>,
-    /// Open holds and settled tombstones.
-    pub holds: IdMap<HoldId, Hold>,
-    pub holds_open: usize,
-    /// Settled holds in settlement order, pruned after `settled_retention_ms`.
-    pub settled_queue: VecDeque<(u64, HoldId)>,
     /// The expiry min-queue: (expires_at_ms, bucket), smallest first. An ordered set
     /// rather than a binary heap so its encoding (and the state hash) is canonical.
     pub expiry_queue: BTreeSet<(u64, BucketId)>,
@@ -221,6 +225,35 @@ pub struct Ledger {
     /// Next id for buckets the ledger creates itself (transfers), from `INTERNAL_ID_BASE`.
     pub next_internal_id: u64,
     pub totals: Totals,
+}
+
+/// Open holds and settled tombstones.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HoldTable {
+    pub map: IdMap<HoldId, Hold>,
+    pub open: usize,
+    /// Settled holds in settlement order, pruned after `settled_retention_ms`.
+    pub settled_queue: VecDeque<(u64, HoldId)>,
+}
+
+impl std::ops::Deref for HoldTable {
+    type Target = IdMap<HoldId, Hold>;
+    fn deref(&self) -> &Self::Target {
+        &self.map
+    }
+}
+
+impl std::ops::Deref for Ledger {
+    type Target = Books;
+    fn deref(&self) -> &Books {
+        &self.books
+    }
+}
+
+impl std::ops::DerefMut for Ledger {
+    fn deref_mut(&mut self) -> &mut Books {
+        &mut self.books
+    }
 }
 
 /// What a ledger operation needs from the apply loop: the instant, and where to put
@@ -262,12 +295,21 @@ pub(crate) fn unknown_account(account: Account) -> crate::outcome::CommandError 
 impl Ledger {
     pub fn new(config: LedgerConfig) -> Ledger {
         Ledger {
-            config,
-            next_internal_id: crate::limits::INTERNAL_ID_BASE,
-            ..Ledger::default()
+            books: Books {
+                config,
+                next_internal_id: crate::limits::INTERNAL_ID_BASE,
+                ..Books::default()
+            },
+            holds: HoldTable::default(),
         }
     }
 
+    pub fn hold(&self, id: HoldId) -> Option<&Hold> {
+        self.holds.map.get(&id)
+    }
+}
+
+impl Books {
     pub fn account(&self, account: Account) -> Option<&AccountRec> {
         match account {
             Account::Org(o) => self.orgs.get(&o).map(|r| &r.account),
@@ -288,9 +330,5 @@ impl Ledger {
             Account::Org(o) => self.orgs.contains_key(&o).then_some(o),
             Account::Project(p) => self.projects.get(&p).map(|r| r.org),
         }
-    }
-
-    pub fn hold(&self, id: HoldId) -> Option<&Hold> {
-        self.holds.get(&id)
     }
 }

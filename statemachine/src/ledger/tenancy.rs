@@ -1,6 +1,6 @@
 //! Tenancy (org → project → user) and the versioned price table.
 
-use super::{Ledger, OrgRec, PriceTable, ProjectRec, UserRec};
+use super::{Books, OrgRec, PriceTable, ProjectRec, UserRec};
 use crate::ids::{GpuType, OrgId, ProjectId, UserId};
 use crate::limits::*;
 use crate::outcome::{CommandError, Limit};
@@ -35,7 +35,7 @@ pub(crate) fn check_gpu_types<'a>(
     Ok(())
 }
 
-impl Ledger {
+impl Books {
     pub(crate) fn create_org(&mut self, org: OrgId) -> Result<(), CommandError> {
         check_id(org.0)?;
         if self.orgs.contains_key(&org) {
