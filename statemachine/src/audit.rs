@@ -66,6 +66,20 @@ pub enum EventBody {
         bucket: BucketId,
         amount_micro: u64,
     },
+    /// A job changed state (every lifecycle transition is audited).
+    JobTransition {
+        job: crate::ids::JobId,
+        from: Option<crate::scheduler::JobState>,
+        to: crate::scheduler::JobState,
+        attempt: u32,
+        node: Option<crate::ids::NodeId>,
+        reason: crate::scheduler::Reason,
+    },
+    /// A GPU node changed state.
+    NodeStateChanged {
+        node: crate::ids::NodeId,
+        state: crate::scheduler::NodeState,
+    },
     /// A soft budget was passed (or a hard one reached); once per period.
     BudgetAlert {
         scope: BudgetScope,

@@ -5,12 +5,14 @@
 //! that does not exist: the answer never reveals whether the target exists.
 
 use crate::command::{BudgetScope, Command, SettleReason};
-use crate::ids::{Account, Actor, OrgId};
+use crate::ids::{Account, Actor, JobId, OrgId};
+use crate::scheduler::Scheduler;
 use crate::ledger::{unknown_account, Ledger};
 use crate::outcome::CommandError;
 
 /// The org a command acts in, and the error to give a caller from outside it.
-fn target(ledger: &Ledger, command: &Command) -> Option<(Option<OrgId>, CommandError)> {
+fn target(ledger: &Ledger, sched: &Scheduler, command: &Command) -> Option<(Option<OrgId>, CommandError)> {
+    let job_org = |id: JobId| (sched.job(id).map(|j| j.org), CommandError::UnknownJob);
     let hold_org = |id| (ledger.hold(id).map(|h| h.org), CommandError::UnknownHold);
     Some(match command {
         Command::CreateProject { org, .. } | Command::CreateUser { org, .. } => {
@@ -39,7 +41,16 @@ fn target(ledger: &Ledger, command: &Command) -> Option<(Option<OrgId>, CommandE
         | Command::Settle { hold, .. } => hold_org(*hold),
         Command::Heartbeat(hb) => hold_org(hb.hold),
         Command::Transfer { from, .. } => (ledger.org_of(*from), unknown_account(*from)),
-        Command::CreateOrg { .. } | Command::SetPrices { .. } | Command::Tick => return None,
+        Command::SubmitJob(spec) => (ledger.org_of(Account::Project(spec.project)), CommandError::UnknownProject),
+        Command::CancelJob { job } | Command::FinishJob { job, .. } => job_org(*job),
+        Command::JobHeartbeat(hb) => job_org(hb.job),
+        Command::SetQuota { org, .. } => (Some(*org), CommandError::UnknownOrg),
+        Command::CreateOrg { .. }
+        | Command::SetPrices { .. }
+        | Command::Tick
+        | Command::RegisterNode(_)
+        | Command::NodeHeartbeat { .. }
+        | Command::SetNodeDraining { .. } => return None,
     })
 }
 
@@ -56,6 +67,7 @@ fn admin_only(command: &Command) -> bool {
 
 pub(crate) fn authorize(
     ledger: &Ledger,
+    sched: &Scheduler,
     actor: Actor,
     command: &Command,
 ) -> Result<(), CommandError> {
@@ -65,9 +77,11 @@ pub(crate) fn authorize(
             Command::Tick => Ok(()),
             _ => Err(CommandError::Unauthorized),
         },
-        Actor::Agent(_) => match command {
-            // Which holds an agent may report on is the scheduler's dispatch record.
-            Command::Heartbeat(_) | Command::Tick => Ok(()),
+        Actor::Agent(node) => match command {
+            // Which jobs an agent may report on is the scheduler's dispatch record
+            // (checked there: only jobs placed on its own node).
+            Command::Heartbeat(_) | Command::Tick | Command::JobHeartbeat(_) | Command::FinishJob { .. } => Ok(()),
+            Command::NodeHeartbeat { node: n } if *n == node => Ok(()),
             Command::Settle {
                 reason: SettleReason::Succeeded | SettleReason::Failed,
                 ..
@@ -75,7 +89,12 @@ pub(crate) fn authorize(
             _ => Err(CommandError::Unauthorized),
         },
         Actor::Tenant { org, .. } => {
-            if admin_only(command) || matches!(command, Command::Heartbeat(_)) {
+            if admin_only(command)
+                || matches!(
+                    command,
+                    Command::Heartbeat(_) | Command::JobHeartbeat(_) | Command::FinishJob { .. } | Command::NodeHeartbeat { .. }
+                )
+            {
                 return Err(CommandError::Unauthorized);
             }
             if let Command::Settle { reason, .. } = command {
@@ -83,7 +102,7 @@ pub(crate) fn authorize(
                     return Err(CommandError::Unauthorized);
                 }
             }
-            match target(ledger, command) {
+            match target(ledger, sched, command) {
                 Some((Some(o), _)) if o == org => Ok(()),
                 Some((_, unknown)) => Err(unknown),
                 None => Ok(()),

@@ -1,7 +1,7 @@
 //! The commands a shard's log carries. One enum: the state machine is a function of the
 //! sequence of these (wrapped in [`Request`]s, batched in [`Entry`]s).
 
-use crate::ids::{
+use crate::ids::{JobId, NodeId, 
     Account, Actor, BucketId, GpuType, HoldId, OrgId, ProjectId, RequestId, Tier, UserId,
 };
 use serde::{Deserialize, Serialize};
@@ -217,6 +217,64 @@ pub enum Command {
     },
     /// Advances logical time only (expiry, leases, pruning run in every entry).
     Tick,
+    // -- scheduler --
+    /// Registers a GPU node (re-registering the same shape renews its lease).
+    RegisterNode(NodeSpec),
+    /// The node's agent is alive: renews the node lease.
+    NodeHeartbeat { node: NodeId },
+    /// Drain (no new placements; running jobs finish) or return a node to service.
+    SetNodeDraining { node: NodeId, draining: bool },
+    /// Validates, applies admission quotas, reserves the hold and enqueues — all or
+    /// nothing. Idempotent by job id: the same spec again returns the job as it is.
+    SubmitJob(JobSpec),
+    CancelJob { job: JobId },
+    /// Agent heartbeat for a placed job's attempt: meters it and renews its lease.
+    JobHeartbeat(JobHeartbeat),
+    /// The agent reports the attempt's exit (or, while preempting, that it stopped).
+    FinishJob { job: JobId, attempt: u32, success: bool },
+    /// Admission quotas of one org (None: the shard default).
+    SetQuota { org: OrgId, quota: Option<Quota> },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeSpec {
+    pub node: NodeId,
+    pub gpu_type: GpuType,
+    pub gpu_count: u32,
+    pub gpu_mem_gb: u32,
+    /// Sorted `key=value` labels (informational; bounded).
+    pub labels: Vec<(String, String)>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobSpec {
+    pub job: JobId,
+    pub project: ProjectId,
+    pub user: UserId,
+    pub tier: Tier,
+    /// Acceptable GPU types, most preferred first.
+    pub gpu_types: Vec<GpuType>,
+    /// 1..=8, all on one node.
+    pub gpus: u32,
+    pub mem_floor_gb: u32,
+    pub preemptible: bool,
+    pub checkpointable: bool,
+    pub max_duration_ms: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobHeartbeat {
+    pub job: JobId,
+    pub attempt: u32,
+    pub seq: u64,
+    pub progress_ppm: u32,
+    pub checkpoint: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Quota {
+    pub queued_max: u32,
+    pub running_max: u32,
 }
 
 impl Command {
@@ -238,6 +296,14 @@ impl Command {
             Command::Settle { .. } => "settle",
             Command::Transfer { .. } => "transfer",
             Command::Tick => "tick",
+            Command::RegisterNode(_) => "register_node",
+            Command::NodeHeartbeat { .. } => "node_heartbeat",
+            Command::SetNodeDraining { .. } => "set_node_draining",
+            Command::SubmitJob(_) => "submit_job",
+            Command::CancelJob { .. } => "cancel_job",
+            Command::JobHeartbeat(_) => "job_heartbeat",
+            Command::FinishJob { .. } => "finish_job",
+            Command::SetQuota { .. } => "set_quota",
         }
     }
 
@@ -247,6 +313,9 @@ impl Command {
     /// changes nothing; they are the hottest command (one per running job every 30–60 s)
     /// and must not fill the bounded request table.
     pub fn uses_idempotency_table(&self) -> bool {
-        !matches!(self, Command::Tick | Command::Heartbeat(_))
+        !matches!(
+            self,
+            Command::Tick | Command::Heartbeat(_) | Command::JobHeartbeat(_) | Command::NodeHeartbeat { .. }
+        )
     }
 }

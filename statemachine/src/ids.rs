@@ -30,6 +30,8 @@ id_type!(/// A hold: credits reserved for one job (or one explicit reservation).
     HoldId, "hold:");
 id_type!(/// A transfer of credits between accounts of one organisation.
     TransferId, "transfer:");
+id_type!(/// A job (client-chosen; submission is idempotent by it). Its hold has the same id.
+    JobId, "job:");
 id_type!(/// A GPU node (a machine with one or more GPUs of one type).
     NodeId, "node:");
 id_type!(/// A principal holding an API token (admin, org or agent identity).

@@ -49,3 +49,22 @@ pub const GPUS_PER_HOLD_MAX: u32 = 8;
 /// Ids at or above this are reserved for ids the state machine allocates itself
 /// (buckets created by transfers); a client-chosen id there is rejected.
 pub const INTERNAL_ID_BASE: u64 = 1 << 63;
+/// GPU nodes per shard.
+pub const NODES_MAX: usize = 10_000;
+/// GPUs on one node.
+pub const GPUS_PER_NODE_MAX: u32 = 16;
+/// Labels on one node, and the length of a label key or value.
+pub const LABELS_PER_NODE_MAX: usize = 16;
+pub const LABEL_LEN_MAX: usize = 64;
+/// GPUs one job may ask for (all on one node).
+pub const GPUS_PER_JOB_MAX: u32 = 8;
+/// Longest `max_duration` a job may ask for (30 days).
+pub const JOB_DURATION_MS_MAX: u64 = 30 * 86_400_000;
+/// Memory floor a job may ask for, and node memory, in GB.
+pub const GPU_MEM_GB_MAX: u32 = 4_096;
+/// Jobs not yet finished, per shard.
+pub const JOBS_ACTIVE_MAX: usize = 1_000_000;
+/// Finished jobs kept (status queries; tombstones against resubmission).
+pub const JOBS_FINISHED_MAX: usize = 4_000_000;
+/// Timers fired by one entry (the rest fire in the next entries).
+pub const TIMERS_PER_ENTRY_MAX: usize = 16_384;

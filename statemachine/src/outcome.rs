@@ -3,7 +3,7 @@
 //! request itself comes first, then unknown ids, then conflicts, then resource limits.
 
 use crate::command::{BudgetScope, SettleReason};
-use crate::ids::{BucketId, GpuType, HoldId};
+use crate::ids::{BucketId, GpuType, HoldId, JobId};
 use serde::{Deserialize, Serialize};
 
 pub type Outcome = Result<Reply, CommandError>;
@@ -21,6 +21,10 @@ pub enum Limit {
     HoldsSettled,
     DrawsPerHold,
     IdempotencyEntries,
+    Nodes,
+    JobsActive,
+    JobsFinished,
+    Labels,
     PriceTableTypes,
     GpuTypesPerList,
     TiersPerPolicy,
@@ -77,6 +81,30 @@ pub enum CommandError {
     HoldSettled,
     #[error("the hold is metered: captures come from heartbeats and settlement")]
     HoldMetered,
+    #[error("the hold belongs to a job: use the job commands")]
+    HoldOwnedByJob,
+    #[error("unknown GPU node")]
+    UnknownNode,
+    #[error("the node is down")]
+    NodeDown,
+    #[error("invalid node: {0:?}")]
+    InvalidNode(NodeProblem),
+    #[error("unknown job")]
+    UnknownJob,
+    #[error("a node with this id is registered with another shape")]
+    NodeShapeConflict,
+    #[error("no registered node type can ever meet this job's GPU type, count and memory")]
+    Unsatisfiable,
+    #[error("invalid job: {0:?}")]
+    InvalidJob(JobProblem),
+    #[error("unknown tier")]
+    UnknownTier,
+    #[error("the job is already finished")]
+    JobFinished,
+    #[error("the job is not placed on a node")]
+    JobNotPlaced,
+    #[error("admission quota exceeded: {0:?}")]
+    QuotaExceeded(QuotaKind),
     #[error("the hold is not being metered")]
     HoldNotMetered,
     #[error("attempt {given} is not the current attempt {current}")]
@@ -97,6 +125,34 @@ pub enum CommandError {
     // -- limits --
     #[error("limit reached: {0:?}")]
     LimitReached(Limit),
+}
+
+/// What is wrong with a node registration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NodeProblem {
+    /// GPU count outside 1..=16.
+    GpuCount,
+    /// GPU memory outside 1..=4096 GB.
+    Memory,
+    /// A label key empty, or a key or value too long.
+    Label,
+}
+
+/// What is wrong with a job spec.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JobProblem {
+    /// No acceptable GPU type given.
+    NoGpuTypes,
+    /// `max_duration_ms` is zero or longer than 30 days.
+    MaxDuration,
+    /// Memory floor above the largest possible.
+    MemoryFloor,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum QuotaKind {
+    QueuedJobs,
+    RunningJobs,
 }
 
 /// One draw of a hold from one bucket, as reported to clients.
@@ -163,4 +219,16 @@ pub enum Reply {
         buckets: Vec<BucketId>,
     },
     Ticked,
+    NodeRegistered,
+    NodeUpdated,
+    /// The job as it stands after submission (also for an idempotent resubmit).
+    JobSubmitted {
+        job: JobId,
+        hold_micro: u64,
+        state: crate::scheduler::JobState,
+    },
+    JobCancelled(Option<Settlement>),
+    JobHeartbeat(HeartbeatReply),
+    JobFinished(Option<Settlement>),
+    QuotaSet,
 }

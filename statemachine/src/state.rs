@@ -7,20 +7,24 @@ use crate::authz::authorize;
 use crate::codec;
 use crate::command::{Command, Entry, Request};
 use crate::idempotency::{fingerprint, IdempotencyTable, Lookup};
-use crate::ids::Account;
+use crate::ids::{Account, HoldId};
 use crate::ledger::{Ctx, Ledger, LedgerConfig};
+use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::limits::COMMANDS_PER_ENTRY_MAX;
 use crate::outcome::{CommandError, Limit, Outcome, Reply};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 /// Settings fixed when a shard is created; replicated as part of the state.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Config {
     pub ledger: LedgerConfig,
     /// How long a request id is remembered (logical time). Clients must not retry a
     /// request longer than this after first sending it.
     pub idempotency_retention_ms: u64,
+    pub scheduler: SchedulerConfig,
+    /// How long a finished job stays queryable (and blocks reuse of its id).
+    pub job_retention_ms: u64,
 }
 
 impl Default for Config {
@@ -28,6 +32,8 @@ impl Default for Config {
         Config {
             ledger: LedgerConfig::default(),
             idempotency_retention_ms: 24 * 3_600_000,
+            scheduler: SchedulerConfig::default(),
+            job_retention_ms: 7 * 86_400_000,
         }
     }
 }
@@ -41,6 +47,7 @@ pub struct State {
     pub time_ms: u64,
     pub last_applied: Option<u64>,
     pub ledger: Ledger,
+    pub scheduler: Scheduler,
     pub idempotency: IdempotencyTable,
     pub audit: AuditChain,
 }
@@ -68,12 +75,13 @@ impl Default for State {
 impl State {
     pub fn new(config: Config) -> State {
         State {
-            config,
             time_ms: 0,
             last_applied: None,
             ledger: Ledger::new(config.ledger),
+            scheduler: Scheduler::default(),
             idempotency: IdempotencyTable::new(config.idempotency_retention_ms),
             audit: AuditChain::default(),
+            config,
         }
     }
 
@@ -126,11 +134,20 @@ pub fn apply_into(
     let mut scratch = Vec::with_capacity(256);
     let mut effects = Vec::new();
 
-    // Time-driven work first, so nothing in this entry can spend an expired credit.
+    // Time-driven work first, so nothing in this entry can spend an expired credit or
+    // report on a job whose lease ran out.
     state.ledger.expire_due(&mut Ctx {
         now,
         effects: &mut effects,
     });
+    state.scheduler.fire_timers(
+        &mut Ctx {
+            now,
+            effects: &mut effects,
+        },
+        &mut state.ledger,
+        &state.config.scheduler,
+    );
     let system = Stamp {
         log_index: entry.log_index,
         time_ms: now,
@@ -144,6 +161,9 @@ pub fn apply_into(
     }
     state.idempotency.prune(now);
     state.ledger.prune_settled(now);
+    state
+        .scheduler
+        .prune_finished(now, state.config.job_retention_ms);
 
     for (i, req) in entry.requests.iter().enumerate() {
         let stamp = Stamp {
@@ -182,6 +202,21 @@ pub fn apply_into(
                 .append(&stamp, ev, &mut out.events, &mut scratch);
         }
         out.outcomes.push(outcome);
+    }
+
+    // One bounded scheduling pass over the queue as this entry left it.
+    state.scheduler.run_pass(
+        &mut Ctx {
+            now,
+            effects: &mut effects,
+        },
+        &mut state.ledger,
+        &state.config.scheduler,
+    );
+    for ev in effects.drain(..) {
+        state
+            .audit
+            .append(&system, ev, &mut out.events, &mut scratch);
     }
     Ok(())
 }
@@ -223,12 +258,62 @@ fn apply_request(
 /// before it mutates, so an error leaves the state as it was).
 fn execute(state: &mut State, req: &Request, now: u64, effects: &mut Vec<PendingEvent>) -> Outcome {
     let mark = effects.len();
-    let result = authorize(&state.ledger, req.actor, &req.command)
-        .and_then(|()| dispatch(&mut state.ledger, &req.command, &mut Ctx { now, effects }));
+    let result = authorize(&state.ledger, &state.scheduler, req.actor, &req.command).and_then(|()| {
+        let ctx = &mut Ctx { now, effects };
+        match &req.command {
+            Command::RegisterNode(_)
+            | Command::NodeHeartbeat { .. }
+            | Command::SetNodeDraining { .. }
+            | Command::SubmitJob(_)
+            | Command::CancelJob { .. }
+            | Command::JobHeartbeat(_)
+            | Command::FinishJob { .. }
+            | Command::SetQuota { .. } => dispatch_scheduler(state, req, ctx),
+            command => {
+                reject_job_hold(&state.ledger, command)?;
+                dispatch(&mut state.ledger, command, ctx)
+            }
+        }
+    });
     if result.is_err() {
         effects.truncate(mark);
     }
     result
+}
+
+/// A job's hold is metered and settled only through the job commands.
+fn reject_job_hold(ledger: &Ledger, command: &Command) -> Result<(), CommandError> {
+    let hold = match command {
+        Command::Capture { hold, .. }
+        | Command::TopUp { hold, .. }
+        | Command::ReleaseHold { hold }
+        | Command::StartMeter { hold, .. }
+        | Command::Settle { hold, .. } => *hold,
+        Command::Heartbeat(hb) => hb.hold,
+        _ => return Ok(()),
+    };
+    if ledger.hold(hold).is_some_and(|h| h.job) {
+        return Err(CommandError::HoldOwnedByJob);
+    }
+    Ok(())
+}
+
+fn dispatch_scheduler(state: &mut State, req: &Request, ctx: &mut Ctx) -> Outcome {
+    let (sched, ledger, cfg) = (&mut state.scheduler, &mut state.ledger, &state.config.scheduler);
+    let now = ctx.now;
+    match &req.command {
+        Command::RegisterNode(spec) => sched.register_node(now, cfg.node_lease_ms, spec, ctx.effects),
+        Command::NodeHeartbeat { node } => sched.node_heartbeat(now, cfg.node_lease_ms, *node, ctx.effects),
+        Command::SetNodeDraining { node, draining } => sched.set_draining(*node, *draining, ctx.effects),
+        Command::SubmitJob(spec) => sched.submit(ctx, ledger, cfg, spec),
+        Command::CancelJob { job } => sched.cancel(ctx, ledger, cfg, req.actor, *job),
+        Command::JobHeartbeat(hb) => sched.heartbeat(ctx, ledger, cfg, req.actor, hb),
+        Command::FinishJob { job, attempt, success } => {
+            sched.finish(ctx, ledger, cfg, req.actor, *job, *attempt, *success)
+        }
+        Command::SetQuota { org, quota } => sched.set_quota(ledger, *org, *quota),
+        _ => Err(CommandError::Unauthorized),
+    }
 }
 
 fn dispatch(ledger: &mut Ledger, command: &Command, ctx: &mut Ctx) -> Outcome {
@@ -316,6 +401,15 @@ fn dispatch(ledger: &mut Ledger, command: &Command, ctx: &mut Ctx) -> Outcome {
             .transfer(ctx, *from, *to, *amount_micro)
             .map(|buckets| Reply::Transferred { buckets }),
         Command::Tick => Ok(Reply::Ticked),
+        // Scheduler commands are dispatched by `dispatch_scheduler`.
+        Command::RegisterNode(_)
+        | Command::NodeHeartbeat { .. }
+        | Command::SetNodeDraining { .. }
+        | Command::SubmitJob(_)
+        | Command::CancelJob { .. }
+        | Command::JobHeartbeat(_)
+        | Command::FinishJob { .. }
+        | Command::SetQuota { .. } => Err(CommandError::Unauthorized),
     }
 }
 
@@ -349,7 +443,20 @@ fn refs_of(state: &State, command: &Command, mut ev: PendingEvent) -> PendingEve
         | Command::Settle { hold, .. } => hold_refs(*hold),
         Command::Heartbeat(hb) => hold_refs(hb.hold),
         Command::Transfer { from, .. } => (ledger.org_of(*from), Some(*from), None),
-        Command::SetBudget { .. } | Command::SetPrices { .. } | Command::Tick => (None, None, None),
+        Command::SubmitJob(spec) => (
+            ledger.org_of(Account::Project(spec.project)),
+            Some(Account::Project(spec.project)),
+            Some(HoldId(spec.job.0)),
+        ),
+        Command::CancelJob { job } | Command::FinishJob { job, .. } => hold_refs(HoldId(job.0)),
+        Command::JobHeartbeat(hb) => hold_refs(HoldId(hb.job.0)),
+        Command::SetQuota { org, .. } => (Some(*org), Some(Account::Org(*org)), None),
+        Command::SetBudget { .. }
+        | Command::SetPrices { .. }
+        | Command::Tick
+        | Command::RegisterNode(_)
+        | Command::NodeHeartbeat { .. }
+        | Command::SetNodeDraining { .. } => (None, None, None),
     };
     ev.org = org;
     ev.account = account;

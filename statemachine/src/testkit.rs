@@ -230,7 +230,7 @@ impl Harness {
         self.events[from..]
             .iter()
             .filter_map(|e| match &e.body {
-                Command { .. } | BudgetAlert { .. } => None,
+                Command { .. } | BudgetAlert { .. } | JobTransition { .. } | NodeStateChanged { .. } => None,
                 Issued {
                     bucket,
                     amount_micro,
@@ -380,7 +380,7 @@ pub fn replay_buckets(
                 f.moved_in += a;
                 f.remaining += a;
             }
-            Command { .. } | BudgetAlert { .. } => {}
+            Command { .. } | BudgetAlert { .. } | JobTransition { .. } | NodeStateChanged { .. } => {}
         }
     }
     m

@@ -112,12 +112,25 @@ impl Ledger {
             captured: 0,
             created_ms: ctx.now,
             meter: None,
+            job: false,
             settled: None,
         };
         let drawn = self.books.draw(ctx, &mut hold, spec.amount_micro)?;
         self.holds.map.insert(spec.hold, hold);
         self.holds.open += 1;
         Ok(drawn)
+    }
+
+    /// The open hold `id`, if any (for callers that have already validated it).
+    pub(crate) fn open_hold_ctx(&mut self, id: HoldId) -> Option<HoldCtx<'_>> {
+        self.open_hold(id).ok()
+    }
+
+    /// Marks a hold as owned by a scheduler job.
+    pub(crate) fn mark_job_hold(&mut self, id: HoldId) {
+        if let Some(h) = self.holds.map.get_mut(&id) {
+            h.job = true;
+        }
     }
 
     /// Drops settled tombstones older than the retention window (bounded per entry), and

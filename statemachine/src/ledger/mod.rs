@@ -14,6 +14,7 @@ mod tenancy;
 
 pub use balance::{Balance, UpcomingExpiry};
 pub(crate) use buckets::check_amount;
+pub(crate) use tenancy::check_gpu_types;
 pub use budget::{Budget, Usage};
 pub use meter::{cost_micro, Meter};
 
@@ -180,6 +181,8 @@ pub struct Hold {
     pub captured: u64,
     pub created_ms: u64,
     pub meter: Option<Meter>,
+    /// The hold belongs to a scheduler job: only the job commands may meter or settle it.
+    pub job: bool,
     /// Set once, at settlement (with its logical time).
     pub settled: Option<(u64, Settlement)>,
 }

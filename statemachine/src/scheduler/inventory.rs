@@ -1,0 +1,167 @@
+//! GPU inventory: registration, leases, draining, down; the free-GPU index.
+
+use super::{GpuNode, NodeState, Scheduler, Timer};
+use crate::audit::{EventBody, PendingEvent};
+use crate::command::NodeSpec;
+use crate::ids::{GpuType, NodeId};
+use crate::limits::*;
+use crate::outcome::{CommandError, Limit, NodeProblem, Reply};
+
+fn check_spec(spec: &NodeSpec) -> Result<(), CommandError> {
+    if !spec.gpu_type.is_valid() {
+        return Err(CommandError::InvalidGpuType(spec.gpu_type.clone()));
+    }
+    if spec.gpu_count == 0 || spec.gpu_count > GPUS_PER_NODE_MAX {
+        return Err(CommandError::InvalidNode(NodeProblem::GpuCount));
+    }
+    if spec.gpu_mem_gb == 0 || spec.gpu_mem_gb > GPU_MEM_GB_MAX {
+        return Err(CommandError::InvalidNode(NodeProblem::Memory));
+    }
+    if spec.labels.len() > LABELS_PER_NODE_MAX {
+        return Err(CommandError::LimitReached(Limit::Labels));
+    }
+    if spec.labels.iter().any(|(k, v)| k.is_empty() || k.len() > LABEL_LEN_MAX || v.len() > LABEL_LEN_MAX) {
+        return Err(CommandError::InvalidNode(NodeProblem::Label));
+    }
+    Ok(())
+}
+
+impl Scheduler {
+    /// Removes a node from the free index (call before changing its slots or state).
+    pub(crate) fn unindex(&mut self, id: NodeId) {
+        if let Some(n) = self.nodes.get(&id) {
+            if let Some(set) = self.free_index.get_mut(&n.gpu_type) {
+                set.remove(&(n.free_gpus(), id));
+            }
+        }
+    }
+
+    /// Adds a node to the free index if it is ready and has free GPUs.
+    pub(crate) fn index(&mut self, id: NodeId) {
+        if let Some(n) = self.nodes.get(&id) {
+            let free = n.free_gpus();
+            if n.state == NodeState::Ready && free > 0 {
+                self.free_index.entry(n.gpu_type.clone()).or_default().insert((free, id));
+            }
+        }
+    }
+
+    pub(crate) fn node_event(&self, effects: &mut Vec<PendingEvent>, node: NodeId, state: NodeState) {
+        effects.push(PendingEvent { org: None, account: None, hold: None, body: EventBody::NodeStateChanged { node, state } });
+    }
+
+    fn renew_node_lease(&mut self, id: NodeId, until: u64) {
+        if let Some(n) = self.nodes.get_mut(&id) {
+            self.timers.remove(&(n.lease_until_ms, Timer::NodeLease(id)));
+            n.lease_until_ms = until;
+            self.timers.insert((until, Timer::NodeLease(id)));
+        }
+    }
+
+    pub(crate) fn register_node(
+        &mut self,
+        now: u64,
+        lease_ms: u64,
+        spec: &NodeSpec,
+        effects: &mut Vec<PendingEvent>,
+    ) -> Result<Reply, CommandError> {
+        check_spec(spec)?;
+        if let Some(n) = self.nodes.get(&spec.node) {
+            if (&n.gpu_type, n.gpu_count, n.gpu_mem_gb) != (&spec.gpu_type, spec.gpu_count, spec.gpu_mem_gb) {
+                return Err(CommandError::NodeShapeConflict);
+            }
+            let was_down = n.state == NodeState::Down;
+            if was_down {
+                self.set_node_state(spec.node, NodeState::Ready, effects);
+            }
+            if let Some(n) = self.nodes.get_mut(&spec.node) {
+                n.labels = spec.labels.clone();
+            }
+            self.renew_node_lease(spec.node, now + lease_ms);
+            return Ok(Reply::NodeUpdated);
+        }
+        if self.nodes.len() >= NODES_MAX {
+            return Err(CommandError::LimitReached(Limit::Nodes));
+        }
+        let mut labels = spec.labels.clone();
+        labels.sort();
+        self.nodes.insert(
+            spec.node,
+            GpuNode {
+                id: spec.node,
+                gpu_type: spec.gpu_type.clone(),
+                gpu_count: spec.gpu_count,
+                gpu_mem_gb: spec.gpu_mem_gb,
+                labels,
+                state: NodeState::Ready,
+                lease_until_ms: now + lease_ms,
+                slots: vec![None; spec.gpu_count as usize],
+                reserved_for: None,
+            },
+        );
+        self.timers.insert((now + lease_ms, Timer::NodeLease(spec.node)));
+        self.type_nodes.entry(spec.gpu_type.clone()).or_default().insert(spec.node);
+        let caps = self.type_caps.entry(spec.gpu_type.clone()).or_insert((0, 0));
+        *caps = (caps.0.max(spec.gpu_count), caps.1.max(spec.gpu_mem_gb));
+        self.fleet_gpus += spec.gpu_count;
+        self.index(spec.node);
+        self.node_event(effects, spec.node, NodeState::Ready);
+        Ok(Reply::NodeRegistered)
+    }
+
+    pub(crate) fn node_heartbeat(
+        &mut self,
+        now: u64,
+        lease_ms: u64,
+        id: NodeId,
+        effects: &mut Vec<PendingEvent>,
+    ) -> Result<Reply, CommandError> {
+        let n = self.nodes.get(&id).ok_or(CommandError::UnknownNode)?;
+        if n.state == NodeState::Down {
+            // Its jobs ended when it went down; it comes back empty.
+            self.set_node_state(id, NodeState::Ready, effects);
+        }
+        self.renew_node_lease(id, now + lease_ms);
+        Ok(Reply::NodeUpdated)
+    }
+
+    pub(crate) fn set_draining(&mut self, id: NodeId, draining: bool, effects: &mut Vec<PendingEvent>) -> Result<Reply, CommandError> {
+        let n = self.nodes.get(&id).ok_or(CommandError::UnknownNode)?;
+        let target = match (n.state, draining) {
+            (NodeState::Down, _) => return Err(CommandError::NodeDown),
+            (_, true) => NodeState::Draining,
+            (_, false) => NodeState::Ready,
+        };
+        if n.state != target {
+            self.set_node_state(id, target, effects);
+        }
+        Ok(Reply::NodeUpdated)
+    }
+
+    /// Changes a node's state, keeping the free index and fleet size right. (Jobs on a
+    /// node going down are ended by the caller first.)
+    pub(crate) fn set_node_state(&mut self, id: NodeId, state: NodeState, effects: &mut Vec<PendingEvent>) {
+        self.unindex(id);
+        let Some(n) = self.nodes.get_mut(&id) else { return };
+        let (was, count) = (n.state, n.gpu_count);
+        n.state = state;
+        if state == NodeState::Down {
+            n.reserved_for = None;
+        }
+        match (was == NodeState::Down, state == NodeState::Down) {
+            (false, true) => self.fleet_gpus -= count,
+            (true, false) => self.fleet_gpus += count,
+            _ => {}
+        }
+        self.index(id);
+        self.node_event(effects, id, state);
+    }
+
+    /// Could any registered node ever run `gpus` GPUs with `mem_floor_gb` of one of
+    /// these types?
+    pub(crate) fn satisfiable(&self, types: &[GpuType], gpus: u32, mem_floor_gb: u32) -> bool {
+        types
+            .iter()
+            .any(|t| self.type_caps.get(t).is_some_and(|&(count, mem)| count >= gpus && mem >= mem_floor_gb))
+    }
+}

@@ -1,0 +1,466 @@
+//! Job lifecycle: submission (validate, quota, price, reserve, enqueue — all or
+//! nothing), placement, heartbeats, finish, cancel, requeue after preemption, and every
+//! ending settled through the ledger.
+
+use super::{Job, JobState, Placement, Reason, Scheduler, SchedulerConfig, Timer};
+use crate::audit::{EventBody, PendingEvent};
+use crate::command::{Heartbeat, HoldSpec, JobHeartbeat, JobSpec, SettleReason};
+use crate::ids::{Account, Actor, HoldId, JobId, NodeId};
+use crate::ledger::{cost_micro, Ctx, Ledger};
+use crate::limits::*;
+use crate::outcome::{CommandError, JobProblem, Limit, QuotaKind, Reply, Settlement};
+
+fn check_spec(spec: &JobSpec, cfg: &SchedulerConfig) -> Result<(), CommandError> {
+    if spec.gpus == 0 || spec.gpus > GPUS_PER_JOB_MAX {
+        return Err(CommandError::InvalidGpuCount);
+    }
+    if spec.gpu_types.is_empty() {
+        return Err(CommandError::InvalidJob(JobProblem::NoGpuTypes));
+    }
+    crate::ledger::check_gpu_types(spec.gpu_types.iter(), GPU_TYPES_PER_LIST_MAX, Limit::GpuTypesPerList)?;
+    if spec.max_duration_ms == 0 || spec.max_duration_ms > JOB_DURATION_MS_MAX {
+        return Err(CommandError::InvalidJob(JobProblem::MaxDuration));
+    }
+    if spec.mem_floor_gb > GPU_MEM_GB_MAX {
+        return Err(CommandError::InvalidJob(JobProblem::MemoryFloor));
+    }
+    if spec.tier.0 as usize >= cfg.tiers.len() {
+        return Err(CommandError::UnknownTier);
+    }
+    if spec.job.0 >= INTERNAL_ID_BASE {
+        return Err(CommandError::IdOutOfRange);
+    }
+    Ok(())
+}
+
+impl Scheduler {
+    pub(crate) fn job_event(&self, effects: &mut Vec<PendingEvent>, id: JobId, from: Option<JobState>, reason: Reason) {
+        let Some(j) = self.jobs.get(&id) else { return };
+        effects.push(PendingEvent {
+            org: Some(j.org),
+            account: Some(Account::Project(j.spec.project)),
+            hold: Some(HoldId(id.0)),
+            body: EventBody::JobTransition {
+                job: id,
+                from,
+                to: j.state,
+                attempt: j.attempt,
+                node: j.placement.as_ref().map(|p| p.node),
+                reason,
+            },
+        });
+    }
+
+    fn transition(&mut self, ctx: &mut Ctx, id: JobId, to: JobState, reason: Reason) {
+        let Some(j) = self.jobs.get_mut(&id) else { return };
+        let from = j.state;
+        j.state = to;
+        j.last_reason = reason;
+        if to.is_final() {
+            j.finished_ms = Some(ctx.now);
+            self.finished.push_back((ctx.now, id));
+        }
+        self.job_event(ctx.effects, id, Some(from), reason);
+    }
+
+    pub(crate) fn set_timer(&mut self, id: JobId, kind: fn(JobId) -> Timer, at: Option<u64>) {
+        let Some(j) = self.jobs.get_mut(&id) else { return };
+        let slot = match kind(id) {
+            Timer::JobLease(_) => &mut j.lease_at,
+            Timer::Grace(_) => &mut j.grace_at,
+            Timer::Deadline(_) => &mut j.deadline_at,
+            Timer::NodeLease(_) => return,
+        };
+        if let Some(old) = slot.take() {
+            self.timers.remove(&(old, kind(id)));
+        }
+        if let Some(at) = at {
+            *slot = Some(at);
+            self.timers.insert((at, kind(id)));
+        }
+    }
+
+    fn clear_timers(&mut self, id: JobId) {
+        self.set_timer(id, Timer::JobLease, None);
+        self.set_timer(id, Timer::Grace, None);
+        self.set_timer(id, Timer::Deadline, None);
+    }
+
+    pub(crate) fn enqueue(&mut self, id: JobId) {
+        let Some(j) = self.jobs.get(&id) else { return };
+        let (s, key) = (&j.spec, (j.queued_since_ms, id));
+        self.queue
+            .entry(s.tier)
+            .or_default()
+            .entry(j.org)
+            .or_default()
+            .entry(s.project)
+            .or_default()
+            .entry(s.user)
+            .or_default()
+            .insert(key);
+        self.by_age.entry(s.tier).or_default().insert(key);
+        self.org_counts.entry(j.org).or_default().0 += 1;
+    }
+
+    pub(crate) fn dequeue(&mut self, id: JobId) {
+        let Some(j) = self.jobs.get(&id) else { return };
+        let (s, key, org) = (&j.spec, (j.queued_since_ms, id), j.org);
+        if let Some(orgs) = self.queue.get_mut(&s.tier) {
+            if let Some(projects) = orgs.get_mut(&org) {
+                if let Some(users) = projects.get_mut(&s.project) {
+                    if let Some(q) = users.get_mut(&s.user) {
+                        q.remove(&key);
+                        if q.is_empty() {
+                            users.remove(&s.user);
+                        }
+                    }
+                    if users.is_empty() {
+                        projects.remove(&s.project);
+                    }
+                }
+                if projects.is_empty() {
+                    orgs.remove(&org);
+                }
+            }
+            if orgs.is_empty() {
+                self.queue.remove(&s.tier);
+            }
+        }
+        if let Some(q) = self.by_age.get_mut(&s.tier) {
+            q.remove(&key);
+            if q.is_empty() {
+                self.by_age.remove(&s.tier);
+            }
+        }
+        if let Some(c) = self.org_counts.get_mut(&org) {
+            c.0 -= 1;
+        }
+    }
+
+    /// Running-GPU counters of a job's tier, org, project and user, by `delta` GPUs.
+    fn count_running(&mut self, id: JobId, add: bool) {
+        let Some(j) = self.jobs.get(&id) else { return };
+        let (g, s, org) = (j.spec.gpus, j.spec.clone(), j.org);
+        let apply = |v: &mut u32| *v = if add { *v + g } else { v.saturating_sub(g) };
+        apply(self.tier_gpus.entry(s.tier).or_default());
+        apply(self.running_org.entry(org).or_default());
+        apply(self.running_project.entry(s.project).or_default());
+        apply(self.running_user.entry(s.user).or_default());
+        if add {
+            self.used_gpus += g;
+            self.org_counts.entry(org).or_default().1 += 1;
+        } else {
+            self.used_gpus -= g;
+            if let Some(c) = self.org_counts.get_mut(&org) {
+                c.1 -= 1;
+            }
+        }
+    }
+
+    /// Frees the job's GPUs and charges their use to fair share.
+    fn release_gpus(&mut self, now: u64, cfg: &SchedulerConfig, id: JobId) {
+        let Some(j) = self.jobs.get(&id) else { return };
+        let Some(p) = j.placement.clone() else { return };
+        let (gpus, org, project, user) = (j.spec.gpus, j.org, j.spec.project, j.spec.user);
+        self.unindex(p.node);
+        if let Some(n) = self.nodes.get_mut(&p.node) {
+            for slot in n.slots.iter_mut() {
+                if *slot == Some(id) {
+                    *slot = None;
+                }
+            }
+        }
+        self.index(p.node);
+        self.count_running(id, false);
+        let gpu_ms = gpus as u64 * now.saturating_sub(p.started_ms);
+        let h = cfg.usage_half_life_ms;
+        self.usage_org.entry(org).or_default().add(now, h, gpu_ms);
+        self.usage_project.entry(project).or_default().add(now, h, gpu_ms);
+        self.usage_user.entry(user).or_default().add(now, h, gpu_ms);
+    }
+
+    pub(crate) fn submit(
+        &mut self,
+        ctx: &mut Ctx,
+        ledger: &mut Ledger,
+        cfg: &SchedulerConfig,
+        spec: &JobSpec,
+    ) -> Result<Reply, CommandError> {
+        check_spec(spec, cfg)?;
+        if let Some(j) = self.jobs.get(&spec.job) {
+            if &j.spec == spec {
+                return Ok(Reply::JobSubmitted { job: spec.job, hold_micro: j.hold_micro, state: j.state });
+            }
+            return Err(CommandError::AlreadyExists);
+        }
+        let org = ledger.projects.get(&spec.project).ok_or(CommandError::UnknownProject)?.org;
+        let user = ledger.users.get(&spec.user).ok_or(CommandError::UnknownUser)?;
+        if user.org != org {
+            return Err(CommandError::WrongOrg);
+        }
+        if !self.satisfiable(&spec.gpu_types, spec.gpus, spec.mem_floor_gb) {
+            return Err(CommandError::Unsatisfiable);
+        }
+        let mut price_max = 0;
+        for t in &spec.gpu_types {
+            price_max = price_max.max(ledger.price_of(t).ok_or(CommandError::UnknownPrice(t.clone()))?);
+        }
+        let quota = self.quotas.get(&org).copied().unwrap_or(cfg.default_quota);
+        if self.org_counts.get(&org).map_or(0, |c| c.0) >= quota.queued_max {
+            return Err(CommandError::QuotaExceeded(QuotaKind::QueuedJobs));
+        }
+        if self.jobs.len() - self.finished.len() >= JOBS_ACTIVE_MAX {
+            return Err(CommandError::LimitReached(Limit::JobsActive));
+        }
+        let hold_micro = cost_micro(spec.max_duration_ms, price_max, spec.gpus).max(1);
+        crate::ledger::check_amount(hold_micro)?;
+        let hold = HoldSpec {
+            hold: HoldId(spec.job.0),
+            project: spec.project,
+            user: spec.user,
+            tier: spec.tier,
+            gpu_types: spec.gpu_types.clone(),
+            amount_micro: hold_micro,
+        };
+        ledger.create_hold(ctx, &hold)?;
+        ledger.mark_job_hold(hold.hold);
+        self.jobs.insert(
+            spec.job,
+            Job {
+                spec: spec.clone(),
+                org,
+                state: JobState::Queued,
+                attempt: 0,
+                submitted_ms: ctx.now,
+                queued_since_ms: ctx.now,
+                placement: None,
+                run_ms: 0,
+                preemptions: 0,
+                hold_micro,
+                last_reason: Reason::Submitted,
+                finished_ms: None,
+                lease_at: None,
+                deadline_at: None,
+                grace_at: None,
+                reserved_node: None,
+                waits_ms: Vec::new(),
+            },
+        );
+        self.enqueue(spec.job);
+        self.job_event(ctx.effects, spec.job, None, Reason::Submitted);
+        Ok(Reply::JobSubmitted { job: spec.job, hold_micro, state: JobState::Queued })
+    }
+
+    /// The job, if `actor` may act on it (an agent only on jobs placed on its node).
+    fn job_for(&self, actor: Actor, id: JobId) -> Result<&Job, CommandError> {
+        let j = self.jobs.get(&id).ok_or(CommandError::UnknownJob)?;
+        if let Actor::Agent(node) = actor {
+            if j.placement.as_ref().map(|p| p.node) != Some(node) {
+                return Err(CommandError::UnknownJob);
+            }
+        }
+        if j.state.is_final() {
+            return Err(CommandError::JobFinished);
+        }
+        Ok(j)
+    }
+
+    fn check_attempt(j: &Job, attempt: u32) -> Result<(), CommandError> {
+        if !j.state.holds_gpus() {
+            return Err(CommandError::JobNotPlaced);
+        }
+        if attempt != j.attempt {
+            return Err(CommandError::StaleAttempt { given: attempt, current: j.attempt });
+        }
+        Ok(())
+    }
+
+    /// Places a queued job on `node`'s GPUs `indices`: new attempt (fencing token), the
+    /// price of the placed type fixed on the meter, leases and deadline armed.
+    pub(crate) fn place(
+        &mut self,
+        ctx: &mut Ctx,
+        ledger: &mut Ledger,
+        cfg: &SchedulerConfig,
+        id: JobId,
+        node: NodeId,
+        indices: Vec<u8>,
+    ) -> Result<(), CommandError> {
+        let (j, n) = (self.jobs.get(&id).ok_or(CommandError::UnknownJob)?, self.nodes.get(&node).ok_or(CommandError::UnknownNode)?);
+        let (attempt, gpu_type, gpus) = (j.attempt + 1, n.gpu_type.clone(), j.spec.gpus);
+        let (price, _) = ledger.start_meter(HoldId(id.0), attempt, &gpu_type, gpus, ctx.now)?;
+        self.dequeue(id);
+        self.unindex(node);
+        if let Some(n) = self.nodes.get_mut(&node) {
+            for &i in &indices {
+                n.slots[i as usize] = Some(id);
+            }
+            if n.reserved_for == Some(id) {
+                n.reserved_for = None;
+            }
+        }
+        self.index(node);
+        let Some(j) = self.jobs.get_mut(&id) else { return Ok(()) };
+        j.waits_ms.push(ctx.now - j.queued_since_ms);
+        j.attempt = attempt;
+        j.reserved_node = None;
+        j.placement = Some(Placement { node, gpu_indices: indices, gpu_type, price_micro_per_gpu_hour: price, started_ms: ctx.now });
+        let remaining_ms = j.spec.max_duration_ms.saturating_sub(j.run_ms).max(1);
+        self.count_running(id, true);
+        self.set_timer(id, Timer::JobLease, Some(ctx.now + cfg.job_lease_ms));
+        self.set_timer(id, Timer::Deadline, Some(ctx.now + remaining_ms));
+        self.transition(ctx, id, JobState::Placed, Reason::Placed);
+        Ok(())
+    }
+
+    /// Ends a job that holds GPUs (or is queued) for good: settles its hold through the
+    /// ledger (billing per `settle`), frees its GPUs, records the final state.
+    pub(crate) fn end(
+        &mut self,
+        ctx: &mut Ctx,
+        ledger: &mut Ledger,
+        cfg: &SchedulerConfig,
+        id: JobId,
+        settle: SettleReason,
+        to: JobState,
+        reason: Reason,
+    ) -> Option<Settlement> {
+        let j = self.jobs.get(&id)?;
+        let (state, attempt) = (j.state, j.attempt);
+        let settlement = ledger.settle(ctx, HoldId(id.0), attempt, settle).ok();
+        if state == JobState::Queued {
+            self.dequeue(id);
+        }
+        if state.holds_gpus() {
+            self.release_gpus(ctx.now, cfg, id);
+        }
+        self.clear_reservation(id);
+        self.clear_timers(id);
+        self.transition(ctx, id, to, reason);
+        settlement
+    }
+
+    fn clear_reservation(&mut self, id: JobId) {
+        let Some(node) = self.jobs.get_mut(&id).and_then(|j| j.reserved_node.take()) else { return };
+        if let Some(n) = self.nodes.get_mut(&node) {
+            if n.reserved_for == Some(id) {
+                n.reserved_for = None;
+            }
+        }
+    }
+
+    /// A preempted job goes back to the queue: its attempt is billed only to its last
+    /// checkpoint (the rest returns to its hold, which stays reserved for the next run).
+    pub(crate) fn requeue(&mut self, ctx: &mut Ctx, ledger: &mut Ledger, cfg: &SchedulerConfig, id: JobId) {
+        let Some(j) = self.jobs.get(&id) else { return };
+        let attempt = j.attempt;
+        let billed_ms = ledger
+            .hold(HoldId(id.0))
+            .and_then(|h| h.meter.as_ref())
+            .map_or(0, |m| m.billable_ms(SettleReason::Preempted, ctx.now));
+        if let Some(hc) = ledger.open_hold_ctx(HoldId(id.0)) {
+            let _ = hc.books.end_attempt(ctx, hc.hold, attempt, SettleReason::Preempted);
+        }
+        self.release_gpus(ctx.now, cfg, id);
+        self.set_timer(id, Timer::JobLease, None);
+        self.set_timer(id, Timer::Grace, None);
+        self.set_timer(id, Timer::Deadline, None);
+        if let Some(j) = self.jobs.get_mut(&id) {
+            j.run_ms += billed_ms;
+            j.queued_since_ms = ctx.now;
+            j.placement = None;
+        }
+        self.enqueue(id);
+        self.transition(ctx, id, JobState::Queued, Reason::Requeued);
+    }
+
+    pub(crate) fn cancel(
+        &mut self,
+        ctx: &mut Ctx,
+        ledger: &mut Ledger,
+        cfg: &SchedulerConfig,
+        actor: Actor,
+        id: JobId,
+    ) -> Result<Reply, CommandError> {
+        self.job_for(actor, id)?;
+        let s = self.end(ctx, ledger, cfg, id, SettleReason::Cancelled, JobState::Cancelled, Reason::Cancelled);
+        Ok(Reply::JobCancelled(s))
+    }
+
+    pub(crate) fn heartbeat(
+        &mut self,
+        ctx: &mut Ctx,
+        ledger: &mut Ledger,
+        cfg: &SchedulerConfig,
+        actor: Actor,
+        hb: &JobHeartbeat,
+    ) -> Result<Reply, CommandError> {
+        let j = self.job_for(actor, hb.job)?;
+        Self::check_attempt(j, hb.attempt)?;
+        let state = j.state;
+        let reply = ledger.heartbeat(
+            ctx,
+            &Heartbeat { hold: HoldId(hb.job.0), attempt: hb.attempt, seq: hb.seq, progress_ppm: hb.progress_ppm, checkpoint: hb.checkpoint },
+        )?;
+        if reply.accepted {
+            self.set_timer(hb.job, Timer::JobLease, Some(ctx.now + cfg.job_lease_ms));
+            if state == JobState::Placed {
+                self.transition(ctx, hb.job, JobState::Running, Reason::Started);
+            }
+        }
+        if reply.stop.is_some() {
+            // The ledger settled the hold: the job stops, even if non-preemptible.
+            self.end(ctx, ledger, cfg, hb.job, SettleReason::OutOfCredits, JobState::Failed, Reason::OutOfCredits);
+        }
+        Ok(Reply::JobHeartbeat(reply))
+    }
+
+    pub(crate) fn finish(
+        &mut self,
+        ctx: &mut Ctx,
+        ledger: &mut Ledger,
+        cfg: &SchedulerConfig,
+        actor: Actor,
+        id: JobId,
+        attempt: u32,
+        success: bool,
+    ) -> Result<Reply, CommandError> {
+        let j = self.job_for(actor, id)?;
+        Self::check_attempt(j, attempt)?;
+        if j.state == JobState::Preempting && !success {
+            // The agent stopped the job for preemption (after checkpointing).
+            self.requeue(ctx, ledger, cfg, id);
+            return Ok(Reply::JobFinished(None));
+        }
+        let (settle, to, reason) = if success {
+            (SettleReason::Succeeded, JobState::Succeeded, Reason::Succeeded)
+        } else {
+            (SettleReason::Failed, JobState::Failed, Reason::Failed)
+        };
+        Ok(Reply::JobFinished(self.end(ctx, ledger, cfg, id, settle, to, reason)))
+    }
+
+    pub(crate) fn set_quota(&mut self, ledger: &Ledger, org: crate::ids::OrgId, quota: Option<crate::command::Quota>) -> Result<Reply, CommandError> {
+        if !ledger.orgs.contains_key(&org) {
+            return Err(CommandError::UnknownOrg);
+        }
+        match quota {
+            Some(q) => self.quotas.insert(org, q),
+            None => self.quotas.remove(&org),
+        };
+        Ok(Reply::QuotaSet)
+    }
+
+    /// Drops finished jobs after the retention window (bounded per entry).
+    pub(crate) fn prune_finished(&mut self, now: u64, retention_ms: u64) {
+        for _ in 0..PRUNE_PER_ENTRY_MAX {
+            let Some(&(at, id)) = self.finished.front() else { return };
+            if at.saturating_add(retention_ms) > now && self.finished.len() <= JOBS_FINISHED_MAX {
+                return;
+            }
+            self.finished.pop_front();
+            self.jobs.remove(&id);
+        }
+    }
+}

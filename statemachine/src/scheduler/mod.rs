@@ -1,0 +1,291 @@
+//! The GPU scheduler: inventory, job lifecycle, placement, fairness, preemption and
+//! dispatch fencing — inside apply, deterministic, with bounded work per entry.
+//!
+//! Order of work in every entry (see `state.rs`): timers first (node leases, job leases,
+//! preemption grace, max duration), then the entry's commands, then one bounded
+//! scheduling pass. Ties are always broken by stable ids.
+
+mod inventory;
+mod jobs;
+mod pass;
+mod timers;
+pub mod usage;
+
+use crate::command::{JobSpec, Quota};
+use crate::ids::{GpuType, JobId, NodeId, OrgId, ProjectId, Tier, UserId};
+use crate::idmap::IdMap;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use usage::DecayedUsage;
+
+/// Scheduling policy. `Fair` is allot's; the others are baselines for the simulator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Policy {
+    /// Aging lane, tier floors/ceilings and weights, then weighted fair share down
+    /// org → project → user on decayed usage; preemption by policy.
+    Fair,
+    /// Strict tier priority, FIFO within a tier; preemption of lower tiers.
+    StrictPriority,
+    /// Submission order; no preemption.
+    Fifo,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierConfig {
+    pub name: String,
+    /// Share weight among tiers with queued work.
+    pub weight: u32,
+    /// Guaranteed share of the fleet's GPUs (percent) while the tier has demand.
+    pub floor_pct: u32,
+    /// Burst ceiling (percent) while other tiers have demand.
+    pub ceiling_pct: u32,
+    /// Aging: a job queued this long is served before any non-aged job.
+    pub max_wait_ms: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SchedulerConfig {
+    /// Indexed by `Tier.0`; a higher tier is more important.
+    pub tiers: Vec<TierConfig>,
+    pub policy: Policy,
+    pub node_lease_ms: u64,
+    pub job_lease_ms: u64,
+    /// Time a preempted job gets to checkpoint before its GPUs are reclaimed.
+    pub grace_ms: u64,
+    /// A job runs at least this long (this attempt) before it may be preempted.
+    pub min_runtime_ms: u64,
+    /// No preemption while a running job on a fitting node ends within this time.
+    pub hysteresis_ms: u64,
+    pub preemptions_per_job_max: u32,
+    pub usage_half_life_ms: u64,
+    pub default_quota: Quota,
+    /// Bounds on one scheduling pass.
+    pub placements_per_pass_max: u32,
+    pub candidates_per_pass_max: u32,
+    pub preemption_searches_per_pass_max: u32,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        let tier = |name: &str, weight, floor_pct, ceiling_pct, max_wait_ms| TierConfig {
+            name: name.into(),
+            weight,
+            floor_pct,
+            ceiling_pct,
+            max_wait_ms,
+        };
+        SchedulerConfig {
+            tiers: vec![
+                tier("free", 1, 5, 50, 30 * 60_000),
+                tier("paid", 3, 15, 90, 10 * 60_000),
+                tier("enterprise", 8, 30, 100, 5 * 60_000),
+            ],
+            policy: Policy::Fair,
+            node_lease_ms: 60_000,
+            job_lease_ms: 180_000,
+            grace_ms: 30_000,
+            min_runtime_ms: 60_000,
+            hysteresis_ms: 60_000,
+            preemptions_per_job_max: 3,
+            usage_half_life_ms: 3_600_000,
+            default_quota: Quota { queued_max: 10_000, running_max: 2_000 },
+            placements_per_pass_max: 512,
+            candidates_per_pass_max: 2_048,
+            preemption_searches_per_pass_max: 8,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum NodeState {
+    Ready,
+    Draining,
+    Down,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuNode {
+    pub id: NodeId,
+    pub gpu_type: GpuType,
+    pub gpu_count: u32,
+    pub gpu_mem_gb: u32,
+    pub labels: Vec<(String, String)>,
+    pub state: NodeState,
+    pub lease_until_ms: u64,
+    /// Which job holds each GPU index.
+    pub slots: Vec<Option<JobId>>,
+    /// Set while preempted GPUs are being freed for a waiting job.
+    pub reserved_for: Option<JobId>,
+}
+
+impl GpuNode {
+    pub fn free_gpus(&self) -> u32 {
+        self.slots.iter().filter(|s| s.is_none()).count() as u32
+    }
+
+    /// The jobs on this node, each once, in GPU-index order.
+    pub fn jobs(&self) -> Vec<JobId> {
+        let mut out: Vec<JobId> = Vec::new();
+        for j in self.slots.iter().flatten() {
+            if !out.contains(j) {
+                out.push(*j);
+            }
+        }
+        out
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum JobState {
+    Queued,
+    Placed,
+    Running,
+    Preempting,
+    Succeeded,
+    Failed,
+    Lost,
+    Cancelled,
+    /// Reserved for a job refused after admission; admission-time refusals are typed
+    /// errors on the submit command and record no job (they change nothing).
+    Rejected,
+}
+
+impl JobState {
+    pub fn is_final(self) -> bool {
+        matches!(self, JobState::Succeeded | JobState::Failed | JobState::Lost | JobState::Cancelled | JobState::Rejected)
+    }
+
+    pub fn holds_gpus(self) -> bool {
+        matches!(self, JobState::Placed | JobState::Running | JobState::Preempting)
+    }
+}
+
+/// Why a job left a state (recorded on transitions and on the finished job).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reason {
+    Submitted,
+    Placed,
+    Started,
+    Preempted { by: JobId },
+    Requeued,
+    Succeeded,
+    Failed,
+    Cancelled,
+    /// No heartbeat within the job lease.
+    LeaseExpired,
+    /// The node missed its lease (a platform fault).
+    NodeDown,
+    OutOfCredits,
+    MaxDuration,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    pub node: NodeId,
+    pub gpu_indices: Vec<u8>,
+    pub gpu_type: GpuType,
+    /// Fixed at placement: the price of the type actually placed on.
+    pub price_micro_per_gpu_hour: u64,
+    pub started_ms: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Job {
+    pub spec: JobSpec,
+    pub org: OrgId,
+    pub state: JobState,
+    /// Fencing token: incremented at every placement.
+    pub attempt: u32,
+    pub submitted_ms: u64,
+    /// When the job last entered the queue (aging and FIFO order).
+    pub queued_since_ms: u64,
+    pub placement: Option<Placement>,
+    /// Run time of closed attempts.
+    pub run_ms: u64,
+    pub preemptions: u32,
+    pub hold_micro: u64,
+    pub last_reason: Reason,
+    pub finished_ms: Option<u64>,
+    /// Pending timers (so they can be cancelled).
+    pub lease_at: Option<u64>,
+    pub deadline_at: Option<u64>,
+    pub grace_at: Option<u64>,
+    /// The node whose preempted GPUs are reserved for this queued job.
+    pub reserved_node: Option<NodeId>,
+    /// Queue wait of each placement (for the simulator's figures).
+    pub waits_ms: Vec<u64>,
+}
+
+/// Everything that happens at a time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Timer {
+    NodeLease(NodeId),
+    JobLease(JobId),
+    Grace(JobId),
+    Deadline(JobId),
+}
+
+/// Queued jobs of one user, oldest first.
+type UserQueue = BTreeSet<(u64, JobId)>;
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Scheduler {
+    pub nodes: IdMap<NodeId, GpuNode>,
+    /// Ready nodes with free GPUs, per type: (free GPUs, node).
+    pub free_index: BTreeMap<GpuType, BTreeSet<(u32, NodeId)>>,
+    /// Every registered node per type.
+    pub type_nodes: BTreeMap<GpuType, BTreeSet<NodeId>>,
+    /// Largest GPU count and memory ever registered per type (admission check).
+    pub type_caps: BTreeMap<GpuType, (u32, u32)>,
+    pub jobs: IdMap<JobId, Job>,
+    /// Queued jobs: tier → org → project → user → oldest first.
+    pub queue: BTreeMap<Tier, BTreeMap<OrgId, BTreeMap<ProjectId, BTreeMap<UserId, UserQueue>>>>,
+    /// Queued jobs per tier by age (aging lane, FIFO and strict-priority order).
+    pub by_age: BTreeMap<Tier, BTreeSet<(u64, JobId)>>,
+    pub timers: BTreeSet<(u64, Timer)>,
+    /// Finished jobs in finishing order, pruned after the retention window.
+    pub finished: std::collections::VecDeque<(u64, JobId)>,
+    pub quotas: BTreeMap<OrgId, Quota>,
+    /// Per org: (queued, running) job counts, for quotas.
+    pub org_counts: BTreeMap<OrgId, (u32, u32)>,
+    /// GPUs in use per tier, and in total; fleet size (ready + draining nodes).
+    pub tier_gpus: BTreeMap<Tier, u32>,
+    pub used_gpus: u32,
+    pub fleet_gpus: u32,
+    /// Decayed GPU usage per org, project and user.
+    pub usage_org: BTreeMap<OrgId, DecayedUsage>,
+    pub usage_project: BTreeMap<ProjectId, DecayedUsage>,
+    pub usage_user: BTreeMap<UserId, DecayedUsage>,
+    /// Running GPUs per org, project and user (the live part of fair share).
+    pub running_org: BTreeMap<OrgId, u32>,
+    pub running_project: BTreeMap<ProjectId, u32>,
+    pub running_user: BTreeMap<UserId, u32>,
+}
+
+impl Scheduler {
+    pub fn job(&self, id: JobId) -> Option<&Job> {
+        self.jobs.get(&id)
+    }
+
+    pub fn node(&self, id: NodeId) -> Option<&GpuNode> {
+        self.nodes.get(&id)
+    }
+
+    /// What a node's agent must run: (job, attempt, GPU indices, state), by job id.
+    pub fn assignments(&self, node: NodeId) -> Vec<(JobId, u32, Vec<u8>, JobState)> {
+        let Some(n) = self.nodes.get(&node) else { return Vec::new() };
+        let mut out: Vec<_> = n
+            .jobs()
+            .into_iter()
+            .filter_map(|j| self.jobs.get(&j))
+            .filter_map(|j| j.placement.as_ref().map(|p| (j.spec.job, j.attempt, p.gpu_indices.clone(), j.state)))
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Queued jobs per tier.
+    pub fn queue_depth(&self) -> BTreeMap<Tier, usize> {
+        self.by_age.iter().map(|(t, q)| (*t, q.len())).collect()
+    }
+}
