@@ -6,12 +6,16 @@
 
 use crate::command::{BudgetScope, Command, SettleReason};
 use crate::ids::{Account, Actor, JobId, OrgId};
-use crate::scheduler::Scheduler;
 use crate::ledger::{unknown_account, Ledger};
 use crate::outcome::CommandError;
+use crate::scheduler::Scheduler;
 
 /// The org a command acts in, and the error to give a caller from outside it.
-fn target(ledger: &Ledger, sched: &Scheduler, command: &Command) -> Option<(Option<OrgId>, CommandError)> {
+fn target(
+    ledger: &Ledger,
+    sched: &Scheduler,
+    command: &Command,
+) -> Option<(Option<OrgId>, CommandError)> {
     let job_org = |id: JobId| (sched.job(id).map(|j| j.org), CommandError::UnknownJob);
     let hold_org = |id| (ledger.hold(id).map(|h| h.org), CommandError::UnknownHold);
     Some(match command {
@@ -41,7 +45,10 @@ fn target(ledger: &Ledger, sched: &Scheduler, command: &Command) -> Option<(Opti
         | Command::Settle { hold, .. } => hold_org(*hold),
         Command::Heartbeat(hb) => hold_org(hb.hold),
         Command::Transfer { from, .. } => (ledger.org_of(*from), unknown_account(*from)),
-        Command::SubmitJob(spec) => (ledger.org_of(Account::Project(spec.project)), CommandError::UnknownProject),
+        Command::SubmitJob(spec) => (
+            ledger.org_of(Account::Project(spec.project)),
+            CommandError::UnknownProject,
+        ),
         Command::CancelJob { job } | Command::FinishJob { job, .. } => job_org(*job),
         Command::JobHeartbeat(hb) => job_org(hb.job),
         Command::SetQuota { org, .. } => (Some(*org), CommandError::UnknownOrg),
@@ -80,7 +87,10 @@ pub(crate) fn authorize(
         Actor::Agent(node) => match command {
             // Which jobs an agent may report on is the scheduler's dispatch record
             // (checked there: only jobs placed on its own node).
-            Command::Heartbeat(_) | Command::Tick | Command::JobHeartbeat(_) | Command::FinishJob { .. } => Ok(()),
+            Command::Heartbeat(_)
+            | Command::Tick
+            | Command::JobHeartbeat(_)
+            | Command::FinishJob { .. } => Ok(()),
             Command::NodeHeartbeat { node: n } if *n == node => Ok(()),
             Command::Settle {
                 reason: SettleReason::Succeeded | SettleReason::Failed,
@@ -92,7 +102,10 @@ pub(crate) fn authorize(
             if admin_only(command)
                 || matches!(
                     command,
-                    Command::Heartbeat(_) | Command::JobHeartbeat(_) | Command::FinishJob { .. } | Command::NodeHeartbeat { .. }
+                    Command::Heartbeat(_)
+                        | Command::JobHeartbeat(_)
+                        | Command::FinishJob { .. }
+                        | Command::NodeHeartbeat { .. }
                 )
             {
                 return Err(CommandError::Unauthorized);

@@ -1,8 +1,9 @@
 //! The commands a shard's log carries. One enum: the state machine is a function of the
 //! sequence of these (wrapped in [`Request`]s, batched in [`Entry`]s).
 
-use crate::ids::{JobId, NodeId, 
-    Account, Actor, BucketId, GpuType, HoldId, OrgId, ProjectId, RequestId, Tier, UserId,
+use crate::ids::{
+    Account, Actor, BucketId, GpuType, HoldId, JobId, NodeId, OrgId, ProjectId, RequestId, Tier,
+    UserId,
 };
 use serde::{Deserialize, Serialize};
 
@@ -221,19 +222,33 @@ pub enum Command {
     /// Registers a GPU node (re-registering the same shape renews its lease).
     RegisterNode(NodeSpec),
     /// The node's agent is alive: renews the node lease.
-    NodeHeartbeat { node: NodeId },
+    NodeHeartbeat {
+        node: NodeId,
+    },
     /// Drain (no new placements; running jobs finish) or return a node to service.
-    SetNodeDraining { node: NodeId, draining: bool },
+    SetNodeDraining {
+        node: NodeId,
+        draining: bool,
+    },
     /// Validates, applies admission quotas, reserves the hold and enqueues — all or
     /// nothing. Idempotent by job id: the same spec again returns the job as it is.
     SubmitJob(JobSpec),
-    CancelJob { job: JobId },
+    CancelJob {
+        job: JobId,
+    },
     /// Agent heartbeat for a placed job's attempt: meters it and renews its lease.
     JobHeartbeat(JobHeartbeat),
     /// The agent reports the attempt's exit (or, while preempting, that it stopped).
-    FinishJob { job: JobId, attempt: u32, success: bool },
+    FinishJob {
+        job: JobId,
+        attempt: u32,
+        success: bool,
+    },
     /// Admission quotas of one org (None: the shard default).
-    SetQuota { org: OrgId, quota: Option<Quota> },
+    SetQuota {
+        org: OrgId,
+        quota: Option<Quota>,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -315,7 +330,10 @@ impl Command {
     pub fn uses_idempotency_table(&self) -> bool {
         !matches!(
             self,
-            Command::Tick | Command::Heartbeat(_) | Command::JobHeartbeat(_) | Command::NodeHeartbeat { .. }
+            Command::Tick
+                | Command::Heartbeat(_)
+                | Command::JobHeartbeat(_)
+                | Command::NodeHeartbeat { .. }
         )
     }
 }

@@ -26,6 +26,8 @@ pub enum Violation {
     OpenHoldCount { counted: usize, recorded: usize },
     #[error("shard totals disagree with the buckets: {0}")]
     ShardTotals(&'static str),
+    #[error("scheduler: {0}")]
+    Scheduler(String),
     #[error("{0}: budget usage held {1} != open holds {2}")]
     UsageHeldMismatch(String, u64, u64),
 }
@@ -34,7 +36,8 @@ pub fn check_invariants(state: &State) -> Result<(), Violation> {
     check_buckets(state)?;
     check_holds(state)?;
     check_totals(state)?;
-    check_usage(state)
+    check_usage(state)?;
+    crate::scheduler::check(state).map_err(Violation::Scheduler)
 }
 
 fn check_buckets(state: &State) -> Result<(), Violation> {

@@ -9,9 +9,9 @@ use crate::command::{Command, Entry, Request};
 use crate::idempotency::{fingerprint, IdempotencyTable, Lookup};
 use crate::ids::{Account, HoldId};
 use crate::ledger::{Ctx, Ledger, LedgerConfig};
-use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::limits::COMMANDS_PER_ENTRY_MAX;
 use crate::outcome::{CommandError, Limit, Outcome, Reply};
+use crate::scheduler::{Scheduler, SchedulerConfig};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -258,23 +258,24 @@ fn apply_request(
 /// before it mutates, so an error leaves the state as it was).
 fn execute(state: &mut State, req: &Request, now: u64, effects: &mut Vec<PendingEvent>) -> Outcome {
     let mark = effects.len();
-    let result = authorize(&state.ledger, &state.scheduler, req.actor, &req.command).and_then(|()| {
-        let ctx = &mut Ctx { now, effects };
-        match &req.command {
-            Command::RegisterNode(_)
-            | Command::NodeHeartbeat { .. }
-            | Command::SetNodeDraining { .. }
-            | Command::SubmitJob(_)
-            | Command::CancelJob { .. }
-            | Command::JobHeartbeat(_)
-            | Command::FinishJob { .. }
-            | Command::SetQuota { .. } => dispatch_scheduler(state, req, ctx),
-            command => {
-                reject_job_hold(&state.ledger, command)?;
-                dispatch(&mut state.ledger, command, ctx)
+    let result =
+        authorize(&state.ledger, &state.scheduler, req.actor, &req.command).and_then(|()| {
+            let ctx = &mut Ctx { now, effects };
+            match &req.command {
+                Command::RegisterNode(_)
+                | Command::NodeHeartbeat { .. }
+                | Command::SetNodeDraining { .. }
+                | Command::SubmitJob(_)
+                | Command::CancelJob { .. }
+                | Command::JobHeartbeat(_)
+                | Command::FinishJob { .. }
+                | Command::SetQuota { .. } => dispatch_scheduler(state, req, ctx),
+                command => {
+                    reject_job_hold(&state.ledger, command)?;
+                    dispatch(&mut state.ledger, command, ctx)
+                }
             }
-        }
-    });
+        });
     if result.is_err() {
         effects.truncate(mark);
     }
@@ -299,18 +300,30 @@ fn reject_job_hold(ledger: &Ledger, command: &Command) -> Result<(), CommandErro
 }
 
 fn dispatch_scheduler(state: &mut State, req: &Request, ctx: &mut Ctx) -> Outcome {
-    let (sched, ledger, cfg) = (&mut state.scheduler, &mut state.ledger, &state.config.scheduler);
+    let (sched, ledger, cfg) = (
+        &mut state.scheduler,
+        &mut state.ledger,
+        &state.config.scheduler,
+    );
     let now = ctx.now;
     match &req.command {
-        Command::RegisterNode(spec) => sched.register_node(now, cfg.node_lease_ms, spec, ctx.effects),
-        Command::NodeHeartbeat { node } => sched.node_heartbeat(now, cfg.node_lease_ms, *node, ctx.effects),
-        Command::SetNodeDraining { node, draining } => sched.set_draining(*node, *draining, ctx.effects),
+        Command::RegisterNode(spec) => {
+            sched.register_node(now, cfg.node_lease_ms, spec, ctx.effects)
+        }
+        Command::NodeHeartbeat { node } => {
+            sched.node_heartbeat(now, cfg.node_lease_ms, *node, ctx.effects)
+        }
+        Command::SetNodeDraining { node, draining } => {
+            sched.set_draining(*node, *draining, ctx.effects)
+        }
         Command::SubmitJob(spec) => sched.submit(ctx, ledger, cfg, spec),
         Command::CancelJob { job } => sched.cancel(ctx, ledger, cfg, req.actor, *job),
         Command::JobHeartbeat(hb) => sched.heartbeat(ctx, ledger, cfg, req.actor, hb),
-        Command::FinishJob { job, attempt, success } => {
-            sched.finish(ctx, ledger, cfg, req.actor, *job, *attempt, *success)
-        }
+        Command::FinishJob {
+            job,
+            attempt,
+            success,
+        } => sched.finish(ctx, ledger, cfg, req.actor, *job, *attempt, *success),
         Command::SetQuota { org, quota } => sched.set_quota(ledger, *org, *quota),
         _ => Err(CommandError::Unauthorized),
     }

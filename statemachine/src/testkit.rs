@@ -79,7 +79,12 @@ impl Harness {
     /// The standard world: orgs 1 and 2; projects 11, 12 in org 1 and 13 in org 2;
     /// users 21, 22 in org 1 and 23 in org 2; prices for A100 and H100.
     pub fn world() -> Harness {
-        let mut h = Harness::default();
+        Harness::world_with(Config::default())
+    }
+
+    /// The standard world on a given shard configuration.
+    pub fn world_with(config: Config) -> Harness {
+        let mut h = Harness::new(config);
         for cmd in [
             Command::CreateOrg { org: ORG },
             Command::CreateOrg { org: OTHER_ORG },
@@ -230,7 +235,10 @@ impl Harness {
         self.events[from..]
             .iter()
             .filter_map(|e| match &e.body {
-                Command { .. } | BudgetAlert { .. } | JobTransition { .. } | NodeStateChanged { .. } => None,
+                Command { .. }
+                | BudgetAlert { .. }
+                | JobTransition { .. }
+                | NodeStateChanged { .. } => None,
                 Issued {
                     bucket,
                     amount_micro,
@@ -380,7 +388,10 @@ pub fn replay_buckets(
                 f.moved_in += a;
                 f.remaining += a;
             }
-            Command { .. } | BudgetAlert { .. } | JobTransition { .. } | NodeStateChanged { .. } => {}
+            Command { .. }
+            | BudgetAlert { .. }
+            | JobTransition { .. }
+            | NodeStateChanged { .. } => {}
         }
     }
     m
@@ -401,5 +412,91 @@ impl Harness {
             rebuilt, actual,
             "the audit trail is a complete account of the ledger"
         );
+    }
+}
+
+// -- scheduler fixtures --
+
+impl Harness {
+    /// Registers nodes `(id, type, GPUs, memory GB)`.
+    pub fn fleet(&mut self, nodes: &[(u64, GpuType, u32, u32)]) {
+        for (id, gpu_type, gpu_count, gpu_mem_gb) in nodes {
+            self.ok(Command::RegisterNode(NodeSpec {
+                node: NodeId(*id),
+                gpu_type: gpu_type.clone(),
+                gpu_count: *gpu_count,
+                gpu_mem_gb: *gpu_mem_gb,
+                labels: vec![],
+            }));
+        }
+    }
+
+    /// A job in the fixture project: preemptible, checkpointable, up to 10 hours.
+    pub fn job_spec(job: u64, tier: Tier, gpu_types: Vec<GpuType>, gpus: u32) -> JobSpec {
+        JobSpec {
+            job: JobId(job),
+            project: PROJECT,
+            user: USER,
+            tier,
+            gpu_types,
+            gpus,
+            mem_floor_gb: 0,
+            preemptible: true,
+            checkpointable: true,
+            max_duration_ms: 10 * HOUR_MS,
+        }
+    }
+
+    pub fn job(&self, id: u64) -> &crate::scheduler::Job {
+        &self.state.scheduler.jobs[&JobId(id)]
+    }
+
+    /// Renews every node's lease (agents alive) in one entry.
+    pub fn nodes_alive(&mut self) {
+        let nodes: Vec<NodeId> = self
+            .state
+            .scheduler
+            .nodes
+            .sorted()
+            .into_iter()
+            .map(|(id, _)| *id)
+            .collect();
+        let reqs = nodes
+            .into_iter()
+            .map(|node| Request {
+                actor: Actor::Agent(node),
+                request_id: 0,
+                command: Command::NodeHeartbeat { node },
+            })
+            .collect();
+        self.apply(reqs);
+    }
+
+    /// The job's agent reports a heartbeat for its current attempt.
+    pub fn job_heartbeat(&mut self, job: u64, seq: u64, checkpoint: u64) -> Outcome {
+        let j = self.job(job);
+        let node = j.placement.as_ref().map_or(NodeId(0), |p| p.node);
+        let hb = JobHeartbeat {
+            job: JobId(job),
+            attempt: j.attempt,
+            seq,
+            progress_ppm: 0,
+            checkpoint,
+        };
+        self.run_as(Actor::Agent(node), Command::JobHeartbeat(hb))
+    }
+
+    pub fn finish_job(&mut self, job: u64, success: bool) -> Outcome {
+        let j = self.job(job);
+        let node = j.placement.as_ref().map_or(NodeId(0), |p| p.node);
+        let attempt = j.attempt;
+        self.run_as(
+            Actor::Agent(node),
+            Command::FinishJob {
+                job: JobId(job),
+                attempt,
+                success,
+            },
+        )
     }
 }

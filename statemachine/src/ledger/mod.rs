@@ -14,9 +14,9 @@ mod tenancy;
 
 pub use balance::{Balance, UpcomingExpiry};
 pub(crate) use buckets::check_amount;
-pub(crate) use tenancy::check_gpu_types;
 pub use budget::{Budget, Usage};
 pub use meter::{cost_micro, Meter};
+pub(crate) use tenancy::check_gpu_types;
 
 use crate::audit::{EventBody, PendingEvent};
 use crate::command::{BucketKind, BucketPolicy};

@@ -20,7 +20,11 @@ fn check_spec(spec: &NodeSpec) -> Result<(), CommandError> {
     if spec.labels.len() > LABELS_PER_NODE_MAX {
         return Err(CommandError::LimitReached(Limit::Labels));
     }
-    if spec.labels.iter().any(|(k, v)| k.is_empty() || k.len() > LABEL_LEN_MAX || v.len() > LABEL_LEN_MAX) {
+    if spec
+        .labels
+        .iter()
+        .any(|(k, v)| k.is_empty() || k.len() > LABEL_LEN_MAX || v.len() > LABEL_LEN_MAX)
+    {
         return Err(CommandError::InvalidNode(NodeProblem::Label));
     }
     Ok(())
@@ -41,18 +45,32 @@ impl Scheduler {
         if let Some(n) = self.nodes.get(&id) {
             let free = n.free_gpus();
             if n.state == NodeState::Ready && free > 0 {
-                self.free_index.entry(n.gpu_type.clone()).or_default().insert((free, id));
+                self.free_index
+                    .entry(n.gpu_type.clone())
+                    .or_default()
+                    .insert((free, id));
             }
         }
     }
 
-    pub(crate) fn node_event(&self, effects: &mut Vec<PendingEvent>, node: NodeId, state: NodeState) {
-        effects.push(PendingEvent { org: None, account: None, hold: None, body: EventBody::NodeStateChanged { node, state } });
+    pub(crate) fn node_event(
+        &self,
+        effects: &mut Vec<PendingEvent>,
+        node: NodeId,
+        state: NodeState,
+    ) {
+        effects.push(PendingEvent {
+            org: None,
+            account: None,
+            hold: None,
+            body: EventBody::NodeStateChanged { node, state },
+        });
     }
 
     fn renew_node_lease(&mut self, id: NodeId, until: u64) {
         if let Some(n) = self.nodes.get_mut(&id) {
-            self.timers.remove(&(n.lease_until_ms, Timer::NodeLease(id)));
+            self.timers
+                .remove(&(n.lease_until_ms, Timer::NodeLease(id)));
             n.lease_until_ms = until;
             self.timers.insert((until, Timer::NodeLease(id)));
         }
@@ -67,7 +85,9 @@ impl Scheduler {
     ) -> Result<Reply, CommandError> {
         check_spec(spec)?;
         if let Some(n) = self.nodes.get(&spec.node) {
-            if (&n.gpu_type, n.gpu_count, n.gpu_mem_gb) != (&spec.gpu_type, spec.gpu_count, spec.gpu_mem_gb) {
+            if (&n.gpu_type, n.gpu_count, n.gpu_mem_gb)
+                != (&spec.gpu_type, spec.gpu_count, spec.gpu_mem_gb)
+            {
                 return Err(CommandError::NodeShapeConflict);
             }
             let was_down = n.state == NodeState::Down;
@@ -99,9 +119,16 @@ impl Scheduler {
                 reserved_for: None,
             },
         );
-        self.timers.insert((now + lease_ms, Timer::NodeLease(spec.node)));
-        self.type_nodes.entry(spec.gpu_type.clone()).or_default().insert(spec.node);
-        let caps = self.type_caps.entry(spec.gpu_type.clone()).or_insert((0, 0));
+        self.timers
+            .insert((now + lease_ms, Timer::NodeLease(spec.node)));
+        self.type_nodes
+            .entry(spec.gpu_type.clone())
+            .or_default()
+            .insert(spec.node);
+        let caps = self
+            .type_caps
+            .entry(spec.gpu_type.clone())
+            .or_insert((0, 0));
         *caps = (caps.0.max(spec.gpu_count), caps.1.max(spec.gpu_mem_gb));
         self.fleet_gpus += spec.gpu_count;
         self.index(spec.node);
@@ -125,7 +152,12 @@ impl Scheduler {
         Ok(Reply::NodeUpdated)
     }
 
-    pub(crate) fn set_draining(&mut self, id: NodeId, draining: bool, effects: &mut Vec<PendingEvent>) -> Result<Reply, CommandError> {
+    pub(crate) fn set_draining(
+        &mut self,
+        id: NodeId,
+        draining: bool,
+        effects: &mut Vec<PendingEvent>,
+    ) -> Result<Reply, CommandError> {
         let n = self.nodes.get(&id).ok_or(CommandError::UnknownNode)?;
         let target = match (n.state, draining) {
             (NodeState::Down, _) => return Err(CommandError::NodeDown),
@@ -140,9 +172,16 @@ impl Scheduler {
 
     /// Changes a node's state, keeping the free index and fleet size right. (Jobs on a
     /// node going down are ended by the caller first.)
-    pub(crate) fn set_node_state(&mut self, id: NodeId, state: NodeState, effects: &mut Vec<PendingEvent>) {
+    pub(crate) fn set_node_state(
+        &mut self,
+        id: NodeId,
+        state: NodeState,
+        effects: &mut Vec<PendingEvent>,
+    ) {
         self.unindex(id);
-        let Some(n) = self.nodes.get_mut(&id) else { return };
+        let Some(n) = self.nodes.get_mut(&id) else {
+            return;
+        };
         let (was, count) = (n.state, n.gpu_count);
         n.state = state;
         if state == NodeState::Down {
@@ -160,8 +199,10 @@ impl Scheduler {
     /// Could any registered node ever run `gpus` GPUs with `mem_floor_gb` of one of
     /// these types?
     pub(crate) fn satisfiable(&self, types: &[GpuType], gpus: u32, mem_floor_gb: u32) -> bool {
-        types
-            .iter()
-            .any(|t| self.type_caps.get(t).is_some_and(|&(count, mem)| count >= gpus && mem >= mem_floor_gb))
+        types.iter().any(|t| {
+            self.type_caps
+                .get(t)
+                .is_some_and(|&(count, mem)| count >= gpus && mem >= mem_floor_gb)
+        })
     }
 }

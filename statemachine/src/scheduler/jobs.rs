@@ -17,7 +17,11 @@ fn check_spec(spec: &JobSpec, cfg: &SchedulerConfig) -> Result<(), CommandError>
     if spec.gpu_types.is_empty() {
         return Err(CommandError::InvalidJob(JobProblem::NoGpuTypes));
     }
-    crate::ledger::check_gpu_types(spec.gpu_types.iter(), GPU_TYPES_PER_LIST_MAX, Limit::GpuTypesPerList)?;
+    crate::ledger::check_gpu_types(
+        spec.gpu_types.iter(),
+        GPU_TYPES_PER_LIST_MAX,
+        Limit::GpuTypesPerList,
+    )?;
     if spec.max_duration_ms == 0 || spec.max_duration_ms > JOB_DURATION_MS_MAX {
         return Err(CommandError::InvalidJob(JobProblem::MaxDuration));
     }
@@ -34,7 +38,13 @@ fn check_spec(spec: &JobSpec, cfg: &SchedulerConfig) -> Result<(), CommandError>
 }
 
 impl Scheduler {
-    pub(crate) fn job_event(&self, effects: &mut Vec<PendingEvent>, id: JobId, from: Option<JobState>, reason: Reason) {
+    pub(crate) fn job_event(
+        &self,
+        effects: &mut Vec<PendingEvent>,
+        id: JobId,
+        from: Option<JobState>,
+        reason: Reason,
+    ) {
         let Some(j) = self.jobs.get(&id) else { return };
         effects.push(PendingEvent {
             org: Some(j.org),
@@ -52,7 +62,9 @@ impl Scheduler {
     }
 
     fn transition(&mut self, ctx: &mut Ctx, id: JobId, to: JobState, reason: Reason) {
-        let Some(j) = self.jobs.get_mut(&id) else { return };
+        let Some(j) = self.jobs.get_mut(&id) else {
+            return;
+        };
         let from = j.state;
         j.state = to;
         j.last_reason = reason;
@@ -64,7 +76,9 @@ impl Scheduler {
     }
 
     pub(crate) fn set_timer(&mut self, id: JobId, kind: fn(JobId) -> Timer, at: Option<u64>) {
-        let Some(j) = self.jobs.get_mut(&id) else { return };
+        let Some(j) = self.jobs.get_mut(&id) else {
+            return;
+        };
         let slot = match kind(id) {
             Timer::JobLease(_) => &mut j.lease_at,
             Timer::Grace(_) => &mut j.grace_at,
@@ -176,7 +190,10 @@ impl Scheduler {
         let gpu_ms = gpus as u64 * now.saturating_sub(p.started_ms);
         let h = cfg.usage_half_life_ms;
         self.usage_org.entry(org).or_default().add(now, h, gpu_ms);
-        self.usage_project.entry(project).or_default().add(now, h, gpu_ms);
+        self.usage_project
+            .entry(project)
+            .or_default()
+            .add(now, h, gpu_ms);
         self.usage_user.entry(user).or_default().add(now, h, gpu_ms);
     }
 
@@ -190,12 +207,23 @@ impl Scheduler {
         check_spec(spec, cfg)?;
         if let Some(j) = self.jobs.get(&spec.job) {
             if &j.spec == spec {
-                return Ok(Reply::JobSubmitted { job: spec.job, hold_micro: j.hold_micro, state: j.state });
+                return Ok(Reply::JobSubmitted {
+                    job: spec.job,
+                    hold_micro: j.hold_micro,
+                    state: j.state,
+                });
             }
             return Err(CommandError::AlreadyExists);
         }
-        let org = ledger.projects.get(&spec.project).ok_or(CommandError::UnknownProject)?.org;
-        let user = ledger.users.get(&spec.user).ok_or(CommandError::UnknownUser)?;
+        let org = ledger
+            .projects
+            .get(&spec.project)
+            .ok_or(CommandError::UnknownProject)?
+            .org;
+        let user = ledger
+            .users
+            .get(&spec.user)
+            .ok_or(CommandError::UnknownUser)?;
         if user.org != org {
             return Err(CommandError::WrongOrg);
         }
@@ -204,7 +232,11 @@ impl Scheduler {
         }
         let mut price_max = 0;
         for t in &spec.gpu_types {
-            price_max = price_max.max(ledger.price_of(t).ok_or(CommandError::UnknownPrice(t.clone()))?);
+            price_max = price_max.max(
+                ledger
+                    .price_of(t)
+                    .ok_or(CommandError::UnknownPrice(t.clone()))?,
+            );
         }
         let quota = self.quotas.get(&org).copied().unwrap_or(cfg.default_quota);
         if self.org_counts.get(&org).map_or(0, |c| c.0) >= quota.queued_max {
@@ -249,7 +281,11 @@ impl Scheduler {
         );
         self.enqueue(spec.job);
         self.job_event(ctx.effects, spec.job, None, Reason::Submitted);
-        Ok(Reply::JobSubmitted { job: spec.job, hold_micro, state: JobState::Queued })
+        Ok(Reply::JobSubmitted {
+            job: spec.job,
+            hold_micro,
+            state: JobState::Queued,
+        })
     }
 
     /// The job, if `actor` may act on it (an agent only on jobs placed on its node).
@@ -271,7 +307,10 @@ impl Scheduler {
             return Err(CommandError::JobNotPlaced);
         }
         if attempt != j.attempt {
-            return Err(CommandError::StaleAttempt { given: attempt, current: j.attempt });
+            return Err(CommandError::StaleAttempt {
+                given: attempt,
+                current: j.attempt,
+            });
         }
         Ok(())
     }
@@ -287,7 +326,10 @@ impl Scheduler {
         node: NodeId,
         indices: Vec<u8>,
     ) -> Result<(), CommandError> {
-        let (j, n) = (self.jobs.get(&id).ok_or(CommandError::UnknownJob)?, self.nodes.get(&node).ok_or(CommandError::UnknownNode)?);
+        let (j, n) = (
+            self.jobs.get(&id).ok_or(CommandError::UnknownJob)?,
+            self.nodes.get(&node).ok_or(CommandError::UnknownNode)?,
+        );
         let (attempt, gpu_type, gpus) = (j.attempt + 1, n.gpu_type.clone(), j.spec.gpus);
         let (price, _) = ledger.start_meter(HoldId(id.0), attempt, &gpu_type, gpus, ctx.now)?;
         self.dequeue(id);
@@ -301,11 +343,19 @@ impl Scheduler {
             }
         }
         self.index(node);
-        let Some(j) = self.jobs.get_mut(&id) else { return Ok(()) };
+        let Some(j) = self.jobs.get_mut(&id) else {
+            return Ok(());
+        };
         j.waits_ms.push(ctx.now - j.queued_since_ms);
         j.attempt = attempt;
         j.reserved_node = None;
-        j.placement = Some(Placement { node, gpu_indices: indices, gpu_type, price_micro_per_gpu_hour: price, started_ms: ctx.now });
+        j.placement = Some(Placement {
+            node,
+            gpu_indices: indices,
+            gpu_type,
+            price_micro_per_gpu_hour: price,
+            started_ms: ctx.now,
+        });
         let remaining_ms = j.spec.max_duration_ms.saturating_sub(j.run_ms).max(1);
         self.count_running(id, true);
         self.set_timer(id, Timer::JobLease, Some(ctx.now + cfg.job_lease_ms));
@@ -338,11 +388,17 @@ impl Scheduler {
         self.clear_reservation(id);
         self.clear_timers(id);
         self.transition(ctx, id, to, reason);
+        // Where it ran stays in the audit trail; a finished job holds no placement.
+        if let Some(j) = self.jobs.get_mut(&id) {
+            j.placement = None;
+        }
         settlement
     }
 
     fn clear_reservation(&mut self, id: JobId) {
-        let Some(node) = self.jobs.get_mut(&id).and_then(|j| j.reserved_node.take()) else { return };
+        let Some(node) = self.jobs.get_mut(&id).and_then(|j| j.reserved_node.take()) else {
+            return;
+        };
         if let Some(n) = self.nodes.get_mut(&node) {
             if n.reserved_for == Some(id) {
                 n.reserved_for = None;
@@ -352,7 +408,13 @@ impl Scheduler {
 
     /// A preempted job goes back to the queue: its attempt is billed only to its last
     /// checkpoint (the rest returns to its hold, which stays reserved for the next run).
-    pub(crate) fn requeue(&mut self, ctx: &mut Ctx, ledger: &mut Ledger, cfg: &SchedulerConfig, id: JobId) {
+    pub(crate) fn requeue(
+        &mut self,
+        ctx: &mut Ctx,
+        ledger: &mut Ledger,
+        cfg: &SchedulerConfig,
+        id: JobId,
+    ) {
         let Some(j) = self.jobs.get(&id) else { return };
         let attempt = j.attempt;
         let billed_ms = ledger
@@ -360,7 +422,9 @@ impl Scheduler {
             .and_then(|h| h.meter.as_ref())
             .map_or(0, |m| m.billable_ms(SettleReason::Preempted, ctx.now));
         if let Some(hc) = ledger.open_hold_ctx(HoldId(id.0)) {
-            let _ = hc.books.end_attempt(ctx, hc.hold, attempt, SettleReason::Preempted);
+            let _ = hc
+                .books
+                .end_attempt(ctx, hc.hold, attempt, SettleReason::Preempted);
         }
         self.release_gpus(ctx.now, cfg, id);
         self.set_timer(id, Timer::JobLease, None);
@@ -384,7 +448,15 @@ impl Scheduler {
         id: JobId,
     ) -> Result<Reply, CommandError> {
         self.job_for(actor, id)?;
-        let s = self.end(ctx, ledger, cfg, id, SettleReason::Cancelled, JobState::Cancelled, Reason::Cancelled);
+        let s = self.end(
+            ctx,
+            ledger,
+            cfg,
+            id,
+            SettleReason::Cancelled,
+            JobState::Cancelled,
+            Reason::Cancelled,
+        );
         Ok(Reply::JobCancelled(s))
     }
 
@@ -401,7 +473,13 @@ impl Scheduler {
         let state = j.state;
         let reply = ledger.heartbeat(
             ctx,
-            &Heartbeat { hold: HoldId(hb.job.0), attempt: hb.attempt, seq: hb.seq, progress_ppm: hb.progress_ppm, checkpoint: hb.checkpoint },
+            &Heartbeat {
+                hold: HoldId(hb.job.0),
+                attempt: hb.attempt,
+                seq: hb.seq,
+                progress_ppm: hb.progress_ppm,
+                checkpoint: hb.checkpoint,
+            },
         )?;
         if reply.accepted {
             self.set_timer(hb.job, Timer::JobLease, Some(ctx.now + cfg.job_lease_ms));
@@ -411,7 +489,15 @@ impl Scheduler {
         }
         if reply.stop.is_some() {
             // The ledger settled the hold: the job stops, even if non-preemptible.
-            self.end(ctx, ledger, cfg, hb.job, SettleReason::OutOfCredits, JobState::Failed, Reason::OutOfCredits);
+            self.end(
+                ctx,
+                ledger,
+                cfg,
+                hb.job,
+                SettleReason::OutOfCredits,
+                JobState::Failed,
+                Reason::OutOfCredits,
+            );
         }
         Ok(Reply::JobHeartbeat(reply))
     }
@@ -434,14 +520,25 @@ impl Scheduler {
             return Ok(Reply::JobFinished(None));
         }
         let (settle, to, reason) = if success {
-            (SettleReason::Succeeded, JobState::Succeeded, Reason::Succeeded)
+            (
+                SettleReason::Succeeded,
+                JobState::Succeeded,
+                Reason::Succeeded,
+            )
         } else {
             (SettleReason::Failed, JobState::Failed, Reason::Failed)
         };
-        Ok(Reply::JobFinished(self.end(ctx, ledger, cfg, id, settle, to, reason)))
+        Ok(Reply::JobFinished(
+            self.end(ctx, ledger, cfg, id, settle, to, reason),
+        ))
     }
 
-    pub(crate) fn set_quota(&mut self, ledger: &Ledger, org: crate::ids::OrgId, quota: Option<crate::command::Quota>) -> Result<Reply, CommandError> {
+    pub(crate) fn set_quota(
+        &mut self,
+        ledger: &Ledger,
+        org: crate::ids::OrgId,
+        quota: Option<crate::command::Quota>,
+    ) -> Result<Reply, CommandError> {
         if !ledger.orgs.contains_key(&org) {
             return Err(CommandError::UnknownOrg);
         }
@@ -455,7 +552,9 @@ impl Scheduler {
     /// Drops finished jobs after the retention window (bounded per entry).
     pub(crate) fn prune_finished(&mut self, now: u64, retention_ms: u64) {
         for _ in 0..PRUNE_PER_ENTRY_MAX {
-            let Some(&(at, id)) = self.finished.front() else { return };
+            let Some(&(at, id)) = self.finished.front() else {
+                return;
+            };
             if at.saturating_add(retention_ms) > now && self.finished.len() <= JOBS_FINISHED_MAX {
                 return;
             }

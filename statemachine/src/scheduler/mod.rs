@@ -5,15 +5,17 @@
 //! preemption grace, max duration), then the entry's commands, then one bounded
 //! scheduling pass. Ties are always broken by stable ids.
 
+mod invariants;
 mod inventory;
+pub use invariants::check;
 mod jobs;
 mod pass;
 mod timers;
 pub mod usage;
 
 use crate::command::{JobSpec, Quota};
-use crate::ids::{GpuType, JobId, NodeId, OrgId, ProjectId, Tier, UserId};
 use crate::idmap::IdMap;
+use crate::ids::{GpuType, JobId, NodeId, OrgId, ProjectId, Tier, UserId};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use usage::DecayedUsage;
@@ -88,7 +90,10 @@ impl Default for SchedulerConfig {
             hysteresis_ms: 60_000,
             preemptions_per_job_max: 3,
             usage_half_life_ms: 3_600_000,
-            default_quota: Quota { queued_max: 10_000, running_max: 2_000 },
+            default_quota: Quota {
+                queued_max: 10_000,
+                running_max: 2_000,
+            },
             placements_per_pass_max: 512,
             candidates_per_pass_max: 2_048,
             preemption_searches_per_pass_max: 8,
@@ -152,11 +157,21 @@ pub enum JobState {
 
 impl JobState {
     pub fn is_final(self) -> bool {
-        matches!(self, JobState::Succeeded | JobState::Failed | JobState::Lost | JobState::Cancelled | JobState::Rejected)
+        matches!(
+            self,
+            JobState::Succeeded
+                | JobState::Failed
+                | JobState::Lost
+                | JobState::Cancelled
+                | JobState::Rejected
+        )
     }
 
     pub fn holds_gpus(self) -> bool {
-        matches!(self, JobState::Placed | JobState::Running | JobState::Preempting)
+        matches!(
+            self,
+            JobState::Placed | JobState::Running | JobState::Preempting
+        )
     }
 }
 
@@ -166,7 +181,9 @@ pub enum Reason {
     Submitted,
     Placed,
     Started,
-    Preempted { by: JobId },
+    Preempted {
+        by: JobId,
+    },
     Requeued,
     Succeeded,
     Failed,
@@ -273,12 +290,18 @@ impl Scheduler {
 
     /// What a node's agent must run: (job, attempt, GPU indices, state), by job id.
     pub fn assignments(&self, node: NodeId) -> Vec<(JobId, u32, Vec<u8>, JobState)> {
-        let Some(n) = self.nodes.get(&node) else { return Vec::new() };
+        let Some(n) = self.nodes.get(&node) else {
+            return Vec::new();
+        };
         let mut out: Vec<_> = n
             .jobs()
             .into_iter()
             .filter_map(|j| self.jobs.get(&j))
-            .filter_map(|j| j.placement.as_ref().map(|p| (j.spec.job, j.attempt, p.gpu_indices.clone(), j.state)))
+            .filter_map(|j| {
+                j.placement
+                    .as_ref()
+                    .map(|p| (j.spec.job, j.attempt, p.gpu_indices.clone(), j.state))
+            })
             .collect();
         out.sort();
         out

@@ -8,7 +8,13 @@ use std::collections::BTreeMap;
 
 /// Fair-share score: decayed past usage plus the live allocation (running GPUs counted
 /// as one half-life of use), in GPU-milliseconds.
-fn score<K: Ord>(usage: &BTreeMap<K, super::usage::DecayedUsage>, running: &BTreeMap<K, u32>, k: &K, now: u64, half_life: u64) -> u64 {
+fn score<K: Ord>(
+    usage: &BTreeMap<K, super::usage::DecayedUsage>,
+    running: &BTreeMap<K, u32>,
+    k: &K,
+    now: u64,
+    half_life: u64,
+) -> u64 {
     let past = usage.get(k).map_or(0, |u| u.value_at(now, half_life));
     past.saturating_add(running.get(k).copied().unwrap_or(0) as u64 * half_life)
 }
@@ -19,14 +25,17 @@ impl Scheduler {
         let mut parked: Vec<JobId> = Vec::new();
         let (mut placed, mut examined, mut searches) = (0, 0, 0);
         while placed < cfg.placements_per_pass_max && examined < cfg.candidates_per_pass_max {
-            let Some(id) = self.pick(cfg, ctx.now) else { break };
+            let Some(id) = self.pick(cfg, ctx.now) else {
+                break;
+            };
             examined += 1;
             if let Some((node, indices)) = self.find_fit(id) {
                 if self.place(ctx, ledger, cfg, id, node, indices).is_ok() {
                     placed += 1;
                     continue;
                 }
-            } else if cfg.policy != Policy::Fifo && searches < cfg.preemption_searches_per_pass_max {
+            } else if cfg.policy != Policy::Fifo && searches < cfg.preemption_searches_per_pass_max
+            {
                 searches += 1;
                 self.try_preempt(ctx, ledger, cfg, id);
             }
@@ -43,13 +52,21 @@ impl Scheduler {
         let oldest = |t: &Tier| self.by_age.get(t).and_then(|q| q.first()).copied();
         match cfg.policy {
             Policy::Fifo => self.by_age.keys().filter_map(oldest).min().map(|(_, j)| j),
-            Policy::StrictPriority => self.by_age.keys().next_back().and_then(oldest).map(|(_, j)| j),
+            Policy::StrictPriority => self
+                .by_age
+                .keys()
+                .next_back()
+                .and_then(oldest)
+                .map(|(_, j)| j),
             Policy::Fair => {
                 // Aging lane: a job past its tier's max wait goes first, oldest first.
                 let aged = self
                     .by_age
                     .iter()
-                    .filter_map(|(t, q)| q.first().filter(|(since, _)| now - since >= cfg.tiers[t.0 as usize].max_wait_ms))
+                    .filter_map(|(t, q)| {
+                        q.first()
+                            .filter(|(since, _)| now - since >= cfg.tiers[t.0 as usize].max_wait_ms)
+                    })
                     .min();
                 if let Some((_, id)) = aged {
                     return Some(*id);
@@ -67,20 +84,42 @@ impl Scheduler {
         let used = |t: &Tier| self.tier_gpus.get(t).copied().unwrap_or(0) as u64;
         let conf = |t: &Tier| &cfg.tiers[t.0 as usize];
         let tiers: Vec<Tier> = self.queue.keys().copied().collect();
-        if let Some(t) = tiers.iter().rev().find(|t| used(t) * 100 < conf(t).floor_pct as u64 * fleet) {
+        if let Some(t) = tiers
+            .iter()
+            .rev()
+            .find(|t| used(t) * 100 < conf(t).floor_pct as u64 * fleet)
+        {
             return Some(*t);
         }
-        let under: Vec<Tier> = tiers.iter().copied().filter(|t| used(t) * 100 < conf(t).ceiling_pct as u64 * fleet).collect();
+        let under: Vec<Tier> = tiers
+            .iter()
+            .copied()
+            .filter(|t| used(t) * 100 < conf(t).ceiling_pct as u64 * fleet)
+            .collect();
         let pool = if under.is_empty() { tiers } else { under };
-        pool.into_iter().min_by_key(|t| (used(t) * 1_000_000 / conf(t).weight.max(1) as u64, std::cmp::Reverse(*t)))
+        pool.into_iter().min_by_key(|t| {
+            (
+                used(t) * 1_000_000 / conf(t).weight.max(1) as u64,
+                std::cmp::Reverse(*t),
+            )
+        })
     }
 
     /// Weighted fair share down org → project → user on decayed usage, then oldest.
     fn pick_in_tier(&self, tier: Tier, now: u64, h: u64) -> Option<JobId> {
         let orgs = self.queue.get(&tier)?;
-        let (_, projects) = orgs.iter().min_by_key(|(o, _)| (score(&self.usage_org, &self.running_org, *o, now, h), **o))?;
-        let (_, users) = projects.iter().min_by_key(|(p, _)| (score(&self.usage_project, &self.running_project, *p, now, h), **p))?;
-        let (_, jobs) = users.iter().min_by_key(|(u, _)| (score(&self.usage_user, &self.running_user, *u, now, h), **u))?;
+        let (_, projects) = orgs
+            .iter()
+            .min_by_key(|(o, _)| (score(&self.usage_org, &self.running_org, *o, now, h), **o))?;
+        let (_, users) = projects.iter().min_by_key(|(p, _)| {
+            (
+                score(&self.usage_project, &self.running_project, *p, now, h),
+                **p,
+            )
+        })?;
+        let (_, jobs) = users
+            .iter()
+            .min_by_key(|(u, _)| (score(&self.usage_user, &self.running_user, *u, now, h), **u))?;
         jobs.first().map(|(_, j)| *j)
     }
 
@@ -92,22 +131,42 @@ impl Scheduler {
         let (gpus, floor) = (j.spec.gpus, j.spec.mem_floor_gb);
         let usable = |node: NodeId| {
             let n = self.nodes.get(&node)?;
-            let reserved_elsewhere = n
-                .reserved_for
-                .is_some_and(|r| r != id && self.jobs.get(&r).is_some_and(|rj| rj.state == JobState::Queued));
+            let reserved_elsewhere = n.reserved_for.is_some_and(|r| {
+                r != id
+                    && self
+                        .jobs
+                        .get(&r)
+                        .is_some_and(|rj| rj.state == JobState::Queued)
+            });
             (n.gpu_mem_gb >= floor && !reserved_elsewhere && n.free_gpus() >= gpus).then(|| {
-                let idx: Vec<u8> = n.slots.iter().enumerate().filter(|(_, s)| s.is_none()).map(|(i, _)| i as u8).take(gpus as usize).collect();
+                let idx: Vec<u8> = n
+                    .slots
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| s.is_none())
+                    .map(|(i, _)| i as u8)
+                    .take(gpus as usize)
+                    .collect();
                 (node, idx)
             })
         };
         if let Some(fit) = j.reserved_node.and_then(|n| {
-            let ready = self.nodes.get(&n).is_some_and(|x| x.state == super::NodeState::Ready);
-            if ready { usable(n) } else { None }
+            let ready = self
+                .nodes
+                .get(&n)
+                .is_some_and(|x| x.state == super::NodeState::Ready);
+            if ready {
+                usable(n)
+            } else {
+                None
+            }
         }) {
             return Some(fit);
         }
         for t in &j.spec.gpu_types {
-            let Some(set) = self.free_index.get(t) else { continue };
+            let Some(set) = self.free_index.get(t) else {
+                continue;
+            };
             for &(_, node) in set.range((gpus, NodeId(0))..) {
                 if let Some(fit) = usable(node) {
                     return Some(fit);
@@ -132,14 +191,22 @@ impl Scheduler {
         let mut best: Option<((u64, usize, NodeId), Vec<JobId>)> = None;
         for t in &j.spec.gpu_types {
             for &node in self.type_nodes.get(t).into_iter().flatten() {
-                let Some(n) = self.nodes.get(&node) else { continue };
-                if n.state != super::NodeState::Ready || n.gpu_mem_gb < floor || n.gpu_count < gpus || n.reserved_for.is_some() {
+                let Some(n) = self.nodes.get(&node) else {
+                    continue;
+                };
+                if n.state != super::NodeState::Ready
+                    || n.gpu_mem_gb < floor
+                    || n.gpu_count < gpus
+                    || n.reserved_for.is_some()
+                {
                     continue;
                 }
                 let free = n.free_gpus();
                 let mut cands: Vec<(u64, JobId, u32)> = Vec::new();
                 for v in n.jobs() {
-                    let Some(vj) = self.jobs.get(&v) else { continue };
+                    let Some(vj) = self.jobs.get(&v) else {
+                        continue;
+                    };
                     let Some(p) = &vj.placement else { continue };
                     if vj.state == JobState::Running
                         && vj.deadline_at.is_some_and(|d| d <= now + cfg.hysteresis_ms)
@@ -159,7 +226,11 @@ impl Scheduler {
                             .and_then(|m| m.checkpoint_ms)
                             .unwrap_or(p.started_ms)
                             .max(p.started_ms);
-                        cands.push((vj.spec.gpus as u64 * now.saturating_sub(since), v, vj.spec.gpus));
+                        cands.push((
+                            vj.spec.gpus as u64 * now.saturating_sub(since),
+                            v,
+                            vj.spec.gpus,
+                        ));
                     }
                 }
                 cands.sort();
@@ -181,7 +252,9 @@ impl Scheduler {
                 }
             }
         }
-        let Some(((_, _, node), victims)) = best else { return };
+        let Some(((_, _, node), victims)) = best else {
+            return;
+        };
         for v in victims {
             if let Some(vj) = self.jobs.get_mut(&v) {
                 vj.preemptions += 1;
@@ -191,7 +264,12 @@ impl Scheduler {
                 vj.state = JobState::Preempting;
                 vj.last_reason = Reason::Preempted { by: id };
             }
-            self.job_event(ctx.effects, v, Some(JobState::Running), Reason::Preempted { by: id });
+            self.job_event(
+                ctx.effects,
+                v,
+                Some(JobState::Running),
+                Reason::Preempted { by: id },
+            );
         }
         if let Some(n) = self.nodes.get_mut(&node) {
             n.reserved_for = Some(id);

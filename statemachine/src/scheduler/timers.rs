@@ -8,43 +8,83 @@ use crate::ledger::{Ctx, Ledger};
 use crate::limits::TIMERS_PER_ENTRY_MAX;
 
 impl Scheduler {
-    pub(crate) fn fire_timers(&mut self, ctx: &mut Ctx, ledger: &mut Ledger, cfg: &SchedulerConfig) {
+    pub(crate) fn fire_timers(
+        &mut self,
+        ctx: &mut Ctx,
+        ledger: &mut Ledger,
+        cfg: &SchedulerConfig,
+    ) {
         for _ in 0..TIMERS_PER_ENTRY_MAX {
-            let Some(&(at, timer)) = self.timers.first() else { return };
+            let Some(&(at, timer)) = self.timers.first() else {
+                return;
+            };
             if at > ctx.now {
                 return;
             }
             self.timers.pop_first();
             match timer {
                 Timer::NodeLease(node) => {
-                    let down = self.nodes.get(&node).is_some_and(|n| n.state != NodeState::Down && n.lease_until_ms <= ctx.now);
+                    let down = self
+                        .nodes
+                        .get(&node)
+                        .is_some_and(|n| n.state != NodeState::Down && n.lease_until_ms <= ctx.now);
                     if down {
                         for job in self.nodes.get(&node).map(|n| n.jobs()).unwrap_or_default() {
-                            self.end(ctx, ledger, cfg, job, SettleReason::NodeFailure, JobState::Failed, Reason::NodeDown);
+                            self.end(
+                                ctx,
+                                ledger,
+                                cfg,
+                                job,
+                                SettleReason::NodeFailure,
+                                JobState::Failed,
+                                Reason::NodeDown,
+                            );
                         }
                         self.set_node_state(node, NodeState::Down, ctx.effects);
                     }
                 }
                 Timer::JobLease(job) => {
-                    let Some(j) = self.jobs.get_mut(&job) else { continue };
+                    let Some(j) = self.jobs.get_mut(&job) else {
+                        continue;
+                    };
                     j.lease_at = None;
                     if j.state.holds_gpus() {
-                        self.end(ctx, ledger, cfg, job, SettleReason::Lost, JobState::Lost, Reason::LeaseExpired);
+                        self.end(
+                            ctx,
+                            ledger,
+                            cfg,
+                            job,
+                            SettleReason::Lost,
+                            JobState::Lost,
+                            Reason::LeaseExpired,
+                        );
                     }
                 }
                 Timer::Grace(job) => {
-                    let Some(j) = self.jobs.get_mut(&job) else { continue };
+                    let Some(j) = self.jobs.get_mut(&job) else {
+                        continue;
+                    };
                     j.grace_at = None;
                     if j.state == JobState::Preempting {
                         self.requeue(ctx, ledger, cfg, job);
                     }
                 }
                 Timer::Deadline(job) => {
-                    let Some(j) = self.jobs.get_mut(&job) else { continue };
+                    let Some(j) = self.jobs.get_mut(&job) else {
+                        continue;
+                    };
                     j.deadline_at = None;
                     if j.state.holds_gpus() {
                         // The job used its whole max duration: billed to now, stopped.
-                        self.end(ctx, ledger, cfg, job, SettleReason::Failed, JobState::Failed, Reason::MaxDuration);
+                        self.end(
+                            ctx,
+                            ledger,
+                            cfg,
+                            job,
+                            SettleReason::Failed,
+                            JobState::Failed,
+                            Reason::MaxDuration,
+                        );
                     }
                 }
             }

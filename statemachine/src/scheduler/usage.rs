@@ -80,7 +80,10 @@ mod tests {
         ];
         for (elapsed, expected) in cases {
             let got = decay(1_000_000, elapsed, h);
-            assert!(got.abs_diff(expected) <= 1, "decay after {elapsed} ms: {got} != {expected}");
+            assert!(
+                got.abs_diff(expected) <= 1,
+                "decay after {elapsed} ms: {got} != {expected}"
+            );
         }
         // Interpolation error between table entries stays below 0.05%.
         let got = decay(1_000_000, h / 32, h);

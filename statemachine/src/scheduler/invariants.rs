@@ -1,0 +1,127 @@
+//! The scheduler's invariants, checked with the ledger's (`check_invariants`): no GPU
+//! allocated to two jobs, no job on two nodes, every job holding GPUs has an open
+//! metered hold at its current attempt, queues and counters match the jobs.
+
+use super::{JobState, NodeState};
+use crate::ids::HoldId;
+use crate::State;
+use std::collections::BTreeMap;
+
+pub fn check(state: &State) -> Result<(), String> {
+    let s = &state.scheduler;
+    let mut used = 0u32;
+    let mut tier_gpus: BTreeMap<_, u32> = BTreeMap::new();
+    let mut queued = 0usize;
+    for (id, j) in s.jobs.sorted() {
+        let hold = state.ledger.hold(HoldId(id.0));
+        if j.state.holds_gpus() {
+            let p = j
+                .placement
+                .as_ref()
+                .ok_or(format!("{id} holds GPUs without a placement"))?;
+            let n = s
+                .nodes
+                .get(&p.node)
+                .ok_or(format!("{id} placed on unknown {}", p.node))?;
+            if p.gpu_indices.len() != j.spec.gpus as usize {
+                return Err(format!(
+                    "{id} has {} GPU indices for {} GPUs",
+                    p.gpu_indices.len(),
+                    j.spec.gpus
+                ));
+            }
+            for &i in &p.gpu_indices {
+                if n.slots.get(i as usize) != Some(&Some(*id)) {
+                    return Err(format!("{id}: GPU {i} of {} is not assigned to it", p.node));
+                }
+            }
+            let meter = hold.filter(|h| h.is_open()).and_then(|h| h.meter.as_ref());
+            if !meter.is_some_and(|m| m.attempt == j.attempt && !m.closed) {
+                return Err(format!(
+                    "{id} runs without an open meter at attempt {}",
+                    j.attempt
+                ));
+            }
+            used += j.spec.gpus;
+            *tier_gpus.entry(j.spec.tier).or_default() += j.spec.gpus;
+        } else if j.placement.is_some() {
+            return Err(format!("{id} in {:?} keeps a placement", j.state));
+        }
+        match j.state {
+            JobState::Queued => {
+                queued += 1;
+                if !hold.is_some_and(|h| h.is_open()) {
+                    return Err(format!("queued {id} has no open hold"));
+                }
+                let key = (j.queued_since_ms, *id);
+                if !s.by_age.get(&j.spec.tier).is_some_and(|q| q.contains(&key)) {
+                    return Err(format!("queued {id} missing from its tier's queue"));
+                }
+            }
+            st if st.is_final() => {
+                if hold.is_some_and(|h| h.is_open()) {
+                    return Err(format!("finished {id} still holds credit"));
+                }
+            }
+            _ => {}
+        }
+    }
+    // Every slot points at a job that holds GPUs there.
+    let mut fleet = 0;
+    for (nid, n) in s.nodes.sorted() {
+        if n.state != NodeState::Down {
+            fleet += n.gpu_count;
+        }
+        for (i, slot) in n.slots.iter().enumerate() {
+            let Some(job) = slot else { continue };
+            let ok = s.jobs.get(job).is_some_and(|j| {
+                j.state.holds_gpus()
+                    && j.placement
+                        .as_ref()
+                        .is_some_and(|p| p.node == *nid && p.gpu_indices.contains(&(i as u8)))
+            });
+            if !ok {
+                return Err(format!(
+                    "{nid} GPU {i} assigned to {job}, which is not running there"
+                ));
+            }
+        }
+        let indexed = s
+            .free_index
+            .get(&n.gpu_type)
+            .is_some_and(|x| x.contains(&(n.free_gpus(), *nid)));
+        if indexed != (n.state == NodeState::Ready && n.free_gpus() > 0) {
+            return Err(format!("{nid}: free index disagrees with the node"));
+        }
+    }
+    let indexed: usize = s.free_index.values().map(|x| x.len()).sum();
+    let expected = s
+        .nodes
+        .values()
+        .filter(|n| n.state == NodeState::Ready && n.free_gpus() > 0)
+        .count();
+    if indexed != expected {
+        return Err(format!(
+            "free index has {indexed} entries for {expected} nodes"
+        ));
+    }
+    if used != s.used_gpus || fleet != s.fleet_gpus {
+        return Err(format!(
+            "GPU counters: used {} (counted {used}), fleet {} (counted {fleet})",
+            s.used_gpus, s.fleet_gpus
+        ));
+    }
+    if s.tier_gpus
+        .iter()
+        .any(|(t, g)| tier_gpus.get(t).copied().unwrap_or(0) != *g)
+    {
+        return Err("per-tier GPU counters disagree with the jobs".into());
+    }
+    let in_queues: usize = s.by_age.values().map(|q| q.len()).sum();
+    if in_queues != queued {
+        return Err(format!(
+            "{in_queues} queue entries for {queued} queued jobs"
+        ));
+    }
+    Ok(())
+}
