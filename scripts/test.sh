@@ -14,7 +14,10 @@ step "format"
 cargo fmt --all -- --check
 
 step "clippy (-D warnings)"
-cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
+
+step "simulator smoke run (exits non-zero on any invariant violation)"
+cargo run --locked -q -p allot-statemachine --features sim --bin allot-sim -- --hours 0.25 --flood 100 >/dev/null
 
 step "doc tests"
 cargo test --workspace --locked --doc

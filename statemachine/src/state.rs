@@ -323,7 +323,7 @@ fn dispatch_scheduler(state: &mut State, req: &Request, ctx: &mut Ctx) -> Outcom
             job,
             attempt,
             success,
-        } => sched.finish(ctx, ledger, cfg, req.actor, *job, *attempt, *success),
+        } => sched.finish(ctx, ledger, cfg, req.actor, (*job, *attempt, *success)),
         Command::SetQuota { org, quota } => sched.set_quota(ledger, *org, *quota),
         _ => Err(CommandError::Unauthorized),
     }

@@ -128,7 +128,7 @@ fn lifecycle_with_metering_and_settlement() {
         .events
         .iter()
         .filter_map(|e| match e.body {
-            EventBody::JobTransition { job, to, .. } if job == JobId(10) => Some(to),
+            EventBody::JobTransition { job: JobId(10), to, .. } => Some(to),
             _ => None,
         })
         .collect();

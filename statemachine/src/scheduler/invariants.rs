@@ -58,10 +58,8 @@ pub fn check(state: &State) -> Result<(), String> {
                     return Err(format!("queued {id} missing from its tier's queue"));
                 }
             }
-            st if st.is_final() => {
-                if hold.is_some_and(|h| h.is_open()) {
-                    return Err(format!("finished {id} still holds credit"));
-                }
+            st if st.is_final() && hold.is_some_and(|h| h.is_open()) => {
+                return Err(format!("finished {id} still holds credit"));
             }
             _ => {}
         }

@@ -2,7 +2,7 @@
 //! nothing), placement, heartbeats, finish, cancel, requeue after preemption, and every
 //! ending settled through the ledger.
 
-use super::{Job, JobState, Placement, Reason, Scheduler, SchedulerConfig, Timer};
+use super::{Ending, Job, JobState, Placement, Reason, Scheduler, SchedulerConfig, Timer};
 use crate::audit::{EventBody, PendingEvent};
 use crate::command::{Heartbeat, HoldSpec, JobHeartbeat, JobSpec, SettleReason};
 use crate::ids::{Account, Actor, HoldId, JobId, NodeId};
@@ -372,10 +372,9 @@ impl Scheduler {
         ledger: &mut Ledger,
         cfg: &SchedulerConfig,
         id: JobId,
-        settle: SettleReason,
-        to: JobState,
-        reason: Reason,
+        ending: Ending,
     ) -> Option<Settlement> {
+        let Ending { settle, to, reason } = ending;
         let j = self.jobs.get(&id)?;
         let (state, attempt) = (j.state, j.attempt);
         let settlement = ledger.settle(ctx, HoldId(id.0), attempt, settle).ok();
@@ -453,9 +452,11 @@ impl Scheduler {
             ledger,
             cfg,
             id,
-            SettleReason::Cancelled,
-            JobState::Cancelled,
-            Reason::Cancelled,
+            Ending {
+                settle: SettleReason::Cancelled,
+                to: JobState::Cancelled,
+                reason: Reason::Cancelled,
+            },
         );
         Ok(Reply::JobCancelled(s))
     }
@@ -494,23 +495,24 @@ impl Scheduler {
                 ledger,
                 cfg,
                 hb.job,
-                SettleReason::OutOfCredits,
-                JobState::Failed,
-                Reason::OutOfCredits,
+                Ending {
+                    settle: SettleReason::OutOfCredits,
+                    to: JobState::Failed,
+                    reason: Reason::OutOfCredits,
+                },
             );
         }
         Ok(Reply::JobHeartbeat(reply))
     }
 
+    /// The agent's report `(job, attempt, success)`.
     pub(crate) fn finish(
         &mut self,
         ctx: &mut Ctx,
         ledger: &mut Ledger,
         cfg: &SchedulerConfig,
         actor: Actor,
-        id: JobId,
-        attempt: u32,
-        success: bool,
+        (id, attempt, success): (JobId, u32, bool),
     ) -> Result<Reply, CommandError> {
         let j = self.job_for(actor, id)?;
         Self::check_attempt(j, attempt)?;
@@ -528,9 +530,13 @@ impl Scheduler {
         } else {
             (SettleReason::Failed, JobState::Failed, Reason::Failed)
         };
-        Ok(Reply::JobFinished(
-            self.end(ctx, ledger, cfg, id, settle, to, reason),
-        ))
+        Ok(Reply::JobFinished(self.end(
+            ctx,
+            ledger,
+            cfg,
+            id,
+            Ending { settle, to, reason },
+        )))
     }
 
     pub(crate) fn set_quota(

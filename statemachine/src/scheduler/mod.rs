@@ -65,6 +65,8 @@ pub struct SchedulerConfig {
     pub placements_per_pass_max: u32,
     pub candidates_per_pass_max: u32,
     pub preemption_searches_per_pass_max: u32,
+    /// Nodes held back for blocked multi-GPU jobs (anti-fragmentation), at most.
+    pub reserved_nodes_max: u32,
 }
 
 impl Default for SchedulerConfig {
@@ -80,7 +82,7 @@ impl Default for SchedulerConfig {
             tiers: vec![
                 tier("free", 1, 5, 50, 30 * 60_000),
                 tier("paid", 3, 15, 90, 10 * 60_000),
-                tier("enterprise", 8, 30, 100, 5 * 60_000),
+                tier("enterprise", 8, 30, 70, 5 * 60_000),
             ],
             policy: Policy::Fair,
             node_lease_ms: 60_000,
@@ -97,6 +99,7 @@ impl Default for SchedulerConfig {
             placements_per_pass_max: 512,
             candidates_per_pass_max: 2_048,
             preemption_searches_per_pass_max: 8,
+            reserved_nodes_max: 8,
         }
     }
 }
@@ -244,6 +247,16 @@ pub enum Timer {
 
 /// Queued jobs of one user, oldest first.
 type UserQueue = BTreeSet<(u64, JobId)>;
+/// Queued jobs of one tier: org → project → user → oldest first.
+pub type TierQueue = BTreeMap<OrgId, BTreeMap<ProjectId, BTreeMap<UserId, UserQueue>>>;
+
+/// How a job ends: what the ledger bills, the final state, and why.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ending {
+    pub settle: crate::command::SettleReason,
+    pub to: JobState,
+    pub reason: Reason,
+}
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Scheduler {
@@ -256,7 +269,7 @@ pub struct Scheduler {
     pub type_caps: BTreeMap<GpuType, (u32, u32)>,
     pub jobs: IdMap<JobId, Job>,
     /// Queued jobs: tier → org → project → user → oldest first.
-    pub queue: BTreeMap<Tier, BTreeMap<OrgId, BTreeMap<ProjectId, BTreeMap<UserId, UserQueue>>>>,
+    pub queue: BTreeMap<Tier, TierQueue>,
     /// Queued jobs per tier by age (aging lane, FIFO and strict-priority order).
     pub by_age: BTreeMap<Tier, BTreeSet<(u64, JobId)>>,
     pub timers: BTreeSet<(u64, Timer)>,

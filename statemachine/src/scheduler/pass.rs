@@ -34,10 +34,14 @@ impl Scheduler {
                     placed += 1;
                     continue;
                 }
-            } else if cfg.policy != Policy::Fifo && searches < cfg.preemption_searches_per_pass_max
-            {
-                searches += 1;
-                self.try_preempt(ctx, ledger, cfg, id);
+            } else {
+                if cfg.policy != Policy::Fifo && searches < cfg.preemption_searches_per_pass_max {
+                    searches += 1;
+                    self.try_preempt(ctx, ledger, cfg, id);
+                }
+                if cfg.policy == Policy::Fair {
+                    self.try_reserve(cfg, id);
+                }
             }
             self.dequeue(id);
             parked.push(id);
@@ -59,19 +63,30 @@ impl Scheduler {
                 .and_then(oldest)
                 .map(|(_, j)| j),
             Policy::Fair => {
-                // Aging lane: a job past its tier's max wait goes first, oldest first.
+                // Aging: a tier whose oldest job waited past the tier's max wait and
+                // that holds less than max(its floor, one job's worth) is served
+                // first, most overdue first — so no tier starves even with a zero
+                // floor, while sustained overload (when every tier is "aged") does
+                // not turn priorities upside down. Inside a tier, fair share chooses.
+                let fleet = self.fleet_gpus.max(1) as u64;
                 let aged = self
                     .by_age
                     .iter()
+                    .filter(|(t, _)| {
+                        let used = self.tier_gpus.get(t).copied().unwrap_or(0) as u64;
+                        let floor = (cfg.tiers[t.0 as usize].floor_pct as u64 * fleet / 100).max(1);
+                        used < floor
+                    })
                     .filter_map(|(t, q)| {
                         q.first()
                             .filter(|(since, _)| now - since >= cfg.tiers[t.0 as usize].max_wait_ms)
+                            .map(|(since, _)| (*since, *t))
                     })
                     .min();
-                if let Some((_, id)) = aged {
-                    return Some(*id);
-                }
-                let tier = self.pick_tier(cfg)?;
+                let tier = match aged {
+                    Some((_, t)) => t,
+                    None => self.pick_tier(cfg)?,
+                };
                 self.pick_in_tier(tier, now, cfg.usage_half_life_ms)
             }
         }
@@ -174,6 +189,53 @@ impl Scheduler {
             }
         }
         None
+    }
+
+    /// Anti-fragmentation: a multi-GPU job that fits nowhere reserves the fitting node
+    /// with the most free GPUs, so small jobs stop backfilling it; it then frees up as
+    /// its jobs finish. Bounded by `reserved_nodes_max`.
+    fn try_reserve(&mut self, cfg: &SchedulerConfig, id: JobId) {
+        let Some(j) = self.jobs.get(&id) else { return };
+        if j.reserved_node.is_some() || j.spec.gpus < 2 {
+            return;
+        }
+        let reserved = self
+            .nodes
+            .values()
+            .filter(|n| n.reserved_for.is_some())
+            .count();
+        if reserved >= cfg.reserved_nodes_max as usize {
+            return;
+        }
+        let (gpus, floor) = (j.spec.gpus, j.spec.mem_floor_gb);
+        let mut best: Option<(u32, std::cmp::Reverse<NodeId>)> = None;
+        for t in &j.spec.gpu_types {
+            for &node in self.type_nodes.get(t).into_iter().flatten() {
+                let Some(n) = self.nodes.get(&node) else {
+                    continue;
+                };
+                if n.state != super::NodeState::Ready
+                    || n.gpu_count < gpus
+                    || n.gpu_mem_gb < floor
+                    || n.reserved_for.is_some()
+                {
+                    continue;
+                }
+                let key = (n.free_gpus(), std::cmp::Reverse(node));
+                if best.is_none_or(|b| key > b) {
+                    best = Some(key);
+                }
+            }
+        }
+        let Some((_, std::cmp::Reverse(node))) = best else {
+            return;
+        };
+        if let Some(n) = self.nodes.get_mut(&node) {
+            n.reserved_for = Some(id);
+        }
+        if let Some(j) = self.jobs.get_mut(&id) {
+            j.reserved_node = Some(node);
+        }
     }
 
     /// Preemption for a job that does not fit: only preemptible jobs of a lower tier,

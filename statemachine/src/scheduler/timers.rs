@@ -2,7 +2,7 @@
 //! (a node that misses its lease is down and its jobs fail as platform faults), job
 //! leases (no heartbeat in time: Lost), preemption grace, and max duration.
 
-use super::{JobState, NodeState, Reason, Scheduler, SchedulerConfig, Timer};
+use super::{Ending, JobState, NodeState, Reason, Scheduler, SchedulerConfig, Timer};
 use crate::command::SettleReason;
 use crate::ledger::{Ctx, Ledger};
 use crate::limits::TIMERS_PER_ENTRY_MAX;
@@ -35,9 +35,11 @@ impl Scheduler {
                                 ledger,
                                 cfg,
                                 job,
-                                SettleReason::NodeFailure,
-                                JobState::Failed,
-                                Reason::NodeDown,
+                                Ending {
+                                    settle: SettleReason::NodeFailure,
+                                    to: JobState::Failed,
+                                    reason: Reason::NodeDown,
+                                },
                             );
                         }
                         self.set_node_state(node, NodeState::Down, ctx.effects);
@@ -54,9 +56,11 @@ impl Scheduler {
                             ledger,
                             cfg,
                             job,
-                            SettleReason::Lost,
-                            JobState::Lost,
-                            Reason::LeaseExpired,
+                            Ending {
+                                settle: SettleReason::Lost,
+                                to: JobState::Lost,
+                                reason: Reason::LeaseExpired,
+                            },
                         );
                     }
                 }
@@ -81,9 +85,11 @@ impl Scheduler {
                             ledger,
                             cfg,
                             job,
-                            SettleReason::Failed,
-                            JobState::Failed,
-                            Reason::MaxDuration,
+                            Ending {
+                                settle: SettleReason::Failed,
+                                to: JobState::Failed,
+                                reason: Reason::MaxDuration,
+                            },
                         );
                     }
                 }

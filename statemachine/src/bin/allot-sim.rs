@@ -1,0 +1,772 @@
+//! allot-sim: replays a GPU workload trace through the real state machine on simulated
+//! logical time, with simulated agents (heartbeats, checkpoints, preemption hand-off,
+//! finishes), once per scheduling policy, and prints scheduling-quality figures side by
+//! side. The trace is generated from a seed (reproducible) or loaded from JSON lines.
+//!
+//! ```text
+//! cargo run --release -p allot-statemachine --features sim --bin allot-sim -- \
+//!     [--seed N] [--hours H] [--load X] [--flood N] [--json] \
+//!     [--trace-out FILE] [--trace-in FILE] [--policies fair,strict,fifo]
+//! ```
+
+use allot_statemachine::scheduler::{JobState, Policy};
+use allot_statemachine::testkit::{a100, h100, A100_PRICE, H100_PRICE, T0_MS};
+use allot_statemachine::*;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::io::{BufRead, Write};
+
+const STEP_MS: u64 = 5_000;
+const HEARTBEAT_MS: u64 = 30_000;
+const CHECKPOINT_EVERY_MS: u64 = 60_000;
+const CHECKPOINT_COST_MS: u64 = 10_000;
+const NODES: u64 = 64;
+const GPUS_PER_NODE: u32 = 8;
+/// Orgs per tier (free, paid, enterprise); equal weights within a tier.
+const ORGS_PER_TIER: [u64; 3] = [16, 8, 4];
+const ADMIN: Actor = Actor::Admin(PrincipalId(1));
+
+/// One job of the trace.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct TraceJob {
+    t_ms: u64,
+    job: u64,
+    org: u64,
+    tier: u8,
+    gpu_types: Vec<String>,
+    gpus: u32,
+    mem_floor_gb: u32,
+    preemptible: bool,
+    checkpointable: bool,
+    max_duration_ms: u64,
+    /// Work the job needs (run time on its GPUs without interruption).
+    work_ms: u64,
+}
+
+/// splitmix64: a small, seedable, reproducible generator (no `rand` in this crate).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+struct Args {
+    seed: u64,
+    hours: f64,
+    load: f64,
+    flood: u64,
+    json: bool,
+    trace_out: Option<String>,
+    trace_in: Option<String>,
+    policies: Vec<Policy>,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        seed: 42,
+        hours: 4.0,
+        load: 1.6,
+        flood: 2_000,
+        json: false,
+        trace_out: None,
+        trace_in: None,
+        policies: vec![Policy::Fair, Policy::StrictPriority, Policy::Fifo],
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--seed" => a.seed = value()?.parse().map_err(|e| format!("--seed: {e}"))?,
+            "--hours" => a.hours = value()?.parse().map_err(|e| format!("--hours: {e}"))?,
+            "--load" => a.load = value()?.parse().map_err(|e| format!("--load: {e}"))?,
+            "--flood" => a.flood = value()?.parse().map_err(|e| format!("--flood: {e}"))?,
+            "--json" => a.json = true,
+            "--trace-out" => a.trace_out = Some(value()?),
+            "--trace-in" => a.trace_in = Some(value()?),
+            "--policies" => {
+                a.policies = value()?
+                    .split(',')
+                    .map(|p| match p {
+                        "fair" => Ok(Policy::Fair),
+                        "strict" => Ok(Policy::StrictPriority),
+                        "fifo" => Ok(Policy::Fifo),
+                        other => Err(format!("unknown policy {other:?} (fair, strict, fifo)")),
+                    })
+                    .collect::<Result<_, _>>()?
+            }
+            "-h" | "--help" => return Err("usage: allot-sim [--seed N] [--hours H] [--load X] [--flood N] [--json] [--trace-out F] [--trace-in F] [--policies fair,strict,fifo]".into()),
+            other => return Err(format!("unknown flag {other:?} (try --help)")),
+        }
+    }
+    if !(a.hours > 0.0 && a.hours <= 48.0 && a.load > 0.0 && a.load <= 10.0) {
+        return Err("--hours must be in (0, 48] and --load in (0, 10]".into());
+    }
+    Ok(a)
+}
+
+/// The workload: Poisson arrivals at `load` × fleet capacity, tiers 45/35/20% of jobs,
+/// Zipf-skewed demand across orgs, paid bursts (3× for 10 min every hour), 1–8 GPUs,
+/// 20 s–10 min of work (log-uniform), 70% checkpointable; an enterprise flood of
+/// `flood` jobs by one org at the one-hour mark.
+fn generate(args: &Args) -> Vec<TraceJob> {
+    let mut rng = Rng(args.seed);
+    let capacity = (NODES * GPUS_PER_NODE as u64) as f64;
+    let mean_gpus = 0.4 * 1.0 + 0.3 * 2.0 + 0.2 * 4.0 + 0.1 * 8.0;
+    let mean_work_s = (600.0 - 20.0) / (600.0f64 / 20.0).ln();
+    let rate_per_ms = args.load * capacity / (mean_gpus * mean_work_s) / 1_000.0;
+    let end_ms = (args.hours * 3_600_000.0) as u64;
+    let mut jobs = Vec::new();
+    let mut t = 0.0f64;
+    let make = |rng: &mut Rng, t_ms: u64, tier: u8, org: u64, job: u64| {
+        let gpus = [1, 1, 1, 1, 2, 2, 2, 4, 4, 8][rng.below(10) as usize];
+        let work_ms = (20_000.0 * (30.0f64).powf(rng.unit())) as u64;
+        let types = match rng.below(3) {
+            0 => vec!["H100".to_string()],
+            1 => vec!["H100".to_string(), "A100".to_string()],
+            _ => vec!["A100".to_string(), "H100".to_string()],
+        };
+        TraceJob {
+            t_ms,
+            job,
+            org,
+            tier,
+            gpu_types: types,
+            gpus,
+            mem_floor_gb: 40,
+            preemptible: tier < 2,
+            checkpointable: rng.below(10) < 7,
+            max_duration_ms: work_ms * 3 + 10 * 60_000,
+            work_ms,
+        }
+    };
+    loop {
+        let hour_pos = (t as u64) % 3_600_000;
+        let burst = (1_800_000..2_400_000).contains(&hour_pos);
+        let rate = rate_per_ms * if burst { 1.35 } else { 0.95 };
+        t += -(1.0 - rng.unit()).ln() / rate;
+        if t as u64 >= end_ms {
+            break;
+        }
+        let roll = rng.below(100);
+        let tier: u8 = if burst && roll < 30 {
+            1
+        } else if roll < 45 {
+            0
+        } else if roll < 80 {
+            1
+        } else {
+            2
+        };
+        // Zipf-like skew across the tier's orgs.
+        let n = ORGS_PER_TIER[tier as usize];
+        let weights: Vec<f64> = (0..n).map(|i| 1.0 / (i as f64 + 1.0).powf(0.7)).collect();
+        let mut pick = rng.unit() * weights.iter().sum::<f64>();
+        let mut k = 0;
+        while k + 1 < n as usize && pick > weights[k] {
+            pick -= weights[k];
+            k += 1;
+        }
+        let id = jobs.len() as u64 + 1;
+        jobs.push(make(&mut rng, t as u64, tier, org_id(tier, k as u64), id));
+    }
+    let flood_org = org_id(2, 0);
+    for _ in 0..args.flood.min(9_000) {
+        let id = jobs.len() as u64 + 1;
+        jobs.push(make(&mut rng, 3_600_000, 2, flood_org, id));
+    }
+    jobs.sort_by_key(|j| (j.t_ms, j.job));
+    jobs
+}
+
+fn org_id(tier: u8, k: u64) -> u64 {
+    100 * (tier as u64 + 1) + k
+}
+
+/// The shard under simulation, and the simulated agents' view of their jobs.
+struct Sim {
+    state: State,
+    index: u64,
+    now: u64,
+    rid: u128,
+    /// job → (work done, work at last checkpoint, checkpoint count, last heartbeat, attempt, preempt ack due)
+    agents: BTreeMap<u64, AgentJob>,
+    lost_gpu_ms: u64,
+    delivered_gpu_ms: u64,
+    preemptions: u64,
+    refunded_micro: u64,
+    forfeited_micro: u64,
+    invariants_ok: bool,
+    used_samples: Vec<(u64, u64)>,
+}
+
+#[derive(Clone, Copy, Default)]
+struct AgentJob {
+    attempt: u32,
+    done_ms: u64,
+    saved_ms: u64,
+    checkpoint: u64,
+    last_hb_ms: u64,
+    seq: u64,
+    ack_at: Option<u64>,
+}
+
+impl Sim {
+    fn apply(&mut self, requests: Vec<Request>) -> Vec<Outcome> {
+        self.index += 1;
+        let entry = Entry {
+            log_index: self.index,
+            logical_time_ms: self.now,
+            requests,
+        };
+        let out = apply(&mut self.state, &entry).expect("fresh index");
+        for e in &out.events {
+            match e.body {
+                EventBody::Refunded { amount_micro, .. } => self.refunded_micro += amount_micro,
+                EventBody::RefundForfeited { amount_micro, .. } => {
+                    self.forfeited_micro += amount_micro
+                }
+                EventBody::JobTransition {
+                    to: JobState::Preempting,
+                    ..
+                } => self.preemptions += 1,
+                _ => {}
+            }
+        }
+        out.outcomes
+    }
+
+    fn req(&mut self, actor: Actor, command: Command) -> Request {
+        self.rid += 1;
+        Request {
+            actor,
+            request_id: self.rid,
+            command,
+        }
+    }
+
+    fn setup(&mut self) {
+        let mut reqs = vec![self.req(
+            ADMIN,
+            Command::SetPrices {
+                prices: vec![(a100(), A100_PRICE), (h100(), H100_PRICE)],
+            },
+        )];
+        for node in 1..=NODES {
+            let gpu_type = if node <= NODES / 2 { a100() } else { h100() };
+            reqs.push(self.req(
+                ADMIN,
+                Command::RegisterNode(NodeSpec {
+                    node: NodeId(node),
+                    gpu_type,
+                    gpu_count: GPUS_PER_NODE,
+                    gpu_mem_gb: 80,
+                    labels: vec![],
+                }),
+            ));
+        }
+        for tier in 0..3u8 {
+            for k in 0..ORGS_PER_TIER[tier as usize] {
+                let org = org_id(tier, k);
+                reqs.push(self.req(ADMIN, Command::CreateOrg { org: OrgId(org) }));
+                reqs.push(self.req(
+                    ADMIN,
+                    Command::CreateProject {
+                        project: ProjectId(org),
+                        org: OrgId(org),
+                    },
+                ));
+                reqs.push(self.req(
+                    ADMIN,
+                    Command::CreateUser {
+                        user: UserId(org),
+                        org: OrgId(org),
+                    },
+                ));
+                // Admission control sheds what the fleet cannot serve: per-org queue caps
+                // by tier (free work may be shed, per the seed).
+                let queued_max = [40, 200, 1_000][tier as usize];
+                reqs.push(self.req(
+                    ADMIN,
+                    Command::SetQuota {
+                        org: OrgId(org),
+                        quota: Some(Quota {
+                            queued_max,
+                            running_max: 10_000,
+                        }),
+                    },
+                ));
+                reqs.push(self.req(
+                    ADMIN,
+                    Command::IssueGrant(Grant {
+                        bucket: BucketId(org),
+                        owner: Account::Org(OrgId(org)),
+                        kind: BucketKind::Paid,
+                        amount_micro: 900_000_000_000_000,
+                        expires_at_ms: None,
+                        priority: 100,
+                        policy: None,
+                        source_ref: None,
+                    }),
+                ));
+            }
+        }
+        let out = self.apply(reqs);
+        assert!(
+            out.iter().all(|o| o.is_ok()),
+            "setup failed: {:?}",
+            out.iter().find(|o| o.is_err())
+        );
+    }
+
+    fn submit(&mut self, j: &TraceJob) -> Request {
+        let spec = JobSpec {
+            job: JobId(j.job),
+            project: ProjectId(j.org),
+            user: UserId(j.org),
+            tier: Tier(j.tier),
+            gpu_types: j.gpu_types.iter().map(|t| GpuType(t.clone())).collect(),
+            gpus: j.gpus,
+            mem_floor_gb: j.mem_floor_gb,
+            preemptible: j.preemptible,
+            checkpointable: j.checkpointable,
+            max_duration_ms: j.max_duration_ms,
+        };
+        self.req(ADMIN, Command::SubmitJob(spec))
+    }
+
+    /// One step of every simulated agent: progress, checkpoints, heartbeats, finishes,
+    /// and the hand-off of preempted jobs after checkpointing.
+    fn agents(&mut self, trace: &BTreeMap<u64, TraceJob>) -> Vec<Request> {
+        let mut reqs = Vec::new();
+        let placed: Vec<(u64, u32, JobState, u64)> = self
+            .state
+            .scheduler
+            .jobs
+            .sorted()
+            .into_iter()
+            .filter(|(_, j)| j.state.holds_gpus())
+            .map(|(id, j)| {
+                (
+                    id.0,
+                    j.attempt,
+                    j.state,
+                    j.placement.as_ref().map_or(0, |p| p.node.0),
+                )
+            })
+            .collect();
+        for (job, attempt, state, node) in placed {
+            let spec = &trace[&job];
+            let a = self.agents.entry(job).or_default();
+            if a.attempt != attempt {
+                // A new attempt resumes from the last checkpoint (or from scratch).
+                *a = AgentJob {
+                    attempt,
+                    done_ms: a.saved_ms,
+                    saved_ms: a.saved_ms,
+                    checkpoint: a.checkpoint,
+                    last_hb_ms: self.now,
+                    seq: 0,
+                    ack_at: None,
+                };
+            }
+            let agent = Actor::Agent(NodeId(node));
+            a.done_ms += STEP_MS;
+            self.delivered_gpu_ms += STEP_MS * spec.gpus as u64;
+            if state == JobState::Preempting {
+                // Checkpoint during the grace period, then hand the GPUs back.
+                let ack_at = *a.ack_at.get_or_insert(self.now + CHECKPOINT_COST_MS);
+                if self.now >= ack_at {
+                    if spec.checkpointable {
+                        a.saved_ms = a.done_ms;
+                        a.checkpoint += 1;
+                    }
+                    self.lost_gpu_ms += (a.done_ms - a.saved_ms) * spec.gpus as u64;
+                    a.seq += 1;
+                    let hb = JobHeartbeat {
+                        job: JobId(job),
+                        attempt,
+                        seq: a.seq,
+                        progress_ppm: 0,
+                        checkpoint: a.checkpoint,
+                    };
+                    let fin = Command::FinishJob {
+                        job: JobId(job),
+                        attempt,
+                        success: false,
+                    };
+                    reqs.push((agent, Command::JobHeartbeat(hb)));
+                    reqs.push((agent, fin));
+                }
+                continue;
+            }
+            if spec.checkpointable
+                && a.done_ms - a.saved_ms >= CHECKPOINT_EVERY_MS
+                && a.done_ms < spec.work_ms
+            {
+                a.saved_ms = a.done_ms;
+                a.checkpoint += 1;
+            }
+            if a.done_ms >= spec.work_ms {
+                reqs.push((
+                    agent,
+                    Command::FinishJob {
+                        job: JobId(job),
+                        attempt,
+                        success: true,
+                    },
+                ));
+            } else if self.now - a.last_hb_ms >= HEARTBEAT_MS || a.seq == 0 {
+                a.seq += 1;
+                a.last_hb_ms = self.now;
+                let hb = JobHeartbeat {
+                    job: JobId(job),
+                    attempt,
+                    seq: a.seq,
+                    progress_ppm: (a.done_ms * 1_000_000 / spec.work_ms.max(1)).min(1_000_000)
+                        as u32,
+                    checkpoint: a.checkpoint,
+                };
+                reqs.push((agent, Command::JobHeartbeat(hb)));
+            }
+        }
+        let nodes: Vec<u64> = (1..=NODES).collect();
+        for n in nodes {
+            reqs.push((
+                Actor::Agent(NodeId(n)),
+                Command::NodeHeartbeat { node: NodeId(n) },
+            ));
+        }
+        reqs.into_iter()
+            .map(|(actor, c)| self.req(actor, c))
+            .collect()
+    }
+}
+
+#[derive(Serialize)]
+struct TierFigures {
+    tier: &'static str,
+    jobs: usize,
+    placed: usize,
+    /// Refused at admission (queue quota): shed load.
+    shed: usize,
+    wait_p50_s: f64,
+    wait_p95_s: f64,
+    wait_p99_s: f64,
+    wait_max_s: f64,
+    jct_p50_s: f64,
+    jain_index: f64,
+    backlogged_orgs: usize,
+}
+
+#[derive(Serialize)]
+struct Figures {
+    policy: String,
+    jobs: usize,
+    allocation_pct: f64,
+    tiers: Vec<TierFigures>,
+    preemptions: u64,
+    gpu_hours_delivered: f64,
+    gpu_hours_lost: f64,
+    gpu_hours_lost_pct: f64,
+    credits_charged: f64,
+    credits_refunded: f64,
+    credits_forfeited: f64,
+    invariants_ok: bool,
+    entries: u64,
+}
+
+fn pct(v: &mut [u64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_unstable();
+    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+    v[i] as f64 / 1_000.0
+}
+
+fn jain(x: &[f64]) -> f64 {
+    let (s, s2) = (x.iter().sum::<f64>(), x.iter().map(|v| v * v).sum::<f64>());
+    if x.is_empty() || s2 == 0.0 {
+        1.0
+    } else {
+        s * s / (x.len() as f64 * s2)
+    }
+}
+
+fn simulate(policy: Policy, trace: &[TraceJob], hours: f64) -> Figures {
+    let mut config = Config::default();
+    config.scheduler.policy = policy;
+    let mut sim = Sim {
+        state: State::new(config),
+        index: 0,
+        now: T0_MS,
+        rid: 0,
+        agents: BTreeMap::new(),
+        lost_gpu_ms: 0,
+        delivered_gpu_ms: 0,
+        preemptions: 0,
+        refunded_micro: 0,
+        forfeited_micro: 0,
+        invariants_ok: true,
+        used_samples: Vec::new(),
+    };
+    sim.setup();
+    let by_id: BTreeMap<u64, TraceJob> = trace.iter().map(|j| (j.job, j.clone())).collect();
+    let end_arrivals = T0_MS + (hours * 3_600_000.0) as u64;
+    let warmup = T0_MS + 10 * 60_000;
+    let mut next = 0;
+    // Per tier: org → GPU-ms received while backlogged; org → steps backlogged.
+    let mut received: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut backlogged: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut window_steps = 0u64;
+    let drain_until = end_arrivals + 3_600_000;
+    while sim.now < drain_until {
+        sim.now += STEP_MS;
+        let mut reqs = sim.agents(&by_id);
+        while next < trace.len() && T0_MS + trace[next].t_ms <= sim.now {
+            let r = sim.submit(&trace[next]);
+            reqs.push(r);
+            next += 1;
+        }
+        sim.apply(reqs);
+        if sim.index.is_multiple_of(240) && check_invariants(&sim.state).is_err() {
+            sim.invariants_ok = false;
+        }
+        let s = &sim.state.scheduler;
+        if sim.now > warmup && sim.now <= end_arrivals {
+            sim.used_samples
+                .push((s.used_gpus as u64, s.fleet_gpus as u64));
+            window_steps += 1;
+            for (tier, orgs) in &s.queue {
+                let _ = tier;
+                for org in orgs.keys() {
+                    *backlogged.entry(org.0).or_default() += 1;
+                    let running = s.running_org.get(org).copied().unwrap_or(0) as u64;
+                    *received.entry(org.0).or_default() += running * STEP_MS;
+                }
+            }
+        }
+        if sim.now > end_arrivals && s.by_age.is_empty() && s.used_gpus == 0 {
+            break;
+        }
+    }
+    sim.invariants_ok &= check_invariants(&sim.state).is_ok();
+    let s = &sim.state.scheduler;
+    let (used, fleet) = sim
+        .used_samples
+        .iter()
+        .fold((0u64, 0u64), |a, (u, f)| (a.0 + u, a.1 + f));
+    let names = ["free", "paid", "enterprise", "enterprise w/o flood org"];
+    let flood_org = org_id(2, 0);
+    let mut tiers = Vec::new();
+    for group in 0..4u8 {
+        let tier = group.min(2);
+        let jobs: Vec<&TraceJob> = trace
+            .iter()
+            .filter(|j| j.tier == tier && (group < 3 || j.org != flood_org))
+            .collect();
+        let (mut waits, mut jcts, mut placed, mut shed) = (Vec::new(), Vec::new(), 0, 0);
+        for tj in &jobs {
+            let Some(j) = s.jobs.get(&JobId(tj.job)) else {
+                shed += 1;
+                continue;
+            };
+            match j.waits_ms.first() {
+                Some(w) => {
+                    waits.push(*w);
+                    placed += 1;
+                }
+                None => waits.push(sim.now - j.submitted_ms), // never placed: censored wait
+            }
+            if j.state == JobState::Succeeded {
+                jcts.push(j.finished_ms.unwrap_or(sim.now) - j.submitted_ms);
+            }
+        }
+        // Jain's index over the tier's orgs that were backlogged ≥ 80% of the window.
+        let x: Vec<f64> = (0..ORGS_PER_TIER[tier as usize])
+            .map(|k| org_id(tier, k))
+            .filter(|o| group < 3 || *o != flood_org)
+            .filter(|o| backlogged.get(o).copied().unwrap_or(0) * 5 >= window_steps * 4)
+            .map(|o| received.get(&o).copied().unwrap_or(0) as f64)
+            .collect();
+        tiers.push(TierFigures {
+            tier: names[group as usize],
+            jobs: jobs.len(),
+            placed,
+            shed,
+            wait_p50_s: pct(&mut waits, 0.50),
+            wait_p95_s: pct(&mut waits, 0.95),
+            wait_p99_s: pct(&mut waits, 0.99),
+            wait_max_s: pct(&mut waits, 1.0),
+            jct_p50_s: pct(&mut jcts, 0.50),
+            jain_index: jain(&x),
+            backlogged_orgs: x.len(),
+        });
+    }
+    let micro = |m: u128| m as f64 / 1e6;
+    Figures {
+        policy: format!("{policy:?}"),
+        jobs: trace.len(),
+        allocation_pct: 100.0 * used as f64 / fleet.max(1) as f64,
+        tiers,
+        preemptions: sim.preemptions,
+        gpu_hours_delivered: sim.delivered_gpu_ms as f64 / 3.6e6,
+        gpu_hours_lost: sim.lost_gpu_ms as f64 / 3.6e6,
+        gpu_hours_lost_pct: 100.0 * sim.lost_gpu_ms as f64 / sim.delivered_gpu_ms.max(1) as f64,
+        credits_charged: micro(sim.state.ledger.totals.consumed),
+        credits_refunded: micro(sim.refunded_micro as u128),
+        credits_forfeited: micro(sim.forfeited_micro as u128),
+        invariants_ok: sim.invariants_ok,
+        entries: sim.index,
+    }
+}
+
+fn print_table(all: &[Figures]) {
+    let row = |label: &str, f: &dyn Fn(&Figures) -> String| {
+        print!("{label:<34}");
+        for x in all {
+            print!("{:>16}", f(x));
+        }
+        println!();
+    };
+    row("policy", &|f| f.policy.clone());
+    row("jobs", &|f| f.jobs.to_string());
+    row("GPU allocation % (overload window)", &|f| {
+        format!("{:.1}", f.allocation_pct)
+    });
+    for t in 0..all[0].tiers.len() {
+        let name = all[0].tiers[t].tier;
+        row(&format!("{name}: wait p50 / p95 s"), &|f| {
+            format!(
+                "{:.0} / {:.0}",
+                f.tiers[t].wait_p50_s, f.tiers[t].wait_p95_s
+            )
+        });
+        row(&format!("{name}: wait p99 / max s"), &|f| {
+            format!(
+                "{:.0} / {:.0}",
+                f.tiers[t].wait_p99_s, f.tiers[t].wait_max_s
+            )
+        });
+        row(&format!("{name}: JCT p50 s"), &|f| {
+            format!("{:.0}", f.tiers[t].jct_p50_s)
+        });
+        row(&format!("{name}: Jain (backlogged orgs)"), &|f| {
+            format!(
+                "{:.3} ({})",
+                f.tiers[t].jain_index, f.tiers[t].backlogged_orgs
+            )
+        });
+        row(&format!("{name}: placed / shed / jobs"), &|f| {
+            format!(
+                "{}/{}/{}",
+                f.tiers[t].placed, f.tiers[t].shed, f.tiers[t].jobs
+            )
+        });
+    }
+    row("preemptions", &|f| f.preemptions.to_string());
+    row("GPU-h delivered / lost", &|f| {
+        format!("{:.0} / {:.1}", f.gpu_hours_delivered, f.gpu_hours_lost)
+    });
+    row("GPU-h lost % of delivered", &|f| {
+        format!("{:.2}", f.gpu_hours_lost_pct)
+    });
+    row("credits charged / refunded", &|f| {
+        format!("{:.0} / {:.0}", f.credits_charged, f.credits_refunded)
+    });
+    row("invariants", &|f| {
+        if f.invariants_ok {
+            "ok".into()
+        } else {
+            "VIOLATED".into()
+        }
+    });
+}
+
+fn main() {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("allot-sim: {e}");
+            std::process::exit(2);
+        }
+    };
+    let trace = match &args.trace_in {
+        Some(path) => match load(path) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("allot-sim: cannot load {path}: {e}");
+                std::process::exit(2);
+            }
+        },
+        None => generate(&args),
+    };
+    if let Some(path) = &args.trace_out {
+        if let Err(e) = save(path, &trace) {
+            eprintln!("allot-sim: cannot write {path}: {e}");
+            std::process::exit(2);
+        }
+    }
+    let hours = trace.last().map_or(args.hours, |j| {
+        (j.t_ms as f64 / 3_600_000.0).max(args.hours.min(j.t_ms as f64 / 3_600_000.0 + 0.01))
+    });
+    if !args.json {
+        eprintln!(
+            "allot-sim: seed {} · {} jobs over {:.1} h · fleet {} nodes × {} GPUs (half A100, half H100) · load {:.2}× capacity · enterprise flood {} jobs at 1 h",
+            args.seed, trace.len(), hours, NODES, GPUS_PER_NODE, args.load, args.flood
+        );
+    }
+    let all: Vec<Figures> = args
+        .policies
+        .iter()
+        .map(|p| simulate(*p, &trace, hours))
+        .collect();
+    if args.json {
+        for f in &all {
+            println!("{}", serde_json::to_string(f).unwrap_or_default());
+        }
+    } else {
+        print_table(&all);
+    }
+    if all.iter().any(|f| !f.invariants_ok) {
+        std::process::exit(1);
+    }
+}
+
+fn load(path: &str) -> Result<Vec<TraceJob>, String> {
+    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(|e| e.to_string())?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        out.push(serde_json::from_str(&line).map_err(|e| format!("line {}: {e}", n + 1))?);
+    }
+    out.sort_by_key(|j: &TraceJob| (j.t_ms, j.job));
+    Ok(out)
+}
+
+fn save(path: &str, trace: &[TraceJob]) -> Result<(), String> {
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path).map_err(|e| e.to_string())?);
+    for j in trace {
+        writeln!(
+            f,
+            "{}",
+            serde_json::to_string(j).map_err(|e| e.to_string())?
+        )
+        .map_err(|e| e.to_string())?;
+    }
+    f.flush().map_err(|e| e.to_string())
+}
