@@ -128,7 +128,9 @@ fn lifecycle_with_metering_and_settlement() {
         .events
         .iter()
         .filter_map(|e| match e.body {
-            EventBody::JobTransition { job: JobId(10), to, .. } => Some(to),
+            EventBody::JobTransition {
+                job: JobId(10), to, ..
+            } => Some(to),
             _ => None,
         })
         .collect();

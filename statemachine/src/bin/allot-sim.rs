@@ -181,9 +181,10 @@ fn generate(args: &Args) -> Vec<TraceJob> {
         jobs.push(make(&mut rng, t as u64, tier, org_id(tier, k as u64), id));
     }
     let flood_org = org_id(2, 0);
+    let flood_at = (end_ms / 4).min(3_600_000);
     for _ in 0..args.flood.min(9_000) {
         let id = jobs.len() as u64 + 1;
-        jobs.push(make(&mut rng, 3_600_000, 2, flood_org, id));
+        jobs.push(make(&mut rng, flood_at, 2, flood_org, id));
     }
     jobs.sort_by_key(|j| (j.t_ms, j.job));
     jobs
@@ -723,7 +724,7 @@ fn main() {
     });
     if !args.json {
         eprintln!(
-            "allot-sim: seed {} · {} jobs over {:.1} h · fleet {} nodes × {} GPUs (half A100, half H100) · load {:.2}× capacity · enterprise flood {} jobs at 1 h",
+            "allot-sim: seed {} · {} jobs over {:.1} h · fleet {} nodes × {} GPUs (half A100, half H100) · load {:.2}× capacity · enterprise flood {} jobs at min(1 h, a quarter of the trace)",
             args.seed, trace.len(), hours, NODES, GPUS_PER_NODE, args.load, args.flood
         );
     }

@@ -25,6 +25,12 @@ impl Scheduler {
         let mut parked: Vec<JobId> = Vec::new();
         let (mut placed, mut examined, mut searches) = (0, 0, 0);
         while placed < cfg.placements_per_pass_max && examined < cfg.candidates_per_pass_max {
+            // Nothing free anywhere: only preemption can help, and its budget is spent.
+            let searches_left =
+                cfg.policy != Policy::Fifo && searches < cfg.preemption_searches_per_pass_max;
+            if !searches_left && self.free_index.values().all(|s| s.is_empty()) {
+                break;
+            }
             let Some(id) = self.pick(cfg, ctx.now) else {
                 break;
             };
