@@ -114,6 +114,19 @@ fn world(drained: bool) -> B {
     b
 }
 
+/// Times 20 passes (empty tick entries): (best, median) in ms.
+fn time_passes(b: &mut B) -> (f64, f64) {
+    let mut times = Vec::new();
+    for _ in 0..20 {
+        b.now += 1_000;
+        let start = Instant::now();
+        b.apply(vec![]);
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    (times[0], times[times.len() / 2])
+}
+
 fn jobs(from: u64, n: u64, tier: Tier, preemptible: bool) -> Vec<Command> {
     (0..n)
         .map(|i| {
@@ -148,15 +161,8 @@ fn main() {
     assert_eq!(b.state.scheduler.used_gpus as u64, NODES * 8, "fleet full");
     b.batch(jobs(100_000, 10_000, Tier::PAID, true));
     let queued: usize = b.state.scheduler.by_age.values().map(|q| q.len()).sum();
-    let mut times = Vec::new();
-    for _ in 0..20 {
-        b.now += 1_000;
-        let start = Instant::now();
-        b.apply(vec![]);
-        times.push(start.elapsed().as_secs_f64() * 1e3);
-    }
-    times.sort_by(|a, b| a.total_cmp(b));
-    println!("scheduling pass, {queued} queued jobs, {} GPUs full: best {:.2} ms, median {:.2} ms (target <= 5 ms)", NODES * 8, times[0], times[times.len() / 2]);
+    let (best, median) = time_passes(&mut b);
+    println!("scheduling pass, {queued} queued jobs, {} GPUs full: best {:.2} ms, median {:.2} ms (target <= 5 ms)", NODES * 8, best, median);
 
     // 1b. Adversarial: every node has exactly one free GPU and every queued job needs
     //     two or more, so every candidate up to the pass bound is examined and fails.
@@ -192,20 +198,13 @@ fn main() {
         .collect();
     b.batch(big);
     let queued: usize = b.state.scheduler.by_age.values().map(|q| q.len()).sum();
-    let mut times = Vec::new();
-    for _ in 0..20 {
-        b.now += 1_000;
-        let start = Instant::now();
-        b.apply(vec![]);
-        times.push(start.elapsed().as_secs_f64() * 1e3);
-    }
-    times.sort_by(|a, b| a.total_cmp(b));
+    let (best, median) = time_passes(&mut b);
     println!(
         "scheduling pass, {queued} queued jobs, {} GPUs with 1 free per node and no job fitting (every candidate examined, bound {}): best {:.2} ms, median {:.2} ms",
         NODES * 8,
         b.state.config.scheduler.candidates_per_pass_max,
-        times[0],
-        times[times.len() / 2]
+        best,
+        median
     );
 
     // 2. Placements/s: 10,000 jobs queued on a drained fleet; return the nodes to

@@ -322,6 +322,21 @@ impl Command {
         }
     }
 
+    /// Commands handled by the scheduler (the rest are the ledger's).
+    pub fn is_scheduler(&self) -> bool {
+        matches!(
+            self,
+            Command::RegisterNode(_)
+                | Command::NodeHeartbeat { .. }
+                | Command::SetNodeDraining { .. }
+                | Command::SubmitJob(_)
+                | Command::CancelJob { .. }
+                | Command::JobHeartbeat(_)
+                | Command::FinishJob { .. }
+                | Command::SetQuota { .. }
+        )
+    }
+
     /// Whether the command goes through the idempotency table. Ticks change nothing but
     /// time. Heartbeats are idempotent by their own key — `(hold, attempt, seq)` with
     /// `seq` strictly increasing — so a resent heartbeat is recognised as a duplicate and

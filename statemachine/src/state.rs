@@ -262,14 +262,7 @@ fn execute(state: &mut State, req: &Request, now: u64, effects: &mut Vec<Pending
         authorize(&state.ledger, &state.scheduler, req.actor, &req.command).and_then(|()| {
             let ctx = &mut Ctx { now, effects };
             match &req.command {
-                Command::RegisterNode(_)
-                | Command::NodeHeartbeat { .. }
-                | Command::SetNodeDraining { .. }
-                | Command::SubmitJob(_)
-                | Command::CancelJob { .. }
-                | Command::JobHeartbeat(_)
-                | Command::FinishJob { .. }
-                | Command::SetQuota { .. } => dispatch_scheduler(state, req, ctx),
+                command if command.is_scheduler() => dispatch_scheduler(state, req, ctx),
                 command => {
                     reject_job_hold(&state.ledger, command)?;
                     dispatch(&mut state.ledger, command, ctx)
@@ -414,15 +407,8 @@ fn dispatch(ledger: &mut Ledger, command: &Command, ctx: &mut Ctx) -> Outcome {
             .transfer(ctx, *from, *to, *amount_micro)
             .map(|buckets| Reply::Transferred { buckets }),
         Command::Tick => Ok(Reply::Ticked),
-        // Scheduler commands are dispatched by `dispatch_scheduler`.
-        Command::RegisterNode(_)
-        | Command::NodeHeartbeat { .. }
-        | Command::SetNodeDraining { .. }
-        | Command::SubmitJob(_)
-        | Command::CancelJob { .. }
-        | Command::JobHeartbeat(_)
-        | Command::FinishJob { .. }
-        | Command::SetQuota { .. } => Err(CommandError::Unauthorized),
+        // Scheduler commands (`Command::is_scheduler`) go to `dispatch_scheduler`.
+        _ => Err(CommandError::Unauthorized),
     }
 }
 

@@ -45,23 +45,29 @@ impl Scheduler {
                         self.set_node_state(node, NodeState::Down, ctx.effects);
                     }
                 }
-                Timer::JobLease(job) => {
+                Timer::JobLease(job) | Timer::Deadline(job) => {
                     let Some(j) = self.jobs.get_mut(&job) else {
                         continue;
                     };
-                    j.lease_at = None;
+                    let ending = if let Timer::JobLease(_) = timer {
+                        // No heartbeat in time (e.g. the finish call was lost).
+                        j.lease_at = None;
+                        Ending {
+                            settle: SettleReason::Lost,
+                            to: JobState::Lost,
+                            reason: Reason::LeaseExpired,
+                        }
+                    } else {
+                        // The job used its whole max duration: billed to now, stopped.
+                        j.deadline_at = None;
+                        Ending {
+                            settle: SettleReason::Failed,
+                            to: JobState::Failed,
+                            reason: Reason::MaxDuration,
+                        }
+                    };
                     if j.state.holds_gpus() {
-                        self.end(
-                            ctx,
-                            ledger,
-                            cfg,
-                            job,
-                            Ending {
-                                settle: SettleReason::Lost,
-                                to: JobState::Lost,
-                                reason: Reason::LeaseExpired,
-                            },
-                        );
+                        self.end(ctx, ledger, cfg, job, ending);
                     }
                 }
                 Timer::Grace(job) => {
@@ -71,26 +77,6 @@ impl Scheduler {
                     j.grace_at = None;
                     if j.state == JobState::Preempting {
                         self.requeue(ctx, ledger, cfg, job);
-                    }
-                }
-                Timer::Deadline(job) => {
-                    let Some(j) = self.jobs.get_mut(&job) else {
-                        continue;
-                    };
-                    j.deadline_at = None;
-                    if j.state.holds_gpus() {
-                        // The job used its whole max duration: billed to now, stopped.
-                        self.end(
-                            ctx,
-                            ledger,
-                            cfg,
-                            job,
-                            Ending {
-                                settle: SettleReason::Failed,
-                                to: JobState::Failed,
-                                reason: Reason::MaxDuration,
-                            },
-                        );
                     }
                 }
             }
