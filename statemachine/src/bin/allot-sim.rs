@@ -6,7 +6,7 @@
 //! ```text
 //! cargo run --release -p allot-statemachine --features sim --bin allot-sim -- \
 //!     [--seed N] [--hours H] [--load X] [--flood N] [--json] \
-//!     [--trace-out FILE] [--trace-in FILE] [--policies fair,strict,fifo]
+//!     [--trace-out FILE] [--trace-in FILE] [--policies fair,strict,fifo] [--flexible]
 //! ```
 
 use allot_statemachine::scheduler::{JobState, Policy};
@@ -70,6 +70,8 @@ struct Args {
     trace_out: Option<String>,
     trace_in: Option<String>,
     policies: Vec<Policy>,
+    /// Every job accepts both GPU types (isolates fairness from type constraints).
+    flexible: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -82,6 +84,7 @@ fn parse_args() -> Result<Args, String> {
         trace_out: None,
         trace_in: None,
         policies: vec![Policy::Fair, Policy::StrictPriority, Policy::Fifo],
+        flexible: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -92,6 +95,7 @@ fn parse_args() -> Result<Args, String> {
             "--load" => a.load = value()?.parse().map_err(|e| format!("--load: {e}"))?,
             "--flood" => a.flood = value()?.parse().map_err(|e| format!("--flood: {e}"))?,
             "--json" => a.json = true,
+            "--flexible" => a.flexible = true,
             "--trace-out" => a.trace_out = Some(value()?),
             "--trace-in" => a.trace_in = Some(value()?),
             "--policies" => {
@@ -105,7 +109,7 @@ fn parse_args() -> Result<Args, String> {
                     })
                     .collect::<Result<_, _>>()?
             }
-            "-h" | "--help" => return Err("usage: allot-sim [--seed N] [--hours H] [--load X] [--flood N] [--json] [--trace-out F] [--trace-in F] [--policies fair,strict,fifo]".into()),
+            "-h" | "--help" => return Err("usage: allot-sim [--seed N] [--hours H] [--load X] [--flood N] [--json] [--trace-out F] [--trace-in F] [--policies fair,strict,fifo] [--flexible]".into()),
             other => return Err(format!("unknown flag {other:?} (try --help)")),
         }
     }
@@ -131,7 +135,7 @@ fn generate(args: &Args) -> Vec<TraceJob> {
     let make = |rng: &mut Rng, t_ms: u64, tier: u8, org: u64, job: u64| {
         let gpus = [1, 1, 1, 1, 2, 2, 2, 4, 4, 8][rng.below(10) as usize];
         let work_ms = (20_000.0 * (30.0f64).powf(rng.unit())) as u64;
-        let types = match rng.below(3) {
+        let types = match if args.flexible { 1 } else { rng.below(3) } {
             0 => vec!["H100".to_string()],
             1 => vec!["H100".to_string(), "A100".to_string()],
             _ => vec!["A100".to_string(), "H100".to_string()],
@@ -594,12 +598,18 @@ fn simulate(policy: Policy, trace: &[TraceJob], hours: f64) -> Figures {
                 jcts.push(j.finished_ms.unwrap_or(sim.now) - j.submitted_ms);
             }
         }
-        // Jain's index over the tier's orgs that were backlogged ≥ 80% of the window.
+        // Jain's index over the tier's orgs that were backlogged ≥ 80% of the window,
+        // on the GPUs each received per step while backlogged.
         let x: Vec<f64> = (0..ORGS_PER_TIER[tier as usize])
             .map(|k| org_id(tier, k))
             .filter(|o| group < 3 || *o != flood_org)
             .filter(|o| backlogged.get(o).copied().unwrap_or(0) * 5 >= window_steps * 4)
-            .map(|o| received.get(&o).copied().unwrap_or(0) as f64)
+            // GPU share per backlogged step: orgs backlogged for different spans are
+            // compared at the rate they were served while they wanted more.
+            .map(|o| {
+                received.get(&o).copied().unwrap_or(0) as f64
+                    / backlogged.get(&o).copied().unwrap_or(1).max(1) as f64
+            })
             .collect();
         tiers.push(TierFigures {
             tier: names[group as usize],
