@@ -288,7 +288,9 @@ pub struct JobHeartbeat {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Quota {
+    /// Jobs queued at once; a submission beyond it is refused (`QuotaExceeded`).
     pub queued_max: u32,
+    /// Jobs running at once; beyond it, the org's jobs wait in the queue.
     pub running_max: u32,
 }
 

@@ -34,8 +34,6 @@ pub const AMOUNT_MICRO_MAX: u64 = 1_000_000_000_000_000;
 pub const PRICE_MICRO_PER_GPU_HOUR_MAX: u64 = 1_000_000_000_000;
 /// GPU types in one price table.
 pub const PRICE_TABLE_TYPES_MAX: usize = 64;
-/// Price-table versions kept (jobs keep the price they were placed at on themselves).
-pub const PRICE_VERSIONS_KEPT_MAX: usize = 64;
 /// Length of a GPU type name ("A100", "H100-80G").
 pub const GPU_TYPE_LEN_MAX: usize = 16;
 /// GPU types one bucket policy or one hold may name.

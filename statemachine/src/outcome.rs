@@ -18,12 +18,10 @@ pub enum Limit {
     Buckets,
     BucketsPerAccount,
     HoldsOpen,
-    HoldsSettled,
     DrawsPerHold,
     IdempotencyEntries,
     Nodes,
     JobsActive,
-    JobsFinished,
     Labels,
     PriceTableTypes,
     GpuTypesPerList,
@@ -151,8 +149,8 @@ pub enum JobProblem {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum QuotaKind {
+    /// The org's queue is full (the running cap does not refuse: jobs wait to run).
     QueuedJobs,
-    RunningJobs,
 }
 
 /// One draw of a hold from one bucket, as reported to clients.

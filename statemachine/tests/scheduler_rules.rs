@@ -790,3 +790,31 @@ fn draining_node_takes_no_new_work() {
         .iter()
         .any(|(j, a, _, _)| *j == JobId(10) && *a == 1));
 }
+
+/// The running quota caps an org's running jobs; the rest wait in the queue (they are
+/// not refused) and run as earlier jobs finish.
+#[test]
+fn running_quota_holds_jobs_in_the_queue() {
+    let mut h = world();
+    h.fleet(&[(1, a100(), 8, 80)]);
+    h.ok(Command::SetQuota {
+        org: ORG,
+        quota: Some(Quota {
+            queued_max: 10,
+            running_max: 2,
+        }),
+    });
+    for j in 10..13 {
+        submit(&mut h, Harness::job_spec(j, Tier::PAID, vec![a100()], 1));
+    }
+    let states: Vec<JobState> = (10..13).map(|j| h.job(j).state).collect();
+    assert_eq!(
+        states,
+        vec![JobState::Placed, JobState::Placed, JobState::Queued],
+        "GPUs are free, the quota is not"
+    );
+    h.advance(60_000);
+    h.job_heartbeat(10, 1, 0).unwrap();
+    h.finish_job(10, true).unwrap();
+    assert_eq!(h.job(12).state, JobState::Placed);
+}

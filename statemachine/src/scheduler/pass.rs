@@ -35,6 +35,12 @@ impl Scheduler {
                 break;
             };
             examined += 1;
+            if self.at_running_quota(cfg, id) {
+                // The org runs its quota of jobs: this one waits in the queue.
+                self.dequeue(id);
+                parked.push(id);
+                continue;
+            }
             if let Some((node, indices)) = self.find_fit(id) {
                 if self.place(ctx, ledger, cfg, id, node, indices).is_ok() {
                     placed += 1;
@@ -55,6 +61,15 @@ impl Scheduler {
         for id in parked {
             self.enqueue(id);
         }
+    }
+
+    /// Whether the job's org already runs as many jobs as its quota allows.
+    fn at_running_quota(&self, cfg: &SchedulerConfig, id: JobId) -> bool {
+        let Some(org) = self.jobs.get(&id).map(|j| j.org) else {
+            return false;
+        };
+        let quota = self.quotas.get(&org).copied().unwrap_or(cfg.default_quota);
+        self.org_counts.get(&org).map_or(0, |c| c.1) >= quota.running_max
     }
 
     /// The next job to consider, by policy.
