@@ -1,3 +1,23 @@
-//! `allot-node`: hosts shards (Raft groups) whose state machine is
-//! [`allot_statemachine`]. Only this crate will know RocksDB, tokio and the network.
+//! `allot-node`: hosts many shards (openraft groups) whose state machine is
+//! [`allot_statemachine`], on one RocksDB, behind one gRPC listener.
+//!
+//! Code map: [`types`] (openraft type config), [`store`] (RocksDB log and state-machine
+//! storage), [`network`] (Raft over gRPC), [`clock`] (logical time), [`proposer`]
+//! (batching), [`node`] (the shards of a process), [`server`] (gRPC services),
+//! [`query`] (reads), [`ratelimit`] (edge protection), [`metrics`], [`serve`].
+
+pub mod clock;
+pub mod local_cluster;
+pub mod metrics;
+pub mod network;
+pub mod node;
+pub mod proposer;
+pub mod query;
+pub mod ratelimit;
+pub mod serve;
+pub mod server;
+pub mod store;
+pub mod types;
+pub mod workload;
+
 pub use allot_statemachine as statemachine;

@@ -1,4 +1,32 @@
-//! `allot-proto`: the wire contract of allot (gRPC client, agent, admin and Raft APIs).
-//!
-//! Empty until the replicated node lands: the .proto files and their generated code
-//! (compiled with `protox`, no system `protoc`) will live here and nowhere else.
+//! `allot-proto`: the wire contract of allot (client, agent, admin and internal Raft
+//! gRPC APIs), generated from `proto/allot.proto` at build time with `protox` (pure
+//! Rust, no system `protoc`) and `tonic-prost-build`.
+
+#![allow(clippy::all, missing_docs)]
+
+pub mod v1 {
+    tonic::include_proto!("allot.v1");
+}
+
+pub use v1::*;
+
+/// The shard directory: an organisation's home shard. Tenants' commands and queries go
+/// to this shard; a shard's GPU pool serves only the jobs of the orgs it is home to.
+pub fn shard_of_org(org: u64, shards: u32) -> u32 {
+    (org % u64::from(shards.max(1))) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_org_has_one_home_shard_in_range() {
+        for shards in [1u32, 2, 4, 7] {
+            for org in [0u64, 1, 2, 3, 1_000_003, u64::MAX] {
+                let s = super::shard_of_org(org, shards);
+                assert!(s < shards);
+                assert_eq!(s, super::shard_of_org(org, shards));
+            }
+        }
+        assert_eq!(super::shard_of_org(5, 0), 0);
+    }
+}

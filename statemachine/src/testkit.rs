@@ -57,6 +57,43 @@ pub struct Harness {
     next_request_id: u128,
 }
 
+/// The commands (all by the admin) that build the standard world: orgs 1 and 2;
+/// projects 11, 12 in org 1 and 13 in org 2; users 21, 22 in org 1 and 23 in org 2;
+/// prices for A100 and H100. Shared by the harness, the node's tests and benches.
+pub fn world_commands() -> Vec<Command> {
+    vec![
+        Command::CreateOrg { org: ORG },
+        Command::CreateOrg { org: OTHER_ORG },
+        Command::CreateProject {
+            project: PROJECT,
+            org: ORG,
+        },
+        Command::CreateProject {
+            project: PROJECT_B,
+            org: ORG,
+        },
+        Command::CreateProject {
+            project: OTHER_PROJECT,
+            org: OTHER_ORG,
+        },
+        Command::CreateUser {
+            user: USER,
+            org: ORG,
+        },
+        Command::CreateUser {
+            user: USER_B,
+            org: ORG,
+        },
+        Command::CreateUser {
+            user: OTHER_USER,
+            org: OTHER_ORG,
+        },
+        Command::SetPrices {
+            prices: vec![(a100(), A100_PRICE), (h100(), H100_PRICE)],
+        },
+    ]
+}
+
 impl Default for Harness {
     fn default() -> Self {
         Harness::new(Config::default())
@@ -85,37 +122,7 @@ impl Harness {
     /// The standard world on a given shard configuration.
     pub fn world_with(config: Config) -> Harness {
         let mut h = Harness::new(config);
-        for cmd in [
-            Command::CreateOrg { org: ORG },
-            Command::CreateOrg { org: OTHER_ORG },
-            Command::CreateProject {
-                project: PROJECT,
-                org: ORG,
-            },
-            Command::CreateProject {
-                project: PROJECT_B,
-                org: ORG,
-            },
-            Command::CreateProject {
-                project: OTHER_PROJECT,
-                org: OTHER_ORG,
-            },
-            Command::CreateUser {
-                user: USER,
-                org: ORG,
-            },
-            Command::CreateUser {
-                user: USER_B,
-                org: ORG,
-            },
-            Command::CreateUser {
-                user: OTHER_USER,
-                org: OTHER_ORG,
-            },
-            Command::SetPrices {
-                prices: vec![(a100(), A100_PRICE), (h100(), H100_PRICE)],
-            },
-        ] {
+        for cmd in world_commands() {
             h.ok(cmd);
         }
         h

@@ -1,0 +1,262 @@
+//! `allot-bench`: the replicated benchmark. Starts a local cluster of real `allot-node`
+//! processes (loopback, fsync on), funds every shard, then for each concurrency level
+//! runs that many clients, each sending ledger commands (hold → capture → release) one
+//! RPC at a time, `--per-call` commands per RPC, and prints committed commands/s and
+//! latency percentiles. A last run paces the clients to half the peak throughput and
+//! reports its latency.
+//!
+//!   allot-bench [--nodes 3] [--shards 4] [--seconds 10] [--concurrency 1,64,512] [--json]
+
+use allot_node::local_cluster::{node_binary, Client, LocalCluster};
+use allot_node::workload::{self, HoldCycle};
+use anyhow::{bail, Context};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+struct Opts {
+    nodes: u64,
+    shards: u32,
+    seconds: u64,
+    concurrency: Vec<usize>,
+    per_call: usize,
+    json: bool,
+    dir: Option<std::path::PathBuf>,
+    node_args: Vec<String>,
+}
+
+fn parse() -> anyhow::Result<Opts> {
+    let mut o = Opts {
+        nodes: 3,
+        shards: 4,
+        seconds: 10,
+        concurrency: vec![1, 64, 512],
+        per_call: 1,
+        json: false,
+        dir: None,
+        node_args: Vec::new(),
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut val = || args.next().with_context(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--nodes" => o.nodes = val()?.parse()?,
+            "--shards" => o.shards = val()?.parse()?,
+            "--seconds" => o.seconds = val()?.parse()?,
+            "--per-call" => o.per_call = val()?.parse()?,
+            "--concurrency" => {
+                o.concurrency = val()?
+                    .split(',')
+                    .map(|s| s.trim().parse())
+                    .collect::<Result<_, _>>()?
+            }
+            "--dir" => o.dir = Some(val()?.into()),
+            "--node-arg" => o.node_args.push(val()?),
+            "--json" => o.json = true,
+            "-h" | "--help" => {
+                println!("allot-bench [--nodes 3] [--shards 4] [--seconds 10] [--concurrency 1,64,512] [--per-call 1] [--node-arg FLAG]... [--dir DIR] [--json]");
+                std::process::exit(0);
+            }
+            other => bail!("unknown argument {other} (see --help)"),
+        }
+    }
+    if o.nodes == 0
+        || o.shards == 0
+        || o.seconds == 0
+        || o.per_call == 0
+        || o.concurrency.contains(&0)
+    {
+        bail!("--nodes, --shards, --seconds, --per-call and --concurrency must be positive");
+    }
+    Ok(o)
+}
+
+#[derive(Debug)]
+struct RunResult {
+    label: String,
+    clients: usize,
+    commands: u64,
+    seconds: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    max_ms: f64,
+}
+
+fn pct(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i].as_secs_f64() * 1e3
+}
+
+async fn run(
+    client: &Client,
+    o: &Opts,
+    clients: usize,
+    stream_base: u64,
+    pace: Option<f64>,
+    label: &str,
+) -> anyhow::Result<RunResult> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    let started = Instant::now();
+    for w in 0..clients {
+        let client = client.clone();
+        let stop = stop.clone();
+        let shard = (w % o.shards as usize) as u32;
+        let per_call = o.per_call;
+        // Per-client interval when paced: `pace` calls/s over all clients.
+        let interval = pace.map(|r| Duration::from_secs_f64(clients as f64 / r));
+        tasks.push(tokio::spawn(async move {
+            let mut cycle = HoldCycle::new(stream_base + w as u64, 3_000_000);
+            let mut lat = Vec::new();
+            let mut commands = 0u64;
+            let mut next = Instant::now();
+            while !stop.load(Ordering::Relaxed) {
+                if let Some(iv) = interval {
+                    next += iv;
+                    let now = Instant::now();
+                    if next > now {
+                        tokio::time::sleep(next - now).await;
+                    }
+                }
+                let reqs: Vec<_> = (0..per_call).map(|_| cycle.request()).collect();
+                let t = Instant::now();
+                let (outs, _) = client.execute(shard, &reqs).await?;
+                lat.push(t.elapsed());
+                if let Some(bad) = outs.iter().find(|o| o.is_err()) {
+                    bail!("a benchmark command failed: {bad:?}");
+                }
+                commands += outs.len() as u64;
+            }
+            Ok::<_, anyhow::Error>((commands, lat))
+        }));
+    }
+    let total = Duration::from_secs(o.seconds);
+    let mut last = 0u64;
+    while started.elapsed() < total {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        last += 1;
+        if !o.json {
+            eprint!("\r  {label}: {clients} clients, {last}/{} s", o.seconds);
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut commands = 0;
+    let mut lat = Vec::new();
+    for t in tasks {
+        let (c, l) = t.await??;
+        commands += c;
+        lat.extend(l);
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    if !o.json {
+        eprintln!();
+    }
+    lat.sort_unstable();
+    Ok(RunResult {
+        label: label.to_string(),
+        clients,
+        commands,
+        seconds,
+        p50_ms: pct(&lat, 0.50),
+        p99_ms: pct(&lat, 0.99),
+        max_ms: lat.last().map(|d| d.as_secs_f64() * 1e3).unwrap_or(0.0),
+    })
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let o = parse()?;
+    let tmp;
+    let dir = match &o.dir {
+        Some(d) => d.clone(),
+        None => {
+            tmp = tempfile::Builder::new().prefix("allot-bench-").tempdir()?;
+            tmp.path().to_path_buf()
+        }
+    };
+    let mut c = LocalCluster::new(node_binary()?, dir.clone(), o.nodes, o.shards)?;
+    for n in &mut c.nodes {
+        n.extra_args = o.node_args.clone();
+    }
+    if !o.json {
+        eprintln!(
+            "starting {} nodes × {} shards in {}",
+            o.nodes,
+            o.shards,
+            dir.display()
+        );
+    }
+    c.start_all()?;
+    c.init().await?;
+    c.wait_leaders(Duration::from_secs(60)).await?;
+    let client = Client::new(c.endpoints());
+    for s in 0..o.shards {
+        let (outs, _) = client.execute(s, &workload::setup(u64::MAX / 1024)).await?;
+        if let Some(bad) = outs.iter().find(|x| x.is_err()) {
+            bail!("setup failed on shard {s}: {bad:?}");
+        }
+    }
+    let mut results = Vec::new();
+    let mut stream = 1u64 << 20;
+    for &clients in &o.concurrency {
+        results.push(run(&client, &o, clients, stream, None, "closed loop").await?);
+        stream += clients as u64;
+    }
+    if let Some(peak) = results
+        .iter()
+        .max_by(|a, b| (a.commands as f64 / a.seconds).total_cmp(&(b.commands as f64 / b.seconds)))
+    {
+        let half_rate = peak.commands as f64 / peak.seconds / 2.0 / o.per_call as f64;
+        let clients = peak.clients;
+        results.push(
+            run(
+                &client,
+                &o,
+                clients,
+                stream,
+                Some(half_rate),
+                "half of peak",
+            )
+            .await?,
+        );
+    }
+    if o.json {
+        let rows: Vec<String> = results
+            .iter()
+            .map(|r| {
+                format!(
+                    "{{\"run\":\"{}\",\"clients\":{},\"per_call\":{},\"commands\":{},\"seconds\":{:.2},\"commands_per_s\":{:.0},\"p50_ms\":{:.3},\"p99_ms\":{:.3},\"max_ms\":{:.3}}}",
+                    r.label, r.clients, o.per_call, r.commands, r.seconds, r.commands as f64 / r.seconds, r.p50_ms, r.p99_ms, r.max_ms
+                )
+            })
+            .collect();
+        println!(
+            "{{\"nodes\":{},\"shards\":{},\"results\":[{}]}}",
+            o.nodes,
+            o.shards,
+            rows.join(",")
+        );
+    } else {
+        println!("allot replicated benchmark: {} nodes, {} shards, fsync on, loopback, {} command(s) per call", o.nodes, o.shards, o.per_call);
+        println!(
+            "{:<14} {:>8} {:>12} {:>10} {:>10} {:>10}",
+            "run", "clients", "commands/s", "p50 ms", "p99 ms", "max ms"
+        );
+        for r in &results {
+            println!(
+                "{:<14} {:>8} {:>12.0} {:>10.2} {:>10.2} {:>10.2}",
+                r.label,
+                r.clients,
+                r.commands as f64 / r.seconds,
+                r.p50_ms,
+                r.p99_ms,
+                r.max_ms
+            );
+        }
+    }
+    drop(c);
+    Ok(())
+}

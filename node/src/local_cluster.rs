@@ -1,0 +1,438 @@
+//! A local cluster of real `allot-node` processes on loopback, and a small
+//! leader-following client. Used by the integration tests, the replicated benchmark and
+//! `scripts/cluster.sh` (through the same binary and flags), so they all start clusters
+//! the same way.
+
+use crate::query::{Answer, Query};
+use allot_proto::admin_client::AdminClient;
+use allot_proto::allot_client::AllotClient;
+use allot_proto::{
+    Consistency, ExecuteRequest, InitRequest, Member, QueryRequest, StatusReply, StatusRequest,
+};
+use allot_statemachine::{codec, Outcome, Request};
+use anyhow::{bail, Context};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tonic::transport::{Channel, Endpoint};
+
+pub struct LocalNode {
+    pub id: u64,
+    pub addr: String,
+    pub metrics_addr: String,
+    pub extra_args: Vec<String>,
+    child: Option<Child>,
+}
+
+pub struct LocalCluster {
+    pub dir: PathBuf,
+    pub shards: u32,
+    pub nodes: Vec<LocalNode>,
+    bin: PathBuf,
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// The `allot-node` binary next to the running executable (tests, benches and bins of
+/// this workspace are all built into the same target directory).
+pub fn node_binary() -> anyhow::Result<PathBuf> {
+    if let Ok(p) = std::env::var("ALLOT_NODE_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe()?;
+    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+    for _ in 0..2 {
+        let candidate = dir.join("allot-node");
+        if candidate.exists() {
+            return Ok(candidate);
+        }
+        dir = dir.parent().map(Path::to_path_buf).unwrap_or_default();
+    }
+    bail!(
+        "allot-node binary not found near {} (set ALLOT_NODE_BIN)",
+        exe.display()
+    )
+}
+
+impl LocalCluster {
+    /// Lays out `n` nodes in `dir` (ports picked now); nothing is started yet.
+    pub fn new(bin: PathBuf, dir: PathBuf, n: u64, shards: u32) -> anyhow::Result<LocalCluster> {
+        std::fs::create_dir_all(&dir)?;
+        let mut nodes = Vec::new();
+        for id in 1..=n {
+            nodes.push(LocalNode {
+                id,
+                addr: format!("127.0.0.1:{}", free_port()?),
+                metrics_addr: format!("127.0.0.1:{}", free_port()?),
+                extra_args: Vec::new(),
+                child: None,
+            });
+        }
+        Ok(LocalCluster {
+            dir,
+            shards,
+            nodes,
+            bin,
+        })
+    }
+
+    fn node_mut(&mut self, id: u64) -> &mut LocalNode {
+        &mut self.nodes[(id - 1) as usize]
+    }
+
+    pub fn node(&self, id: u64) -> &LocalNode {
+        &self.nodes[(id - 1) as usize]
+    }
+
+    pub fn endpoints(&self) -> Vec<String> {
+        self.nodes.iter().map(|n| n.addr.clone()).collect()
+    }
+
+    /// Starts (or restarts) node `id` with its data dir under `dir/node-<id>`.
+    pub fn start(&mut self, id: u64) -> anyhow::Result<()> {
+        let bin = self.bin.clone();
+        let dir = self.dir.join(format!("node-{id}"));
+        let shards = self.shards;
+        let n = self.node_mut(id);
+        std::fs::create_dir_all(&dir)?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("node.log"))?;
+        let child = Command::new(&bin)
+            .arg("run")
+            .arg("--node-id")
+            .arg(id.to_string())
+            .arg("--listen")
+            .arg(&n.addr)
+            .arg("--metrics-listen")
+            .arg(&n.metrics_addr)
+            .arg("--data-dir")
+            .arg(&dir)
+            .arg("--shards")
+            .arg(shards.to_string())
+            .args(&n.extra_args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        n.child = Some(child);
+        Ok(())
+    }
+
+    pub fn start_all(&mut self) -> anyhow::Result<()> {
+        for id in 1..=self.nodes.len() as u64 {
+            self.start(id)?;
+        }
+        Ok(())
+    }
+
+    /// SIGKILL: no shutdown path runs.
+    pub fn kill(&mut self, id: u64) {
+        if let Some(mut c) = self.node_mut(id).child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn is_running(&self, id: u64) -> bool {
+        self.node(id).child.is_some()
+    }
+
+    /// Initialises every shard with all nodes as voters, through node 1.
+    pub async fn init(&self) -> anyhow::Result<()> {
+        let members = self
+            .nodes
+            .iter()
+            .map(|n| Member {
+                node_id: n.id,
+                addr: n.addr.clone(),
+            })
+            .collect::<Vec<_>>();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let r = async {
+                admin(&self.nodes[0].addr)
+                    .await?
+                    .init(InitRequest {
+                        members: members.clone(),
+                    })
+                    .await
+                    .map_err(|s| anyhow::anyhow!("init: {}", s.message()))
+            }
+            .await;
+            match r {
+                Ok(_) => return Ok(()),
+                Err(e) if Instant::now() > deadline => return Err(e),
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    }
+
+    pub async fn status(&self, id: u64) -> anyhow::Result<StatusReply> {
+        Ok(admin(&self.node(id).addr)
+            .await?
+            .status(StatusRequest {})
+            .await?
+            .into_inner())
+    }
+
+    /// Waits until every running node sees a leader for every shard, and the leader is
+    /// a running node.
+    pub async fn wait_leaders(&self, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let mut ok = true;
+            for n in &self.nodes {
+                if n.child.is_none() {
+                    continue;
+                }
+                match self.status(n.id).await {
+                    Ok(s) => {
+                        ok &= s.shards.len() == self.shards as usize
+                            && s.shards
+                                .iter()
+                                .all(|sh| sh.leader != 0 && self.is_running(sh.leader));
+                    }
+                    Err(_) => ok = false,
+                }
+            }
+            if ok {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("not every shard has a leader after {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The node that leads `shard`, as node 1..n running see it.
+    pub async fn leader_of(&self, shard: u32) -> anyhow::Result<u64> {
+        for n in &self.nodes {
+            if n.child.is_none() {
+                continue;
+            }
+            if let Ok(s) = self.status(n.id).await {
+                if let Some(sh) = s.shards.iter().find(|x| x.shard == shard) {
+                    if sh.leader != 0 {
+                        return Ok(sh.leader);
+                    }
+                }
+            }
+        }
+        bail!("no leader known for shard {shard}")
+    }
+}
+
+impl Drop for LocalCluster {
+    fn drop(&mut self) {
+        for n in &mut self.nodes {
+            if let Some(mut c) = n.child.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+}
+
+async fn channel(addr: &str) -> anyhow::Result<Channel> {
+    Ok(Endpoint::from_shared(format!("http://{addr}"))?
+        .connect_timeout(Duration::from_secs(1))
+        .tcp_nodelay(true)
+        .connect()
+        .await?)
+}
+
+pub async fn admin(addr: &str) -> anyhow::Result<AdminClient<Channel>> {
+    Ok(AdminClient::new(channel(addr).await?))
+}
+
+/// A leader-following client: tries the shard's last known leader, follows NotLeader
+/// hints, rotates through the endpoints, and retries with backoff until its deadline.
+/// Requests keep their request ids across retries, so a retry never applies twice.
+#[derive(Clone)]
+pub struct Client {
+    endpoints: Vec<String>,
+    channels: Arc<Mutex<HashMap<String, Channel>>>,
+    leaders: Arc<Mutex<HashMap<u32, String>>>,
+    pub deadline: Duration,
+    pub attempt_timeout: Duration,
+}
+
+/// What a client call can end in.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("{0}")]
+    Status(tonic::Status),
+    #[error("gave up after {0:?}: {1}")]
+    Exhausted(Duration, String),
+    #[error("decoding the reply: {0}")]
+    Decode(String),
+}
+
+fn retryable(s: &tonic::Status) -> bool {
+    matches!(
+        s.code(),
+        tonic::Code::Unavailable
+            | tonic::Code::DeadlineExceeded
+            | tonic::Code::ResourceExhausted
+            | tonic::Code::Cancelled
+            | tonic::Code::Unknown
+            | tonic::Code::Aborted
+    )
+}
+
+impl Client {
+    pub fn new(endpoints: Vec<String>) -> Client {
+        Client {
+            endpoints,
+            channels: Arc::default(),
+            leaders: Arc::default(),
+            deadline: Duration::from_secs(30),
+            attempt_timeout: Duration::from_secs(5),
+        }
+    }
+
+    fn channel(&self, addr: &str) -> Result<Channel, ClientError> {
+        let mut m = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = m.get(addr) {
+            return Ok(c.clone());
+        }
+        let c = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| ClientError::Exhausted(Duration::ZERO, e.to_string()))?
+            .connect_timeout(Duration::from_millis(500))
+            .tcp_nodelay(true)
+            .connect_lazy();
+        m.insert(addr.to_string(), c.clone());
+        Ok(c)
+    }
+
+    async fn with_retries<T, F, Fut>(&self, shard: u32, mut call: F) -> Result<T, ClientError>
+    where
+        F: FnMut(AllotClient<Channel>) -> Fut,
+        Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+    {
+        let started = Instant::now();
+        let mut backoff = Duration::from_millis(20);
+        let mut rotate = 0usize;
+        let mut last_err;
+        loop {
+            let addr = {
+                let l = self.leaders.lock().unwrap_or_else(|p| p.into_inner());
+                l.get(&shard).cloned()
+            }
+            .unwrap_or_else(|| self.endpoints[rotate % self.endpoints.len()].clone());
+            let client = AllotClient::new(self.channel(&addr)?)
+                .max_decoding_message_size(64 << 20)
+                .max_encoding_message_size(64 << 20);
+            match tokio::time::timeout(self.attempt_timeout, call(client)).await {
+                Ok(Ok(v)) => {
+                    self.leaders
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(shard, addr);
+                    return Ok(v);
+                }
+                Ok(Err(s)) if retryable(&s) => {
+                    last_err = format!("{addr}: {:?} {}", s.code(), s.message());
+                    let hint = s
+                        .metadata()
+                        .get(crate::server::LEADER_ADDR)
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_string);
+                    let mut l = self.leaders.lock().unwrap_or_else(|p| p.into_inner());
+                    match hint {
+                        Some(h) if h != addr => {
+                            l.insert(shard, h);
+                            continue;
+                        }
+                        _ => {
+                            l.remove(&shard);
+                            rotate += 1;
+                        }
+                    }
+                }
+                Ok(Err(s)) => return Err(ClientError::Status(s)),
+                Err(_) => {
+                    last_err = format!("{addr}: attempt timed out");
+                    self.leaders
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&shard);
+                    rotate += 1;
+                }
+            }
+            if started.elapsed() > self.deadline {
+                return Err(ClientError::Exhausted(self.deadline, last_err));
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// Executes requests on a shard; returns their outcomes and the log index.
+    pub async fn execute(
+        &self,
+        shard: u32,
+        requests: &[Request],
+    ) -> Result<(Vec<Outcome>, u64), ClientError> {
+        let encoded: Vec<Vec<u8>> = requests.iter().map(codec::encode).collect();
+        let reply = self
+            .with_retries(shard, |mut c| {
+                let msg = ExecuteRequest {
+                    shard,
+                    requests: encoded.clone(),
+                };
+                async move { c.execute(msg).await.map(|r| r.into_inner()) }
+            })
+            .await?;
+        let mut outcomes = Vec::with_capacity(reply.outcomes.len());
+        for b in &reply.outcomes {
+            outcomes.push(codec::decode(b).map_err(|e| ClientError::Decode(e.to_string()))?);
+        }
+        Ok((outcomes, reply.log_index))
+    }
+
+    /// A linearizable query through the leader.
+    pub async fn query(&self, shard: u32, q: &Query) -> Result<Answer, ClientError> {
+        let bytes = codec::encode(q);
+        let reply = self
+            .with_retries(shard, |mut c| {
+                let msg = QueryRequest {
+                    shard,
+                    consistency: Consistency::Linearizable as i32,
+                    query: bytes.clone(),
+                };
+                async move { c.query(msg).await.map(|r| r.into_inner()) }
+            })
+            .await?;
+        codec::decode(&reply.answer).map_err(|e| ClientError::Decode(e.to_string()))
+    }
+
+    /// A stale query answered by one given replica from its applied state.
+    pub async fn query_replica(
+        &self,
+        addr: &str,
+        shard: u32,
+        q: &Query,
+    ) -> Result<Answer, ClientError> {
+        let mut c = AllotClient::new(self.channel(addr)?);
+        let reply = c
+            .query(QueryRequest {
+                shard,
+                consistency: Consistency::Stale as i32,
+                query: codec::encode(q),
+            })
+            .await
+            .map_err(ClientError::Status)?
+            .into_inner();
+        codec::decode(&reply.answer).map_err(|e| ClientError::Decode(e.to_string()))
+    }
+}

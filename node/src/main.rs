@@ -1,0 +1,264 @@
+//! `allot-node`: runs a node (`run`), or talks to one for cluster set-up (`init`,
+//! `status`) until allotctl covers it.
+
+use allot_node::node::{Node, NodeConfig, RaftTimings};
+use allot_node::proposer::ProposerConfig;
+use allot_node::ratelimit::RateLimiter;
+use allot_node::serve::{serve, shutdown_signal};
+use allot_proto::admin_client::AdminClient;
+use allot_proto::{InitRequest, Member, StatusRequest};
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(
+    name = "allot-node",
+    version,
+    about = "allot: Raft-replicated GPU-credit ledger and GPU job scheduler"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Runs a node.
+    Run(RunArgs),
+    /// Initialises every shard of a new cluster through one of its nodes.
+    Init {
+        /// gRPC endpoint of a node to initialise through (host:port).
+        #[arg(long, env = "ALLOT_ENDPOINT")]
+        endpoint: String,
+        /// Voters: `id=host:port`, repeated (must include the endpoint's node).
+        #[arg(long = "member", required = true)]
+        members: Vec<String>,
+    },
+    /// Prints the Raft status of every shard of a node (one line per shard).
+    Status {
+        #[arg(long, env = "ALLOT_ENDPOINT")]
+        endpoint: String,
+        /// Exit non-zero unless every shard has a leader.
+        #[arg(long)]
+        require_leaders: bool,
+    },
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// This node's id (positive, stable for the life of its data dir).
+    #[arg(long, env = "ALLOT_NODE_ID")]
+    node_id: u64,
+    /// gRPC listen address (client, agent, admin and Raft APIs).
+    #[arg(long, env = "ALLOT_LISTEN", default_value = "127.0.0.1:7001")]
+    listen: String,
+    /// Address peers and clients use to reach this node (default: --listen).
+    #[arg(long, env = "ALLOT_ADVERTISE")]
+    advertise: Option<String>,
+    /// Prometheus listen address (`/metrics`); empty disables it.
+    #[arg(long, env = "ALLOT_METRICS_LISTEN", default_value = "127.0.0.1:9101")]
+    metrics_listen: String,
+    #[arg(long, env = "ALLOT_DATA_DIR")]
+    data_dir: PathBuf,
+    /// Number of shards (Raft groups) of the cluster; fixed at the first start.
+    #[arg(long, env = "ALLOT_SHARDS", default_value_t = 4)]
+    shards: u32,
+    #[arg(long, env = "ALLOT_HEARTBEAT_MS", default_value_t = 100)]
+    heartbeat_ms: u64,
+    #[arg(long, env = "ALLOT_ELECTION_MIN_MS", default_value_t = 600)]
+    election_min_ms: u64,
+    #[arg(long, env = "ALLOT_ELECTION_MAX_MS", default_value_t = 1200)]
+    election_max_ms: u64,
+    /// Log entries between snapshots.
+    #[arg(long, env = "ALLOT_SNAPSHOT_EVERY", default_value_t = 4096)]
+    snapshot_every: u64,
+    /// Log entries kept behind the snapshot for followers slightly behind.
+    #[arg(long, env = "ALLOT_KEEP_BEHIND_SNAPSHOT", default_value_t = 1024)]
+    keep_behind_snapshot: u64,
+    /// Most requests per log entry.
+    #[arg(long, env = "ALLOT_BATCH_MAX", default_value_t = 2048)]
+    batch_max: usize,
+    /// Extra wait for more requests before proposing, microseconds (0: none).
+    #[arg(long, env = "ALLOT_BATCH_WINDOW_US", default_value_t = 0)]
+    batch_window_us: u64,
+    /// Log entries in flight per shard.
+    #[arg(long, env = "ALLOT_INFLIGHT", default_value_t = 8)]
+    inflight: usize,
+    /// Idle interval after which a tick entry advances logical time, ms.
+    #[arg(long, env = "ALLOT_TICK_MS", default_value_t = 1000)]
+    tick_ms: u64,
+    /// Most a leader may steer logical time toward the cluster's median clock, in
+    /// parts per million of elapsed time.
+    #[arg(long, env = "ALLOT_CLOCK_SLEW_PPM", default_value_t = 200_000)]
+    clock_slew_ppm: u64,
+    /// Requests per second per tenant at the edge (0 disables).
+    #[arg(long, env = "ALLOT_RATE_LIMIT", default_value_t = 0)]
+    rate_limit: u32,
+    #[arg(long, env = "ALLOT_RATE_BURST", default_value_t = 10_000)]
+    rate_burst: u32,
+    /// Logs as JSON lines.
+    #[arg(long, env = "ALLOT_LOG_JSON")]
+    log_json: bool,
+    /// TEST ONLY: skews this node's wall clock by this many ms (clock-skew tests).
+    #[arg(
+        long,
+        env = "ALLOT_TEST_CLOCK_OFFSET_MS",
+        default_value_t = 0,
+        hide = true,
+        allow_hyphen_values = true
+    )]
+    test_clock_offset_ms: i64,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    rt.block_on(async move {
+        match cli.cmd {
+            Cmd::Run(a) => run(a).await,
+            Cmd::Init { endpoint, members } => init(endpoint, members).await,
+            Cmd::Status {
+                endpoint,
+                require_leaders,
+            } => status(endpoint, require_leaders).await,
+        }
+    })
+}
+
+async fn run(a: RunArgs) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("ALLOT_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,openraft=warn"));
+    if a.log_json {
+        tracing_subscriber::fmt()
+            .json()
+            .with_env_filter(filter)
+            .init();
+    } else {
+        tracing_subscriber::fmt().with_env_filter(filter).init();
+    }
+    if a.test_clock_offset_ms != 0 {
+        tracing::warn!(
+            offset_ms = a.test_clock_offset_ms,
+            "TEST CLOCK OFFSET: this node's wall clock is skewed on purpose"
+        );
+    }
+    let listener = tokio::net::TcpListener::bind(&a.listen)
+        .await
+        .with_context(|| format!("binding gRPC listener {}", a.listen))?;
+    let metrics = if a.metrics_listen.is_empty() {
+        None
+    } else {
+        Some(
+            tokio::net::TcpListener::bind(&a.metrics_listen)
+                .await
+                .with_context(|| format!("binding metrics listener {}", a.metrics_listen))?,
+        )
+    };
+    let config = NodeConfig {
+        id: a.node_id,
+        advertise: a.advertise.clone().unwrap_or_else(|| a.listen.clone()),
+        data_dir: a.data_dir.clone(),
+        shards: a.shards,
+        raft: RaftTimings {
+            heartbeat_ms: a.heartbeat_ms,
+            election_min_ms: a.election_min_ms,
+            election_max_ms: a.election_max_ms,
+            snapshot_every: a.snapshot_every,
+            keep_behind_snapshot: a.keep_behind_snapshot,
+        },
+        proposer: ProposerConfig {
+            max_batch: a
+                .batch_max
+                .clamp(1, allot_statemachine::limits::COMMANDS_PER_ENTRY_MAX),
+            window: Duration::from_micros(a.batch_window_us),
+            max_inflight: a.inflight.max(1),
+            tick: Duration::from_millis(a.tick_ms.max(10)),
+            slew_ppm: a.clock_slew_ppm,
+            ..ProposerConfig::default()
+        },
+        clock_offset_ms: a.test_clock_offset_ms,
+    };
+    let node = Node::start(config).await?;
+    tracing::info!(
+        node = a.node_id,
+        listen = %a.listen,
+        metrics = %a.metrics_listen,
+        shards = a.shards,
+        data_dir = %a.data_dir.display(),
+        "allot-node serving"
+    );
+    serve(
+        node,
+        listener,
+        metrics,
+        RateLimiter::new(a.rate_limit, a.rate_burst),
+        shutdown_signal(),
+    )
+    .await
+}
+
+async fn admin(endpoint: &str) -> anyhow::Result<AdminClient<tonic::transport::Channel>> {
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))?
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(10))
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {endpoint}"))?;
+    Ok(AdminClient::new(ch))
+}
+
+async fn init(endpoint: String, members: Vec<String>) -> anyhow::Result<()> {
+    let mut ms = Vec::new();
+    for m in members {
+        let Some((id, addr)) = m.split_once('=') else {
+            bail!("--member must be id=host:port (got {m})");
+        };
+        let node_id: u64 = id.parse().with_context(|| format!("member id {id}"))?;
+        ms.push(Member {
+            node_id,
+            addr: addr.to_string(),
+        });
+    }
+    let r = admin(&endpoint)
+        .await?
+        .init(InitRequest { members: ms })
+        .await
+        .map_err(|s| anyhow::anyhow!("init: {}", s.message()))?;
+    println!("initialised {} shards", r.into_inner().shards);
+    Ok(())
+}
+
+async fn status(endpoint: String, require_leaders: bool) -> anyhow::Result<()> {
+    let r = admin(&endpoint)
+        .await?
+        .status(StatusRequest {})
+        .await
+        .map_err(|s| anyhow::anyhow!("status: {}", s.message()))?
+        .into_inner();
+    let mut leaderless = 0;
+    for s in &r.shards {
+        println!(
+            "node {} shard {} state {} term {} leader {} applied {} last_log {} time_ms {}",
+            s.node_id,
+            s.shard,
+            s.state,
+            s.term,
+            s.leader,
+            s.applied_index,
+            s.last_log_index,
+            s.logical_time_ms
+        );
+        if s.leader == 0 {
+            leaderless += 1;
+        }
+    }
+    if require_leaders && (leaderless > 0 || r.shards.is_empty()) {
+        bail!("{leaderless} shard(s) without a leader");
+    }
+    Ok(())
+}

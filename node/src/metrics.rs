@@ -1,0 +1,98 @@
+//! Prometheus metrics, served on their own port (`/metrics`). Counters and histograms are
+//! updated on the request path; per-shard gauges (Raft position, queues, GPUs, credits)
+//! are refreshed from the shards at scrape time.
+
+use prometheus::{
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry, TextEncoder,
+};
+
+pub struct Metrics {
+    pub registry: Registry,
+    pub batch_size: HistogramVec,
+    pub requests: IntCounterVec,
+    pub latency: HistogramVec,
+    pub raft: GaugeVec,
+    pub queue_depth: GaugeVec,
+    pub gpus: GaugeVec,
+    pub credits: GaugeVec,
+}
+
+fn must<T>(r: prometheus::Result<T>) -> T {
+    // Metric definitions are static; a failure here is a programming error caught by
+    // the first test that starts a node.
+    r.unwrap_or_else(|e| panic!("metric definition: {e}"))
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let registry = Registry::new_custom(Some("allot".into()), None).unwrap_or_default();
+        let batch_size = must(HistogramVec::new(
+            HistogramOpts::new("proposal_batch_size", "Requests per proposed log entry").buckets(
+                vec![0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 8192.0],
+            ),
+            &["shard"],
+        ));
+        let requests = must(IntCounterVec::new(
+            Opts::new("requests_total", "gRPC requests by method and result"),
+            &["method", "result"],
+        ));
+        let latency = must(HistogramVec::new(
+            HistogramOpts::new("request_seconds", "gRPC request latency by method").buckets(vec![
+                0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+            ]),
+            &["method"],
+        ));
+        let raft = must(GaugeVec::new(
+            Opts::new(
+                "raft",
+                "Raft position per shard (term, leader, applied, last_log, is_leader)",
+            ),
+            &["shard", "field"],
+        ));
+        let queue_depth = must(GaugeVec::new(
+            Opts::new("queue_depth", "Queued jobs per shard and tier"),
+            &["shard", "tier"],
+        ));
+        let gpus = must(GaugeVec::new(
+            Opts::new("gpus", "GPUs per shard: fleet and used"),
+            &["shard", "kind"],
+        ));
+        let credits = must(GaugeVec::new(
+            Opts::new("credits_micro", "Credit totals per shard (micro-credits)"),
+            &["shard", "kind"],
+        ));
+        for c in [
+            Box::new(batch_size.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(requests.clone()),
+            Box::new(latency.clone()),
+            Box::new(raft.clone()),
+            Box::new(queue_depth.clone()),
+            Box::new(gpus.clone()),
+            Box::new(credits.clone()),
+        ] {
+            must(registry.register(c));
+        }
+        Metrics {
+            registry,
+            batch_size,
+            requests,
+            latency,
+            raft,
+            queue_depth,
+            gpus,
+            credits,
+        }
+    }
+
+    pub fn encode(&self) -> String {
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}

@@ -1,0 +1,228 @@
+//! A node: one process hosting every shard of the cluster (one Raft group each), over one
+//! RocksDB, with one clock sampler and one channel pool shared by the shards.
+
+use crate::clock::ClusterClock;
+use crate::metrics::Metrics;
+use crate::network::{Channels, Network};
+use crate::proposer::{Proposer, ProposerConfig, ProposerTask};
+use crate::store::{self, LogStore, ShardView, StateMachineStore};
+use crate::types::{NodeId, Raft, ShardId};
+use allot_proto::raft_client::RaftClient;
+use allot_proto::ClockRequest;
+use anyhow::{bail, Context};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Raft timings of every shard.
+#[derive(Clone, Copy, Debug)]
+pub struct RaftTimings {
+    pub heartbeat_ms: u64,
+    pub election_min_ms: u64,
+    pub election_max_ms: u64,
+    /// Entries applied since the last snapshot that trigger a new one.
+    pub snapshot_every: u64,
+    /// Entries kept in the log behind the snapshot (for followers slightly behind).
+    pub keep_behind_snapshot: u64,
+}
+
+impl Default for RaftTimings {
+    fn default() -> Self {
+        RaftTimings {
+            heartbeat_ms: 100,
+            election_min_ms: 600,
+            election_max_ms: 1200,
+            snapshot_every: 4096,
+            keep_behind_snapshot: 1024,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    pub id: NodeId,
+    /// The gRPC address peers and clients reach this node at.
+    pub advertise: String,
+    pub data_dir: PathBuf,
+    pub shards: u32,
+    pub raft: RaftTimings,
+    pub proposer: ProposerConfig,
+    /// Test-only skew of this node's wall clock, ms.
+    pub clock_offset_ms: i64,
+}
+
+pub struct Shard {
+    pub id: ShardId,
+    pub raft: Raft,
+    pub view: ShardView,
+    pub proposer: Proposer,
+}
+
+pub struct Node {
+    pub id: NodeId,
+    pub advertise: String,
+    pub shards: Vec<Shard>,
+    pub db: Arc<rocksdb::DB>,
+    pub clock: Arc<ClusterClock>,
+    pub channels: Arc<Channels>,
+    pub metrics: Arc<Metrics>,
+    pub config: NodeConfig,
+}
+
+const SHARD_COUNT_KEY: &[u8] = b"cluster/shards";
+
+impl Node {
+    pub async fn start(config: NodeConfig) -> anyhow::Result<Arc<Node>> {
+        if config.shards == 0 || config.shards > 1024 {
+            bail!(
+                "--shards must be between 1 and 1024 (got {})",
+                config.shards
+            );
+        }
+        if config.id == 0 {
+            bail!("--node-id must be positive (0 means 'no leader' on the wire)");
+        }
+        std::fs::create_dir_all(&config.data_dir)
+            .with_context(|| format!("creating data dir {}", config.data_dir.display()))?;
+        let db = store::open_db(&config.data_dir.join("db"))
+            .with_context(|| format!("opening RocksDB in {}", config.data_dir.display()))?;
+        check_shard_count(&db, config.shards)?;
+        let syncer = store::log::Syncer::start(db.clone());
+        let clock = Arc::new(ClusterClock::new(config.clock_offset_ms));
+        let channels = Arc::new(Channels::default());
+        let metrics = Arc::new(Metrics::new());
+        let mut shards = Vec::new();
+        for id in 0..config.shards {
+            let log = LogStore::new(db.clone(), id, syncer.clone());
+            let sm = StateMachineStore::open(db.clone(), id, allot_statemachine::Config::default())
+                .map_err(|e| anyhow::anyhow!("opening shard {id}: {e}"))?;
+            let view = sm.view();
+            let rc = openraft::Config {
+                cluster_name: format!("allot-shard-{id}"),
+                heartbeat_interval: config.raft.heartbeat_ms,
+                election_timeout_min: config.raft.election_min_ms,
+                election_timeout_max: config.raft.election_max_ms,
+                snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(
+                    config.raft.snapshot_every,
+                ),
+                max_in_snapshot_log_to_keep: config.raft.keep_behind_snapshot,
+                max_payload_entries: 64,
+                ..Default::default()
+            }
+            .validate()
+            .context("raft config")?;
+            let raft = Raft::new(
+                config.id,
+                Arc::new(rc),
+                Network {
+                    shard: id,
+                    channels: channels.clone(),
+                },
+                log,
+                sm,
+            )
+            .await
+            .with_context(|| format!("starting raft of shard {id}"))?;
+            let proposer = ProposerTask {
+                shard: id,
+                me: config.id,
+                raft: raft.clone(),
+                view: view.clone(),
+                clock: clock.clone(),
+                config: config.proposer,
+                metrics: metrics.clone(),
+            }
+            .spawn();
+            shards.push(Shard {
+                id,
+                raft,
+                view,
+                proposer,
+            });
+        }
+        let node = Arc::new(Node {
+            id: config.id,
+            advertise: config.advertise.clone(),
+            shards,
+            db,
+            clock,
+            channels,
+            metrics,
+            config,
+        });
+        tokio::spawn(sample_clocks(Arc::downgrade(&node)));
+        Ok(node)
+    }
+
+    pub fn shard(&self, id: ShardId) -> Option<&Shard> {
+        self.shards.get(id as usize)
+    }
+
+    /// Every other node any shard knows of (voters and learners), id → address.
+    pub fn peers(&self) -> BTreeMap<NodeId, String> {
+        let mut peers = BTreeMap::new();
+        for s in &self.shards {
+            let m = s.raft.metrics().borrow().clone();
+            for (id, n) in m.membership_config.membership().nodes() {
+                if *id != self.id {
+                    peers.insert(*id, n.addr.clone());
+                }
+            }
+        }
+        peers
+    }
+
+    /// Stops every shard's Raft and syncs the WAL.
+    pub async fn shutdown(&self) {
+        for s in &self.shards {
+            let _ = s.raft.shutdown().await;
+        }
+        let _ = self.db.flush_wal(true);
+    }
+}
+
+fn check_shard_count(db: &rocksdb::DB, shards: u32) -> anyhow::Result<()> {
+    let meta = store::cf(db, store::CF_META);
+    let key = store::shard_key(u32::MAX, SHARD_COUNT_KEY);
+    match db.get_cf(meta, &key)? {
+        Some(v) if v.len() == 4 => {
+            let have = u32::from_be_bytes([v[0], v[1], v[2], v[3]]);
+            if have != shards {
+                bail!("this data dir holds {have} shards; started with --shards {shards}");
+            }
+        }
+        Some(_) => bail!("corrupt shard count in the data dir"),
+        None => db.put_cf(meta, &key, shards.to_be_bytes())?,
+    }
+    Ok(())
+}
+
+/// Samples every peer's wall clock twice a second (see [`crate::clock`]).
+async fn sample_clocks(node: std::sync::Weak<Node>) {
+    let mut every = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        every.tick().await;
+        let Some(node) = node.upgrade() else { return };
+        let peers = node.peers();
+        let mut calls = Vec::new();
+        for (id, addr) in peers {
+            let Ok(ch) = node.channels.get(&addr) else {
+                continue;
+            };
+            let clock = node.clock.clone();
+            calls.push(async move {
+                let mut client = RaftClient::new(ch);
+                let sent = clock.wall_ms();
+                let mut req = tonic::Request::new(ClockRequest {});
+                req.set_timeout(Duration::from_millis(300));
+                match client.clock(req).await {
+                    Ok(r) => clock.record(id, sent, r.into_inner().wall_ms, clock.wall_ms()),
+                    Err(_) => clock.forget(id),
+                }
+            });
+        }
+        drop(node);
+        futures::future::join_all(calls).await;
+    }
+}

@@ -1,0 +1,273 @@
+//! The per-shard batching proposer.
+//!
+//! openraft 0.9 waits for the log flush of every entry, so a shard that proposed one
+//! command per entry would be bounded by fsync latency. Every client request goes
+//! through this task instead: it gathers whatever is waiting (up to `max_batch`
+//! requests, optionally waiting `window` for more), stamps the batch with the logical
+//! time (see [`crate::clock`]), hands it to openraft in order, and keeps up to
+//! `max_inflight` entries in the pipeline. Each caller gets its own outcomes back.
+//! When the shard is idle it proposes an empty batch (a tick) every `tick`, so expiry,
+//! leases and decay keep working with no traffic.
+
+use crate::clock::{ClusterClock, Stamper};
+use crate::metrics::Metrics;
+use crate::store::ShardView;
+use crate::types::{Applied, Batch, NodeId, Raft, ShardId, TypeConfig};
+use allot_statemachine::{Outcome, Request};
+use openraft::error::{ClientWriteError, RaftError};
+use openraft::raft::ClientWriteResponse;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot, Semaphore};
+
+#[derive(Clone, Copy, Debug)]
+pub struct ProposerConfig {
+    /// Most requests in one log entry (≤ the state machine's COMMANDS_PER_ENTRY_MAX).
+    pub max_batch: usize,
+    /// How long to wait for more requests once one arrived (zero: take what is queued).
+    pub window: Duration,
+    /// Entries proposed but not yet applied.
+    pub max_inflight: usize,
+    /// Requests waiting to be batched; beyond it callers are told to back off.
+    pub queue: usize,
+    /// Idle interval after which a tick entry is proposed.
+    pub tick: Duration,
+    /// Slew bound of logical time, parts per million of elapsed time.
+    pub slew_ppm: u64,
+}
+
+impl Default for ProposerConfig {
+    fn default() -> Self {
+        ProposerConfig {
+            max_batch: 2048,
+            window: Duration::ZERO,
+            max_inflight: 8,
+            queue: 65_536,
+            tick: Duration::from_millis(1000),
+            slew_ppm: 200_000,
+        }
+    }
+}
+
+/// Why a proposal did not produce outcomes.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ProposeError {
+    #[error("not the leader of this shard (leader: {leader:?} at {addr:?})")]
+    NotLeader {
+        leader: Option<NodeId>,
+        addr: Option<String>,
+    },
+    #[error("the shard's proposal queue is full; retry later")]
+    Overloaded,
+    #[error("raft: {0}")]
+    Raft(String),
+    #[error("the node is shutting down")]
+    ShuttingDown,
+    /// A new shard's first stamp waits for a majority of the cluster's clocks.
+    #[error("waiting for a majority of the cluster's clocks to stamp the first entry")]
+    ClockNotReady,
+}
+
+/// The outcomes of one caller's requests and where they were applied.
+#[derive(Clone, Debug)]
+pub struct Committed {
+    pub outcomes: Vec<Outcome>,
+    pub log_index: u64,
+    pub logical_time_ms: u64,
+}
+
+struct Pending {
+    requests: Vec<Request>,
+    reply: oneshot::Sender<Result<Committed, ProposeError>>,
+}
+
+#[derive(Clone)]
+pub struct Proposer {
+    tx: mpsc::Sender<Pending>,
+}
+
+impl Proposer {
+    pub async fn propose(&self, requests: Vec<Request>) -> Result<Committed, ProposeError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .try_send(Pending { requests, reply })
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => ProposeError::Overloaded,
+                mpsc::error::TrySendError::Closed(_) => ProposeError::ShuttingDown,
+            })?;
+        rx.await.map_err(|_| ProposeError::ShuttingDown)?
+    }
+}
+
+pub struct ProposerTask {
+    pub shard: ShardId,
+    pub me: NodeId,
+    pub raft: Raft,
+    pub view: ShardView,
+    pub clock: Arc<ClusterClock>,
+    pub config: ProposerConfig,
+    pub metrics: Arc<Metrics>,
+}
+
+/// The leader of a shard as this node sees it.
+pub fn leader_of(raft: &Raft) -> (Option<NodeId>, Option<String>, u64) {
+    let m = raft.metrics().borrow().clone();
+    let addr = m.current_leader.and_then(|l| {
+        m.membership_config
+            .membership()
+            .get_node(&l)
+            .map(|n| n.addr.clone())
+    });
+    (m.current_leader, addr, m.current_term)
+}
+
+fn not_leader(raft: &Raft) -> ProposeError {
+    let (leader, addr, _) = leader_of(raft);
+    ProposeError::NotLeader { leader, addr }
+}
+
+impl ProposerTask {
+    pub fn spawn(self) -> Proposer {
+        let (tx, rx) = mpsc::channel(self.config.queue);
+        tokio::spawn(self.run(rx));
+        Proposer { tx }
+    }
+
+    async fn run(self, mut rx: mpsc::Receiver<Pending>) {
+        let mut stamper = Stamper::new(self.config.slew_ppm);
+        let inflight = Arc::new(Semaphore::new(self.config.max_inflight.max(1)));
+        let mut last_proposal = Instant::now();
+        let mut carry: Option<Pending> = None;
+        let mut ticker = tokio::time::interval(self.config.tick.max(Duration::from_millis(10)) / 2);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let first = match carry.take() {
+                Some(p) => Some(p),
+                None => tokio::select! {
+                    p = rx.recv() => match p {
+                        Some(p) => Some(p),
+                        None => return,
+                    },
+                    _ = ticker.tick() => None,
+                },
+            };
+            let mut group = Vec::new();
+            let mut count = 0usize;
+            if let Some(p) = first {
+                count += p.requests.len();
+                group.push(p);
+                if !self.config.window.is_zero() && count < self.config.max_batch {
+                    tokio::time::sleep(self.config.window).await;
+                }
+                while count < self.config.max_batch {
+                    match rx.try_recv() {
+                        Ok(p) => {
+                            if count + p.requests.len() > self.config.max_batch {
+                                carry = Some(p);
+                                break;
+                            }
+                            count += p.requests.len();
+                            group.push(p);
+                        }
+                        Err(_) => break,
+                    }
+                }
+            } else if last_proposal.elapsed() < self.config.tick {
+                continue;
+            }
+            let Ok(permit) = inflight.clone().acquire_owned().await else {
+                return;
+            };
+            let (leader, _, term) = leader_of(&self.raft);
+            if leader != Some(self.me) {
+                let err = not_leader(&self.raft);
+                for p in group {
+                    let _ = p.reply.send(Err(err.clone()));
+                }
+                continue;
+            }
+            let applied_ms = self.view.read().state.time_ms;
+            let target = {
+                let m = self.raft.metrics().borrow().clone();
+                let nodes: Vec<NodeId> = m.membership_config.membership().voter_ids().collect();
+                self.clock.target_ms(self.me, &nodes, nodes.len())
+            };
+            if applied_ms == 0 && target.is_none() {
+                // Genesis without a majority clock sample: no stamp can be trusted yet.
+                for p in group {
+                    let _ = p.reply.send(Err(ProposeError::ClockNotReady));
+                }
+                continue;
+            }
+            let stamp = stamper.stamp(term, applied_ms, self.clock.mono_ms(), target);
+            let mut requests = Vec::with_capacity(count);
+            let mut spans = Vec::with_capacity(group.len());
+            for p in group {
+                let start = requests.len();
+                requests.extend(p.requests);
+                spans.push((start, requests.len(), p.reply));
+            }
+            self.metrics
+                .batch_size
+                .with_label_values(&[&self.shard.to_string()])
+                .observe(requests.len() as f64);
+            let batch = Batch {
+                logical_time_ms: stamp,
+                requests,
+            };
+            last_proposal = Instant::now();
+            let rx_write = match self.raft.client_write_ff(batch).await {
+                Ok(rx) => rx,
+                Err(fatal) => {
+                    let err = ProposeError::Raft(fatal.to_string());
+                    for (_, _, reply) in spans {
+                        let _ = reply.send(Err(err.clone()));
+                    }
+                    return;
+                }
+            };
+            let raft = self.raft.clone();
+            tokio::spawn(async move {
+                let _permit = permit;
+                let result: Result<ClientWriteResponse<TypeConfig>, ProposeError> =
+                    match rx_write.await {
+                        Err(_) => Err(ProposeError::ShuttingDown),
+                        Ok(Ok(resp)) => Ok(resp),
+                        Ok(Err(ClientWriteError::ForwardToLeader(_))) => Err(not_leader(&raft)),
+                        Ok(Err(e)) => Err(ProposeError::Raft(e.to_string())),
+                    };
+                match result {
+                    Ok(resp) => {
+                        let Applied {
+                            log_index,
+                            logical_time_ms,
+                            mut outcomes,
+                        } = resp.data;
+                        // Hand each caller its slice, last first so `split_off` is cheap.
+                        for (start, _end, reply) in spans.into_iter().rev() {
+                            let mine = outcomes.split_off(start.min(outcomes.len()));
+                            let _ = reply.send(Ok(Committed {
+                                outcomes: mine,
+                                log_index,
+                                logical_time_ms,
+                            }));
+                        }
+                    }
+                    Err(e) => {
+                        for (_, _, reply) in spans {
+                            let _ = reply.send(Err(e.clone()));
+                        }
+                    }
+                }
+            });
+        }
+    }
+}
+
+/// Turns an openraft API error into a proposal error.
+pub fn from_raft_error<E: std::fmt::Display>(raft: &Raft, e: RaftError<NodeId, E>) -> ProposeError {
+    match e {
+        RaftError::APIError(_) => not_leader(raft),
+        RaftError::Fatal(f) => ProposeError::Raft(f.to_string()),
+    }
+}

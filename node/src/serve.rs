@@ -1,0 +1,136 @@
+//! Running a node: the gRPC listener (client, agent, admin, Raft, health) and the
+//! Prometheus listener, until a shutdown signal.
+
+use crate::network::RAFT_MESSAGE_MAX;
+use crate::node::Node;
+use crate::ratelimit::RateLimiter;
+use crate::server::{Services, CLIENT_MESSAGE_MAX};
+use allot_proto::admin_server::AdminServer;
+use allot_proto::agent_server::AgentServer;
+use allot_proto::allot_server::AllotServer;
+use allot_proto::raft_server::RaftServer;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Serves `node` on `listen` (gRPC) and `metrics` (HTTP `/metrics`) until `shutdown`
+/// resolves; then stops the shards' Raft and syncs the WAL.
+pub async fn serve(
+    node: Arc<Node>,
+    listener: tokio::net::TcpListener,
+    metrics: Option<tokio::net::TcpListener>,
+    limiter: RateLimiter,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let services = Services {
+        node: node.clone(),
+        limiter: Arc::new(limiter),
+    };
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_serving::<AllotServer<Services>>().await;
+    reporter.set_serving::<AdminServer<Services>>().await;
+    reporter.set_serving::<AgentServer<Services>>().await;
+    if let Some(m) = metrics {
+        let node = node.clone();
+        tokio::spawn(async move {
+            let app = axum::Router::new().route(
+                "/metrics",
+                axum::routing::get(move || {
+                    let node = node.clone();
+                    async move { refresh_and_encode(&node) }
+                }),
+            );
+            if let Err(e) = axum::serve(m, app).await {
+                tracing::error!(error = %e, "metrics listener failed");
+            }
+        });
+    }
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    tonic::transport::Server::builder()
+        .timeout(Duration::from_secs(30))
+        .tcp_nodelay(true)
+        .add_service(health)
+        .add_service(
+            AllotServer::new(services.clone())
+                .max_decoding_message_size(CLIENT_MESSAGE_MAX)
+                .max_encoding_message_size(CLIENT_MESSAGE_MAX),
+        )
+        .add_service(AgentServer::new(services.clone()))
+        .add_service(AdminServer::new(services.clone()))
+        .add_service(
+            RaftServer::new(services)
+                .max_decoding_message_size(RAFT_MESSAGE_MAX)
+                .max_encoding_message_size(RAFT_MESSAGE_MAX),
+        )
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await?;
+    tracing::info!("gRPC server stopped; shutting the shards down");
+    node.shutdown().await;
+    Ok(())
+}
+
+/// Refreshes the per-shard gauges from the shards and renders the registry.
+pub fn refresh_and_encode(node: &Node) -> String {
+    let m = &node.metrics;
+    for s in &node.shards {
+        let shard = s.id.to_string();
+        let rm = s.raft.metrics().borrow().clone();
+        let set = |field: &str, v: f64| m.raft.with_label_values(&[&shard, field]).set(v);
+        set("term", rm.current_term as f64);
+        set("leader", rm.current_leader.unwrap_or(0) as f64);
+        set(
+            "is_leader",
+            (rm.current_leader == Some(node.id)) as u8 as f64,
+        );
+        set(
+            "applied_index",
+            rm.last_applied.map(|l| l.index).unwrap_or(0) as f64,
+        );
+        set("last_log_index", rm.last_log_index.unwrap_or(0) as f64);
+        let g = s.view.read();
+        set("logical_time_ms", g.state.time_ms as f64);
+        for (tier, depth) in g.state.scheduler.queue_depth() {
+            m.queue_depth
+                .with_label_values(&[&shard, &tier.0.to_string()])
+                .set(depth as f64);
+        }
+        m.gpus
+            .with_label_values(&[&shard, "fleet"])
+            .set(g.state.scheduler.fleet_gpus as f64);
+        m.gpus
+            .with_label_values(&[&shard, "used"])
+            .set(g.state.scheduler.used_gpus as f64);
+        let t = g.state.ledger.totals;
+        for (kind, v) in [
+            ("issued", t.issued),
+            ("consumed", t.consumed),
+            ("expired", t.expired),
+        ] {
+            m.credits.with_label_values(&[&shard, kind]).set(v as f64);
+        }
+    }
+    m.encode()
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    tracing::info!("shutdown signal received");
+}

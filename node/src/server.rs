@@ -1,0 +1,486 @@
+//! The gRPC services of a node: client (`Allot`), `Agent`, `Admin` and the internal `Raft`
+//! transport, all on one listener; `/metrics` on another.
+
+use crate::node::{Node, Shard};
+use crate::proposer::{leader_of, ProposeError};
+use crate::query::{self, Query};
+use crate::ratelimit::RateLimiter;
+use crate::store;
+use crate::types::{NodeId, ShardId};
+use allot_proto::admin_server::Admin;
+use allot_proto::agent_server::Agent;
+use allot_proto::allot_client::AllotClient;
+use allot_proto::allot_server::Allot;
+use allot_proto::raft_server::Raft as RaftService;
+use allot_proto::*;
+use allot_statemachine::{codec, Request};
+use openraft::BasicNode;
+use std::collections::{BTreeMap, BTreeSet};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio_stream::Stream;
+use tonic::metadata::MetadataValue;
+use tonic::Status;
+
+/// Metadata marking a request another node already forwarded (one hop at most).
+pub const FORWARDED: &str = "allot-forwarded";
+/// Metadata of a NotLeader answer: the leader's node id and address, when known.
+pub const LEADER_ID: &str = "allot-leader-id";
+pub const LEADER_ADDR: &str = "allot-leader-addr";
+/// Metadata of a RESOURCE_EXHAUSTED answer: when to retry, ms.
+pub const RETRY_AFTER_MS: &str = "retry-after-ms";
+/// Most requests in one `Execute` call.
+pub const REQUESTS_PER_CALL_MAX: usize = 4096;
+/// Largest client message (bytes); Raft messages have their own larger bound.
+pub const CLIENT_MESSAGE_MAX: usize = 8 << 20;
+
+#[derive(Clone)]
+pub struct Services {
+    pub node: Arc<Node>,
+    pub limiter: Arc<RateLimiter>,
+}
+
+fn shard_of<'a>(node: &'a Node, shard: ShardId) -> Result<&'a Shard, Status> {
+    node.shard(shard).ok_or_else(|| {
+        Status::not_found(format!(
+            "unknown shard {shard} (this cluster has {})",
+            node.shards.len()
+        ))
+    })
+}
+
+/// The typed gRPC form of a proposal error.
+pub fn status_of(e: ProposeError) -> Status {
+    match e {
+        ProposeError::NotLeader { leader, addr } => {
+            let mut s = Status::unavailable("not leader");
+            if let Some(l) = leader {
+                if let Ok(v) = MetadataValue::try_from(l.to_string()) {
+                    s.metadata_mut().insert(LEADER_ID, v);
+                }
+            }
+            if let Some(a) = addr {
+                if let Ok(v) = MetadataValue::try_from(a) {
+                    s.metadata_mut().insert(LEADER_ADDR, v);
+                }
+            }
+            s
+        }
+        ProposeError::Overloaded => {
+            let mut s = Status::resource_exhausted("shard overloaded");
+            s.metadata_mut()
+                .insert(RETRY_AFTER_MS, MetadataValue::from_static("50"));
+            s
+        }
+        ProposeError::Raft(m) => Status::unavailable(format!("raft: {m}")),
+        ProposeError::ShuttingDown => Status::unavailable("node shutting down"),
+        ProposeError::ClockNotReady => Status::unavailable("shard clock not ready; retry"),
+    }
+}
+
+fn forwarded<T>(req: &tonic::Request<T>) -> bool {
+    req.metadata().get(FORWARDED).is_some()
+}
+
+impl Services {
+    fn observe(&self, method: &str, started: Instant, ok: bool) {
+        let m = &self.node.metrics;
+        m.latency
+            .with_label_values(&[method])
+            .observe(started.elapsed().as_secs_f64());
+        m.requests
+            .with_label_values(&[method, if ok { "ok" } else { "error" }])
+            .inc();
+    }
+
+    async fn leader_client(
+        &self,
+        addr: &str,
+    ) -> Result<AllotClient<tonic::transport::Channel>, Status> {
+        let ch = self
+            .node
+            .channels
+            .get(addr)
+            .map_err(|e| Status::unavailable(format!("leader address {addr}: {e}")))?;
+        Ok(AllotClient::new(ch)
+            .max_decoding_message_size(CLIENT_MESSAGE_MAX)
+            .max_encoding_message_size(CLIENT_MESSAGE_MAX))
+    }
+
+    async fn execute_inner(
+        &self,
+        req: tonic::Request<ExecuteRequest>,
+    ) -> Result<ExecuteReply, Status> {
+        let was_forwarded = forwarded(&req);
+        let timeout = req.metadata().get("grpc-timeout").cloned();
+        let msg = req.into_inner();
+        let shard = shard_of(&self.node, msg.shard)?;
+        if msg.requests.is_empty() {
+            return Err(Status::invalid_argument("no requests"));
+        }
+        if msg.requests.len() > REQUESTS_PER_CALL_MAX {
+            return Err(Status::invalid_argument(format!(
+                "{} requests in one call; at most {REQUESTS_PER_CALL_MAX}",
+                msg.requests.len()
+            )));
+        }
+        let mut requests = Vec::with_capacity(msg.requests.len());
+        for (i, b) in msg.requests.iter().enumerate() {
+            let r: Request = codec::decode(b)
+                .map_err(|e| Status::invalid_argument(format!("request {i}: {e}")))?;
+            requests.push(r);
+        }
+        if !was_forwarded {
+            self.limiter.admit(&requests)?;
+        }
+        match shard.proposer.propose(requests).await {
+            Ok(c) => Ok(ExecuteReply {
+                outcomes: c.outcomes.iter().map(codec::encode).collect(),
+                log_index: c.log_index,
+                logical_time_ms: c.logical_time_ms,
+            }),
+            Err(ProposeError::NotLeader {
+                addr: Some(addr), ..
+            }) if !was_forwarded => {
+                // Forward once; the leader answers (or says who leads now).
+                let mut client = self.leader_client(&addr).await?;
+                let mut fwd = tonic::Request::new(msg);
+                fwd.metadata_mut()
+                    .insert(FORWARDED, MetadataValue::from_static("1"));
+                if let Some(t) = timeout {
+                    fwd.metadata_mut().insert("grpc-timeout", t);
+                }
+                client.execute(fwd).await.map(|r| r.into_inner())
+            }
+            Err(e) => Err(status_of(e)),
+        }
+    }
+
+    async fn query_inner(&self, req: tonic::Request<QueryRequest>) -> Result<QueryReply, Status> {
+        let was_forwarded = forwarded(&req);
+        let msg = req.into_inner();
+        let shard = shard_of(&self.node, msg.shard)?;
+        let q: Query = codec::decode(&msg.query)
+            .map_err(|e| Status::invalid_argument(format!("query: {e}")))?;
+        if msg.consistency() == Consistency::Linearizable {
+            if let Err(e) = shard.raft.ensure_linearizable().await {
+                let err = crate::proposer::from_raft_error(&shard.raft, e);
+                return match err {
+                    ProposeError::NotLeader {
+                        addr: Some(addr), ..
+                    } if !was_forwarded => {
+                        let mut client = self.leader_client(&addr).await?;
+                        let mut fwd = tonic::Request::new(msg);
+                        fwd.metadata_mut()
+                            .insert(FORWARDED, MetadataValue::from_static("1"));
+                        client.query(fwd).await.map(|r| r.into_inner())
+                    }
+                    e => Err(status_of(e)),
+                };
+            }
+        }
+        let g = shard.view.read();
+        Ok(QueryReply {
+            answer: codec::encode(&query::answer(&g.state, &q)),
+            applied_index: g.last_applied.map(|l| l.index).unwrap_or(0),
+            logical_time_ms: g.state.time_ms,
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl Allot for Services {
+    async fn execute(
+        &self,
+        req: tonic::Request<ExecuteRequest>,
+    ) -> Result<tonic::Response<ExecuteReply>, Status> {
+        let started = Instant::now();
+        let r = self.execute_inner(req).await;
+        self.observe("execute", started, r.is_ok());
+        r.map(tonic::Response::new)
+    }
+
+    async fn query(
+        &self,
+        req: tonic::Request<QueryRequest>,
+    ) -> Result<tonic::Response<QueryReply>, Status> {
+        let started = Instant::now();
+        let r = self.query_inner(req).await;
+        self.observe("query", started, r.is_ok());
+        r.map(tonic::Response::new)
+    }
+
+    async fn audit(
+        &self,
+        req: tonic::Request<AuditRequest>,
+    ) -> Result<tonic::Response<AuditReply>, Status> {
+        let msg = req.into_inner();
+        shard_of(&self.node, msg.shard)?;
+        let limit = (msg.limit as usize).clamp(1, 10_000);
+        let events = store::read_audit(&self.node.db, msg.shard, msg.from_seq, limit)
+            .map_err(|e| Status::internal(format!("audit store: {e}")))?;
+        let next_seq = msg.from_seq + events.len() as u64;
+        Ok(tonic::Response::new(AuditReply { events, next_seq }))
+    }
+}
+
+type AssignmentStream = Pin<Box<dyn Stream<Item = Result<Assignments, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Agent for Services {
+    type WatchAssignmentsStream = AssignmentStream;
+
+    async fn watch_assignments(
+        &self,
+        req: tonic::Request<WatchRequest>,
+    ) -> Result<tonic::Response<AssignmentStream>, Status> {
+        let msg = req.into_inner();
+        let shard = shard_of(&self.node, msg.shard)?;
+        let node_id: u64 = msg
+            .node_id
+            .parse()
+            .map_err(|_| Status::invalid_argument("node_id must be a number"))?;
+        let view = shard.view.clone();
+        let mut applied = view.applied_watch();
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        tokio::spawn(async move {
+            let mut last: Option<Vec<u8>> = None;
+            loop {
+                let (bytes, idx) = {
+                    let g = view.read();
+                    let a = g
+                        .state
+                        .scheduler
+                        .assignments(allot_statemachine::NodeId(node_id));
+                    (
+                        codec::encode(&a),
+                        g.last_applied.map(|l| l.index).unwrap_or(0),
+                    )
+                };
+                if last.as_ref() != Some(&bytes) {
+                    last = Some(bytes.clone());
+                    let msg = Assignments {
+                        assignments: bytes,
+                        applied_index: idx,
+                    };
+                    if tx.send(Ok(msg)).await.is_err() {
+                        return;
+                    }
+                }
+                if applied.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(tonic::Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+}
+
+fn shard_status(node: &Node, shard: &Shard) -> ShardStatus {
+    let m = shard.raft.metrics().borrow().clone();
+    let (_, leader_addr, _) = leader_of(&shard.raft);
+    let membership = m.membership_config.membership();
+    let voters: Vec<u64> = membership.voter_ids().collect();
+    let learners: Vec<u64> = membership.learner_ids().collect();
+    let time = shard.view.read().state.time_ms;
+    ShardStatus {
+        shard: shard.id,
+        node_id: node.id,
+        leader: m.current_leader.unwrap_or(0),
+        leader_addr: leader_addr.unwrap_or_default(),
+        is_leader: m.current_leader == Some(node.id),
+        term: m.current_term,
+        applied_index: m.last_applied.map(|l| l.index).unwrap_or(0),
+        last_log_index: m.last_log_index.unwrap_or(0),
+        logical_time_ms: time,
+        voters,
+        learners,
+        state: format!("{:?}", m.state),
+        snapshot_index: m.snapshot.map(|l| l.index).unwrap_or(0),
+        purged_index: m.purged.map(|l| l.index).unwrap_or(0),
+    }
+}
+
+impl Services {
+    fn target_shards(&self, shard: ShardId, all: bool) -> Result<Vec<&Shard>, Status> {
+        if all {
+            Ok(self.node.shards.iter().collect())
+        } else {
+            Ok(vec![shard_of(&self.node, shard)?])
+        }
+    }
+}
+
+fn raft_status<E: std::fmt::Display>(e: E) -> Status {
+    Status::failed_precondition(e.to_string())
+}
+
+#[tonic::async_trait]
+impl Admin for Services {
+    async fn init(
+        &self,
+        req: tonic::Request<InitRequest>,
+    ) -> Result<tonic::Response<InitReply>, Status> {
+        let msg = req.into_inner();
+        if msg.members.is_empty() {
+            return Err(Status::invalid_argument("no members"));
+        }
+        let mut members = BTreeMap::new();
+        for m in msg.members {
+            if m.node_id == 0 || m.addr.is_empty() {
+                return Err(Status::invalid_argument(
+                    "member ids must be positive and addresses set",
+                ));
+            }
+            members.insert(m.node_id, BasicNode::new(m.addr));
+        }
+        if !members.contains_key(&self.node.id) {
+            return Err(Status::invalid_argument(
+                "the members must include this node",
+            ));
+        }
+        for s in &self.node.shards {
+            match s.raft.initialize(members.clone()).await {
+                Ok(()) => {}
+                // Idempotent: a retried init of an initialised shard is fine.
+                Err(openraft::error::RaftError::APIError(
+                    openraft::error::InitializeError::NotAllowed(_),
+                )) => {}
+                Err(e) => return Err(raft_status(e)),
+            }
+        }
+        Ok(tonic::Response::new(InitReply {
+            shards: self.node.shards.len() as u32,
+        }))
+    }
+
+    async fn add_learner(
+        &self,
+        req: tonic::Request<MemberRequest>,
+    ) -> Result<tonic::Response<MembershipReply>, Status> {
+        let msg = req.into_inner();
+        let member = msg
+            .member
+            .ok_or_else(|| Status::invalid_argument("member missing"))?;
+        if member.node_id == 0 || member.addr.is_empty() {
+            return Err(Status::invalid_argument(
+                "member id must be positive and address set",
+            ));
+        }
+        let mut out = Vec::new();
+        for s in self.target_shards(msg.shard, msg.all_shards)? {
+            s.raft
+                .add_learner(member.node_id, BasicNode::new(member.addr.clone()), true)
+                .await
+                .map_err(|e| status_of(crate::proposer::from_raft_error(&s.raft, e)))?;
+            out.push(shard_status(&self.node, s));
+        }
+        Ok(tonic::Response::new(MembershipReply { shards: out }))
+    }
+
+    async fn change_membership(
+        &self,
+        req: tonic::Request<ChangeMembershipRequest>,
+    ) -> Result<tonic::Response<MembershipReply>, Status> {
+        let msg = req.into_inner();
+        let voters: BTreeSet<NodeId> = msg.voters.iter().copied().collect();
+        if voters.is_empty() || voters.contains(&0) {
+            return Err(Status::invalid_argument(
+                "voters must be a non-empty set of positive ids",
+            ));
+        }
+        let mut out = Vec::new();
+        for s in self.target_shards(msg.shard, msg.all_shards)? {
+            s.raft
+                .change_membership(voters.clone(), false)
+                .await
+                .map_err(|e| status_of(crate::proposer::from_raft_error(&s.raft, e)))?;
+            out.push(shard_status(&self.node, s));
+        }
+        Ok(tonic::Response::new(MembershipReply { shards: out }))
+    }
+
+    async fn status(
+        &self,
+        _req: tonic::Request<StatusRequest>,
+    ) -> Result<tonic::Response<StatusReply>, Status> {
+        Ok(tonic::Response::new(StatusReply {
+            node_id: self.node.id,
+            shards: self
+                .node
+                .shards
+                .iter()
+                .map(|s| shard_status(&self.node, s))
+                .collect(),
+        }))
+    }
+
+    async fn shard_hash(
+        &self,
+        req: tonic::Request<ShardRequest>,
+    ) -> Result<tonic::Response<ShardHashReply>, Status> {
+        let msg = req.into_inner();
+        let shard = shard_of(&self.node, msg.shard)?;
+        let g = shard.view.read();
+        Ok(tonic::Response::new(ShardHashReply {
+            state_hash: g.state.state_hash().to_vec(),
+            applied_index: g.last_applied.map(|l| l.index).unwrap_or(0),
+            logical_time_ms: g.state.time_ms,
+        }))
+    }
+}
+
+fn decode<T: serde::de::DeserializeOwned>(b: &[u8]) -> Result<T, Status> {
+    bincode::deserialize(b).map_err(|e| Status::invalid_argument(format!("raft payload: {e}")))
+}
+
+fn encode<T: serde::Serialize>(v: &T) -> Result<tonic::Response<RaftMessage>, Status> {
+    let payload = bincode::serialize(v).map_err(|e| Status::internal(e.to_string()))?;
+    Ok(tonic::Response::new(RaftMessage { shard: 0, payload }))
+}
+
+#[tonic::async_trait]
+impl RaftService for Services {
+    async fn append(
+        &self,
+        req: tonic::Request<RaftMessage>,
+    ) -> Result<tonic::Response<RaftMessage>, Status> {
+        let msg = req.into_inner();
+        let shard = shard_of(&self.node, msg.shard)?;
+        let r = shard.raft.append_entries(decode(&msg.payload)?).await;
+        encode(&r)
+    }
+
+    async fn vote(
+        &self,
+        req: tonic::Request<RaftMessage>,
+    ) -> Result<tonic::Response<RaftMessage>, Status> {
+        let msg = req.into_inner();
+        let shard = shard_of(&self.node, msg.shard)?;
+        let r = shard.raft.vote(decode(&msg.payload)?).await;
+        encode(&r)
+    }
+
+    async fn snapshot(
+        &self,
+        req: tonic::Request<RaftMessage>,
+    ) -> Result<tonic::Response<RaftMessage>, Status> {
+        let msg = req.into_inner();
+        let shard = shard_of(&self.node, msg.shard)?;
+        let r = shard.raft.install_snapshot(decode(&msg.payload)?).await;
+        encode(&r)
+    }
+
+    async fn clock(
+        &self,
+        _req: tonic::Request<ClockRequest>,
+    ) -> Result<tonic::Response<ClockReply>, Status> {
+        Ok(tonic::Response::new(ClockReply {
+            wall_ms: self.node.clock.wall_ms(),
+            node_id: self.node.id,
+        }))
+    }
+}

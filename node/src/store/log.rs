@@ -1,0 +1,233 @@
+//! The Raft log of one shard in the node's RocksDB.
+//!
+//! Contract (openraft 0.9 `RaftLogStorage`): the vote is durable before `save_vote`
+//! returns; an append is reported through its callback only after the WAL holding it was
+//! fsynced. Appends of all shards go through one [`Syncer`] thread, so concurrent appends
+//! share an fsync (group commit across shards).
+
+use super::{cf, index_key, index_of_key, io_read, io_write, shard_key, CF_LOG, CF_META};
+use crate::types::{LogEntry, LogId, ShardId, StorageError, TypeConfig, Vote};
+use openraft::storage::{LogFlushed, RaftLogStorage};
+use openraft::{LogState, RaftLogReader};
+use rocksdb::{Direction, IteratorMode, WriteBatch, WriteOptions, DB};
+use std::fmt::Debug;
+use std::ops::{Bound, RangeBounds};
+use std::sync::mpsc;
+use std::sync::Arc;
+
+const META_VOTE: &[u8] = b"vote";
+const META_COMMITTED: &[u8] = b"committed";
+const META_PURGED: &[u8] = b"purged";
+
+/// Group commit: callbacks queued behind one `flush_wal(true)`.
+pub struct Syncer {
+    tx: mpsc::Sender<LogFlushed<TypeConfig>>,
+}
+
+impl Syncer {
+    pub fn start(db: Arc<DB>) -> Arc<Syncer> {
+        let (tx, rx) = mpsc::channel::<LogFlushed<TypeConfig>>();
+        std::thread::Builder::new()
+            .name("allot-wal-sync".into())
+            .spawn(move || {
+                while let Ok(first) = rx.recv() {
+                    let mut pending = vec![first];
+                    pending.extend(rx.try_iter());
+                    let result = db.flush_wal(true);
+                    for cb in pending {
+                        cb.log_io_completed(
+                            result
+                                .as_ref()
+                                .map(|_| ())
+                                .map_err(|e| std::io::Error::other(e.to_string())),
+                        );
+                    }
+                }
+            })
+            .expect("spawning the WAL sync thread");
+        Arc::new(Syncer { tx })
+    }
+}
+
+#[derive(Clone)]
+pub struct LogStore {
+    db: Arc<DB>,
+    shard: ShardId,
+    syncer: Arc<Syncer>,
+}
+
+fn sync_opts() -> WriteOptions {
+    let mut o = WriteOptions::default();
+    o.set_sync(true);
+    o
+}
+
+impl LogStore {
+    pub fn new(db: Arc<DB>, shard: ShardId, syncer: Arc<Syncer>) -> LogStore {
+        LogStore { db, shard, syncer }
+    }
+
+    fn get_meta<T: serde::de::DeserializeOwned>(
+        &self,
+        tag: &[u8],
+    ) -> Result<Option<T>, StorageError> {
+        let v = self
+            .db
+            .get_cf(cf(&self.db, CF_META), shard_key(self.shard, tag))
+            .map_err(io_read)?;
+        match v {
+            None => Ok(None),
+            Some(bytes) => bincode::deserialize(&bytes).map(Some).map_err(io_read),
+        }
+    }
+
+    fn put_meta<T: serde::Serialize>(
+        &self,
+        tag: &[u8],
+        value: &T,
+        sync: bool,
+    ) -> Result<(), StorageError> {
+        let bytes = bincode::serialize(value).map_err(io_write)?;
+        let opts = if sync {
+            sync_opts()
+        } else {
+            WriteOptions::default()
+        };
+        self.db
+            .put_cf_opt(
+                cf(&self.db, CF_META),
+                shard_key(self.shard, tag),
+                bytes,
+                &opts,
+            )
+            .map_err(io_write)
+    }
+
+    fn last_entry(&self) -> Result<Option<LogEntry>, StorageError> {
+        let upper = index_key(self.shard, u64::MAX);
+        let mut it = self.db.iterator_cf(
+            cf(&self.db, CF_LOG),
+            IteratorMode::From(&upper, Direction::Reverse),
+        );
+        match it.next() {
+            None => Ok(None),
+            Some(item) => {
+                let (k, v) = item.map_err(io_read)?;
+                if k.len() != 12 || k[..4] != self.shard.to_be_bytes() {
+                    return Ok(None);
+                }
+                bincode::deserialize(&v).map(Some).map_err(io_read)
+            }
+        }
+    }
+}
+
+impl RaftLogReader<TypeConfig> for LogStore {
+    async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + Send>(
+        &mut self,
+        range: RB,
+    ) -> Result<Vec<LogEntry>, StorageError> {
+        let start = match range.start_bound() {
+            Bound::Included(&x) => x,
+            Bound::Excluded(&x) => x + 1,
+            Bound::Unbounded => 0,
+        };
+        let from = index_key(self.shard, start);
+        let mut out = Vec::new();
+        for item in self.db.iterator_cf(
+            cf(&self.db, CF_LOG),
+            IteratorMode::From(&from, Direction::Forward),
+        ) {
+            let (k, v) = item.map_err(io_read)?;
+            if k.len() != 12 || k[..4] != self.shard.to_be_bytes() {
+                break;
+            }
+            let idx = index_of_key(&k);
+            if !range.contains(&idx) {
+                break;
+            }
+            out.push(bincode::deserialize(&v).map_err(io_read)?);
+        }
+        Ok(out)
+    }
+}
+
+impl RaftLogStorage<TypeConfig> for LogStore {
+    type LogReader = LogStore;
+
+    async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError> {
+        let last_purged: Option<LogId> = self.get_meta(META_PURGED)?;
+        let last = self.last_entry()?.map(|e| e.log_id).or(last_purged);
+        Ok(LogState {
+            last_purged_log_id: last_purged,
+            last_log_id: last,
+        })
+    }
+
+    async fn get_log_reader(&mut self) -> Self::LogReader {
+        self.clone()
+    }
+
+    async fn save_vote(&mut self, vote: &Vote) -> Result<(), StorageError> {
+        self.put_meta(META_VOTE, vote, true)
+    }
+
+    async fn read_vote(&mut self) -> Result<Option<Vote>, StorageError> {
+        self.get_meta(META_VOTE)
+    }
+
+    async fn save_committed(&mut self, committed: Option<LogId>) -> Result<(), StorageError> {
+        self.put_meta(META_COMMITTED, &committed, false)
+    }
+
+    async fn read_committed(&mut self) -> Result<Option<LogId>, StorageError> {
+        Ok(self.get_meta::<Option<LogId>>(META_COMMITTED)?.flatten())
+    }
+
+    async fn append<I>(
+        &mut self,
+        entries: I,
+        callback: LogFlushed<TypeConfig>,
+    ) -> Result<(), StorageError>
+    where
+        I: IntoIterator<Item = LogEntry> + Send,
+        I::IntoIter: Send,
+    {
+        let mut batch = WriteBatch::default();
+        let log = cf(&self.db, CF_LOG);
+        for e in entries {
+            let bytes = bincode::serialize(&e).map_err(io_write)?;
+            batch.put_cf(log, index_key(self.shard, e.log_id.index), bytes);
+        }
+        // Written in call order (so the log never has a hole), made durable by the syncer.
+        self.db.write(batch).map_err(io_write)?;
+        self.syncer
+            .tx
+            .send(callback)
+            .map_err(|e| io_write(std::io::Error::other(e.to_string())))
+    }
+
+    async fn truncate(&mut self, log_id: LogId) -> Result<(), StorageError> {
+        let mut batch = WriteBatch::default();
+        batch.delete_range_cf(
+            cf(&self.db, CF_LOG),
+            index_key(self.shard, log_id.index),
+            index_key(self.shard, u64::MAX),
+        );
+        batch.delete_cf(cf(&self.db, CF_LOG), index_key(self.shard, u64::MAX));
+        self.db.write_opt(batch, &sync_opts()).map_err(io_write)
+    }
+
+    async fn purge(&mut self, log_id: LogId) -> Result<(), StorageError> {
+        // Record the purge point first: a crash between the two writes leaves entries
+        // that are already covered by `last_purged` and are never read again.
+        self.put_meta(META_PURGED, &log_id, true)?;
+        self.db
+            .delete_range_cf(
+                cf(&self.db, CF_LOG),
+                index_key(self.shard, 0),
+                index_key(self.shard, log_id.index + 1),
+            )
+            .map_err(io_write)
+    }
+}

@@ -1,0 +1,77 @@
+//! Durable storage of a node: ONE RocksDB for all the shards it hosts.
+//!
+//! Column families are per kind of data, not per shard; every key starts with the shard
+//! id (u32 big-endian), so one shard's keys are a contiguous range and a node's WAL fsync
+//! covers the appends of every shard at once (see docs/DESIGN.md §27 for the choice).
+//!
+//! - `log`:   shard ‖ index (u64 BE) → bincode of the openraft entry
+//! - `meta`:  shard ‖ tag → vote, committed log id, last purged log id
+//! - `snap`:  shard → the current snapshot (meta and state machine bytes)
+//! - `audit`: shard ‖ 0 ‖ seq (u64 BE) → audit event (codec bytes);
+//!   shard ‖ 1 ‖ log index (u64 BE) → the entry's batch (the commands the events bind)
+
+pub mod log;
+mod sm;
+
+pub use log::LogStore;
+pub use sm::{read_audit, AppliedState, ShardView, StateMachineStore};
+
+use crate::types::{ShardId, StorageError};
+use openraft::{AnyError, StorageIOError};
+use rocksdb::{ColumnFamilyDescriptor, Options, DB};
+use std::path::Path;
+use std::sync::Arc;
+
+pub const CF_LOG: &str = "log";
+pub const CF_META: &str = "meta";
+pub const CF_SNAP: &str = "snap";
+pub const CF_AUDIT: &str = "audit";
+
+/// Opens (creating if needed) the node's database.
+pub fn open_db(dir: &Path) -> Result<Arc<DB>, rocksdb::Error> {
+    let mut opts = Options::default();
+    opts.create_if_missing(true);
+    opts.create_missing_column_families(true);
+    // The WAL is the durability point of the Raft log: writes are synced explicitly
+    // (flush_wal(true)) before openraft is told an append is durable.
+    opts.set_manual_wal_flush(false);
+    opts.increase_parallelism(2);
+    let cfs = [CF_LOG, CF_META, CF_SNAP, CF_AUDIT]
+        .into_iter()
+        .map(|name| ColumnFamilyDescriptor::new(name, Options::default()));
+    Ok(Arc::new(DB::open_cf_descriptors(&opts, dir, cfs)?))
+}
+
+pub(crate) fn shard_key(shard: ShardId, suffix: &[u8]) -> Vec<u8> {
+    let mut k = Vec::with_capacity(4 + suffix.len());
+    k.extend_from_slice(&shard.to_be_bytes());
+    k.extend_from_slice(suffix);
+    k
+}
+
+pub(crate) fn index_key(shard: ShardId, index: u64) -> [u8; 12] {
+    let mut k = [0u8; 12];
+    k[..4].copy_from_slice(&shard.to_be_bytes());
+    k[4..].copy_from_slice(&index.to_be_bytes());
+    k
+}
+
+pub(crate) fn index_of_key(key: &[u8]) -> u64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&key[key.len() - 8..]);
+    u64::from_be_bytes(b)
+}
+
+pub(crate) fn cf<'a>(db: &'a DB, name: &str) -> &'a rocksdb::ColumnFamily {
+    // The column families are created by `open_db`; a missing one is a programming error.
+    db.cf_handle(name)
+        .unwrap_or_else(|| panic!("column family {name} is opened by open_db"))
+}
+
+pub(crate) fn io_read(e: impl std::error::Error + 'static) -> StorageError {
+    StorageIOError::read(AnyError::new(&e)).into()
+}
+
+pub(crate) fn io_write(e: impl std::error::Error + 'static) -> StorageError {
+    StorageIOError::write(AnyError::new(&e)).into()
+}

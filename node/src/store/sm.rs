@@ -1,0 +1,327 @@
+//! The state machine of one shard: allot's pure [`State`] in memory, restored at start-up
+//! from the last snapshot (the log after it is re-applied by openraft from the committed
+//! log id). Applying persists each entry's audit events and its batch (the commands the
+//! events bind by digest) in the `audit` column family.
+
+use super::{cf, io_read, io_write, shard_key, CF_AUDIT, CF_SNAP};
+use crate::types::{
+    Applied, LogEntry, LogId, ShardId, Snapshot, SnapshotMeta, StorageError, StoredMembership,
+    TypeConfig,
+};
+use allot_statemachine::{apply_into, codec, ApplyOutput, Config, Entry, State};
+use openraft::storage::RaftStateMachine;
+use openraft::{EntryPayload, RaftSnapshotBuilder};
+use rocksdb::{WriteBatch, WriteOptions, DB};
+use serde::{Deserialize, Serialize};
+use std::io::Cursor;
+use std::sync::{Arc, RwLock, RwLockReadGuard};
+use tokio::sync::watch;
+
+/// Audit key spaces inside a shard's range of the `audit` column family.
+pub const AUDIT_EVENTS: u8 = 0;
+pub const AUDIT_BATCHES: u8 = 1;
+
+pub fn audit_key(shard: ShardId, space: u8, n: u64) -> Vec<u8> {
+    let mut suffix = Vec::with_capacity(9);
+    suffix.push(space);
+    suffix.extend_from_slice(&n.to_be_bytes());
+    shard_key(shard, &suffix)
+}
+
+/// What the services read: the state and the Raft position it reflects.
+#[derive(Clone, Debug)]
+pub struct AppliedState {
+    pub state: State,
+    pub last_applied: Option<LogId>,
+    pub membership: StoredMembership,
+}
+
+/// Shared read access to a shard's applied state (queries, watches, status).
+#[derive(Clone)]
+pub struct ShardView {
+    inner: Arc<RwLock<AppliedState>>,
+    applied: watch::Receiver<u64>,
+}
+
+impl ShardView {
+    pub fn read(&self) -> RwLockReadGuard<'_, AppliedState> {
+        self.inner.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A receiver that changes whenever an entry is applied (its value: the log index).
+    pub fn applied_watch(&self) -> watch::Receiver<u64> {
+        self.applied.clone()
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct StoredSnapshot {
+    meta: SnapshotMeta,
+    data: Vec<u8>,
+}
+
+pub struct StateMachineStore {
+    shard: ShardId,
+    db: Arc<DB>,
+    inner: Arc<RwLock<AppliedState>>,
+    applied_tx: watch::Sender<u64>,
+    applied_rx: watch::Receiver<u64>,
+    out: ApplyOutput,
+    snapshot_seq: u64,
+}
+
+fn snapshot_key(shard: ShardId) -> Vec<u8> {
+    shard_key(shard, b"snapshot")
+}
+
+fn load_snapshot(db: &DB, shard: ShardId) -> Result<Option<StoredSnapshot>, StorageError> {
+    match db
+        .get_cf(cf(db, CF_SNAP), snapshot_key(shard))
+        .map_err(io_read)?
+    {
+        None => Ok(None),
+        Some(bytes) => bincode::deserialize(&bytes).map(Some).map_err(io_read),
+    }
+}
+
+impl StateMachineStore {
+    /// Opens the shard's state machine: the last snapshot if there is one, else a new
+    /// state with `config`.
+    pub fn open(
+        db: Arc<DB>,
+        shard: ShardId,
+        config: Config,
+    ) -> Result<StateMachineStore, StorageError> {
+        let applied = match load_snapshot(&db, shard)? {
+            Some(snap) => AppliedState {
+                state: State::decode(&snap.data).map_err(io_read)?,
+                last_applied: snap.meta.last_log_id,
+                membership: snap.meta.last_membership,
+            },
+            None => AppliedState {
+                state: State::new(config),
+                last_applied: None,
+                membership: StoredMembership::default(),
+            },
+        };
+        let idx = applied.last_applied.map(|l| l.index).unwrap_or(0);
+        let (applied_tx, applied_rx) = watch::channel(idx);
+        Ok(StateMachineStore {
+            shard,
+            db,
+            inner: Arc::new(RwLock::new(applied)),
+            applied_tx,
+            applied_rx,
+            out: ApplyOutput::default(),
+            snapshot_seq: 0,
+        })
+    }
+
+    pub fn view(&self) -> ShardView {
+        ShardView {
+            inner: self.inner.clone(),
+            applied: self.applied_rx.clone(),
+        }
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, AppliedState> {
+        self.inner.write().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Builds snapshots from a consistent view: the state is encoded under the read lock,
+/// so it reflects exactly the entries up to `last_applied`.
+pub struct SnapshotBuilder {
+    shard: ShardId,
+    db: Arc<DB>,
+    inner: Arc<RwLock<AppliedState>>,
+    seq: u64,
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
+    async fn build_snapshot(&mut self) -> Result<Snapshot, StorageError> {
+        let (data, last_applied, membership) = {
+            let g = self.inner.read().unwrap_or_else(|p| p.into_inner());
+            (g.state.encode(), g.last_applied, g.membership.clone())
+        };
+        let snapshot_id = match last_applied {
+            Some(l) => format!("{}-{}-{}", l.leader_id, l.index, self.seq),
+            None => format!("none-{}", self.seq),
+        };
+        let meta = SnapshotMeta {
+            last_log_id: last_applied,
+            last_membership: membership,
+            snapshot_id,
+        };
+        let stored = StoredSnapshot {
+            meta: meta.clone(),
+            data,
+        };
+        // The audit rows of every entry the snapshot covers were written without a sync;
+        // make them durable before the log they derive from may be purged.
+        self.db.flush_wal(true).map_err(io_write)?;
+        save_snapshot(&self.db, self.shard, &stored)?;
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(stored.data)),
+        })
+    }
+}
+
+fn save_snapshot(db: &DB, shard: ShardId, snap: &StoredSnapshot) -> Result<(), StorageError> {
+    let bytes = bincode::serialize(snap).map_err(io_write)?;
+    let mut opts = WriteOptions::default();
+    opts.set_sync(true);
+    db.put_cf_opt(cf(db, CF_SNAP), snapshot_key(shard), bytes, &opts)
+        .map_err(io_write)
+}
+
+impl RaftStateMachine<TypeConfig> for StateMachineStore {
+    type SnapshotBuilder = SnapshotBuilder;
+
+    async fn applied_state(&mut self) -> Result<(Option<LogId>, StoredMembership), StorageError> {
+        let g = self.inner.read().unwrap_or_else(|p| p.into_inner());
+        Ok((g.last_applied, g.membership.clone()))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<Applied>, StorageError>
+    where
+        I: IntoIterator<Item = LogEntry> + Send,
+        I::IntoIter: Send,
+    {
+        let mut replies = Vec::new();
+        let mut batch = WriteBatch::default();
+        let audit = cf(&self.db, CF_AUDIT);
+        let mut last_index = None;
+        {
+            let mut g = self.inner.write().unwrap_or_else(|p| p.into_inner());
+            for entry in entries {
+                let log_id = entry.log_id;
+                last_index = Some(log_id.index);
+                g.last_applied = Some(log_id);
+                match entry.payload {
+                    EntryPayload::Blank => replies.push(Applied {
+                        log_index: log_id.index,
+                        logical_time_ms: g.state.time_ms,
+                        outcomes: Vec::new(),
+                    }),
+                    EntryPayload::Membership(m) => {
+                        g.membership = StoredMembership::new(Some(log_id), m);
+                        replies.push(Applied {
+                            log_index: log_id.index,
+                            logical_time_ms: g.state.time_ms,
+                            outcomes: Vec::new(),
+                        });
+                    }
+                    EntryPayload::Normal(b) => {
+                        let sm_entry = Entry {
+                            log_index: log_id.index,
+                            logical_time_ms: b.logical_time_ms,
+                            requests: b.requests,
+                        };
+                        apply_into(&mut g.state, &sm_entry, &mut self.out).map_err(|e| {
+                            StorageError::from(openraft::StorageIOError::apply(
+                                log_id,
+                                openraft::AnyError::new(&e),
+                            ))
+                        })?;
+                        for ev in &self.out.events {
+                            batch.put_cf(
+                                audit,
+                                audit_key(self.shard, AUDIT_EVENTS, ev.seq),
+                                codec::encode(ev),
+                            );
+                        }
+                        batch.put_cf(
+                            audit,
+                            audit_key(self.shard, AUDIT_BATCHES, log_id.index),
+                            codec::encode(&sm_entry),
+                        );
+                        replies.push(Applied {
+                            log_index: log_id.index,
+                            logical_time_ms: g.state.time_ms,
+                            outcomes: std::mem::take(&mut self.out.outcomes),
+                        });
+                    }
+                }
+            }
+        }
+        if !batch.is_empty() {
+            self.db.write(batch).map_err(io_write)?;
+        }
+        if let Some(i) = last_index {
+            self.applied_tx.send_replace(i);
+        }
+        Ok(replies)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> SnapshotBuilder {
+        self.snapshot_seq += 1;
+        SnapshotBuilder {
+            shard: self.shard,
+            db: self.db.clone(),
+            inner: self.inner.clone(),
+            seq: self.snapshot_seq,
+        }
+    }
+
+    async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> Result<(), StorageError> {
+        let data = snapshot.into_inner();
+        let state = State::decode(&data).map_err(io_read)?;
+        save_snapshot(
+            &self.db,
+            self.shard,
+            &StoredSnapshot {
+                meta: meta.clone(),
+                data,
+            },
+        )?;
+        {
+            let mut g = self.write();
+            g.state = state;
+            g.last_applied = meta.last_log_id;
+            g.membership = meta.last_membership.clone();
+        }
+        self.applied_tx
+            .send_replace(meta.last_log_id.map(|l| l.index).unwrap_or(0));
+        Ok(())
+    }
+
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot>, StorageError> {
+        Ok(load_snapshot(&self.db, self.shard)?.map(|s| Snapshot {
+            meta: s.meta,
+            snapshot: Box::new(Cursor::new(s.data)),
+        }))
+    }
+}
+
+/// Reads up to `limit` audit events of a shard from `from_seq` on (codec bytes).
+pub fn read_audit(
+    db: &DB,
+    shard: ShardId,
+    from_seq: u64,
+    limit: usize,
+) -> Result<Vec<Vec<u8>>, rocksdb::Error> {
+    let from = audit_key(shard, AUDIT_EVENTS, from_seq);
+    let end = audit_key(shard, AUDIT_EVENTS, u64::MAX);
+    let mut out = Vec::new();
+    for item in db.iterator_cf(
+        cf(db, CF_AUDIT),
+        rocksdb::IteratorMode::From(&from, rocksdb::Direction::Forward),
+    ) {
+        let (k, v) = item?;
+        if k.as_ref() >= end.as_slice() || out.len() >= limit {
+            break;
+        }
+        out.push(v.to_vec());
+    }
+    Ok(out)
+}

@@ -1,0 +1,405 @@
+//! Integration tests against real `allot-node` processes on loopback (127.0.0.1 only):
+//! SIGKILL of a leader under load, catch-up by log and by snapshot, skewed clocks.
+
+use allot_node::local_cluster::{Client, LocalCluster};
+use allot_node::query::{Answer, Query};
+use allot_node::workload::{self, HoldCycle};
+use allot_statemachine::testkit::PROJECT;
+use allot_statemachine::{Account, Outcome, Request};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+const CREDITS: u64 = 1_000_000_000_000; // 1M credits on each shard's fixture project
+
+fn cluster(name: &str, nodes: u64, shards: u32) -> (tempfile::TempDir, LocalCluster) {
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("allot-{name}-"))
+        .tempdir()
+        .expect("temp dir");
+    let c = LocalCluster::new(
+        PathBuf::from(env!("CARGO_BIN_EXE_allot-node")),
+        dir.path().to_path_buf(),
+        nodes,
+        shards,
+    )
+    .expect("cluster layout");
+    (dir, c)
+}
+
+async fn up(c: &mut LocalCluster) {
+    c.start_all().expect("start nodes");
+    c.init().await.expect("init");
+    c.wait_leaders(Duration::from_secs(30))
+        .await
+        .expect("leaders");
+}
+
+async fn setup_shards(client: &Client, shards: u32) {
+    for s in 0..shards {
+        let (outs, _) = client
+            .execute(s, &workload::setup(CREDITS))
+            .await
+            .expect("setup");
+        for o in outs {
+            assert!(o.is_ok(), "setup command failed on shard {s}: {o:?}");
+        }
+    }
+}
+
+/// Polls every running replica of `shard` until they report the same applied index,
+/// then returns their (node, hash) pairs at that index.
+async fn hashes_at_same_index(
+    c: &LocalCluster,
+    shard: u32,
+    timeout: Duration,
+) -> Vec<(u64, Vec<u8>, u64)> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let mut got = Vec::new();
+        for n in &c.nodes {
+            if !c.is_running(n.id) {
+                continue;
+            }
+            if let Ok(mut a) = allot_node::local_cluster::admin(&n.addr).await {
+                if let Ok(r) = a.shard_hash(allot_proto::ShardRequest { shard }).await {
+                    let r = r.into_inner();
+                    got.push((n.id, r.state_hash, r.applied_index));
+                }
+            }
+        }
+        let running = c.nodes.iter().filter(|n| c.is_running(n.id)).count();
+        if got.len() == running && got.windows(2).all(|w| w[0].2 == w[1].2) {
+            return got;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "replicas of shard {shard} never reached the same index: {got:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn assert_replicas_agree(c: &LocalCluster, client: &Client, shards: u32) {
+    for s in 0..shards {
+        let got = hashes_at_same_index(c, s, Duration::from_secs(60)).await;
+        for w in got.windows(2) {
+            assert_eq!(
+                w[0].1, w[1].1,
+                "shard {s}: node {} and node {} differ at index {}",
+                w[0].0, w[1].0, w[0].2
+            );
+        }
+        for n in &c.nodes {
+            if !c.is_running(n.id) {
+                continue;
+            }
+            match client.query_replica(&n.addr, s, &Query::Invariants).await {
+                Ok(Answer::Invariants(r)) => {
+                    assert_eq!(r, Ok(()), "invariants on node {} shard {s}", n.id)
+                }
+                other => panic!("invariants query on node {} shard {s}: {other:?}", n.id),
+            }
+        }
+    }
+}
+
+type Acked = Arc<Mutex<Vec<(u32, Request, Outcome)>>>;
+
+/// A worker driving hold cycles on one shard, recording every acknowledged request.
+fn spawn_worker(
+    client: Client,
+    shard: u32,
+    stream: u64,
+    stop: Arc<AtomicBool>,
+    acked: Acked,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut cycle = HoldCycle::new(stream, 3_000_000);
+        while !stop.load(Ordering::Relaxed) {
+            let reqs: Vec<Request> = (0..3).map(|_| cycle.request()).collect();
+            for r in reqs {
+                // Each request alone, retried with the same id until acknowledged.
+                match client.execute(shard, std::slice::from_ref(&r)).await {
+                    Ok((mut outs, _)) => {
+                        let o = outs.pop().expect("one outcome");
+                        acked.lock().unwrap().push((shard, r, o));
+                    }
+                    Err(e) => panic!("worker {stream} on shard {shard}: {e}"),
+                }
+            }
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_leader_loses_no_acknowledged_command_and_replicas_converge() {
+    let shards = 4;
+    let (_dir, mut c) = cluster("kill", 3, shards);
+    up(&mut c).await;
+    let client = Client::new(c.endpoints());
+    setup_shards(&client, shards).await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let acked: Acked = Arc::default();
+    let mut workers = Vec::new();
+    for w in 0..8u64 {
+        workers.push(spawn_worker(
+            client.clone(),
+            (w % shards as u64) as u32,
+            w + 1,
+            stop.clone(),
+            acked.clone(),
+        ));
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let victim = c.leader_of(0).await.expect("leader of shard 0");
+    let before_kill = acked.lock().unwrap().len();
+    c.kill(victim);
+    // Keep going through the failover until the survivors acknowledged more work.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while acked.lock().unwrap().iter().filter(|a| a.0 == 0).count() < before_kill / 4 + 30 {
+        assert!(
+            Instant::now() < deadline,
+            "shard 0 made no progress after its leader was killed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.await.expect("worker");
+    }
+    let acked = std::mem::take(&mut *acked.lock().unwrap());
+    assert!(
+        acked.len() > before_kill,
+        "work was acknowledged after the kill"
+    );
+
+    // Catch-up by log: the victim was down briefly, its followers' logs still hold
+    // everything it missed.
+    c.start(victim).expect("restart");
+    c.wait_leaders(Duration::from_secs(30))
+        .await
+        .expect("leaders after restart");
+
+    // Every acknowledged command survived: replaying each request id returns its
+    // first outcome (the idempotency table holds exactly what was applied).
+    for chunk in acked.chunks(512) {
+        for s in 0..shards {
+            let reqs: Vec<Request> = chunk
+                .iter()
+                .filter(|a| a.0 == s)
+                .map(|a| a.1.clone())
+                .collect();
+            if reqs.is_empty() {
+                continue;
+            }
+            let (outs, _) = client.execute(s, &reqs).await.expect("replay");
+            let firsts: Vec<&Outcome> = chunk.iter().filter(|a| a.0 == s).map(|a| &a.2).collect();
+            for (o, first) in outs.iter().zip(firsts) {
+                assert_eq!(
+                    o, first,
+                    "a replayed request answered differently on shard {s}"
+                );
+            }
+        }
+    }
+    assert!(
+        acked.iter().all(|a| a.2.is_ok()),
+        "every hold-cycle command succeeded"
+    );
+
+    // Conservation: what was issued is still exactly what was granted, on the leader.
+    for s in 0..shards {
+        match client.query(s, &Query::Totals).await.expect("totals") {
+            Answer::Totals(t) => assert_eq!(t.issued, CREDITS as u128, "shard {s}"),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_replicas_agree(&c, &client, shards).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_behind_the_purged_log_catches_up_by_snapshot() {
+    let shards = 2;
+    let (_dir, mut c) = cluster("snap", 3, shards);
+    for n in &mut c.nodes {
+        n.extra_args = ["--snapshot-every", "20", "--keep-behind-snapshot", "5"]
+            .map(String::from)
+            .to_vec();
+    }
+    up(&mut c).await;
+    let client = Client::new(c.endpoints());
+    setup_shards(&client, shards).await;
+    let leader = c.leader_of(0).await.unwrap();
+    let lagger = (1..=3).find(|n| *n != leader).unwrap();
+    let lagger_last = c.status(lagger).await.unwrap().shards[0].last_log_index;
+    c.kill(lagger);
+
+    // Enough entries (one per call) for several snapshots and purges on the survivors.
+    let mut cycle = HoldCycle::new(7, 3_000_000);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let r = cycle.request();
+        let (outs, _) = client.execute(0, &[r]).await.expect("execute");
+        assert!(outs[0].is_ok(), "{outs:?}");
+        let st = c.status(c.leader_of(0).await.unwrap()).await.unwrap();
+        if st.shards[0].purged_index > lagger_last + 10 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the leader never purged past the lagger: {st:?}"
+        );
+    }
+    c.start(lagger).expect("restart");
+    c.wait_leaders(Duration::from_secs(30)).await.unwrap();
+    let got = hashes_at_same_index(&c, 0, Duration::from_secs(60)).await;
+    for w in got.windows(2) {
+        assert_eq!(w[0].1, w[1].1, "replicas differ after snapshot install");
+    }
+    let st = c.status(lagger).await.unwrap();
+    assert!(
+        st.shards[0].snapshot_index > lagger_last,
+        "the lagger's state came from a snapshot past its old log: {:?}",
+        st.shards[0]
+    );
+    assert_replicas_agree(&c, &client, shards).await;
+}
+
+fn real_now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// Documented bound (docs/DESIGN.md §28): logical time is never ahead of the correct
+/// clocks by more than the sampling error. The test allows 1 s on a loaded machine.
+const SKEW_BOUND_MS: u64 = 1_000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn skewed_clocks_neither_expire_credit_early_nor_stop_time() {
+    let shards = 2;
+    let (_dir, mut c) = cluster("skew", 3, shards);
+    // Node 1 runs 10 minutes fast and wins elections (short timeouts); node 2 runs 10
+    // minutes slow; node 3 is right.
+    c.nodes[0].extra_args = [
+        "--test-clock-offset-ms=600000",
+        "--election-min-ms",
+        "200",
+        "--election-max-ms",
+        "300",
+    ]
+    .map(String::from)
+    .to_vec();
+    c.nodes[1].extra_args = [
+        "--test-clock-offset-ms=-600000",
+        "--election-min-ms",
+        "1500",
+        "--election-max-ms",
+        "3000",
+    ]
+    .map(String::from)
+    .to_vec();
+    c.nodes[2].extra_args = ["--election-min-ms", "1500", "--election-max-ms", "3000"]
+        .map(String::from)
+        .to_vec();
+    up(&mut c).await;
+    let client = Client::new(c.endpoints());
+    setup_shards(&client, shards).await;
+    let mut led_by_fast = 0;
+    for s in 0..shards {
+        led_by_fast += (c.leader_of(s).await.unwrap() == 1) as u32;
+    }
+    assert!(
+        led_by_fast > 0,
+        "the fast node leads a shard (else the test proves little)"
+    );
+
+    // A promotional grant that expires 6 s from now (real time).
+    let expires_at = real_now_ms() + 6_000;
+    let mut g = workload::grant(50, Account::Project(PROJECT), 5_000_000);
+    g.kind = allot_statemachine::BucketKind::Promotional;
+    g.expires_at_ms = Some(expires_at);
+    let (outs, _) = client
+        .execute(
+            0,
+            &[workload::admin(
+                workload::rid(0, 5000),
+                allot_statemachine::Command::IssueGrant(g),
+            )],
+        )
+        .await
+        .unwrap();
+    assert!(outs[0].is_ok(), "{outs:?}");
+
+    let start_logical = shard_time(&c, 0).await;
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(4) {
+        let before = real_now_ms();
+        for s in 0..shards {
+            let t = shard_time(&c, s).await;
+            assert!(
+                t <= real_now_ms() + SKEW_BOUND_MS,
+                "shard {s} logical time {t} is ahead of real time {before}"
+            );
+        }
+        match client
+            .query(
+                0,
+                &Query::Balance {
+                    account: Account::Project(PROJECT),
+                    horizon_ms: 0,
+                },
+            )
+            .await
+            .unwrap()
+        {
+            Answer::Balance(Some(b)) if real_now_ms() + SKEW_BOUND_MS < expires_at => assert_eq!(
+                b.promotional_available_micro, 5_000_000,
+                "promotional credit expired early"
+            ),
+            Answer::Balance(Some(_)) => {}
+            other => panic!("{other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Liveness: time kept moving at about the real rate (ticks with no traffic).
+    let advanced = shard_time(&c, 0).await - start_logical;
+    assert!(
+        advanced >= 2_500,
+        "logical time advanced only {advanced} ms in 4 s"
+    );
+    // And once real time is past the expiry (plus the bound), the credit is gone.
+    while real_now_ms() < expires_at + 3 * SKEW_BOUND_MS {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    match client
+        .query(
+            0,
+            &Query::Balance {
+                account: Account::Project(PROJECT),
+                horizon_ms: 0,
+            },
+        )
+        .await
+        .unwrap()
+    {
+        Answer::Balance(Some(b)) => assert_eq!(b.promotional_available_micro, 0, "expired on time"),
+        other => panic!("{other:?}"),
+    }
+}
+
+async fn shard_time(c: &LocalCluster, shard: u32) -> u64 {
+    let leader = c.leader_of(shard).await.unwrap();
+    let mut a = allot_node::local_cluster::admin(&c.node(leader).addr)
+        .await
+        .unwrap();
+    a.shard_hash(allot_proto::ShardRequest { shard })
+        .await
+        .unwrap()
+        .into_inner()
+        .logical_time_ms
+}
