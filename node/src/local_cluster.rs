@@ -30,6 +30,9 @@ pub struct LocalCluster {
     pub dir: PathBuf,
     pub shards: u32,
     pub nodes: Vec<LocalNode>,
+    /// The nodes `wait_leaders` and `leader_of` consult (the initial voters, by default
+    /// every node).
+    pub members: Vec<u64>,
     bin: PathBuf,
 }
 
@@ -76,6 +79,7 @@ impl LocalCluster {
         Ok(LocalCluster {
             dir,
             shards,
+            members: (1..=n).collect(),
             nodes,
             bin,
         })
@@ -146,10 +150,22 @@ impl LocalCluster {
     }
 
     /// Initialises every shard with all nodes as voters, through node 1.
-    pub async fn init(&self) -> anyhow::Result<()> {
+    pub async fn init(&mut self) -> anyhow::Result<()> {
+        let all: Vec<u64> = self.nodes.iter().map(|n| n.id).collect();
+        self.init_members(&all).await
+    }
+
+    /// Initialises every shard with `ids` as voters, through the first of them.
+    pub async fn init_members(&mut self, ids: &[u64]) -> anyhow::Result<()> {
+        if ids.is_empty() {
+            bail!("no members");
+        }
+        self.members = ids.to_vec();
+        let first = self.node(ids[0]).addr.clone();
         let members = self
             .nodes
             .iter()
+            .filter(|n| ids.contains(&n.id))
             .map(|n| Member {
                 node_id: n.id,
                 addr: n.addr.clone(),
@@ -158,7 +174,7 @@ impl LocalCluster {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let r = async {
-                admin(&self.nodes[0].addr)
+                admin(&first)
                     .await?
                     .init(InitRequest {
                         members: members.clone(),
@@ -190,7 +206,7 @@ impl LocalCluster {
         loop {
             let mut ok = true;
             for n in &self.nodes {
-                if n.child.is_none() {
+                if n.child.is_none() || !self.members.contains(&n.id) {
                     continue;
                 }
                 match self.status(n.id).await {
@@ -216,7 +232,7 @@ impl LocalCluster {
     /// The node that leads `shard`, as node 1..n running see it.
     pub async fn leader_of(&self, shard: u32) -> anyhow::Result<u64> {
         for n in &self.nodes {
-            if n.child.is_none() {
+            if n.child.is_none() || !self.members.contains(&n.id) {
                 continue;
             }
             if let Ok(s) = self.status(n.id).await {

@@ -14,7 +14,7 @@ use crate::metrics::Metrics;
 use crate::store::ShardView;
 use crate::types::{Applied, Batch, NodeId, Raft, ShardId, TypeConfig};
 use allot_statemachine::{Outcome, Request};
-use openraft::error::{ClientWriteError, RaftError};
+use openraft::error::{ClientWriteError, ForwardToLeader, RaftError};
 use openraft::raft::ClientWriteResponse;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -63,6 +63,9 @@ pub enum ProposeError {
     Raft(String),
     #[error("the node is shutting down")]
     ShuttingDown,
+    /// openraft refused the operation (e.g. a membership change already in progress).
+    #[error("refused: {0}")]
+    Rejected(String),
     /// A new shard's first stamp waits for a majority of the cluster's clocks.
     #[error("waiting for a majority of the cluster's clocks to stamp the first entry")]
     ClockNotReady,
@@ -264,10 +267,17 @@ impl ProposerTask {
     }
 }
 
-/// Turns an openraft API error into a proposal error.
-pub fn from_raft_error<E: std::fmt::Display>(raft: &Raft, e: RaftError<NodeId, E>) -> ProposeError {
+/// Turns an openraft API error into a proposal error: NotLeader when openraft says
+/// to forward, the API error's own message otherwise.
+pub fn from_raft_error<E>(raft: &Raft, e: RaftError<NodeId, E>) -> ProposeError
+where
+    E: std::error::Error + openraft::TryAsRef<ForwardToLeader<NodeId, openraft::BasicNode>>,
+{
+    if e.forward_to_leader::<openraft::BasicNode>().is_some() {
+        return not_leader(raft);
+    }
     match e {
-        RaftError::APIError(_) => not_leader(raft),
+        RaftError::APIError(a) => ProposeError::Rejected(a.to_string()),
         RaftError::Fatal(f) => ProposeError::Raft(f.to_string()),
     }
 }

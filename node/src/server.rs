@@ -7,6 +7,7 @@ use crate::query::{self, Query};
 use crate::ratelimit::RateLimiter;
 use crate::store;
 use crate::types::{NodeId, ShardId};
+use allot_proto::admin_client::AdminClient;
 use allot_proto::admin_server::Admin;
 use allot_proto::agent_server::Agent;
 use allot_proto::allot_client::AllotClient;
@@ -41,7 +42,7 @@ pub struct Services {
     pub limiter: Arc<RateLimiter>,
 }
 
-fn shard_of<'a>(node: &'a Node, shard: ShardId) -> Result<&'a Shard, Status> {
+fn shard_of(node: &Node, shard: ShardId) -> Result<&Shard, Status> {
     node.shard(shard).ok_or_else(|| {
         Status::not_found(format!(
             "unknown shard {shard} (this cluster has {})",
@@ -76,6 +77,7 @@ pub fn status_of(e: ProposeError) -> Status {
         ProposeError::Raft(m) => Status::unavailable(format!("raft: {m}")),
         ProposeError::ShuttingDown => Status::unavailable("node shutting down"),
         ProposeError::ClockNotReady => Status::unavailable("shard clock not ready; retry"),
+        ProposeError::Rejected(m) => Status::failed_precondition(m),
     }
 }
 
@@ -314,6 +316,49 @@ impl Services {
     }
 }
 
+fn forwarded_admin(meta: &tonic::metadata::MetadataMap) -> bool {
+    meta.get(FORWARDED).is_some()
+}
+
+fn forward<T>(msg: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.metadata_mut()
+        .insert(FORWARDED, MetadataValue::from_static("1"));
+    r
+}
+
+impl Services {
+    /// Runs a membership call for `shard` on its leader when this node is not it
+    /// (forwarded once), or turns the error into a status.
+    async fn on_leader<E, F, Fut>(
+        &self,
+        shard: &Shard,
+        e: openraft::error::RaftError<NodeId, E>,
+        was_forwarded: bool,
+        call: F,
+    ) -> Result<MembershipReply, Status>
+    where
+        E: std::error::Error
+            + openraft::TryAsRef<openraft::error::ForwardToLeader<NodeId, BasicNode>>,
+        F: FnOnce(AdminClient<tonic::transport::Channel>) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<MembershipReply>, Status>>,
+    {
+        match crate::proposer::from_raft_error(&shard.raft, e) {
+            ProposeError::NotLeader {
+                addr: Some(addr), ..
+            } if !was_forwarded => {
+                let ch = self
+                    .node
+                    .channels
+                    .get(&addr)
+                    .map_err(|e| Status::unavailable(format!("leader address {addr}: {e}")))?;
+                Ok(call(AdminClient::new(ch)).await?.into_inner())
+            }
+            other => Err(status_of(other)),
+        }
+    }
+}
+
 fn raft_status<E: std::fmt::Display>(e: E) -> Status {
     Status::failed_precondition(e.to_string())
 }
@@ -361,6 +406,7 @@ impl Admin for Services {
         &self,
         req: tonic::Request<MemberRequest>,
     ) -> Result<tonic::Response<MembershipReply>, Status> {
+        let req_meta = req.metadata().clone();
         let msg = req.into_inner();
         let member = msg
             .member
@@ -370,13 +416,29 @@ impl Admin for Services {
                 "member id must be positive and address set",
             ));
         }
+        let was_forwarded = forwarded_admin(&req_meta);
         let mut out = Vec::new();
         for s in self.target_shards(msg.shard, msg.all_shards)? {
-            s.raft
+            let r = s
+                .raft
                 .add_learner(member.node_id, BasicNode::new(member.addr.clone()), true)
-                .await
-                .map_err(|e| status_of(crate::proposer::from_raft_error(&s.raft, e)))?;
-            out.push(shard_status(&self.node, s));
+                .await;
+            match r {
+                Ok(_) => out.push(shard_status(&self.node, s)),
+                Err(e) => {
+                    let leader = self
+                        .on_leader(s, e, was_forwarded, |mut c| {
+                            let m = MemberRequest {
+                                shard: s.id,
+                                all_shards: false,
+                                member: Some(member.clone()),
+                            };
+                            async move { c.add_learner(forward(m)).await }
+                        })
+                        .await?;
+                    out.extend(leader.shards);
+                }
+            }
         }
         Ok(tonic::Response::new(MembershipReply { shards: out }))
     }
@@ -385,6 +447,7 @@ impl Admin for Services {
         &self,
         req: tonic::Request<ChangeMembershipRequest>,
     ) -> Result<tonic::Response<MembershipReply>, Status> {
+        let req_meta = req.metadata().clone();
         let msg = req.into_inner();
         let voters: BTreeSet<NodeId> = msg.voters.iter().copied().collect();
         if voters.is_empty() || voters.contains(&0) {
@@ -392,13 +455,25 @@ impl Admin for Services {
                 "voters must be a non-empty set of positive ids",
             ));
         }
+        let was_forwarded = forwarded_admin(&req_meta);
         let mut out = Vec::new();
         for s in self.target_shards(msg.shard, msg.all_shards)? {
-            s.raft
-                .change_membership(voters.clone(), false)
-                .await
-                .map_err(|e| status_of(crate::proposer::from_raft_error(&s.raft, e)))?;
-            out.push(shard_status(&self.node, s));
+            match s.raft.change_membership(voters.clone(), false).await {
+                Ok(_) => out.push(shard_status(&self.node, s)),
+                Err(e) => {
+                    let leader = self
+                        .on_leader(s, e, was_forwarded, |mut c| {
+                            let m = ChangeMembershipRequest {
+                                shard: s.id,
+                                all_shards: false,
+                                voters: voters.iter().copied().collect(),
+                            };
+                            async move { c.change_membership(forward(m)).await }
+                        })
+                        .await?;
+                    out.extend(leader.shards);
+                }
+            }
         }
         Ok(tonic::Response::new(MembershipReply { shards: out }))
     }

@@ -59,7 +59,7 @@ async fn hashes_at_same_index(
     loop {
         let mut got = Vec::new();
         for n in &c.nodes {
-            if !c.is_running(n.id) {
+            if !c.is_running(n.id) || !c.members.contains(&n.id) {
                 continue;
             }
             if let Ok(mut a) = allot_node::local_cluster::admin(&n.addr).await {
@@ -69,7 +69,11 @@ async fn hashes_at_same_index(
                 }
             }
         }
-        let running = c.nodes.iter().filter(|n| c.is_running(n.id)).count();
+        let running = c
+            .nodes
+            .iter()
+            .filter(|n| c.is_running(n.id) && c.members.contains(&n.id))
+            .count();
         if got.len() == running && got.windows(2).all(|w| w[0].2 == w[1].2) {
             return got;
         }
@@ -92,7 +96,7 @@ async fn assert_replicas_agree(c: &LocalCluster, client: &Client, shards: u32) {
             );
         }
         for n in &c.nodes {
-            if !c.is_running(n.id) {
+            if !c.is_running(n.id) || !c.members.contains(&n.id) {
                 continue;
             }
             match client.query_replica(&n.addr, s, &Query::Invariants).await {
@@ -402,4 +406,88 @@ async fn shard_time(c: &LocalCluster, shard: u32) -> u64 {
         .unwrap()
         .into_inner()
         .logical_time_ms
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_learner_joins_is_promoted_and_the_removed_voter_does_not_disrupt() {
+    use allot_proto::{ChangeMembershipRequest, Member, MemberRequest};
+    let shards = 2;
+    let (_dir, mut c) = cluster("member", 4, shards);
+    c.start_all().expect("start");
+    c.init_members(&[1, 2, 3]).await.expect("init 1..3");
+    c.wait_leaders(Duration::from_secs(30))
+        .await
+        .expect("leaders");
+    let client = Client::new(c.endpoints());
+    setup_shards(&client, shards).await;
+
+    // Node 4 joins every shard as a learner, through node 2 (each shard's call goes to
+    // that shard's leader).
+    let mut a2 = allot_node::local_cluster::admin(&c.node(2).addr)
+        .await
+        .unwrap();
+    let r = a2
+        .add_learner(MemberRequest {
+            shard: 0,
+            all_shards: true,
+            member: Some(Member {
+                node_id: 4,
+                addr: c.node(4).addr.clone(),
+            }),
+        })
+        .await
+        .expect("add learner")
+        .into_inner();
+    assert_eq!(r.shards.len(), shards as usize);
+    assert!(r.shards.iter().all(|s| s.learners.contains(&4)), "{r:?}");
+
+    // Promote 4 and remove 3 in one change (joint consensus inside openraft).
+    let r = a2
+        .change_membership(ChangeMembershipRequest {
+            shard: 0,
+            all_shards: true,
+            voters: vec![1, 2, 4],
+        })
+        .await
+        .expect("change membership")
+        .into_inner();
+    assert!(
+        r.shards
+            .iter()
+            .all(|s| s.voters == vec![1, 2, 4] && s.learners.is_empty()),
+        "{r:?}"
+    );
+    c.members = vec![1, 2, 4];
+    c.wait_leaders(Duration::from_secs(30))
+        .await
+        .expect("leaders after the change");
+
+    // Node 3 keeps running, removed: no election is disturbed and writes go on.
+    let mut terms = Vec::new();
+    for s in 0..shards {
+        let l = c.leader_of(s).await.unwrap();
+        assert_ne!(l, 3, "the removed node leads nothing");
+        terms.push(c.status(l).await.unwrap().shards[s as usize].term);
+    }
+    let mut cycles: Vec<HoldCycle> = (0..shards)
+        .map(|s| HoldCycle::new(40 + s as u64, 3_000_000))
+        .collect();
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        for s in 0..shards {
+            let r = cycles[s as usize].request();
+            let (outs, _) = client.execute(s, &[r]).await.expect("write after removal");
+            assert!(outs[0].is_ok(), "{outs:?}");
+        }
+    }
+    for s in 0..shards {
+        let l = c.leader_of(s).await.unwrap();
+        assert_eq!(
+            c.status(l).await.unwrap().shards[s as usize].term,
+            terms[s as usize],
+            "shard {s} re-elected"
+        );
+    }
+    // The promoted node holds the same state as the others.
+    assert_replicas_agree(&c, &client, shards).await;
 }

@@ -10,7 +10,11 @@
 //! - `audit`: shard ‖ 0 ‖ seq (u64 BE) → audit event (codec bytes);
 //!   shard ‖ 1 ‖ log index (u64 BE) → the entry's batch (the commands the events bind)
 
+// openraft's trait methods return its `StorageError` (224 bytes); the helpers here
+// return the same type rather than converting at every call.
+#[allow(clippy::result_large_err)]
 pub mod log;
+#[allow(clippy::result_large_err)]
 mod sm;
 
 pub use log::LogStore;

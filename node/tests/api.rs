@@ -1,0 +1,383 @@
+//! The node's gRPC surface against a real 3-node cluster: forwarding and NotLeader,
+//! stale reads, the assignment stream, the audit store, health, metrics, and bad input
+//! (unknown shard, malformed bytes, malformed protobuf, oversized and empty calls).
+
+use allot_node::local_cluster::{admin, Client, LocalCluster};
+use allot_node::query::{Answer, Query};
+use allot_node::server::{FORWARDED, LEADER_ADDR};
+use allot_node::workload;
+use allot_proto::allot_client::AllotClient;
+use allot_proto::*;
+use allot_statemachine::testkit::{a100, tenant, Harness, ORG};
+use allot_statemachine::{codec, AuditChain, AuditEvent, Command, JobId, NodeSpec, Request, Tier};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use tonic::metadata::MetadataValue;
+use tonic::transport::Channel;
+use tonic::Code;
+
+async fn cluster() -> (tempfile::TempDir, LocalCluster) {
+    let dir = tempfile::Builder::new()
+        .prefix("allot-api-")
+        .tempdir()
+        .unwrap();
+    let mut c = LocalCluster::new(
+        PathBuf::from(env!("CARGO_BIN_EXE_allot-node")),
+        dir.path().to_path_buf(),
+        3,
+        2,
+    )
+    .unwrap();
+    c.start_all().unwrap();
+    c.init().await.unwrap();
+    c.wait_leaders(Duration::from_secs(30)).await.unwrap();
+    (dir, c)
+}
+
+async fn raw(addr: &str) -> AllotClient<Channel> {
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    AllotClient::new(ch).max_encoding_message_size(64 << 20)
+}
+
+fn exec(shard: u32, reqs: &[Request]) -> ExecuteRequest {
+    ExecuteRequest {
+        shard,
+        requests: reqs.iter().map(codec::encode).collect(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
+    let (_dir, c) = cluster().await;
+    let client = Client::new(c.endpoints());
+    let (outs, _) = client
+        .execute(0, &workload::setup(1_000_000_000_000))
+        .await
+        .unwrap();
+    assert!(outs.iter().all(|o| o.is_ok()), "{outs:?}");
+    let leader = c.leader_of(0).await.unwrap();
+    let follower = (1..=3).find(|n| *n != leader).unwrap();
+    let leader_addr = c.node(leader).addr.clone();
+    let follower_addr = c.node(follower).addr.clone();
+
+    // A write sent to a follower is forwarded to the leader and applied once.
+    let grant = workload::admin(
+        workload::rid(9, 1),
+        Command::IssueGrant(workload::grant(
+            77,
+            allot_statemachine::Account::Org(ORG),
+            5_000_000,
+        )),
+    );
+    let mut f = raw(&follower_addr).await;
+    let r = f
+        .execute(exec(0, std::slice::from_ref(&grant)))
+        .await
+        .unwrap()
+        .into_inner();
+    let first: allot_statemachine::Outcome = codec::decode(&r.outcomes[0]).unwrap();
+    assert!(first.is_ok(), "{first:?}");
+    // Already forwarded once: the follower answers NotLeader with the leader's address.
+    let mut req = tonic::Request::new(exec(0, std::slice::from_ref(&grant)));
+    req.metadata_mut()
+        .insert(FORWARDED, MetadataValue::from_static("1"));
+    let e = f.execute(req).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable);
+    assert_eq!(
+        e.metadata().get(LEADER_ADDR).unwrap().to_str().unwrap(),
+        leader_addr
+    );
+    // The retry (same request id) through the leader answers the first outcome.
+    let (again, _) = client
+        .execute(0, std::slice::from_ref(&grant))
+        .await
+        .unwrap();
+    assert_eq!(again[0], first);
+
+    // A stale read on the follower sees the grant once it has applied it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Answer::Totals(t) = client
+            .query_replica(&follower_addr, 0, &Query::Totals)
+            .await
+            .unwrap()
+        {
+            if t.issued == 1_000_000_000_000 + 5_000_000 {
+                break;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the follower never applied the grant"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // Assignments stream: a GPU node, a job, and its placement arrives on the stream.
+    let node = allot_statemachine::NodeId(500);
+    let spec = NodeSpec {
+        node,
+        gpu_type: a100(),
+        gpu_count: 8,
+        gpu_mem_gb: 80,
+        labels: vec![],
+    };
+    let (o, _) = client
+        .execute(
+            0,
+            &[workload::admin(
+                workload::rid(9, 2),
+                Command::RegisterNode(spec),
+            )],
+        )
+        .await
+        .unwrap();
+    assert!(o[0].is_ok(), "{o:?}");
+    let agent_ch = tonic::transport::Endpoint::from_shared(format!("http://{follower_addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut stream = allot_proto::agent_client::AgentClient::new(agent_ch)
+        .watch_assignments(WatchRequest {
+            shard: 0,
+            node_id: "500".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let job = Harness::job_spec(900, Tier::PAID, vec![a100()], 2);
+    let submit = Request {
+        actor: tenant(ORG),
+        request_id: workload::rid(9, 3),
+        command: Command::SubmitJob(job),
+    };
+    let (o, _) = client.execute(0, &[submit]).await.unwrap();
+    assert!(o[0].is_ok(), "{o:?}");
+    let placed = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let m = stream.message().await.unwrap().expect("stream open");
+            let a: Vec<(JobId, u32, Vec<u8>, allot_statemachine::scheduler::JobState)> =
+                codec::decode(&m.assignments).unwrap();
+            if let Some(x) = a.into_iter().find(|x| x.0 == JobId(900)) {
+                return x;
+            }
+        }
+    })
+    .await
+    .expect("the placement reached the watcher");
+    assert_eq!(placed.1, 1, "first attempt");
+    assert_eq!(placed.2.len(), 2, "two GPUs assigned");
+
+    // The audit store holds a verifiable chain from genesis.
+    let r = raw(&leader_addr)
+        .await
+        .audit(AuditRequest {
+            shard: 0,
+            from_seq: 0,
+            limit: 10_000,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let events: Vec<AuditEvent> = r.events.iter().map(|b| codec::decode(b).unwrap()).collect();
+    assert!(events.len() > 10);
+    allot_statemachine::verify_chain(&AuditChain::default(), &events)
+        .expect("audit chain verifies");
+
+    // Health and metrics.
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{leader_addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let h = tonic_health::pb::health_client::HealthClient::new(ch)
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "allot.v1.Allot".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        h.status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+    let metrics = http_get(&c.node(leader).metrics_addr, "/metrics").await;
+    assert!(
+        metrics.contains("allot_raft{field=\"is_leader\",shard=\"0\"} 1"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("allot_proposal_batch_size"), "{metrics}");
+
+    // ---- bad input: typed errors, nothing applied, the node keeps serving.
+    let mut l = raw(&leader_addr).await;
+    let before = totals(&client).await;
+    let e = l
+        .execute(exec(7, std::slice::from_ref(&grant)))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    let e = l
+        .execute(ExecuteRequest {
+            shard: 0,
+            requests: vec![b"\x01garbage".to_vec()],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let e = l
+        .execute(ExecuteRequest {
+            shard: 0,
+            requests: vec![],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let many = vec![codec::encode(&grant); allot_node::server::REQUESTS_PER_CALL_MAX + 1];
+    let e = l
+        .execute(ExecuteRequest {
+            shard: 0,
+            requests: many,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let huge = vec![vec![7u8; 1 << 20]; 9];
+    let e = l
+        .execute(ExecuteRequest {
+            shard: 0,
+            requests: huge,
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e.code(), Code::OutOfRange | Code::ResourceExhausted),
+        "{e:?}"
+    );
+    let e = l
+        .query(QueryRequest {
+            shard: 0,
+            consistency: 0,
+            query: b"nope".to_vec(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let e = allot_proto::raft_client::RaftClient::new(
+        tonic::transport::Endpoint::from_shared(format!("http://{leader_addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap(),
+    )
+    .append(RaftMessage {
+        shard: 0,
+        payload: b"not raft".to_vec(),
+    })
+    .await
+    .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let e = admin(&leader_addr)
+        .await
+        .unwrap()
+        .init(InitRequest { members: vec![] })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    // Bytes that are not a protobuf message at all.
+    let code = malformed_protobuf(&leader_addr).await;
+    assert!(
+        matches!(code, Code::Internal | Code::InvalidArgument),
+        "{code:?}"
+    );
+    assert_eq!(
+        totals(&client).await,
+        before,
+        "no bad request changed the ledger"
+    );
+    let (again, _) = client
+        .execute(0, std::slice::from_ref(&grant))
+        .await
+        .unwrap();
+    assert_eq!(
+        again[0], first,
+        "still serving; still answering the first outcome"
+    );
+}
+
+async fn totals(client: &Client) -> allot_statemachine::ledger::Totals {
+    match client.query(0, &Query::Totals).await.unwrap() {
+        Answer::Totals(t) => t,
+        other => panic!("{other:?}"),
+    }
+}
+
+async fn http_get(addr: &str, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+/// Sends raw bytes that do not decode as `ExecuteRequest` and returns the status code.
+async fn malformed_protobuf(addr: &str) -> Code {
+    use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+    #[derive(Default)]
+    struct Raw;
+    struct RawEnc;
+    struct RawDec;
+    impl Encoder for RawEnc {
+        type Item = Vec<u8>;
+        type Error = tonic::Status;
+        fn encode(&mut self, item: Vec<u8>, dst: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
+            use bytes::BufMut;
+            dst.put_slice(&item);
+            Ok(())
+        }
+    }
+    impl Decoder for RawDec {
+        type Item = Vec<u8>;
+        type Error = tonic::Status;
+        fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Vec<u8>>, tonic::Status> {
+            use bytes::Buf;
+            let n = src.remaining();
+            Ok(Some(src.copy_to_bytes(n).to_vec()))
+        }
+    }
+    impl Codec for Raw {
+        type Encode = Vec<u8>;
+        type Decode = Vec<u8>;
+        type Encoder = RawEnc;
+        type Decoder = RawDec;
+        fn encoder(&mut self) -> RawEnc {
+            RawEnc
+        }
+        fn decoder(&mut self) -> RawDec {
+            RawDec
+        }
+    }
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut g = tonic::client::Grpc::new(ch);
+    g.ready().await.unwrap();
+    // Field 1 declared as a 10-byte varint that never terminates: invalid protobuf.
+    let body = vec![
+        0x08, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+    ];
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static("/allot.v1.Allot/Execute");
+    match g.unary(tonic::Request::new(body), path, Raw).await {
+        Ok(_) => Code::Ok,
+        Err(s) => s.code(),
+    }
+}
