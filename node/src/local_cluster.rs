@@ -171,24 +171,9 @@ impl LocalCluster {
                 addr: n.addr.clone(),
             })
             .collect::<Vec<_>>();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let r = async {
-                admin(&first)
-                    .await?
-                    .init(InitRequest {
-                        members: members.clone(),
-                    })
-                    .await
-                    .map_err(|s| anyhow::anyhow!("init: {}", s.message()))
-            }
-            .await;
-            match r {
-                Ok(_) => return Ok(()),
-                Err(e) if Instant::now() > deadline => return Err(e),
-                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-            }
-        }
+        let _ = first;
+        let addrs: Vec<String> = ids.iter().map(|id| self.node(*id).addr.clone()).collect();
+        init_spread(&addrs, &members, self.shards).await
     }
 
     pub async fn status(&self, id: u64) -> anyhow::Result<StatusReply> {
@@ -258,6 +243,39 @@ impl Drop for LocalCluster {
     }
 }
 
+/// Initialises a new cluster: shard s through member `s mod n`, so the first leaders are
+/// spread over the members instead of all on one node. Retries while nodes start.
+pub async fn init_spread(addrs: &[String], members: &[Member], shards: u32) -> anyhow::Result<()> {
+    for (i, addr) in addrs.iter().enumerate() {
+        let mine: Vec<u32> = (0..shards)
+            .filter(|s| *s as usize % addrs.len() == i)
+            .collect();
+        if mine.is_empty() {
+            continue;
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let r = async {
+                admin(addr)
+                    .await?
+                    .init(InitRequest {
+                        members: members.to_vec(),
+                        shards: mine.clone(),
+                    })
+                    .await
+                    .map_err(|s| anyhow::anyhow!("init through {addr}: {}", s.message()))
+            }
+            .await;
+            match r {
+                Ok(_) => break,
+                Err(e) if Instant::now() > deadline => return Err(e),
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    }
+    Ok(())
+}
+
 async fn channel(addr: &str) -> anyhow::Result<Channel> {
     Ok(Endpoint::from_shared(format!("http://{addr}"))?
         .connect_timeout(Duration::from_secs(1))
@@ -313,6 +331,17 @@ impl Client {
             leaders: Arc::default(),
             deadline: Duration::from_secs(30),
             attempt_timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// A client with the same endpoints and settings and its own connections.
+    pub fn fresh(&self) -> Client {
+        Client {
+            endpoints: self.endpoints.clone(),
+            channels: Arc::default(),
+            leaders: Arc::default(),
+            deadline: self.deadline,
+            attempt_timeout: self.attempt_timeout,
         }
     }
 

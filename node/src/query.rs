@@ -23,6 +23,8 @@ pub enum Query {
     Invariants,
     /// SHA-256 of the canonical state encoding.
     StateHash,
+    /// GPUs of the shard's pool: (registered, allocated).
+    Fleet,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -34,6 +36,7 @@ pub enum Answer {
     Totals(Totals),
     Invariants(Result<(), String>),
     StateHash([u8; 32]),
+    Fleet { gpus: u32, used: u32 },
 }
 
 pub fn answer(state: &State, q: &Query) -> Answer {
@@ -48,5 +51,9 @@ pub fn answer(state: &State, q: &Query) -> Answer {
         Query::Totals => Answer::Totals(state.ledger.totals),
         Query::Invariants => Answer::Invariants(check_invariants(state).map_err(|v| v.to_string())),
         Query::StateHash => Answer::StateHash(state.state_hash()),
+        Query::Fleet => Answer::Fleet {
+            gpus: state.scheduler.fleet_gpus,
+            used: state.scheduler.used_gpus,
+        },
     }
 }

@@ -45,7 +45,11 @@ pub async fn serve(
             }
         });
     }
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    // The builder's `tcp_nodelay` applies only to listeners tonic binds itself; without
+    // it here, Nagle + delayed ACKs add ~40 ms stalls to small replies.
+    let incoming = tonic::transport::server::TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .with_keepalive(Some(Duration::from_secs(30)));
     tonic::transport::Server::builder()
         .timeout(Duration::from_secs(30))
         .tcp_nodelay(true)

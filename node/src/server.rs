@@ -374,7 +374,7 @@ impl Admin for Services {
             return Err(Status::invalid_argument("no members"));
         }
         let mut members = BTreeMap::new();
-        for m in msg.members {
+        for m in msg.members.iter().cloned() {
             if m.node_id == 0 || m.addr.is_empty() {
                 return Err(Status::invalid_argument(
                     "member ids must be positive and addresses set",
@@ -387,7 +387,13 @@ impl Admin for Services {
                 "the members must include this node",
             ));
         }
+        for id in &msg.shards {
+            shard_of(&self.node, *id)?;
+        }
         for s in &self.node.shards {
+            if !msg.shards.is_empty() && !msg.shards.contains(&s.id) {
+                continue;
+            }
             match s.raft.initialize(members.clone()).await {
                 Ok(()) => {}
                 // Idempotent: a retried init of an initialised shard is fine.

@@ -284,7 +284,10 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
     let e = admin(&leader_addr)
         .await
         .unwrap()
-        .init(InitRequest { members: vec![] })
+        .init(InitRequest {
+            members: vec![],
+            shards: vec![],
+        })
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");

@@ -101,8 +101,11 @@ async fn run(
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
     let started = Instant::now();
+    // One connection pool per 32 clients, as separate client processes would have: a
+    // single HTTP/2 connection for 512 callers serialises them in its driver task.
+    let pools: Vec<Client> = (0..clients.div_ceil(32)).map(|_| client.fresh()).collect();
     for w in 0..clients {
-        let client = client.clone();
+        let client = pools[w / 32].clone();
         let stop = stop.clone();
         let shard = (w % o.shards as usize) as u32;
         let per_call = o.per_call;
@@ -194,7 +197,12 @@ async fn main() -> anyhow::Result<()> {
     c.wait_leaders(Duration::from_secs(60)).await?;
     let client = Client::new(c.endpoints());
     for s in 0..o.shards {
-        let (outs, _) = client.execute(s, &workload::setup(u64::MAX / 1024)).await?;
+        let (outs, _) = client
+            .execute(
+                s,
+                &workload::setup(allot_statemachine::limits::AMOUNT_MICRO_MAX / 10),
+            )
+            .await?;
         if let Some(bad) = outs.iter().find(|x| x.is_err()) {
             bail!("setup failed on shard {s}: {bad:?}");
         }

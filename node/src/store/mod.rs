@@ -7,7 +7,7 @@
 //! - `log`:   shard ‖ index (u64 BE) → bincode of the openraft entry
 //! - `meta`:  shard ‖ tag → vote, committed log id, last purged log id
 //! - `snap`:  shard → the current snapshot (meta and state machine bytes)
-//! - `audit`: shard ‖ 0 ‖ seq (u64 BE) → audit event (codec bytes);
+//! - `audit`: shard ‖ 0 ‖ first seq (u64 BE) → the audit events of one entry (codec bytes);
 //!   shard ‖ 1 ‖ log index (u64 BE) → the entry's batch (the commands the events bind)
 
 // openraft's trait methods return its `StorageError` (224 bytes); the helpers here
@@ -18,7 +18,7 @@ pub mod log;
 mod sm;
 
 pub use log::LogStore;
-pub use sm::{read_audit, AppliedState, ShardView, StateMachineStore};
+pub use sm::{read_audit, AppliedState, AuditReadError, ShardView, StateMachineStore};
 
 use crate::types::{ShardId, StorageError};
 use openraft::{AnyError, StorageIOError};

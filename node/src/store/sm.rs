@@ -8,7 +8,7 @@ use crate::types::{
     Applied, LogEntry, LogId, ShardId, Snapshot, SnapshotMeta, StorageError, StoredMembership,
     TypeConfig,
 };
-use allot_statemachine::{apply_into, codec, ApplyOutput, Config, Entry, State};
+use allot_statemachine::{apply_into, codec, ApplyOutput, AuditEvent, Config, Entry, State};
 use openraft::storage::RaftStateMachine;
 use openraft::{EntryPayload, RaftSnapshotBuilder};
 use rocksdb::{WriteBatch, WriteOptions, DB};
@@ -225,11 +225,12 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                                 openraft::AnyError::new(&e),
                             ))
                         })?;
-                        for ev in &self.out.events {
+                        // One row per entry: its events, keyed by the first one's seq.
+                        if let Some(first) = self.out.events.first() {
                             batch.put_cf(
                                 audit,
-                                audit_key(self.shard, AUDIT_EVENTS, ev.seq),
-                                codec::encode(ev),
+                                audit_key(self.shard, AUDIT_EVENTS, first.seq),
+                                codec::encode(&self.out.events),
                             );
                         }
                         batch.put_cf(
@@ -303,25 +304,51 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
     }
 }
 
-/// Reads up to `limit` audit events of a shard from `from_seq` on (codec bytes).
+/// Reads up to `limit` audit events of a shard from `from_seq` on (codec bytes of each
+/// event). Rows hold the events of one entry, keyed by the entry's first sequence number,
+/// so the read starts at the last row whose first sequence is ≤ `from_seq`.
 pub fn read_audit(
     db: &DB,
     shard: ShardId,
     from_seq: u64,
     limit: usize,
-) -> Result<Vec<Vec<u8>>, rocksdb::Error> {
+) -> Result<Vec<Vec<u8>>, AuditReadError> {
+    let audit = cf(db, CF_AUDIT);
+    let first = audit_key(shard, AUDIT_EVENTS, 0);
     let from = audit_key(shard, AUDIT_EVENTS, from_seq);
     let end = audit_key(shard, AUDIT_EVENTS, u64::MAX);
+    let mut start = from.clone();
+    let mut back = db.raw_iterator_cf(audit);
+    back.seek_for_prev(&from);
+    if let Some(k) = back.key() {
+        if k >= first.as_slice() {
+            start = k.to_vec();
+        }
+    }
+    back.status()?;
     let mut out = Vec::new();
     for item in db.iterator_cf(
-        cf(db, CF_AUDIT),
-        rocksdb::IteratorMode::From(&from, rocksdb::Direction::Forward),
+        audit,
+        rocksdb::IteratorMode::From(&start, rocksdb::Direction::Forward),
     ) {
         let (k, v) = item?;
         if k.as_ref() >= end.as_slice() || out.len() >= limit {
             break;
         }
-        out.push(v.to_vec());
+        let events: Vec<AuditEvent> = codec::decode(&v)?;
+        for ev in events {
+            if ev.seq >= from_seq && out.len() < limit {
+                out.push(codec::encode(&ev));
+            }
+        }
     }
     Ok(out)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AuditReadError {
+    #[error("audit store: {0}")]
+    Db(#[from] rocksdb::Error),
+    #[error("audit row: {0}")]
+    Codec(#[from] codec::CodecError),
 }
