@@ -322,7 +322,7 @@ async fn main() -> anyhow::Result<()> {
             if tty {
                 print!("\r{line}");
                 std::io::stdout().flush()?;
-            } else if started.elapsed().as_secs() % 5 == 0 {
+            } else if started.elapsed().as_secs().is_multiple_of(5) {
                 println!("{line}");
             }
         }
