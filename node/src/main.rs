@@ -102,6 +102,10 @@ struct RunArgs {
     rate_limit: u32,
     #[arg(long, env = "ALLOT_RATE_BURST", default_value_t = 10_000)]
     rate_burst: u32,
+    /// Async worker threads (0: one per CPU). Several nodes sharing a small machine
+    /// contend less with fewer.
+    #[arg(long, env = "ALLOT_WORKER_THREADS", default_value_t = 0)]
+    worker_threads: usize,
     /// Logs as JSON lines.
     #[arg(long, env = "ALLOT_LOG_JSON")]
     log_json: bool,
@@ -118,7 +122,13 @@ struct RunArgs {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let rt = tokio::runtime::Builder::new_multi_thread()
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Cmd::Run(a) = &cli.cmd {
+        if a.worker_threads > 0 {
+            builder.worker_threads(a.worker_threads);
+        }
+    }
+    let rt = builder
         .enable_all()
         .build()
         .context("starting the tokio runtime")?;

@@ -115,7 +115,10 @@ async fn run(
             let mut cycle = HoldCycle::new(stream_base + w as u64, 3_000_000);
             let mut lat = Vec::new();
             let mut commands = 0u64;
-            let mut next = Instant::now();
+            // Paced clients start at evenly spread phases: identical phases would send
+            // every client's call at the same instant, a burst per interval.
+            let mut next = Instant::now()
+                + interval.map_or(Duration::ZERO, |iv| iv * w as u32 / clients as u32);
             while !stop.load(Ordering::Relaxed) {
                 if let Some(iv) = interval {
                     next += iv;
