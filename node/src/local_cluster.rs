@@ -145,6 +145,28 @@ impl LocalCluster {
         }
     }
 
+    /// SIGTERM, then waits up to `timeout` for a clean exit; returns the exit status
+    /// (`None` if the node had to be killed or was not running).
+    pub fn terminate(&mut self, id: u64, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let mut c = self.node_mut(id).child.take()?;
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(c.id().to_string())
+            .status();
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = c.try_wait() {
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                let _ = c.wait();
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn is_running(&self, id: u64) -> bool {
         self.node(id).child.is_some()
     }

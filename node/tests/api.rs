@@ -384,3 +384,86 @@ async fn malformed_protobuf(addr: &str) -> Code {
         Err(s) => s.code(),
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_over_its_rate_is_refused_at_the_edge_and_sigterm_shuts_down_cleanly() {
+    let dir = tempfile::Builder::new()
+        .prefix("allot-edge-")
+        .tempdir()
+        .unwrap();
+    let mut c = LocalCluster::new(
+        PathBuf::from(env!("CARGO_BIN_EXE_allot-node")),
+        dir.path().to_path_buf(),
+        3,
+        1,
+    )
+    .unwrap();
+    for n in &mut c.nodes {
+        n.extra_args = ["--rate-limit", "1", "--rate-burst", "20"]
+            .map(String::from)
+            .to_vec();
+    }
+    c.start_all().unwrap();
+    c.init().await.unwrap();
+    c.wait_leaders(Duration::from_secs(30)).await.unwrap();
+    let client = Client::new(c.endpoints());
+    // Admin setup: 10 requests, within the admin's burst of 20.
+    let (outs, _) = client
+        .execute(0, &workload::setup(1_000_000_000))
+        .await
+        .unwrap();
+    assert!(outs.iter().all(|o| o.is_ok()), "{outs:?}");
+    let before = totals(&client).await;
+
+    // The tenant's burst is 20: a call of 21 requests is refused whole, with a hint.
+    let leader = c.leader_of(0).await.unwrap();
+    let mut l = raw(&c.node(leader).addr).await;
+    let mut cycle = workload::HoldCycle::new(3, 1_000_000);
+    let reqs: Vec<Request> = (0..21).map(|_| cycle.request()).collect();
+    let e = l.execute(exec(0, &reqs)).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    let wait: u64 = e
+        .metadata()
+        .get(allot_node::server::RETRY_AFTER_MS)
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(wait >= 1, "retry-after {wait} ms");
+    assert_eq!(totals(&client).await, before, "nothing was applied");
+    // Within the burst it passes: the refused call took no tokens.
+    let (outs, _) = client.execute(0, &reqs[..3]).await.unwrap();
+    assert!(outs.iter().all(|o| o.is_ok()), "{outs:?}");
+
+    // SIGTERM: the node stops its listener and Raft, syncs, and exits 0; it restarts on
+    // its data and the shard converges again.
+    let follower = (1..=3).find(|n| *n != leader).unwrap();
+    let status = c
+        .terminate(follower, Duration::from_secs(20))
+        .expect("exited on SIGTERM");
+    assert!(status.success(), "exit status {status:?}");
+    c.start(follower).unwrap();
+    c.wait_leaders(Duration::from_secs(30)).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut idx = Vec::new();
+        for n in 1..=3u64 {
+            let mut a = admin(&c.node(n).addr).await.unwrap();
+            let r = a
+                .shard_hash(ShardRequest { shard: 0 })
+                .await
+                .unwrap()
+                .into_inner();
+            idx.push((r.applied_index, r.state_hash));
+        }
+        if idx.windows(2).all(|w| w[0] == w[1]) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "replicas did not converge after the restart: {idx:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
