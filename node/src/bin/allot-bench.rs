@@ -80,6 +80,71 @@ struct RunResult {
     p50_ms: f64,
     p99_ms: f64,
     max_ms: f64,
+    /// Upper bound of the server-side histogram bucket holding the 99th percentile of
+    /// `execute` as the nodes measured it (request in → reply out), for this run only.
+    server_p99_ms: f64,
+}
+
+/// Cumulative `execute` latency buckets (le in seconds → count), summed over the nodes.
+async fn server_buckets(metrics: &[String]) -> Vec<(f64, f64)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut sum: std::collections::BTreeMap<u64, f64> = Default::default();
+    for addr in metrics {
+        let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
+            continue;
+        };
+        if s.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+            .await
+            .is_err()
+        {
+            continue;
+        }
+        let mut body = String::new();
+        if s.read_to_string(&mut body).await.is_err() {
+            continue;
+        }
+        for line in body.lines() {
+            let Some(rest) = line.strip_prefix("allot_request_seconds_bucket{") else {
+                continue;
+            };
+            if !rest.contains("method=\"execute\"") {
+                continue;
+            }
+            let Some(le) = rest.split("le=\"").nth(1).and_then(|x| x.split('"').next()) else {
+                continue;
+            };
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().unwrap_or(f64::INFINITY)
+            };
+            let count: f64 = line
+                .rsplit(' ')
+                .next()
+                .and_then(|c| c.parse().ok())
+                .unwrap_or(0.0);
+            *sum.entry((le * 1e6).min(u64::MAX as f64) as u64)
+                .or_default() += count;
+        }
+    }
+    sum.into_iter().map(|(k, v)| (k as f64 / 1e6, v)).collect()
+}
+
+fn server_p99(before: &[(f64, f64)], after: &[(f64, f64)]) -> f64 {
+    let delta: Vec<(f64, f64)> = after
+        .iter()
+        .map(|(le, c)| {
+            (
+                *le,
+                c - before.iter().find(|b| b.0 == *le).map_or(0.0, |b| b.1),
+            )
+        })
+        .collect();
+    let total = delta.last().map_or(0.0, |d| d.1);
+    delta
+        .iter()
+        .find(|(_, c)| *c >= 0.99 * total && total > 0.0)
+        .map_or(f64::NAN, |(le, _)| le * 1e3)
 }
 
 fn pct(sorted: &[Duration], p: f64) -> f64 {
@@ -90,8 +155,10 @@ fn pct(sorted: &[Duration], p: f64) -> f64 {
     sorted[i].as_secs_f64() * 1e3
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run(
     client: &Client,
+    metrics: &[String],
     o: &Opts,
     clients: usize,
     stream_base: u64,
@@ -100,6 +167,7 @@ async fn run(
 ) -> anyhow::Result<RunResult> {
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
+    let before = server_buckets(metrics).await;
     let started = Instant::now();
     // One connection pool per 32 clients, as separate client processes would have: a
     // single HTTP/2 connection for 512 callers serialises them in its driver task.
@@ -161,7 +229,9 @@ async fn run(
         eprintln!();
     }
     lat.sort_unstable();
+    let after = server_buckets(metrics).await;
     Ok(RunResult {
+        server_p99_ms: server_p99(&before, &after),
         label: label.to_string(),
         clients,
         commands,
@@ -210,10 +280,11 @@ async fn main() -> anyhow::Result<()> {
             bail!("setup failed on shard {s}: {bad:?}");
         }
     }
+    let metrics: Vec<String> = c.nodes.iter().map(|n| n.metrics_addr.clone()).collect();
     let mut results = Vec::new();
     let mut stream = 1u64 << 20;
     for &clients in &o.concurrency {
-        results.push(run(&client, &o, clients, stream, None, "closed loop").await?);
+        results.push(run(&client, &metrics, &o, clients, stream, None, "closed loop").await?);
         stream += clients as u64;
     }
     if let Some(peak) = results
@@ -225,6 +296,7 @@ async fn main() -> anyhow::Result<()> {
         results.push(
             run(
                 &client,
+                &metrics,
                 &o,
                 clients,
                 stream,
@@ -239,8 +311,8 @@ async fn main() -> anyhow::Result<()> {
             .iter()
             .map(|r| {
                 format!(
-                    "{{\"run\":\"{}\",\"clients\":{},\"per_call\":{},\"commands\":{},\"seconds\":{:.2},\"commands_per_s\":{:.0},\"p50_ms\":{:.3},\"p99_ms\":{:.3},\"max_ms\":{:.3}}}",
-                    r.label, r.clients, o.per_call, r.commands, r.seconds, r.commands as f64 / r.seconds, r.p50_ms, r.p99_ms, r.max_ms
+                    "{{\"run\":\"{}\",\"clients\":{},\"per_call\":{},\"commands\":{},\"seconds\":{:.2},\"commands_per_s\":{:.0},\"p50_ms\":{:.3},\"p99_ms\":{:.3},\"max_ms\":{:.3},\"server_p99_ms_le\":{:.1}}}",
+                    r.label, r.clients, o.per_call, r.commands, r.seconds, r.commands as f64 / r.seconds, r.p50_ms, r.p99_ms, r.max_ms, r.server_p99_ms
                 )
             })
             .collect();
@@ -253,18 +325,19 @@ async fn main() -> anyhow::Result<()> {
     } else {
         println!("allot replicated benchmark: {} nodes, {} shards, fsync on, loopback, {} command(s) per call", o.nodes, o.shards, o.per_call);
         println!(
-            "{:<14} {:>8} {:>12} {:>10} {:>10} {:>10}",
-            "run", "clients", "commands/s", "p50 ms", "p99 ms", "max ms"
+            "{:<14} {:>8} {:>12} {:>10} {:>10} {:>10} {:>16}",
+            "run", "clients", "commands/s", "p50 ms", "p99 ms", "max ms", "server p99 ≤ ms"
         );
         for r in &results {
             println!(
-                "{:<14} {:>8} {:>12.0} {:>10.2} {:>10.2} {:>10.2}",
+                "{:<14} {:>8} {:>12.0} {:>10.2} {:>10.2} {:>10.2} {:>16}",
                 r.label,
                 r.clients,
                 r.commands as f64 / r.seconds,
                 r.p50_ms,
                 r.p99_ms,
-                r.max_ms
+                r.max_ms,
+                r.server_p99_ms
             );
         }
     }
