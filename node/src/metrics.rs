@@ -11,6 +11,11 @@ pub struct Metrics {
     pub batch_size: HistogramVec,
     pub requests: IntCounterVec,
     pub latency: HistogramVec,
+    /// Where a proposal's time goes: `queue` (waiting for a batch and a pipeline slot)
+    /// and `commit` (handed to openraft until applied).
+    pub stage: HistogramVec,
+    /// Duration of each WAL fsync (one covers the waiting appends of every shard).
+    pub wal_sync: prometheus::Histogram,
     pub raft: GaugeVec,
     pub queue_depth: GaugeVec,
     pub gpus: GaugeVec,
@@ -42,6 +47,23 @@ impl Metrics {
             ]),
             &["method"],
         ));
+        let stage = must(HistogramVec::new(
+            HistogramOpts::new(
+                "proposal_stage_seconds",
+                "Proposal time per stage and shard",
+            )
+            .buckets(vec![
+                0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+            ]),
+            &["shard", "stage"],
+        ));
+        let wal_sync = must(prometheus::Histogram::with_opts(
+            HistogramOpts::new("wal_sync_seconds", "WAL fsync duration (group commit)").buckets(
+                vec![
+                    0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5,
+                ],
+            ),
+        ));
         let raft = must(GaugeVec::new(
             Opts::new(
                 "raft",
@@ -65,6 +87,8 @@ impl Metrics {
             Box::new(batch_size.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(requests.clone()),
             Box::new(latency.clone()),
+            Box::new(stage.clone()),
+            Box::new(wal_sync.clone()),
             Box::new(raft.clone()),
             Box::new(queue_depth.clone()),
             Box::new(gpus.clone()),
@@ -77,6 +101,8 @@ impl Metrics {
             batch_size,
             requests,
             latency,
+            stage,
+            wal_sync,
             raft,
             queue_depth,
             gpus,

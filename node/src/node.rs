@@ -88,10 +88,13 @@ impl Node {
         let db = store::open_db(&config.data_dir.join("db"))
             .with_context(|| format!("opening RocksDB in {}", config.data_dir.display()))?;
         check_shard_count(&db, config.shards)?;
-        let syncer = store::log::Syncer::start(db.clone());
         let clock = Arc::new(ClusterClock::new(config.clock_offset_ms));
         let channels = Arc::new(Channels::default());
         let metrics = Arc::new(Metrics::new());
+        let wal = metrics.wal_sync.clone();
+        let syncer = store::log::Syncer::start_observed(db.clone(), move |d, _| {
+            wal.observe(d.as_secs_f64())
+        });
         let mut shards = Vec::new();
         for id in 0..config.shards {
             let log = LogStore::new(db.clone(), id, syncer.clone());

@@ -82,6 +82,7 @@ pub struct Committed {
 struct Pending {
     requests: Vec<Request>,
     reply: oneshot::Sender<Result<Committed, ProposeError>>,
+    enqueued: Instant,
 }
 
 #[derive(Clone)]
@@ -93,7 +94,11 @@ impl Proposer {
     pub async fn propose(&self, requests: Vec<Request>) -> Result<Committed, ProposeError> {
         let (reply, rx) = oneshot::channel();
         self.tx
-            .try_send(Pending { requests, reply })
+            .try_send(Pending {
+                requests,
+                reply,
+                enqueued: Instant::now(),
+            })
             .map_err(|e| match e {
                 mpsc::error::TrySendError::Full(_) => ProposeError::Overloaded,
                 mpsc::error::TrySendError::Closed(_) => ProposeError::ShuttingDown,
@@ -203,11 +208,17 @@ impl ProposerTask {
                 continue;
             }
             let stamp = stamper.stamp(term, applied_ms, self.clock.mono_ms(), target);
+            let shard_label = self.shard.to_string();
+            let queue_wait = self
+                .metrics
+                .stage
+                .with_label_values(&[&shard_label, "queue"]);
             let mut requests = Vec::with_capacity(count);
             let mut spans = Vec::with_capacity(group.len());
             for p in group {
                 let start = requests.len();
                 requests.extend(p.requests);
+                queue_wait.observe(p.enqueued.elapsed().as_secs_f64());
                 spans.push((start, requests.len(), p.reply));
             }
             self.metrics
@@ -219,6 +230,11 @@ impl ProposerTask {
                 requests,
             };
             last_proposal = Instant::now();
+            let proposed = Instant::now();
+            let commit = self
+                .metrics
+                .stage
+                .with_label_values(&[&shard_label, "commit"]);
             let rx_write = match self.raft.client_write_ff(batch).await {
                 Ok(rx) => rx,
                 Err(fatal) => {
@@ -232,6 +248,7 @@ impl ProposerTask {
             let raft = self.raft.clone();
             tokio::spawn(async move {
                 let _permit = permit;
+                let rx_write = rx_write;
                 let result: Result<ClientWriteResponse<TypeConfig>, ProposeError> =
                     match rx_write.await {
                         Err(_) => Err(ProposeError::ShuttingDown),
@@ -239,6 +256,7 @@ impl ProposerTask {
                         Ok(Err(ClientWriteError::ForwardToLeader(_))) => Err(not_leader(&raft)),
                         Ok(Err(e)) => Err(ProposeError::Raft(e.to_string())),
                     };
+                commit.observe(proposed.elapsed().as_secs_f64());
                 match result {
                     Ok(resp) => {
                         let Applied {

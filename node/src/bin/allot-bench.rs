@@ -83,10 +83,16 @@ struct RunResult {
     /// Upper bound of the server-side histogram bucket holding the 99th percentile of
     /// `execute` as the nodes measured it (request in → reply out), for this run only.
     server_p99_ms: f64,
+    /// The same for a proposal's wait in the shard's queue, and for its commit + apply.
+    queue_p99_ms: f64,
+    commit_p99_ms: f64,
+    /// The same for the nodes' WAL fsyncs.
+    wal_p99_ms: f64,
 }
 
-/// Cumulative `execute` latency buckets (le in seconds → count), summed over the nodes.
-async fn server_buckets(metrics: &[String]) -> Vec<(f64, f64)> {
+/// Cumulative histogram buckets (le in seconds → count) of the series of `metric` whose
+/// labels contain `filter`, summed over the nodes.
+async fn server_buckets(metrics: &[String], metric: &str, filter: &str) -> Vec<(f64, f64)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut sum: std::collections::BTreeMap<u64, f64> = Default::default();
     for addr in metrics {
@@ -104,10 +110,13 @@ async fn server_buckets(metrics: &[String]) -> Vec<(f64, f64)> {
             continue;
         }
         for line in body.lines() {
-            let Some(rest) = line.strip_prefix("allot_request_seconds_bucket{") else {
+            let Some(rest) = line
+                .strip_prefix(metric)
+                .and_then(|r| r.strip_prefix("_bucket{"))
+            else {
                 continue;
             };
-            if !rest.contains("method=\"execute\"") {
+            if !rest.contains(filter) {
                 continue;
             }
             let Some(le) = rest.split("le=\"").nth(1).and_then(|x| x.split('"').next()) else {
@@ -167,7 +176,16 @@ async fn run(
 ) -> anyhow::Result<RunResult> {
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
-    let before = server_buckets(metrics).await;
+    let exec = ("allot_request_seconds", "method=\"execute\"");
+    let queue = ("allot_proposal_stage_seconds", "stage=\"queue\"");
+    let commit = ("allot_proposal_stage_seconds", "stage=\"commit\"");
+    let wal = ("allot_wal_sync_seconds", "le=");
+    let before = [
+        server_buckets(metrics, exec.0, exec.1).await,
+        server_buckets(metrics, queue.0, queue.1).await,
+        server_buckets(metrics, commit.0, commit.1).await,
+        server_buckets(metrics, wal.0, wal.1).await,
+    ];
     let started = Instant::now();
     // One connection pool per 32 clients, as separate client processes would have: a
     // single HTTP/2 connection for 512 callers serialises them in its driver task.
@@ -229,9 +247,17 @@ async fn run(
         eprintln!();
     }
     lat.sort_unstable();
-    let after = server_buckets(metrics).await;
+    let after = [
+        server_buckets(metrics, exec.0, exec.1).await,
+        server_buckets(metrics, queue.0, queue.1).await,
+        server_buckets(metrics, commit.0, commit.1).await,
+        server_buckets(metrics, wal.0, wal.1).await,
+    ];
     Ok(RunResult {
-        server_p99_ms: server_p99(&before, &after),
+        wal_p99_ms: server_p99(&before[3], &after[3]),
+        server_p99_ms: server_p99(&before[0], &after[0]),
+        queue_p99_ms: server_p99(&before[1], &after[1]),
+        commit_p99_ms: server_p99(&before[2], &after[2]),
         label: label.to_string(),
         clients,
         commands,
@@ -311,8 +337,8 @@ async fn main() -> anyhow::Result<()> {
             .iter()
             .map(|r| {
                 format!(
-                    "{{\"run\":\"{}\",\"clients\":{},\"per_call\":{},\"commands\":{},\"seconds\":{:.2},\"commands_per_s\":{:.0},\"p50_ms\":{:.3},\"p99_ms\":{:.3},\"max_ms\":{:.3},\"server_p99_ms_le\":{:.1}}}",
-                    r.label, r.clients, o.per_call, r.commands, r.seconds, r.commands as f64 / r.seconds, r.p50_ms, r.p99_ms, r.max_ms, r.server_p99_ms
+                    "{{\"run\":\"{}\",\"clients\":{},\"per_call\":{},\"commands\":{},\"seconds\":{:.2},\"commands_per_s\":{:.0},\"p50_ms\":{:.3},\"p99_ms\":{:.3},\"max_ms\":{:.3},\"server_p99_ms_le\":{:.1},\"queue_p99_ms_le\":{:.1},\"commit_p99_ms_le\":{:.1},\"wal_sync_p99_ms_le\":{:.1}}}",
+                    r.label, r.clients, o.per_call, r.commands, r.seconds, r.commands as f64 / r.seconds, r.p50_ms, r.p99_ms, r.max_ms, r.server_p99_ms, r.queue_p99_ms, r.commit_p99_ms, r.wal_p99_ms
                 )
             })
             .collect();
@@ -325,19 +351,31 @@ async fn main() -> anyhow::Result<()> {
     } else {
         println!("allot replicated benchmark: {} nodes, {} shards, fsync on, loopback, {} command(s) per call", o.nodes, o.shards, o.per_call);
         println!(
-            "{:<14} {:>8} {:>12} {:>10} {:>10} {:>10} {:>16}",
-            "run", "clients", "commands/s", "p50 ms", "p99 ms", "max ms", "server p99 ≤ ms"
+            "{:<14} {:>8} {:>12} {:>10} {:>10} {:>10} {:>16} {:>10} {:>10} {:>10}",
+            "run",
+            "clients",
+            "commands/s",
+            "p50 ms",
+            "p99 ms",
+            "max ms",
+            "server p99 ≤ ms",
+            "queue ≤",
+            "commit ≤",
+            "fsync ≤"
         );
         for r in &results {
             println!(
-                "{:<14} {:>8} {:>12.0} {:>10.2} {:>10.2} {:>10.2} {:>16}",
+                "{:<14} {:>8} {:>12.0} {:>10.2} {:>10.2} {:>10.2} {:>16} {:>10} {:>10} {:>10}",
                 r.label,
                 r.clients,
                 r.commands as f64 / r.seconds,
                 r.p50_ms,
                 r.p99_ms,
                 r.max_ms,
-                r.server_p99_ms
+                r.server_p99_ms,
+                r.queue_p99_ms,
+                r.commit_p99_ms,
+                r.wal_p99_ms
             );
         }
     }

@@ -25,7 +25,16 @@ pub struct Syncer {
 }
 
 impl Syncer {
+    /// Starts the sync thread; `observe` receives each fsync's duration and the number
+    /// of appends it made durable.
     pub fn start(db: Arc<DB>) -> Arc<Syncer> {
+        Syncer::start_observed(db, |_, _| {})
+    }
+
+    pub fn start_observed(
+        db: Arc<DB>,
+        observe: impl Fn(std::time::Duration, usize) + Send + 'static,
+    ) -> Arc<Syncer> {
         let (tx, rx) = mpsc::channel::<LogFlushed<TypeConfig>>();
         std::thread::Builder::new()
             .name("allot-wal-sync".into())
@@ -33,7 +42,9 @@ impl Syncer {
                 while let Ok(first) = rx.recv() {
                     let mut pending = vec![first];
                     pending.extend(rx.try_iter());
+                    let t = std::time::Instant::now();
                     let result = db.flush_wal(true);
+                    observe(t.elapsed(), pending.len());
                     for cb in pending {
                         cb.log_io_completed(
                             result
