@@ -47,6 +47,11 @@ pub fn check(state: &State) -> Result<(), String> {
         } else if j.placement.is_some() {
             return Err(format!("{id} in {:?} keeps a placement", j.state));
         }
+        if let Some(node) = j.reserved_node {
+            if s.nodes.get(&node).and_then(|n| n.reserved_for) != Some(*id) {
+                return Err(format!("{id} holds a reservation {node} does not record"));
+            }
+        }
         match j.state {
             JobState::Queued => {
                 queued += 1;
@@ -81,6 +86,18 @@ pub fn check(state: &State) -> Result<(), String> {
             if !ok {
                 return Err(format!(
                     "{nid} GPU {i} assigned to {job}, which is not running there"
+                ));
+            }
+        }
+        // A reservation names a queued job that names this node back.
+        if let Some(r) = n.reserved_for {
+            let ok = s
+                .jobs
+                .get(&r)
+                .is_some_and(|j| j.state == JobState::Queued && j.reserved_node == Some(*nid));
+            if !ok {
+                return Err(format!(
+                    "{nid} is reserved for {r}, which is not waiting for it"
                 ));
             }
         }

@@ -184,8 +184,16 @@ impl Scheduler {
         };
         let (was, count) = (n.state, n.gpu_count);
         n.state = state;
-        if state == NodeState::Down {
-            n.reserved_for = None;
+        // A down node's reservation is void: the waiting job reserves anew.
+        let released = if state == NodeState::Down {
+            n.reserved_for.take()
+        } else {
+            None
+        };
+        if let Some(j) = released.and_then(|r| self.jobs.get_mut(&r)) {
+            if j.reserved_node == Some(id) {
+                j.reserved_node = None;
+            }
         }
         match (was == NodeState::Down, state == NodeState::Down) {
             (false, true) => self.fleet_gpus -= count,

@@ -333,13 +333,14 @@ impl Scheduler {
         let (attempt, gpu_type, gpus) = (j.attempt + 1, n.gpu_type.clone(), j.spec.gpus);
         let (price, _) = ledger.start_meter(HoldId(id.0), attempt, &gpu_type, gpus, ctx.now)?;
         self.dequeue(id);
+        // The job may run elsewhere than the node it had reserved: release that node
+        // (clearing only the placement node left stale reservations that blocked every
+        // later reservation and preemption on their nodes).
+        self.clear_reservation(id);
         self.unindex(node);
         if let Some(n) = self.nodes.get_mut(&node) {
             for &i in &indices {
                 n.slots[i as usize] = Some(id);
-            }
-            if n.reserved_for == Some(id) {
-                n.reserved_for = None;
             }
         }
         self.index(node);
