@@ -36,6 +36,10 @@ impl Syncer {
         observe: impl Fn(std::time::Duration, usize) + Send + 'static,
     ) -> Arc<Syncer> {
         let (tx, rx) = mpsc::channel::<LogFlushed<TypeConfig>>();
+        // A weak handle: the thread must not keep the database open. RocksDB aborts the
+        // process at exit ("pthread lock: Invalid argument") if a DB is still open when
+        // its static state is torn down, so the DB closes when its last user drops it.
+        let db = Arc::downgrade(&db);
         std::thread::Builder::new()
             .name("allot-wal-sync".into())
             .spawn(move || {
@@ -43,15 +47,13 @@ impl Syncer {
                     let mut pending = vec![first];
                     pending.extend(rx.try_iter());
                     let t = std::time::Instant::now();
-                    let result = db.flush_wal(true);
+                    let result: Result<(), String> = match db.upgrade() {
+                        Some(db) => db.flush_wal(true).map_err(|e| e.to_string()),
+                        None => Err("database closed".into()),
+                    };
                     observe(t.elapsed(), pending.len());
                     for cb in pending {
-                        cb.log_io_completed(
-                            result
-                                .as_ref()
-                                .map(|_| ())
-                                .map_err(|e| std::io::Error::other(e.to_string())),
-                        );
+                        cb.log_io_completed(result.clone().map_err(std::io::Error::other));
                     }
                 }
             })
