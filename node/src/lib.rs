@@ -4,7 +4,7 @@
 //! Code map: [`types`] (openraft type config), [`store`] (RocksDB log and state-machine
 //! storage), [`network`] (Raft over gRPC), [`clock`] (logical time), [`proposer`]
 //! (batching), [`node`] (the shards of a process), [`server`] (gRPC services),
-//! [`query`] (reads), [`ratelimit`] (edge protection), [`metrics`], [`serve`].
+//! [`ratelimit`] (edge protection), [`metrics`], [`serve`].
 
 pub mod clock;
 pub mod local_cluster;
@@ -12,7 +12,6 @@ pub mod metrics;
 pub mod network;
 pub mod node;
 pub mod proposer;
-pub mod query;
 pub mod ratelimit;
 pub mod serve;
 pub mod server;

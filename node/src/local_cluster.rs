@@ -1,20 +1,13 @@
-//! A local cluster of real `allot-node` processes on loopback, and a small
-//! leader-following client. Used by the integration tests, the replicated benchmark and
+//! A local cluster of real `allot-node` processes on loopback, and the client set-up
+//! they use. Used by the integration tests, the replicated benchmark and
 //! `scripts/cluster.sh` (through the same binary and flags), so they all start clusters
 //! the same way.
 
-use crate::query::{Answer, Query};
 use allot_proto::admin_client::AdminClient;
-use allot_proto::allot_client::AllotClient;
-use allot_proto::{
-    Consistency, ExecuteRequest, InitRequest, Member, QueryRequest, StatusReply, StatusRequest,
-};
-use allot_statemachine::{codec, Outcome, Request};
+use allot_proto::{InitRequest, Member, StatusReply, StatusRequest};
 use anyhow::{bail, Context};
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tonic::transport::{Channel, Endpoint};
 
@@ -310,196 +303,16 @@ pub async fn admin(addr: &str) -> anyhow::Result<AdminClient<Channel>> {
     Ok(AdminClient::new(channel(addr).await?))
 }
 
-/// A leader-following client: tries the shard's last known leader, follows NotLeader
-/// hints, rotates through the endpoints, and retries with backoff until its deadline.
-/// Requests keep their request ids across retries, so a retry never applies twice.
-#[derive(Clone)]
-pub struct Client {
-    endpoints: Vec<String>,
-    channels: Arc<Mutex<HashMap<String, Channel>>>,
-    leaders: Arc<Mutex<HashMap<u32, String>>>,
-    pub deadline: Duration,
-    pub attempt_timeout: Duration,
-}
+pub use allot_client::Client;
 
-/// What a client call can end in.
-#[derive(Debug, thiserror::Error)]
-pub enum ClientError {
-    #[error("{0}")]
-    Status(tonic::Status),
-    #[error("gave up after {0:?}: {1}")]
-    Exhausted(Duration, String),
-    #[error("decoding the reply: {0}")]
-    Decode(String),
-}
-
-fn retryable(s: &tonic::Status) -> bool {
-    matches!(
-        s.code(),
-        tonic::Code::Unavailable
-            | tonic::Code::DeadlineExceeded
-            | tonic::Code::ResourceExhausted
-            | tonic::Code::Cancelled
-            | tonic::Code::Unknown
-            | tonic::Code::Aborted
-    )
-}
-
-impl Client {
-    pub fn new(endpoints: Vec<String>) -> Client {
-        Client {
-            endpoints,
-            channels: Arc::default(),
-            leaders: Arc::default(),
-            deadline: Duration::from_secs(30),
-            attempt_timeout: Duration::from_secs(5),
-        }
-    }
-
-    /// A client with the same endpoints and settings and its own connections.
-    pub fn fresh(&self) -> Client {
-        Client {
-            endpoints: self.endpoints.clone(),
-            channels: Arc::default(),
-            leaders: Arc::default(),
-            deadline: self.deadline,
-            attempt_timeout: self.attempt_timeout,
-        }
-    }
-
-    fn channel(&self, addr: &str) -> Result<Channel, ClientError> {
-        let mut m = self.channels.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = m.get(addr) {
-            return Ok(c.clone());
-        }
-        let c = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| ClientError::Exhausted(Duration::ZERO, e.to_string()))?
-            .connect_timeout(Duration::from_millis(500))
-            .tcp_nodelay(true)
-            .connect_lazy();
-        m.insert(addr.to_string(), c.clone());
-        Ok(c)
-    }
-
-    async fn with_retries<T, F, Fut>(&self, shard: u32, mut call: F) -> Result<T, ClientError>
-    where
-        F: FnMut(AllotClient<Channel>) -> Fut,
-        Fut: std::future::Future<Output = Result<T, tonic::Status>>,
-    {
-        let started = Instant::now();
-        let mut backoff = Duration::from_millis(20);
-        let mut rotate = 0usize;
-        let mut last_err;
-        loop {
-            let addr = {
-                let l = self.leaders.lock().unwrap_or_else(|p| p.into_inner());
-                l.get(&shard).cloned()
-            }
-            .unwrap_or_else(|| self.endpoints[rotate % self.endpoints.len()].clone());
-            let client = AllotClient::new(self.channel(&addr)?)
-                .max_decoding_message_size(64 << 20)
-                .max_encoding_message_size(64 << 20);
-            match tokio::time::timeout(self.attempt_timeout, call(client)).await {
-                Ok(Ok(v)) => {
-                    self.leaders
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(shard, addr);
-                    return Ok(v);
-                }
-                Ok(Err(s)) if retryable(&s) => {
-                    last_err = format!("{addr}: {:?} {}", s.code(), s.message());
-                    let hint = s
-                        .metadata()
-                        .get(crate::server::LEADER_ADDR)
-                        .and_then(|v| v.to_str().ok())
-                        .map(str::to_string);
-                    let mut l = self.leaders.lock().unwrap_or_else(|p| p.into_inner());
-                    match hint {
-                        Some(h) if h != addr => {
-                            l.insert(shard, h);
-                            continue;
-                        }
-                        _ => {
-                            l.remove(&shard);
-                            rotate += 1;
-                        }
-                    }
-                }
-                Ok(Err(s)) => return Err(ClientError::Status(s)),
-                Err(_) => {
-                    last_err = format!("{addr}: attempt timed out");
-                    self.leaders
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .remove(&shard);
-                    rotate += 1;
-                }
-            }
-            if started.elapsed() > self.deadline {
-                return Err(ClientError::Exhausted(self.deadline, last_err));
-            }
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_millis(500));
-        }
-    }
-
-    /// Executes requests on a shard; returns their outcomes and the log index.
-    pub async fn execute(
-        &self,
-        shard: u32,
-        requests: &[Request],
-    ) -> Result<(Vec<Outcome>, u64), ClientError> {
-        let encoded: Vec<Vec<u8>> = requests.iter().map(codec::encode).collect();
-        let reply = self
-            .with_retries(shard, |mut c| {
-                let msg = ExecuteRequest {
-                    shard,
-                    requests: encoded.clone(),
-                };
-                async move { c.execute(msg).await.map(|r| r.into_inner()) }
-            })
-            .await?;
-        let mut outcomes = Vec::with_capacity(reply.outcomes.len());
-        for b in &reply.outcomes {
-            outcomes.push(codec::decode(b).map_err(|e| ClientError::Decode(e.to_string()))?);
-        }
-        Ok((outcomes, reply.log_index))
-    }
-
-    /// A linearizable query through the leader.
-    pub async fn query(&self, shard: u32, q: &Query) -> Result<Answer, ClientError> {
-        let bytes = codec::encode(q);
-        let reply = self
-            .with_retries(shard, |mut c| {
-                let msg = QueryRequest {
-                    shard,
-                    consistency: Consistency::Linearizable as i32,
-                    query: bytes.clone(),
-                };
-                async move { c.query(msg).await.map(|r| r.into_inner()) }
-            })
-            .await?;
-        codec::decode(&reply.answer).map_err(|e| ClientError::Decode(e.to_string()))
-    }
-
-    /// A stale query answered by one given replica from its applied state.
-    pub async fn query_replica(
-        &self,
-        addr: &str,
-        shard: u32,
-        q: &Query,
-    ) -> Result<Answer, ClientError> {
-        let mut c = AllotClient::new(self.channel(addr)?);
-        let reply = c
-            .query(QueryRequest {
-                shard,
-                consistency: Consistency::Stale as i32,
-                query: codec::encode(q),
-            })
-            .await
-            .map_err(ClientError::Status)?
-            .into_inner();
-        codec::decode(&reply.answer).map_err(|e| ClientError::Decode(e.to_string()))
-    }
+/// The client the tests, the benchmark and the demo use: any endpoint, leader
+/// following, and retries until a 30 s deadline (request ids kept across retries).
+pub fn client(endpoints: Vec<String>) -> Client {
+    Client::builder()
+        .endpoints(endpoints)
+        .retries(u32::MAX)
+        .timeout(Duration::from_secs(30))
+        .attempt_timeout(Duration::from_secs(5))
+        .build()
+        .expect("loopback endpoints are valid")
 }

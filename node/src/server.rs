@@ -3,7 +3,6 @@
 
 use crate::node::{Node, Shard};
 use crate::proposer::{leader_of, ProposeError};
-use crate::query::{self, Query};
 use crate::ratelimit::RateLimiter;
 use crate::store;
 use crate::types::{NodeId, ShardId};
@@ -14,7 +13,8 @@ use allot_proto::allot_client::AllotClient;
 use allot_proto::allot_server::Allot;
 use allot_proto::raft_server::Raft as RaftService;
 use allot_proto::*;
-use allot_statemachine::{codec, Request};
+use allot_statemachine::query::{self, Query};
+use allot_statemachine::{codec, HoldId, ProjectId, Request};
 use openraft::BasicNode;
 use std::collections::{BTreeMap, BTreeSet};
 use std::pin::Pin;
@@ -24,13 +24,10 @@ use tokio_stream::Stream;
 use tonic::metadata::MetadataValue;
 use tonic::Status;
 
-/// Metadata marking a request another node already forwarded (one hop at most).
-pub const FORWARDED: &str = "allot-forwarded";
-/// Metadata of a NotLeader answer: the leader's node id and address, when known.
-pub const LEADER_ID: &str = "allot-leader-id";
-pub const LEADER_ADDR: &str = "allot-leader-addr";
-/// Metadata of a RESOURCE_EXHAUSTED answer: when to retry, ms.
-pub const RETRY_AFTER_MS: &str = "retry-after-ms";
+pub use allot_proto::meta::{FORWARDED, LEADER_ADDR, LEADER_ID, RETRY_AFTER_MS};
+/// Most events in one audit page, and most events one audit call looks at.
+pub const AUDIT_PAGE_MAX: usize = 10_000;
+pub const AUDIT_SCAN_MAX: usize = 100_000;
 /// Most requests in one `Execute` call.
 pub const REQUESTS_PER_CALL_MAX: usize = 4096;
 /// Largest client message (bytes); Raft messages have their own larger bound.
@@ -218,12 +215,33 @@ impl Allot for Services {
         req: tonic::Request<AuditRequest>,
     ) -> Result<tonic::Response<AuditReply>, Status> {
         let msg = req.into_inner();
-        shard_of(&self.node, msg.shard)?;
-        let limit = (msg.limit as usize).clamp(1, 10_000);
-        let events = store::read_audit(&self.node.db, msg.shard, msg.from_seq, limit)
-            .map_err(|e| Status::internal(format!("audit store: {e}")))?;
-        let next_seq = msg.from_seq + events.len() as u64;
-        Ok(tonic::Response::new(AuditReply { events, next_seq }))
+        let shard = shard_of(&self.node, msg.shard)?;
+        let head_seq = shard.view.read().state.audit.next_seq;
+        let limit = (msg.limit as usize).clamp(1, AUDIT_PAGE_MAX);
+        let keep = |ev: &allot_statemachine::AuditEvent| {
+            msg.org
+                .is_none_or(|o| ev.org == Some(allot_statemachine::OrgId(o)))
+                && msg.project.is_none_or(|p| {
+                    ev.account == Some(allot_statemachine::Account::Project(ProjectId(p)))
+                })
+                && msg.hold.is_none_or(|h| ev.hold == Some(HoldId(h)))
+                && ev.time_ms >= msg.from_ms
+                && (msg.to_ms == 0 || ev.time_ms < msg.to_ms)
+        };
+        let (events, next_seq) = store::read_audit(
+            &self.node.db,
+            msg.shard,
+            msg.from_seq,
+            limit,
+            AUDIT_SCAN_MAX,
+            keep,
+        )
+        .map_err(|e| Status::internal(format!("audit store: {e}")))?;
+        Ok(tonic::Response::new(AuditReply {
+            events,
+            next_seq,
+            head_seq,
+        }))
     }
 }
 

@@ -3,11 +3,11 @@
 //! (unknown shard, malformed bytes, malformed protobuf, oversized and empty calls).
 
 use allot_node::local_cluster::{admin, Client, LocalCluster};
-use allot_node::query::{Answer, Query};
 use allot_node::server::{FORWARDED, LEADER_ADDR};
 use allot_node::workload;
 use allot_proto::allot_client::AllotClient;
 use allot_proto::*;
+use allot_statemachine::query::{Answer, Query};
 use allot_statemachine::testkit::{a100, tenant, Harness, ORG};
 use allot_statemachine::{codec, AuditChain, AuditEvent, Command, JobId, NodeSpec, Request, Tier};
 use std::path::PathBuf;
@@ -53,7 +53,7 @@ fn exec(shard: u32, reqs: &[Request]) -> ExecuteRequest {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
     let (_dir, c) = cluster().await;
-    let client = Client::new(c.endpoints());
+    let client = allot_node::local_cluster::client(c.endpoints());
     let (outs, _) = client
         .execute(0, &workload::setup(1_000_000_000_000))
         .await
@@ -180,6 +180,7 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
             shard: 0,
             from_seq: 0,
             limit: 10_000,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -406,7 +407,7 @@ async fn a_tenant_over_its_rate_is_refused_at_the_edge_and_sigterm_shuts_down_cl
     c.start_all().unwrap();
     c.init().await.unwrap();
     c.wait_leaders(Duration::from_secs(30)).await.unwrap();
-    let client = Client::new(c.endpoints());
+    let client = allot_node::local_cluster::client(c.endpoints());
     // Admin setup: 10 requests, within the admin's burst of 20.
     let (outs, _) = client
         .execute(0, &workload::setup(1_000_000_000))

@@ -2,8 +2,8 @@
 //! SIGKILL of a leader under load, catch-up by log and by snapshot, skewed clocks.
 
 use allot_node::local_cluster::{Client, LocalCluster};
-use allot_node::query::{Answer, Query};
 use allot_node::workload::{self, HoldCycle};
+use allot_statemachine::query::{Answer, Query};
 use allot_statemachine::testkit::PROJECT;
 use allot_statemachine::{Account, Outcome, Request};
 use std::path::PathBuf;
@@ -142,7 +142,7 @@ async fn a_killed_leader_loses_no_acknowledged_command_and_replicas_converge() {
     let shards = 4;
     let (_dir, mut c) = cluster("kill", 3, shards);
     up(&mut c).await;
-    let client = Client::new(c.endpoints());
+    let client = allot_node::local_cluster::client(c.endpoints());
     setup_shards(&client, shards).await;
 
     let stop = Arc::new(AtomicBool::new(false));
@@ -234,7 +234,7 @@ async fn a_node_behind_the_purged_log_catches_up_by_snapshot() {
             .to_vec();
     }
     up(&mut c).await;
-    let client = Client::new(c.endpoints());
+    let client = allot_node::local_cluster::client(c.endpoints());
     setup_shards(&client, shards).await;
     let leader = c.leader_of(0).await.unwrap();
     let lagger = (1..=3).find(|n| *n != leader).unwrap();
@@ -311,7 +311,7 @@ async fn skewed_clocks_neither_expire_credit_early_nor_stop_time() {
         .map(String::from)
         .to_vec();
     up(&mut c).await;
-    let client = Client::new(c.endpoints());
+    let client = allot_node::local_cluster::client(c.endpoints());
     setup_shards(&client, shards).await;
     let mut led_by_fast = 0;
     for s in 0..shards {
@@ -418,7 +418,7 @@ async fn a_learner_joins_is_promoted_and_the_removed_voter_does_not_disrupt() {
     c.wait_leaders(Duration::from_secs(30))
         .await
         .expect("leaders");
-    let client = Client::new(c.endpoints());
+    let client = allot_node::local_cluster::client(c.endpoints());
     setup_shards(&client, shards).await;
 
     // Node 4 joins every shard as a learner, through node 2 (each shard's call goes to

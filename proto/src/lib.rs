@@ -10,6 +10,19 @@ pub mod v1 {
 
 pub use v1::*;
 
+/// gRPC metadata keys of allot's wire contract (shared by node and client).
+pub mod meta {
+    /// Marks a request another node already forwarded (one hop at most).
+    pub const FORWARDED: &str = "allot-forwarded";
+    /// On a NotLeader (`UNAVAILABLE`) answer: the leader's node id and address, if known.
+    pub const LEADER_ID: &str = "allot-leader-id";
+    pub const LEADER_ADDR: &str = "allot-leader-addr";
+    /// On a `RESOURCE_EXHAUSTED` answer: when to retry, in milliseconds.
+    pub const RETRY_AFTER_MS: &str = "retry-after-ms";
+    /// The caller's API token: `authorization: Bearer <token>`.
+    pub const AUTHORIZATION: &str = "authorization";
+}
+
 /// The shard directory: an organisation's home shard. Tenants' commands and queries go
 /// to this shard; a shard's GPU pool serves only the jobs of the orgs it is home to.
 pub fn shard_of_org(org: u64, shards: u32) -> u32 {

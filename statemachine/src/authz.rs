@@ -54,6 +54,7 @@ fn target(
         Command::SetQuota { org, .. } => (Some(*org), CommandError::UnknownOrg),
         Command::CreateOrg { .. }
         | Command::SetPrices { .. }
+        | Command::ConfigureScheduler(_)
         | Command::Tick
         | Command::RegisterNode(_)
         | Command::NodeHeartbeat { .. }
@@ -69,6 +70,7 @@ fn admin_only(command: &Command) -> bool {
             | Command::SetPrices { .. }
             | Command::IssueGrant(_)
             | Command::StartMeter { .. }
+            | Command::ConfigureScheduler(_)
     )
 }
 

@@ -249,6 +249,9 @@ pub enum Command {
         org: OrgId,
         quota: Option<Quota>,
     },
+    /// Retunes the shard's scheduler (leases, grace, preemption rules, decay, tiers);
+    /// admin only; validated whole, applied whole.
+    ConfigureScheduler(crate::scheduler::SchedulerSettings),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -321,6 +324,7 @@ impl Command {
             Command::JobHeartbeat(_) => "job_heartbeat",
             Command::FinishJob { .. } => "finish_job",
             Command::SetQuota { .. } => "set_quota",
+            Command::ConfigureScheduler(_) => "configure_scheduler",
         }
     }
 

@@ -46,6 +46,7 @@ pub mod invariants;
 pub mod ledger;
 pub mod limits;
 pub mod outcome;
+pub mod query;
 pub mod scheduler;
 pub mod state;
 pub mod testkit;

@@ -123,6 +123,28 @@ pub enum CommandError {
     // -- limits --
     #[error("limit reached: {0:?}")]
     LimitReached(Limit),
+    // Appended (the encoding is positional): a request-validation error.
+    #[error("invalid scheduler settings: {0:?}")]
+    InvalidConfig(ConfigProblem),
+}
+
+/// Which scheduler setting is out of bounds (`scheduler::settings_bounds`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ConfigProblem {
+    NodeLease,
+    JobLease,
+    Grace,
+    MinRuntime,
+    Hysteresis,
+    PreemptionCap,
+    HalfLife,
+    /// Tiers can be retuned, not added or removed.
+    TierCount,
+    TierName,
+    TierWeight,
+    /// floor ≤ ceiling ≤ 100 per tier, and floors add up to at most 100.
+    TierShare,
+    TierWait,
 }
 
 /// What is wrong with a node registration.
@@ -229,4 +251,5 @@ pub enum Reply {
     JobHeartbeat(HeartbeatReply),
     JobFinished(Option<Settlement>),
     QuotaSet,
+    SchedulerConfigured,
 }

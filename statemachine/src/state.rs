@@ -262,6 +262,11 @@ fn execute(state: &mut State, req: &Request, now: u64, effects: &mut Vec<Pending
         authorize(&state.ledger, &state.scheduler, req.actor, &req.command).and_then(|()| {
             let ctx = &mut Ctx { now, effects };
             match &req.command {
+                Command::ConfigureScheduler(settings) => state
+                    .config
+                    .scheduler
+                    .apply_settings(settings)
+                    .map(|()| Reply::SchedulerConfigured),
                 command if command.is_scheduler() => dispatch_scheduler(state, req, ctx),
                 command => {
                     reject_job_hold(&state.ledger, command)?;
@@ -452,6 +457,7 @@ fn refs_of(state: &State, command: &Command, mut ev: PendingEvent) -> PendingEve
         Command::SetQuota { org, .. } => (Some(*org), Some(Account::Org(*org)), None),
         Command::SetBudget { .. }
         | Command::SetPrices { .. }
+        | Command::ConfigureScheduler(_)
         | Command::Tick
         | Command::RegisterNode(_)
         | Command::NodeHeartbeat { .. }

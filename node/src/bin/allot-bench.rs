@@ -294,7 +294,7 @@ async fn main() -> anyhow::Result<()> {
     c.start_all()?;
     c.init().await?;
     c.wait_leaders(Duration::from_secs(60)).await?;
-    let client = Client::new(c.endpoints());
+    let client = allot_node::local_cluster::client(c.endpoints());
     for s in 0..o.shards {
         let (outs, _) = client
             .execute(

@@ -10,9 +10,9 @@
 //!   allot-demo --endpoints 127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103 [--shards 4] [--seconds 60]
 
 use allot_node::local_cluster::{admin, Client};
-use allot_node::query::{Answer, Query};
 use allot_node::workload::{admin as admin_req, grant, rid};
-use allot_statemachine::scheduler::JobState;
+use allot_statemachine::query::{Answer, Query};
+use allot_statemachine::scheduler::{JobState, SchedulerConfig};
 use allot_statemachine::testkit::{
     a100, h100, world_commands, ORG, OTHER_ORG, OTHER_PROJECT, OTHER_USER, PROJECT, PROJECT_B,
     USER, USER_B,
@@ -114,7 +114,7 @@ async fn main() -> anyhow::Result<()> {
     if endpoints.is_empty() || shards == 0 {
         bail!("usage: allot-demo --endpoints H:P,H:P,... [--shards N] [--seconds S]");
     }
-    let client = Client::new(endpoints.clone());
+    let client = allot_node::local_cluster::client(endpoints.clone());
     let mut n = 0u64;
     let mut next_rid = |stream: u64| {
         n += 1;
@@ -127,6 +127,16 @@ async fn main() -> anyhow::Result<()> {
             .into_iter()
             .map(|c| admin_req(next_rid(1), c))
             .collect();
+        // Demo time scale: jobs run seconds, not hours, so preemption may start after
+        // 3 s of run time (default 60 s) with a 2 s grace and hysteresis.
+        let mut settings = SchedulerConfig::default().settings();
+        settings.min_runtime_ms = 3_000;
+        settings.hysteresis_ms = 2_000;
+        settings.grace_ms = 2_000;
+        reqs.push(admin_req(
+            next_rid(1),
+            Command::ConfigureScheduler(settings),
+        ));
         for t in teams() {
             reqs.push(admin_req(
                 next_rid(1),

@@ -307,12 +307,18 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
 /// Reads up to `limit` audit events of a shard from `from_seq` on (codec bytes of each
 /// event). Rows hold the events of one entry, keyed by the entry's first sequence number,
 /// so the read starts at the last row whose first sequence is ≤ `from_seq`.
+/// Audit events of a shard from `from_seq` on, in chain order: at most `limit` events
+/// that `keep` accepts, looking at no more than `scan_max` events. Returns their
+/// encodings and the sequence number to continue from (past everything looked at, so a
+/// filtered page never rescans).
 pub fn read_audit(
     db: &DB,
     shard: ShardId,
     from_seq: u64,
     limit: usize,
-) -> Result<Vec<Vec<u8>>, AuditReadError> {
+    scan_max: usize,
+    keep: impl Fn(&AuditEvent) -> bool,
+) -> Result<(Vec<Vec<u8>>, u64), AuditReadError> {
     let audit = cf(db, CF_AUDIT);
     let first = audit_key(shard, AUDIT_EVENTS, 0);
     let from = audit_key(shard, AUDIT_EVENTS, from_seq);
@@ -327,22 +333,32 @@ pub fn read_audit(
     }
     back.status()?;
     let mut out = Vec::new();
-    for item in db.iterator_cf(
+    let mut next = from_seq;
+    let mut scanned = 0usize;
+    'rows: for item in db.iterator_cf(
         audit,
         rocksdb::IteratorMode::From(&start, rocksdb::Direction::Forward),
     ) {
         let (k, v) = item?;
-        if k.as_ref() >= end.as_slice() || out.len() >= limit {
+        if k.as_ref() >= end.as_slice() {
             break;
         }
         let events: Vec<AuditEvent> = codec::decode(&v)?;
         for ev in events {
-            if ev.seq >= from_seq && out.len() < limit {
+            if ev.seq < from_seq {
+                continue;
+            }
+            if out.len() >= limit || scanned >= scan_max {
+                break 'rows;
+            }
+            scanned += 1;
+            next = ev.seq + 1;
+            if keep(&ev) {
                 out.push(codec::encode(&ev));
             }
         }
     }
-    Ok(out)
+    Ok((out, next))
 }
 
 #[derive(Debug, thiserror::Error)]

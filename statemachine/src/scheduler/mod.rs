@@ -104,6 +104,105 @@ impl Default for SchedulerConfig {
     }
 }
 
+/// The knobs an operator may change on a live shard (`Command::ConfigureScheduler`).
+/// Tiers can be retuned but not added or removed: queued jobs are indexed by tier.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SchedulerSettings {
+    pub node_lease_ms: u64,
+    pub job_lease_ms: u64,
+    pub grace_ms: u64,
+    pub min_runtime_ms: u64,
+    pub hysteresis_ms: u64,
+    pub preemptions_per_job_max: u32,
+    pub usage_half_life_ms: u64,
+    pub tiers: Vec<TierConfig>,
+}
+
+/// Bounds of [`SchedulerSettings`], by name.
+pub mod settings_bounds {
+    pub const LEASE_MS_MIN: u64 = 1_000;
+    pub const LEASE_MS_MAX: u64 = 86_400_000;
+    pub const GRACE_MS_MAX: u64 = 3_600_000;
+    pub const RUNTIME_MS_MAX: u64 = 86_400_000;
+    pub const HALF_LIFE_MS_MIN: u64 = 60_000;
+    pub const HALF_LIFE_MS_MAX: u64 = 30 * 86_400_000;
+    pub const PREEMPTIONS_PER_JOB_MAX: u32 = 100;
+    pub const TIER_WEIGHT_MAX: u32 = 1_000;
+    pub const TIER_NAME_LEN_MAX: usize = 32;
+    pub const TIER_WAIT_MS_MAX: u64 = 30 * 86_400_000;
+}
+
+impl SchedulerConfig {
+    pub fn settings(&self) -> SchedulerSettings {
+        SchedulerSettings {
+            node_lease_ms: self.node_lease_ms,
+            job_lease_ms: self.job_lease_ms,
+            grace_ms: self.grace_ms,
+            min_runtime_ms: self.min_runtime_ms,
+            hysteresis_ms: self.hysteresis_ms,
+            preemptions_per_job_max: self.preemptions_per_job_max,
+            usage_half_life_ms: self.usage_half_life_ms,
+            tiers: self.tiers.clone(),
+        }
+    }
+
+    /// Validates every field, then applies them all (or nothing). Timers already set
+    /// keep their instants; new ones use the new values.
+    pub fn apply_settings(
+        &mut self,
+        s: &SchedulerSettings,
+    ) -> Result<(), crate::outcome::CommandError> {
+        use crate::outcome::{CommandError, ConfigProblem as P};
+        use settings_bounds::*;
+        let check = |ok: bool, p: P| {
+            if ok {
+                Ok(())
+            } else {
+                Err(CommandError::InvalidConfig(p))
+            }
+        };
+        let lease = LEASE_MS_MIN..=LEASE_MS_MAX;
+        check(lease.contains(&s.node_lease_ms), P::NodeLease)?;
+        check(lease.contains(&s.job_lease_ms), P::JobLease)?;
+        check(s.grace_ms <= GRACE_MS_MAX, P::Grace)?;
+        check(s.min_runtime_ms <= RUNTIME_MS_MAX, P::MinRuntime)?;
+        check(s.hysteresis_ms <= RUNTIME_MS_MAX, P::Hysteresis)?;
+        check(
+            s.preemptions_per_job_max <= PREEMPTIONS_PER_JOB_MAX,
+            P::PreemptionCap,
+        )?;
+        check(
+            (HALF_LIFE_MS_MIN..=HALF_LIFE_MS_MAX).contains(&s.usage_half_life_ms),
+            P::HalfLife,
+        )?;
+        check(s.tiers.len() == self.tiers.len(), P::TierCount)?;
+        let mut floors = 0u32;
+        for t in &s.tiers {
+            check(
+                !t.name.is_empty() && t.name.len() <= TIER_NAME_LEN_MAX,
+                P::TierName,
+            )?;
+            check((1..=TIER_WEIGHT_MAX).contains(&t.weight), P::TierWeight)?;
+            check(
+                t.floor_pct <= t.ceiling_pct && t.ceiling_pct <= 100,
+                P::TierShare,
+            )?;
+            check(t.max_wait_ms <= TIER_WAIT_MS_MAX, P::TierWait)?;
+            floors += t.floor_pct;
+        }
+        check(floors <= 100, P::TierShare)?;
+        self.node_lease_ms = s.node_lease_ms;
+        self.job_lease_ms = s.job_lease_ms;
+        self.grace_ms = s.grace_ms;
+        self.min_runtime_ms = s.min_runtime_ms;
+        self.hysteresis_ms = s.hysteresis_ms;
+        self.preemptions_per_job_max = s.preemptions_per_job_max;
+        self.usage_half_life_ms = s.usage_half_life_ms;
+        self.tiers = s.tiers.clone();
+        Ok(())
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum NodeState {
     Ready,

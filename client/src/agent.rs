@@ -1,0 +1,1 @@
+//! The GPU node agent (in progress).

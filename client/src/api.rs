@@ -1,0 +1,446 @@
+//! The typed API: one method per operation. Tenant operations take the org and go to
+//! its home shard (the directory); GPU-pool operations take the shard that owns the
+//! pool. Each mutating call generates one request id and reuses it on every retry.
+
+use crate::error::{Error, Result};
+use crate::transport::Client;
+use allot_proto::{AuditRequest, WatchRequest};
+use allot_statemachine::ledger::{Balance, PriceTable, Totals};
+use allot_statemachine::query::{Answer, BudgetView, JobFilter, JobsPage, Query, TierQueue};
+use allot_statemachine::scheduler::{GpuNode, Job, JobState, SchedulerSettings};
+use allot_statemachine::{
+    codec, Account, AuditEvent, BucketId, BudgetScope, BudgetSpec, Command, GpuType, Grant, HoldId,
+    HoldSpec, JobHeartbeat, JobId, JobSpec, NodeId, NodeSpec, OrgId, ProjectId, Quota, Reply,
+    Request, RequestId, UserId,
+};
+use std::pin::Pin;
+use tokio_stream::{Stream, StreamExt};
+
+/// A job placed on a node, as its agent sees it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Assignment {
+    pub job: JobId,
+    /// The fencing token: heartbeats and finishes must carry it.
+    pub attempt: u32,
+    pub gpu_indices: Vec<u8>,
+    pub state: JobState,
+}
+
+/// Which audit events to return; unset fields match everything.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AuditFilter {
+    pub org: Option<OrgId>,
+    pub project: Option<ProjectId>,
+    /// A job's events (its hold has the job's id) or an explicit hold's.
+    pub hold: Option<HoldId>,
+    /// Logical-time range `[from_ms, to_ms)`; 0 = unbounded.
+    pub from_ms: u64,
+    pub to_ms: u64,
+}
+
+/// One page of audit events.
+#[derive(Clone, Debug)]
+pub struct AuditPage {
+    pub events: Vec<AuditEvent>,
+    /// Where the next page starts.
+    pub next_seq: u64,
+    /// The chain's length when answered: `next_seq == head_seq` means caught up.
+    pub head_seq: u64,
+}
+
+pub type AssignmentStream = Pin<Box<dyn Stream<Item = Result<Vec<Assignment>>> + Send>>;
+
+fn unexpected<T>(what: &str, got: impl std::fmt::Debug) -> Result<T> {
+    Err(Error::Unexpected(format!("{what}: got {got:?}")))
+}
+
+impl Client {
+    /// Runs one command on a shard as this client's identity, with a fresh request id.
+    pub async fn run(&self, shard: u32, command: Command) -> Result<Reply> {
+        self.run_with_id(shard, self.next_request_id(), command)
+            .await
+    }
+
+    /// Runs one command with a caller-chosen request id (to retry an operation whose
+    /// first attempt's fate is unknown: the shard answers with the first outcome).
+    pub async fn run_with_id(
+        &self,
+        shard: u32,
+        request_id: RequestId,
+        command: Command,
+    ) -> Result<Reply> {
+        let req = Request {
+            actor: self.identity(),
+            request_id,
+            command,
+        };
+        let (mut outcomes, _) = self.execute(shard, std::slice::from_ref(&req)).await?;
+        match outcomes.pop() {
+            Some(Ok(reply)) => Ok(reply),
+            Some(Err(e)) => Err(Error::Rejected(e)),
+            None => Err(Error::Unexpected("no outcome".into())),
+        }
+    }
+
+    /// Runs a command on an org's home shard (the directory).
+    pub async fn run_for_org(&self, org: OrgId, command: Command) -> Result<Reply> {
+        let shard = self.shard_of_org(org).await?;
+        self.run(shard, command).await
+    }
+
+    async fn query_org(&self, org: OrgId, q: &Query) -> Result<Answer> {
+        let shard = self.shard_of_org(org).await?;
+        self.query(shard, q).await
+    }
+
+    // ------------------------------------------------------------------ tenancy
+
+    pub async fn create_org(&self, org: OrgId) -> Result<()> {
+        self.run_for_org(org, Command::CreateOrg { org })
+            .await
+            .map(drop)
+    }
+
+    pub async fn create_project(&self, org: OrgId, project: ProjectId) -> Result<()> {
+        self.run_for_org(org, Command::CreateProject { project, org })
+            .await
+            .map(drop)
+    }
+
+    pub async fn create_user(&self, org: OrgId, user: UserId) -> Result<()> {
+        self.run_for_org(org, Command::CreateUser { user, org })
+            .await
+            .map(drop)
+    }
+
+    /// Replaces the price table (micro-credits per GPU-hour) on every shard. Returns
+    /// each shard's new price-table version.
+    pub async fn set_prices(&self, prices: Vec<(GpuType, u64)>) -> Result<Vec<u32>> {
+        let mut versions = Vec::new();
+        for shard in 0..self.shards().await? {
+            match self
+                .run(
+                    shard,
+                    Command::SetPrices {
+                        prices: prices.clone(),
+                    },
+                )
+                .await?
+            {
+                Reply::PricesSet { version } => versions.push(version),
+                other => return unexpected("set prices", other),
+            }
+        }
+        Ok(versions)
+    }
+
+    pub async fn prices(&self, shard: u32) -> Result<PriceTable> {
+        match self.query(shard, &Query::Prices).await? {
+            Answer::Prices(p) => Ok(p),
+            other => unexpected("prices", other),
+        }
+    }
+
+    // ------------------------------------------------------------------ credits
+
+    /// Issues a grant into an org's or project's bucket (the bucket id is the caller's:
+    /// issuing the same grant again is answered as the first time).
+    pub async fn issue_grant(&self, org: OrgId, grant: Grant) -> Result<BucketId> {
+        match self.run_for_org(org, Command::IssueGrant(grant)).await? {
+            Reply::GrantIssued { bucket } => Ok(bucket),
+            other => unexpected("issue grant", other),
+        }
+    }
+
+    /// Balance with its breakdown and the buckets expiring within `horizon_ms`.
+    pub async fn balance(&self, org: OrgId, account: Account, horizon_ms: u64) -> Result<Balance> {
+        match self
+            .query_org(
+                org,
+                &Query::Balance {
+                    account,
+                    horizon_ms,
+                },
+            )
+            .await?
+        {
+            Answer::Balance(Some(b)) => Ok(b),
+            Answer::Balance(None) => Err(Error::NotFound(format!("{account}"))),
+            other => unexpected("balance", other),
+        }
+    }
+
+    pub async fn set_budget(
+        &self,
+        org: OrgId,
+        scope: BudgetScope,
+        budget: Option<BudgetSpec>,
+    ) -> Result<()> {
+        self.run_for_org(org, Command::SetBudget { scope, budget })
+            .await
+            .map(drop)
+    }
+
+    pub async fn budget(&self, org: OrgId, scope: BudgetScope) -> Result<BudgetView> {
+        match self.query_org(org, &Query::Budget(scope)).await? {
+            Answer::Budget(Some(b)) => Ok(b),
+            Answer::Budget(None) => Err(Error::NotFound(format!("{scope:?}"))),
+            other => unexpected("budget", other),
+        }
+    }
+
+    pub async fn transfer(
+        &self,
+        org: OrgId,
+        from: Account,
+        to: Account,
+        amount_micro: u64,
+    ) -> Result<Vec<BucketId>> {
+        match self
+            .run_for_org(
+                org,
+                Command::Transfer {
+                    from,
+                    to,
+                    amount_micro,
+                },
+            )
+            .await?
+        {
+            Reply::Transferred { buckets } => Ok(buckets),
+            other => unexpected("transfer", other),
+        }
+    }
+
+    /// An explicit reservation outside the scheduler (e.g. for work metered elsewhere).
+    pub async fn create_hold(&self, org: OrgId, spec: HoldSpec) -> Result<Reply> {
+        self.run_for_org(org, Command::CreateHold(spec)).await
+    }
+
+    pub async fn capture(&self, org: OrgId, hold: HoldId, amount_micro: u64) -> Result<Reply> {
+        self.run_for_org(org, Command::Capture { hold, amount_micro })
+            .await
+    }
+
+    pub async fn release_hold(&self, org: OrgId, hold: HoldId) -> Result<Reply> {
+        self.run_for_org(org, Command::ReleaseHold { hold }).await
+    }
+
+    pub async fn totals(&self, shard: u32) -> Result<Totals> {
+        match self.query(shard, &Query::Totals).await? {
+            Answer::Totals(t) => Ok(t),
+            other => unexpected("totals", other),
+        }
+    }
+
+    // ------------------------------------------------------------------ jobs
+
+    /// Submits a job: validates, applies quotas, reserves its hold and enqueues it, all
+    /// or nothing. Idempotent by job id. Returns the job's state and hold.
+    pub async fn submit_job(&self, org: OrgId, spec: JobSpec) -> Result<Reply> {
+        self.run_for_org(org, Command::SubmitJob(spec)).await
+    }
+
+    pub async fn job(&self, org: OrgId, job: JobId) -> Result<Job> {
+        match self.query_org(org, &Query::Job(job)).await? {
+            Answer::Job(Some(j)) => Ok(*j),
+            Answer::Job(None) => Err(Error::NotFound(format!("{job}"))),
+            other => unexpected("job", other),
+        }
+    }
+
+    /// One page of an org's jobs (the filter's `org` is set to `org`).
+    pub async fn jobs(&self, org: OrgId, mut filter: JobFilter) -> Result<JobsPage> {
+        filter.org = Some(org);
+        match self.query_org(org, &Query::Jobs(filter)).await? {
+            Answer::Jobs(p) => Ok(p),
+            other => unexpected("jobs", other),
+        }
+    }
+
+    pub async fn cancel_job(&self, org: OrgId, job: JobId) -> Result<Reply> {
+        self.run_for_org(org, Command::CancelJob { job }).await
+    }
+
+    pub async fn set_quota(&self, org: OrgId, quota: Option<Quota>) -> Result<()> {
+        self.run_for_org(org, Command::SetQuota { org, quota })
+            .await
+            .map(drop)
+    }
+
+    /// Per tier of a shard: queued jobs, the oldest one's wait, GPUs running.
+    pub async fn queue(&self, shard: u32) -> Result<Vec<TierQueue>> {
+        match self.query(shard, &Query::Queue).await? {
+            Answer::Queue(q) => Ok(q),
+            other => unexpected("queue", other),
+        }
+    }
+
+    pub async fn scheduler_settings(&self, shard: u32) -> Result<SchedulerSettings> {
+        match self.query(shard, &Query::SchedulerSettings).await? {
+            Answer::SchedulerSettings(s) => Ok(s),
+            other => unexpected("scheduler settings", other),
+        }
+    }
+
+    /// Retunes a shard's scheduler (admin only; validated whole, applied whole).
+    pub async fn configure_scheduler(&self, shard: u32, settings: SchedulerSettings) -> Result<()> {
+        self.run(shard, Command::ConfigureScheduler(settings))
+            .await
+            .map(drop)
+    }
+
+    // ------------------------------------------------------------------ GPU pool
+
+    pub async fn register_node(&self, shard: u32, spec: NodeSpec) -> Result<()> {
+        self.run(shard, Command::RegisterNode(spec)).await.map(drop)
+    }
+
+    pub async fn set_node_draining(&self, shard: u32, node: NodeId, draining: bool) -> Result<()> {
+        self.run(shard, Command::SetNodeDraining { node, draining })
+            .await
+            .map(drop)
+    }
+
+    pub async fn nodes(&self, shard: u32) -> Result<Vec<GpuNode>> {
+        match self.query(shard, &Query::Nodes).await? {
+            Answer::Nodes(n) => Ok(n),
+            other => unexpected("nodes", other),
+        }
+    }
+
+    // ------------------------------------------------------------------ agent
+
+    /// The node agent is alive (renews the node lease).
+    pub async fn node_heartbeat(&self, shard: u32, node: NodeId) -> Result<()> {
+        self.run(shard, Command::NodeHeartbeat { node })
+            .await
+            .map(drop)
+    }
+
+    /// Meters a placed job's attempt and renews its lease.
+    pub async fn job_heartbeat(&self, shard: u32, hb: JobHeartbeat) -> Result<Reply> {
+        self.run(shard, Command::JobHeartbeat(hb)).await
+    }
+
+    /// Reports an attempt's exit (or, while preempting, that it stopped).
+    pub async fn finish_job(
+        &self,
+        shard: u32,
+        job: JobId,
+        attempt: u32,
+        success: bool,
+    ) -> Result<Reply> {
+        self.run(
+            shard,
+            Command::FinishJob {
+                job,
+                attempt,
+                success,
+            },
+        )
+        .await
+    }
+
+    /// The jobs placed on a node now (linearizable).
+    pub async fn assignments(&self, shard: u32, node: NodeId) -> Result<Vec<Assignment>> {
+        match self.query(shard, &Query::Assignments(node)).await? {
+            Answer::Assignments(a) => Ok(a.into_iter().map(assignment).collect()),
+            other => unexpected("assignments", other),
+        }
+    }
+
+    /// A stream of a node's assignments from one endpoint: the current set first, then
+    /// a new set whenever it changes. It ends when the connection does; call again
+    /// (any endpoint) to resume — each message is the whole set, so nothing is missed.
+    pub async fn watch_assignments(
+        &self,
+        addr: &str,
+        shard: u32,
+        node: NodeId,
+    ) -> Result<AssignmentStream> {
+        let stream = self
+            .agent_at(addr)?
+            .watch_assignments(WatchRequest {
+                shard,
+                node_id: node.0.to_string(),
+            })
+            .await
+            .map_err(|s| Error::from_status(&s))?
+            .into_inner();
+        Ok(Box::pin(stream.map(|m| {
+            let m = m.map_err(|s| Error::from_status(&s))?;
+            let raw: Vec<(JobId, u32, Vec<u8>, JobState)> =
+                codec::decode(&m.assignments).map_err(|e| Error::Decode(e.to_string()))?;
+            Ok(raw.into_iter().map(assignment).collect())
+        })))
+    }
+
+    // ------------------------------------------------------------------ audit
+
+    /// One page of a shard's audit trail from `from_seq`, filtered.
+    pub async fn audit(
+        &self,
+        shard: u32,
+        filter: AuditFilter,
+        from_seq: u64,
+        limit: u32,
+    ) -> Result<AuditPage> {
+        let reply = self
+            .audit_page(
+                shard,
+                AuditRequest {
+                    shard,
+                    from_seq,
+                    limit,
+                    org: filter.org.map(|o| o.0),
+                    project: filter.project.map(|p| p.0),
+                    hold: filter.hold.map(|h| h.0),
+                    from_ms: filter.from_ms,
+                    to_ms: filter.to_ms,
+                },
+            )
+            .await?;
+        let events = reply
+            .events
+            .iter()
+            .map(|b| codec::decode(b).map_err(|e| Error::Decode(e.to_string())))
+            .collect::<Result<Vec<AuditEvent>>>()?;
+        Ok(AuditPage {
+            events,
+            next_seq: reply.next_seq,
+            head_seq: reply.head_seq,
+        })
+    }
+
+    /// Every matching audit event of a shard from `from_seq` up to the chain's head when
+    /// called, page by page, passed to `sink` in order.
+    pub async fn audit_export(
+        &self,
+        shard: u32,
+        filter: AuditFilter,
+        mut from_seq: u64,
+        mut sink: impl FnMut(&AuditEvent) -> Result<()>,
+    ) -> Result<u64> {
+        loop {
+            let page = self.audit(shard, filter, from_seq, 1_000).await?;
+            for ev in &page.events {
+                sink(ev)?;
+            }
+            let done = page.next_seq >= page.head_seq || page.next_seq == from_seq;
+            from_seq = page.next_seq;
+            if done {
+                return Ok(from_seq);
+            }
+        }
+    }
+}
+
+fn assignment((job, attempt, gpu_indices, state): (JobId, u32, Vec<u8>, JobState)) -> Assignment {
+    Assignment {
+        job,
+        attempt,
+        gpu_indices,
+        state,
+    }
+}

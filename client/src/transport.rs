@@ -1,0 +1,508 @@
+//! The connection layer: endpoints, channels, per-shard leader cache, retries with
+//! exponential backoff and full jitter, NotLeader hints, deadlines, the shard count.
+//!
+//! A call is retried only on errors that say "try again" (unavailable, no leader, rate
+//! limited, timed out). A mutating call's request ids are fixed before the first attempt
+//! and the same encoded bytes go out on every retry, so a retry is answered from the
+//! shard's idempotency table and never applies twice.
+
+use crate::error::{Error, Result};
+use allot_proto::admin_client::AdminClient;
+use allot_proto::allot_client::AllotClient;
+use allot_proto::meta;
+use allot_proto::{
+    AuditReply, AuditRequest, Consistency, ExecuteRequest, QueryRequest, StatusReply, StatusRequest,
+};
+use allot_statemachine::query::{Answer, Query};
+use allot_statemachine::{codec, Actor, Outcome, PrincipalId, Request};
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tonic::metadata::MetadataValue;
+use tonic::transport::{Channel, Endpoint};
+
+/// Largest message the client sends or accepts.
+const MESSAGE_MAX: usize = 64 << 20;
+
+/// Settings of a [`Client`]; see [`Client::builder`].
+#[derive(Clone, Debug)]
+pub struct ClientBuilder {
+    endpoints: Vec<String>,
+    token: Option<String>,
+    identity: Actor,
+    timeout: Duration,
+    attempt_timeout: Duration,
+    retries: u32,
+    backoff_base: Duration,
+    backoff_max: Duration,
+    connect_timeout: Duration,
+    shards: Option<u32>,
+}
+
+impl Default for ClientBuilder {
+    fn default() -> Self {
+        ClientBuilder {
+            endpoints: Vec::new(),
+            token: None,
+            identity: Actor::Admin(PrincipalId(1)),
+            timeout: Duration::from_secs(30),
+            attempt_timeout: Duration::from_secs(5),
+            retries: 20,
+            backoff_base: Duration::from_millis(20),
+            backoff_max: Duration::from_secs(1),
+            connect_timeout: Duration::from_millis(500),
+            shards: None,
+        }
+    }
+}
+
+impl ClientBuilder {
+    /// The nodes to talk to (`host:port` or `http://host:port`); any node of the cluster
+    /// will do: requests reaching a follower are forwarded or redirected to the leader.
+    pub fn endpoints<I, S>(mut self, endpoints: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.endpoints = endpoints.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// The API token, sent as `authorization: Bearer <token>` on every call.
+    pub fn token(mut self, token: impl Into<String>) -> Self {
+        self.token = Some(token.into());
+        self
+    }
+
+    /// The identity the client's commands are issued as (admin, an org's tenant, or a
+    /// node's agent). Recorded on every audit event and checked inside apply.
+    pub fn identity(mut self, identity: Actor) -> Self {
+        self.identity = identity;
+        self
+    }
+
+    /// Overall deadline of one call, retries included (default 30 s).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Deadline of one attempt (default 5 s; never more than what is left of `timeout`).
+    pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
+        self.attempt_timeout = timeout;
+        self
+    }
+
+    /// Most attempts per call after the first (default 20).
+    pub fn retries(mut self, retries: u32) -> Self {
+        self.retries = retries;
+        self
+    }
+
+    /// Backoff between attempts: full jitter over `base × 2^n`, capped at `max`.
+    pub fn backoff(mut self, base: Duration, max: Duration) -> Self {
+        self.backoff_base = base;
+        self.backoff_max = max;
+        self
+    }
+
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// The cluster's shard count, if known (otherwise asked of the cluster once).
+    pub fn shards(mut self, shards: u32) -> Self {
+        self.shards = Some(shards);
+        self
+    }
+
+    pub fn build(self) -> Result<Client> {
+        if self.endpoints.is_empty() {
+            return Err(Error::Config("no endpoints".into()));
+        }
+        let mut endpoints = Vec::with_capacity(self.endpoints.len());
+        for e in &self.endpoints {
+            let e = e.trim();
+            let addr = e
+                .strip_prefix("http://")
+                .unwrap_or(e)
+                .trim_end_matches('/')
+                .to_string();
+            if addr.is_empty() || addr.contains("://") || !addr.contains(':') {
+                return Err(Error::Config(format!(
+                    "endpoint {e:?} is not host:port (or http://host:port)"
+                )));
+            }
+            endpoints.push(addr);
+        }
+        let bearer = match &self.token {
+            Some(t) => Some(MetadataValue::try_from(format!("Bearer {t}")).map_err(|_| {
+                Error::Config("the token has characters not allowed in a header".into())
+            })?),
+            None => None,
+        };
+        if self.shards == Some(0) {
+            return Err(Error::Config("shards must be positive".into()));
+        }
+        Ok(Client {
+            inner: Arc::new(Inner {
+                endpoints,
+                bearer,
+                identity: self.identity,
+                settings: self,
+                channels: Mutex::default(),
+                leaders: Mutex::default(),
+                shards: AtomicU32::new(0),
+                id_prefix: random_u64(),
+                id_counter: AtomicU64::new(0),
+            }),
+        })
+    }
+}
+
+/// A connection to an allot cluster. Cheap to clone; clones share connections, the
+/// leader cache and the request-id sequence.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    endpoints: Vec<String>,
+    bearer: Option<MetadataValue<tonic::metadata::Ascii>>,
+    identity: Actor,
+    settings: ClientBuilder,
+    channels: Mutex<HashMap<String, Channel>>,
+    /// Last known leader address per shard.
+    leaders: Mutex<HashMap<u32, String>>,
+    /// The cluster's shard count (0 until known).
+    shards: AtomicU32,
+    id_prefix: u64,
+    id_counter: AtomicU64,
+}
+
+/// A random u64 from the standard library's per-process random hasher keys.
+fn random_u64() -> u64 {
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Errors worth another attempt, possibly elsewhere.
+fn retryable(s: &tonic::Status) -> bool {
+    matches!(
+        s.code(),
+        tonic::Code::Unavailable
+            | tonic::Code::DeadlineExceeded
+            | tonic::Code::ResourceExhausted
+            | tonic::Code::Cancelled
+            | tonic::Code::Aborted
+            | tonic::Code::Unknown
+    )
+}
+
+fn metadata_str<'a>(s: &'a tonic::Status, key: &str) -> Option<&'a str> {
+    s.metadata().get(key).and_then(|v| v.to_str().ok())
+}
+
+impl Client {
+    pub fn builder() -> ClientBuilder {
+        ClientBuilder::default()
+    }
+
+    /// The identity this client's commands are issued as.
+    pub fn identity(&self) -> Actor {
+        self.inner.identity
+    }
+
+    pub fn endpoints(&self) -> &[String] {
+        &self.inner.endpoints
+    }
+
+    /// A new request id: 64 random bits for this client, then a counter. Generate one
+    /// per logical operation and reuse it on every retry of that operation.
+    pub fn next_request_id(&self) -> u128 {
+        let n = self.inner.id_counter.fetch_add(1, Ordering::Relaxed) + 1;
+        (u128::from(self.inner.id_prefix) << 64) | u128::from(n)
+    }
+
+    /// A client with the same settings and its own connections and request ids.
+    pub fn fresh(&self) -> Client {
+        let mut b = self.inner.settings.clone();
+        b.shards = match self.inner.shards.load(Ordering::Relaxed) {
+            0 => b.shards,
+            n => Some(n),
+        };
+        b.build().expect("settings were valid when first built")
+    }
+
+    fn channel(&self, addr: &str) -> Result<Channel> {
+        let mut m = lock(&self.inner.channels);
+        if let Some(c) = m.get(addr) {
+            return Ok(c.clone());
+        }
+        let c = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| Error::Config(format!("endpoint {addr}: {e}")))?
+            .connect_timeout(self.inner.settings.connect_timeout)
+            .tcp_nodelay(true)
+            .connect_lazy();
+        m.insert(addr.to_string(), c.clone());
+        Ok(c)
+    }
+
+    fn request<T>(&self, msg: T, timeout: Duration) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(msg);
+        r.set_timeout(timeout);
+        if let Some(b) = &self.inner.bearer {
+            r.metadata_mut().insert(meta::AUTHORIZATION, b.clone());
+        }
+        r
+    }
+
+    fn allot(&self, addr: &str) -> Result<AllotClient<Channel>> {
+        Ok(AllotClient::new(self.channel(addr)?)
+            .max_decoding_message_size(MESSAGE_MAX)
+            .max_encoding_message_size(MESSAGE_MAX))
+    }
+
+    /// A raw gRPC client of one endpoint's admin service.
+    pub fn admin_at(&self, addr: &str) -> Result<AdminClient<Channel>> {
+        Ok(AdminClient::new(self.channel(addr)?))
+    }
+
+    /// A raw gRPC client of one endpoint's agent service.
+    pub fn agent_at(&self, addr: &str) -> Result<allot_proto::agent_client::AgentClient<Channel>> {
+        Ok(allot_proto::agent_client::AgentClient::new(
+            self.channel(addr)?,
+        ))
+    }
+
+    /// The backoff before attempt `n + 1`: full jitter over `base × 2^n`, capped.
+    fn backoff(&self, n: u32, retry_after: Option<Duration>) -> Duration {
+        let s = &self.inner.settings;
+        let ceiling = s
+            .backoff_base
+            .saturating_mul(1u32 << n.min(16))
+            .min(s.backoff_max);
+        let jitter = random_u64() % (ceiling.as_micros() as u64).max(1);
+        Duration::from_micros(jitter).max(retry_after.unwrap_or_default())
+    }
+
+    /// Runs `call` against `shard`'s leader (as far as known), following NotLeader
+    /// hints, rotating through the endpoints, backing off between attempts, until it
+    /// succeeds, fails for good, or the retry budget or deadline runs out.
+    pub(crate) async fn with_retries<T, F, Fut>(&self, shard: u32, mut call: F) -> Result<T>
+    where
+        F: FnMut(AllotClient<Channel>, Duration) -> Fut,
+        Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+    {
+        let s = &self.inner.settings;
+        let started = Instant::now();
+        let mut rotate = shard as usize;
+        let mut attempts = 0u32;
+        let mut last = String::new();
+        loop {
+            let remaining = s.timeout.saturating_sub(started.elapsed());
+            if attempts > s.retries || remaining.is_zero() {
+                return Err(Error::Unavailable {
+                    attempts,
+                    elapsed: started.elapsed(),
+                    last,
+                });
+            }
+            attempts += 1;
+            let addr = lock(&self.inner.leaders)
+                .get(&shard)
+                .cloned()
+                .unwrap_or_else(|| {
+                    self.inner.endpoints[rotate % self.inner.endpoints.len()].clone()
+                });
+            let per_attempt = s.attempt_timeout.min(remaining);
+            let mut retry_after = None;
+            match tokio::time::timeout(per_attempt, call(self.allot(&addr)?, per_attempt)).await {
+                Ok(Ok(v)) => {
+                    lock(&self.inner.leaders).insert(shard, addr);
+                    return Ok(v);
+                }
+                Ok(Err(st)) if retryable(&st) => {
+                    last = format!("{addr}: {:?}: {}", st.code(), st.message());
+                    retry_after = metadata_str(&st, meta::RETRY_AFTER_MS)
+                        .and_then(|v| v.parse().ok())
+                        .map(Duration::from_millis);
+                    let hint = metadata_str(&st, meta::LEADER_ADDR).map(str::to_string);
+                    let mut leaders = lock(&self.inner.leaders);
+                    match hint {
+                        Some(h) if h != addr => {
+                            // Follow the hint at once: the leader is known.
+                            leaders.insert(shard, h);
+                            continue;
+                        }
+                        _ if st.code() == tonic::Code::ResourceExhausted => {}
+                        _ => {
+                            leaders.remove(&shard);
+                            rotate += 1;
+                        }
+                    }
+                }
+                Ok(Err(st)) => return Err(Error::from_status(&st)),
+                Err(_) => {
+                    last = format!("{addr}: no answer within {per_attempt:?}");
+                    lock(&self.inner.leaders).remove(&shard);
+                    rotate += 1;
+                }
+            }
+            tokio::time::sleep(self.backoff(attempts - 1, retry_after)).await;
+        }
+    }
+
+    /// Executes requests on a shard (one `Execute` call, all in one log entry when they
+    /// fit) and returns their outcomes in order and the log index they were applied at.
+    /// The requests' ids are the caller's: reuse them to retry.
+    pub async fn execute(&self, shard: u32, requests: &[Request]) -> Result<(Vec<Outcome>, u64)> {
+        let encoded: Vec<Vec<u8>> = requests.iter().map(codec::encode).collect();
+        let reply = self
+            .with_retries(shard, |mut c, t| {
+                let msg = self.request(
+                    ExecuteRequest {
+                        shard,
+                        requests: encoded.clone(),
+                    },
+                    t,
+                );
+                async move { c.execute(msg).await.map(|r| r.into_inner()) }
+            })
+            .await?;
+        if reply.outcomes.len() != requests.len() {
+            return Err(Error::Unexpected(format!(
+                "{} outcomes for {} requests",
+                reply.outcomes.len(),
+                requests.len()
+            )));
+        }
+        let outcomes = reply
+            .outcomes
+            .iter()
+            .map(|b| codec::decode(b).map_err(|e| Error::Decode(e.to_string())))
+            .collect::<Result<Vec<Outcome>>>()?;
+        Ok((outcomes, reply.log_index))
+    }
+
+    /// A query through the shard's leader: linearizable (read index), or `stale` from
+    /// whichever replica answers first.
+    pub async fn query_with(&self, shard: u32, q: &Query, stale: bool) -> Result<Answer> {
+        let bytes = codec::encode(q);
+        let consistency = if stale {
+            Consistency::Stale
+        } else {
+            Consistency::Linearizable
+        };
+        let reply = self
+            .with_retries(shard, |mut c, t| {
+                let msg = self.request(
+                    QueryRequest {
+                        shard,
+                        consistency: consistency as i32,
+                        query: bytes.clone(),
+                    },
+                    t,
+                );
+                async move { c.query(msg).await.map(|r| r.into_inner()) }
+            })
+            .await?;
+        codec::decode(&reply.answer).map_err(|e| Error::Decode(e.to_string()))
+    }
+
+    /// A linearizable query.
+    pub async fn query(&self, shard: u32, q: &Query) -> Result<Answer> {
+        self.query_with(shard, q, false).await
+    }
+
+    /// A stale query answered by one given replica from its applied state (no retries).
+    pub async fn query_replica(&self, addr: &str, shard: u32, q: &Query) -> Result<Answer> {
+        let t = self.inner.settings.attempt_timeout;
+        let msg = self.request(
+            QueryRequest {
+                shard,
+                consistency: Consistency::Stale as i32,
+                query: codec::encode(q),
+            },
+            t,
+        );
+        let reply = self
+            .allot(addr)?
+            .query(msg)
+            .await
+            .map_err(|s| Error::from_status(&s))?
+            .into_inner();
+        codec::decode(&reply.answer).map_err(|e| Error::Decode(e.to_string()))
+    }
+
+    /// One page of a shard's audit events (filters in `req`; its `shard` is set here).
+    pub async fn audit_page(&self, shard: u32, req: AuditRequest) -> Result<AuditReply> {
+        self.with_retries(shard, |mut c, t| {
+            let msg = self.request(AuditRequest { shard, ..req }, t);
+            async move { c.audit(msg).await.map(|r| r.into_inner()) }
+        })
+        .await
+    }
+
+    /// The status of one endpoint (its node id and every shard it hosts).
+    pub async fn status_of(&self, addr: &str) -> Result<StatusReply> {
+        let msg = self.request(StatusRequest {}, self.inner.settings.attempt_timeout);
+        self.admin_at(addr)?
+            .status(msg)
+            .await
+            .map(|r| r.into_inner())
+            .map_err(|s| Error::from_status(&s))
+    }
+
+    /// The cluster's shard count: configured, cached, or asked of the endpoints.
+    pub async fn shards(&self) -> Result<u32> {
+        match self.inner.shards.load(Ordering::Relaxed) {
+            0 => self.refresh_shards().await,
+            n => Ok(n),
+        }
+    }
+
+    /// Asks the endpoints for the shard count (first that answers) and caches it.
+    pub async fn refresh_shards(&self) -> Result<u32> {
+        if let Some(n) = self.inner.settings.shards {
+            self.inner.shards.store(n, Ordering::Relaxed);
+            return Ok(n);
+        }
+        let started = Instant::now();
+        let mut last = String::new();
+        for addr in &self.inner.endpoints {
+            match self.status_of(addr).await {
+                Ok(s) if !s.shards.is_empty() => {
+                    let n = s.shards.len() as u32;
+                    self.inner.shards.store(n, Ordering::Relaxed);
+                    return Ok(n);
+                }
+                Ok(_) => last = format!("{addr}: hosts no shards"),
+                Err(e) => last = format!("{addr}: {e}"),
+            }
+        }
+        Err(Error::Unavailable {
+            attempts: self.inner.endpoints.len() as u32,
+            elapsed: started.elapsed(),
+            last,
+        })
+    }
+
+    /// The home shard of an org (the directory: [`allot_proto::shard_of_org`]).
+    pub async fn shard_of_org(&self, org: allot_statemachine::OrgId) -> Result<u32> {
+        Ok(allot_proto::shard_of_org(org.0, self.shards().await?))
+    }
+}

@@ -1,0 +1,210 @@
+//! Read queries against a shard's applied state: pure functions of [`State`], shared by
+//! the node (which answers them) and the client (which sends them). They travel as
+//! codec bytes in the gRPC `QueryRequest`; the node answers from the replica's state
+//! after the consistency the caller asked for (read index, or stale).
+//!
+//! New variants go at the end of [`Query`] and [`Answer`]: their encoding is positional.
+
+use crate::command::{BudgetScope, BudgetSpec};
+use crate::ids::{Account, JobId, NodeId, OrgId, ProjectId, Tier, UserId};
+use crate::ledger::{Balance, PriceTable, Totals, Usage};
+use crate::scheduler::{GpuNode, Job, JobState, SchedulerSettings};
+use crate::{check_invariants, State};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Most jobs one `Jobs` page returns.
+pub const JOBS_PAGE_MAX: u32 = 1_000;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Query {
+    /// Balance of an account with the buckets expiring within `horizon_ms`.
+    Balance {
+        account: Account,
+        horizon_ms: u64,
+    },
+    Job(JobId),
+    /// The jobs placed on a GPU node: (job, attempt, GPU indices, state).
+    Assignments(NodeId),
+    QueueDepth,
+    Totals,
+    /// Runs the state machine's invariant check (conservation included) on this replica.
+    Invariants,
+    /// SHA-256 of the canonical state encoding.
+    StateHash,
+    /// GPUs of the shard's pool: (registered, allocated).
+    Fleet,
+    /// A page of jobs matching the filter, by job id.
+    Jobs(JobFilter),
+    /// Every GPU node of the shard's pool, by node id.
+    Nodes,
+    /// Per tier: queued jobs, the oldest one's wait, GPUs running.
+    Queue,
+    /// The current price table.
+    Prices,
+    /// The budget of an org, project or user and its spend counters.
+    Budget(BudgetScope),
+    /// The scheduler's current settings.
+    SchedulerSettings,
+}
+
+/// Which jobs a `Jobs` query returns. Every set field must match.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobFilter {
+    pub org: Option<OrgId>,
+    pub project: Option<ProjectId>,
+    pub user: Option<UserId>,
+    pub state: Option<JobState>,
+    /// Only jobs with a larger id (the previous page's `next`).
+    pub after: Option<JobId>,
+    /// Page size, 1..=`JOBS_PAGE_MAX` (0 means the maximum).
+    pub limit: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobsPage {
+    pub jobs: Vec<Job>,
+    /// Set when more jobs may match: pass it as `after` for the next page.
+    pub next: Option<JobId>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierQueue {
+    pub tier: Tier,
+    pub queued: u64,
+    /// How long the oldest queued job of the tier has waited (0 when none is queued).
+    pub oldest_wait_ms: u64,
+    pub running_gpus: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BudgetView {
+    pub budget: Option<BudgetSpec>,
+    /// Held plus spent in the budget's period (0 without a budget).
+    pub used_micro: u64,
+    pub usage: Usage,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Answer {
+    Balance(Option<Balance>),
+    Job(Option<Box<Job>>),
+    Assignments(Vec<(JobId, u32, Vec<u8>, JobState)>),
+    QueueDepth(BTreeMap<Tier, usize>),
+    Totals(Totals),
+    Invariants(Result<(), String>),
+    StateHash([u8; 32]),
+    Fleet {
+        gpus: u32,
+        used: u32,
+    },
+    Jobs(JobsPage),
+    Nodes(Vec<GpuNode>),
+    Queue(Vec<TierQueue>),
+    Prices(PriceTable),
+    /// `None`: unknown org, project or user.
+    Budget(Option<BudgetView>),
+    SchedulerSettings(SchedulerSettings),
+}
+
+pub fn answer(state: &State, q: &Query) -> Answer {
+    let sched = &state.scheduler;
+    match q {
+        Query::Balance {
+            account,
+            horizon_ms,
+        } => Answer::Balance(state.ledger.balance(*account, state.time_ms, *horizon_ms)),
+        Query::Job(id) => Answer::Job(sched.job(*id).cloned().map(Box::new)),
+        Query::Assignments(node) => Answer::Assignments(sched.assignments(*node)),
+        Query::QueueDepth => Answer::QueueDepth(sched.queue_depth()),
+        Query::Totals => Answer::Totals(state.ledger.totals),
+        Query::Invariants => Answer::Invariants(check_invariants(state).map_err(|v| v.to_string())),
+        Query::StateHash => Answer::StateHash(state.state_hash()),
+        Query::Fleet => Answer::Fleet {
+            gpus: sched.fleet_gpus,
+            used: sched.used_gpus,
+        },
+        Query::Jobs(filter) => Answer::Jobs(jobs_page(state, filter)),
+        Query::Nodes => {
+            let mut nodes: Vec<GpuNode> = sched.nodes.values().cloned().collect();
+            nodes.sort_by_key(|n| n.id);
+            Answer::Nodes(nodes)
+        }
+        Query::Queue => Answer::Queue(queue(state)),
+        Query::Prices => Answer::Prices(state.ledger.prices.clone()),
+        Query::Budget(scope) => Answer::Budget(budget(state, *scope)),
+        Query::SchedulerSettings => Answer::SchedulerSettings(state.config.scheduler.settings()),
+    }
+}
+
+fn jobs_page(state: &State, f: &JobFilter) -> JobsPage {
+    let limit = match f.limit {
+        0 => JOBS_PAGE_MAX,
+        n => n.min(JOBS_PAGE_MAX),
+    } as usize;
+    let mut ids: Vec<JobId> = state
+        .scheduler
+        .jobs
+        .iter()
+        .filter(|(id, j)| {
+            f.after.is_none_or(|a| **id > a)
+                && f.org.is_none_or(|o| j.org == o)
+                && f.project.is_none_or(|p| j.spec.project == p)
+                && f.user.is_none_or(|u| j.spec.user == u)
+                && f.state.is_none_or(|s| j.state == s)
+        })
+        .map(|(id, _)| *id)
+        .collect();
+    ids.sort_unstable();
+    let more = ids.len() > limit;
+    ids.truncate(limit);
+    JobsPage {
+        next: if more { ids.last().copied() } else { None },
+        jobs: ids
+            .iter()
+            .filter_map(|id| state.scheduler.job(*id).cloned())
+            .collect(),
+    }
+}
+
+fn queue(state: &State) -> Vec<TierQueue> {
+    let sched = &state.scheduler;
+    (0..sched_tiers(state))
+        .map(|t| {
+            let tier = Tier(t);
+            let aged = sched.by_age.get(&tier);
+            TierQueue {
+                tier,
+                queued: aged.map_or(0, |q| q.len() as u64),
+                oldest_wait_ms: aged
+                    .and_then(|q| q.first())
+                    .map_or(0, |(since, _)| state.time_ms.saturating_sub(*since)),
+                running_gpus: sched.tier_gpus.get(&tier).copied().unwrap_or(0),
+            }
+        })
+        .collect()
+}
+
+fn sched_tiers(state: &State) -> u8 {
+    state.config.scheduler.tiers.len().min(u8::MAX as usize) as u8
+}
+
+fn budget(state: &State, scope: BudgetScope) -> Option<BudgetView> {
+    let books = &state.ledger.books;
+    let (usage, budget) = match scope {
+        BudgetScope::Org(o) => books
+            .orgs
+            .get(&o)
+            .map(|r| (r.account.usage, r.account.budget))?,
+        BudgetScope::Project(p) => books
+            .projects
+            .get(&p)
+            .map(|r| (r.account.usage, r.account.budget))?,
+        BudgetScope::User(u) => books.users.get(&u).map(|r| (r.usage, r.budget))?,
+    };
+    Some(BudgetView {
+        budget: budget.map(|b| b.spec),
+        used_micro: budget.map_or(0, |b| usage.used(b.spec.period, state.time_ms)),
+        usage,
+    })
+}
