@@ -1,1 +1,1124 @@
-//! The GPU node agent (in progress).
+//! The GPU node agent: registers a GPU node, watches the jobs the scheduler places on it,
+//! runs each attempt, heartbeats its progress and last checkpoint, forwards preemption,
+//! and reports the exit. The `allot-agent` binary is a thin shell around [`run`].
+//!
+//! # Running jobs
+//!
+//! A [`JobSpec`](allot_statemachine::JobSpec) carries no command: the platform keeps the
+//! job payloads. The agent therefore starts one configured *job runner* for every attempt
+//! ([`Mode::Run`]), in its own process group, with:
+//!
+//! - `CUDA_VISIBLE_DEVICES` — the assigned GPU indices, comma-separated (`0,3`);
+//! - `ALLOT_JOB_ID`, `ALLOT_ATTEMPT` — the job and its attempt (the fencing token);
+//! - `ALLOT_PROGRESS_FILE` — a per-attempt file in the work directory into which the
+//!   runner writes `"<progress_ppm> <checkpoint_number>"` (e.g. `500000 3`). The agent
+//!   reads it before every heartbeat; a missing or garbled file keeps the last values
+//!   (write a temporary file and rename it over this one to avoid torn reads).
+//!
+//! The runner's stdout and stderr go to `job-<id>.<attempt>.log` in the work directory.
+//! [`Mode::Simulate`] runs no process: a timer fakes each job (see [`SimConfig`]).
+//!
+//! # What the agent does in each job state
+//!
+//! - **Placed / Running**, not running here: start the attempt, heartbeat at once (the
+//!   first accepted heartbeat moves the job to Running) and then every
+//!   [`AgentConfig::heartbeat_interval`]. Heartbeats carry no client time; `seq` is
+//!   strictly increasing per attempt. A heartbeat the shard does not accept (a seq at or
+//!   below one it has seen: an earlier agent process ran this attempt) makes the agent
+//!   jump its seq ahead until one is accepted.
+//! - **The runner exits on its own**: one last heartbeat (the final checkpoint), then
+//!   `FinishJob { success: exit status == 0 }`.
+//! - **Preempting**: SIGTERM to the runner's process group; heartbeats continue during
+//!   the grace period (a checkpoint written on SIGTERM is reported, and the preempted
+//!   attempt is billed up to it); after [`AgentConfig::grace`] SIGKILL. Once it has
+//!   stopped, one last heartbeat, then `FinishJob { success: false }` — which the state
+//!   machine takes, while Preempting, as "stopped for preemption" and requeues the job.
+//!   A runner that exits 0 after the SIGTERM is still reported as `success: false` (it
+//!   stopped because it was asked to; `success: true` would end the job as Succeeded).
+//!   A Preempting attempt this agent is not running (the agent restarted) is reported
+//!   stopped at once.
+//! - **Gone from the assignment set** (cancelled, ended by a lease or the grace timer,
+//!   requeued): confirmed with a linearizable query (a lagging replica's stream must not
+//!   kill a live job), then SIGKILL at once; no finish is reported.
+//! - **A newer attempt** of a running job (fencing): SIGKILL at once, then the new
+//!   attempt starts. A set showing an *older* attempt is a stale view and is ignored.
+//! - **Heartbeat answered with `stop`** (out of credits: the hold is settled and the job
+//!   ended) or refused with `StaleAttempt`, `JobFinished`, `JobNotPlaced`, `UnknownJob`:
+//!   SIGKILL at once; no finish is reported (the job has already moved on).
+//! - An attempt that has ended here is never started again by this agent process.
+//!
+//! # Shutdown
+//!
+//! When the `shutdown` future of [`run`] completes (the binary: SIGTERM or Ctrl-C), the
+//! agent stops watching, sends SIGTERM to every runner, waits up to the grace period,
+//! SIGKILLs what is left, and exits. It does **not** report those attempts as finished:
+//! their work did not end, and a finish would settle them as Succeeded or Failed and bill
+//! the user for the whole run. Instead the cluster's leases decide: if the agent is not
+//! back before the node lease runs out, the node is marked down and its jobs end as a
+//! platform fault (billed only up to their last checkpoint); if it restarts in time, it
+//! starts the attempts still placed on it again, under the same attempt number.
+//!
+//! # Identity
+//!
+//! Heartbeats, finishes and node heartbeats go out as `Actor::Agent(node)`. Registering a
+//! node is an admin command in today's authorisation, so the agent registers (and
+//! re-registers a node the shard does not know) with a second client carrying the admin
+//! identity; both send the configured token.
+
+use crate::error::{Error, Result};
+use crate::{Assignment, Client};
+use allot_statemachine::query::{Answer, Query};
+use allot_statemachine::scheduler::JobState;
+use allot_statemachine::{
+    Actor, Command, CommandError, GpuType, JobHeartbeat, JobId, NodeId, NodeSpec, PrincipalId,
+    Reply,
+};
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::{Instant, MissedTickBehavior};
+use tokio_stream::StreamExt;
+use tracing::{debug, error, info, warn};
+
+/// How often the agent re-reads its assignment set with a linearizable query, besides
+/// the stream (covers a stream whose replica stopped applying without closing it).
+const RESYNC_INTERVAL: Duration = Duration::from_secs(15);
+/// How long the agent keeps trying to report an attempt's exit (about the default job
+/// lease: after that the job has ended as Lost anyway).
+const FINISH_PERSIST: Duration = Duration::from_secs(180);
+/// Attempts this agent process ran, remembered so a stale view never restarts them.
+const ENDED_REMEMBERED: usize = 65_536;
+/// Bound on waiting for a SIGKILLed runner to be reaped.
+const REAP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What the agent runs for each job attempt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Start `program args…` for every attempt (see the module docs for its environment).
+    Run { program: String, args: Vec<String> },
+    /// Fake the jobs with timers (machines without GPUs: demos and tests).
+    Simulate(SimConfig),
+}
+
+/// The simulated jobs of [`Mode::Simulate`].
+///
+/// Each job's runtime is drawn deterministically from its id within
+/// `[runtime_min, runtime_max]`; an attempt resumes from the work its earlier attempts
+/// preserved (the job's `run_ms`) and advances progress linearly. A checkpointable job
+/// checkpoints every `checkpoint_every` (zero: never) and once more on SIGTERM; the
+/// simulated runner stops at once when terminated. `fail_pct` percent of jobs (chosen
+/// deterministically from the id) exit non-zero at the end of their runtime.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SimConfig {
+    pub runtime_min: Duration,
+    pub runtime_max: Duration,
+    pub checkpoint_every: Duration,
+    pub fail_pct: u32,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            runtime_min: Duration::from_secs(10),
+            runtime_max: Duration::from_secs(30),
+            checkpoint_every: Duration::from_secs(5),
+            fail_pct: 0,
+        }
+    }
+}
+
+/// Everything the agent needs; [`AgentConfig::new`] fills in the defaults.
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    /// Any nodes of the cluster (`host:port`).
+    pub endpoints: Vec<String>,
+    pub token: Option<String>,
+    /// The shard owning this node's GPU pool.
+    pub shard: u32,
+    pub node: NodeId,
+    pub gpu_type: GpuType,
+    pub gpus: u32,
+    pub mem_gb: u32,
+    pub labels: Vec<(String, String)>,
+    /// Job heartbeats (default 2 s).
+    pub heartbeat_interval: Duration,
+    /// Node heartbeats, which renew the node lease (default 2 s).
+    pub node_heartbeat_interval: Duration,
+    /// Time between SIGTERM and SIGKILL on preemption and shutdown (default 30 s, the
+    /// scheduler's default grace).
+    pub grace: Duration,
+    /// Where progress files and runner logs go.
+    pub work_dir: PathBuf,
+    pub mode: Mode,
+}
+
+impl AgentConfig {
+    pub fn new(endpoints: Vec<String>, node: NodeId, mode: Mode) -> AgentConfig {
+        AgentConfig {
+            endpoints,
+            token: None,
+            shard: 0,
+            node,
+            gpu_type: GpuType::new("A100"),
+            gpus: 8,
+            mem_gb: 80,
+            labels: Vec::new(),
+            heartbeat_interval: Duration::from_secs(2),
+            node_heartbeat_interval: Duration::from_secs(2),
+            grace: Duration::from_secs(30),
+            work_dir: std::env::temp_dir().join(format!("allot-agent-{}", node.0)),
+            mode,
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(Error::Config(m.to_string()));
+        if self.endpoints.is_empty() {
+            return bad("no endpoints");
+        }
+        if !self.gpu_type.is_valid() {
+            return bad("the GPU type must be upper-case letters, digits, '_' or '-'");
+        }
+        if self.gpus == 0 || self.mem_gb == 0 {
+            return bad("the node needs at least one GPU and some GPU memory");
+        }
+        if self.heartbeat_interval.is_zero() || self.node_heartbeat_interval.is_zero() {
+            return bad("heartbeat intervals must be positive");
+        }
+        match &self.mode {
+            Mode::Run { program, .. } if program.is_empty() => bad("no job runner given"),
+            Mode::Simulate(s) if s.runtime_min > s.runtime_max => {
+                bad("the simulated runtime range is empty (min above max)")
+            }
+            Mode::Simulate(s) if s.fail_pct > 100 => bad("--sim-fail-pct is a percentage"),
+            _ => Ok(()),
+        }
+    }
+
+    fn node_spec(&self) -> NodeSpec {
+        let mut labels = self.labels.clone();
+        labels.sort();
+        NodeSpec {
+            node: self.node,
+            gpu_type: self.gpu_type.clone(),
+            gpu_count: self.gpus,
+            gpu_mem_gb: self.mem_gb,
+            labels,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------- helpers
+
+/// Parses a `key=value` label.
+pub fn parse_label(s: &str) -> Result<(String, String)> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err(Error::InvalidArgument(format!(
+            "label {s:?}: expected key=value"
+        ))),
+    }
+}
+
+/// Parses a duration range `10s..30s` (or one duration, `20s`, for a fixed value).
+pub fn parse_duration_range(s: &str) -> Result<(Duration, Duration)> {
+    let (lo, hi) = s.split_once("..").unwrap_or((s, s));
+    let (lo, hi) = (
+        crate::parse_duration_ms(lo.trim())?,
+        crate::parse_duration_ms(hi.trim())?,
+    );
+    if lo > hi {
+        return Err(Error::InvalidArgument(format!(
+            "range {s:?}: the lower end is above the upper"
+        )));
+    }
+    Ok((Duration::from_millis(lo), Duration::from_millis(hi)))
+}
+
+/// Parses a progress file's content, `"<progress_ppm> <checkpoint>"`. Progress above one
+/// million ppm is taken as complete; anything else malformed is `None`.
+pub fn parse_progress(s: &str) -> Option<(u32, u64)> {
+    let mut it = s.split_whitespace();
+    let ppm: u64 = it.next()?.parse().ok()?;
+    let checkpoint: u64 = it.next()?.parse().ok()?;
+    if it.next().is_some() {
+        return None;
+    }
+    Some((ppm.min(1_000_000) as u32, checkpoint))
+}
+
+/// SplitMix64: a well-mixed hash of a job id (the simulator's deterministic choices).
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// A simulated job's total runtime: deterministic from its id, within the range.
+pub fn sim_runtime(job: JobId, min: Duration, max: Duration) -> Duration {
+    let (lo, hi) = (min.as_millis() as u64, max.as_millis() as u64);
+    if hi <= lo {
+        return min;
+    }
+    Duration::from_millis(lo + mix(job.0) % (hi - lo + 1))
+}
+
+/// Whether a simulated job fails (exits non-zero): deterministic from its id.
+pub fn sim_fails(job: JobId, fail_pct: u32) -> bool {
+    mix(job.0 ^ 0x5ad_f00d) % 100 < u64::from(fail_pct)
+}
+
+fn gpu_list(indices: &[u8]) -> String {
+    indices
+        .iter()
+        .map(u8::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+// ---------------------------------------------------------------------------- runners
+
+/// How an attempt's runner ended.
+#[derive(Debug)]
+struct Exit {
+    success: bool,
+    how: String,
+}
+
+/// Control of a started runner; its exit arrives on the paired oneshot.
+enum Runner {
+    Process {
+        /// The runner leads its own process group (pgid = its pid).
+        pgid: u32,
+        progress_file: PathBuf,
+        last: Mutex<(u32, u64)>,
+    },
+    Sim {
+        started: Instant,
+        prior: Duration,
+        runtime: Duration,
+        checkpoint_every: Duration,
+        checkpointable: bool,
+        /// Checkpoints written on SIGTERM (the simulated runner saves before stopping).
+        extra_checkpoints: AtomicU64,
+        signal: Mutex<Option<oneshot::Sender<&'static str>>>,
+    },
+}
+
+/// Sends a signal to a whole process group with the `kill` command (no libc here).
+async fn signal_group(pgid: u32, signal: &str) {
+    // `kill -- -0` would signal the agent's own group, `-1` every process.
+    if pgid <= 1 {
+        error!(
+            pgid,
+            signal, "refusing to signal a process group this small"
+        );
+        return;
+    }
+    let r = tokio::process::Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg("--")
+        .arg(format!("-{pgid}"))
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .await;
+    if let Err(e) = r {
+        error!(pgid, signal, "cannot run `kill`: {e}");
+    }
+}
+
+impl Runner {
+    async fn start(
+        shared: &Shared,
+        a: &Assignment,
+    ) -> std::io::Result<(Runner, oneshot::Receiver<Exit>)> {
+        let (tx, rx) = oneshot::channel();
+        match &shared.cfg.mode {
+            Mode::Run { program, args } => {
+                let dir = &shared.cfg.work_dir;
+                let progress_file = progress_file(dir, a.job, a.attempt);
+                let _ = std::fs::remove_file(&progress_file);
+                let log =
+                    std::fs::File::create(dir.join(format!("job-{}.{}.log", a.job.0, a.attempt)))?;
+                let mut child = tokio::process::Command::new(program)
+                    .args(args)
+                    .env("CUDA_VISIBLE_DEVICES", gpu_list(&a.gpu_indices))
+                    .env("ALLOT_JOB_ID", a.job.0.to_string())
+                    .env("ALLOT_ATTEMPT", a.attempt.to_string())
+                    .env("ALLOT_PROGRESS_FILE", &progress_file)
+                    .stdin(std::process::Stdio::null())
+                    .stdout(log.try_clone()?)
+                    .stderr(log)
+                    .process_group(0)
+                    .kill_on_drop(true)
+                    .spawn()?;
+                let Some(pgid) = child.id() else {
+                    return Err(std::io::Error::other(
+                        "the runner exited before it had a pid",
+                    ));
+                };
+                tokio::spawn(async move {
+                    let exit = match child.wait().await {
+                        Ok(st) => Exit {
+                            success: st.success(),
+                            how: st.to_string(),
+                        },
+                        Err(e) => Exit {
+                            success: false,
+                            how: format!("wait failed: {e}"),
+                        },
+                    };
+                    // Whatever the runner left behind in its group goes with it.
+                    signal_group(pgid, "KILL").await;
+                    let _ = tx.send(exit);
+                });
+                Ok((
+                    Runner::Process {
+                        pgid,
+                        progress_file,
+                        last: Mutex::new((0, 0)),
+                    },
+                    rx,
+                ))
+            }
+            Mode::Simulate(sim) => {
+                let job = match shared
+                    .client
+                    .query(shared.cfg.shard, &Query::Job(a.job))
+                    .await
+                {
+                    Ok(Answer::Job(Some(j))) => Some(*j),
+                    Ok(_) => None,
+                    Err(e) => {
+                        warn!(job = a.job.0, "cannot read the job for the simulation: {e}");
+                        None
+                    }
+                };
+                let runtime = sim_runtime(a.job, sim.runtime_min, sim.runtime_max);
+                let prior = Duration::from_millis(job.as_ref().map_or(0, |j| j.run_ms));
+                let remaining = runtime.saturating_sub(prior);
+                let fails = sim_fails(a.job, sim.fail_pct);
+                let (sig_tx, sig_rx) = oneshot::channel::<&'static str>();
+                tokio::spawn(async move {
+                    let exit = tokio::select! {
+                        _ = tokio::time::sleep(remaining) => Exit {
+                            success: !fails,
+                            how: if fails { "simulated failure".into() } else { "simulated success".into() },
+                        },
+                        sig = sig_rx => Exit {
+                            success: false,
+                            how: format!("simulated {}", sig.unwrap_or("stop")),
+                        },
+                    };
+                    let _ = tx.send(exit);
+                });
+                Ok((
+                    Runner::Sim {
+                        started: Instant::now(),
+                        prior,
+                        runtime,
+                        checkpoint_every: sim.checkpoint_every,
+                        checkpointable: job.is_some_and(|j| j.spec.checkpointable),
+                        extra_checkpoints: AtomicU64::new(0),
+                        signal: Mutex::new(Some(sig_tx)),
+                    },
+                    rx,
+                ))
+            }
+        }
+    }
+
+    /// Progress (ppm) and last durable checkpoint, as of now.
+    fn progress(&self) -> (u32, u64) {
+        match self {
+            Runner::Process {
+                progress_file,
+                last,
+                ..
+            } => {
+                let mut last = lock(last);
+                if let Some((ppm, ckpt)) = std::fs::read_to_string(progress_file)
+                    .ok()
+                    .as_deref()
+                    .and_then(parse_progress)
+                {
+                    *last = (ppm, last.1.max(ckpt));
+                }
+                *last
+            }
+            Runner::Sim {
+                started,
+                prior,
+                runtime,
+                checkpoint_every,
+                checkpointable,
+                extra_checkpoints,
+                ..
+            } => {
+                let ran = started.elapsed();
+                let done = (*prior + ran).as_millis() as u64;
+                let total = (runtime.as_millis() as u64).max(1);
+                let ppm = (done.saturating_mul(1_000_000) / total).min(1_000_000) as u32;
+                let ckpt = if *checkpointable {
+                    let periodic = match checkpoint_every.as_millis() as u64 {
+                        0 => 0,
+                        every => ran.as_millis() as u64 / every,
+                    };
+                    periodic + extra_checkpoints.load(Ordering::Relaxed)
+                } else {
+                    0
+                };
+                (ppm, ckpt)
+            }
+        }
+    }
+
+    /// SIGTERM: asks the runner to save and stop.
+    async fn terminate(&self) {
+        match self {
+            Runner::Process { pgid, .. } => signal_group(*pgid, "TERM").await,
+            Runner::Sim {
+                signal,
+                extra_checkpoints,
+                checkpointable,
+                ..
+            } => {
+                if let Some(tx) = lock(signal).take() {
+                    if *checkpointable {
+                        extra_checkpoints.fetch_add(1, Ordering::Relaxed);
+                    }
+                    let _ = tx.send("SIGTERM");
+                }
+            }
+        }
+    }
+
+    /// SIGKILL: stops the runner at once.
+    async fn kill(&self) {
+        match self {
+            Runner::Process { pgid, .. } => signal_group(*pgid, "KILL").await,
+            Runner::Sim { signal, .. } => {
+                if let Some(tx) = lock(signal).take() {
+                    let _ = tx.send("SIGKILL");
+                }
+            }
+        }
+    }
+
+    fn cleanup(&self) {
+        if let Runner::Process { progress_file, .. } = self {
+            let _ = std::fs::remove_file(progress_file);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------- tasks
+
+/// What the main loop tells an attempt's task, from the latest assignment set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Directive {
+    Run,
+    Preempt,
+    /// Not in the latest set: confirm, then kill.
+    Gone,
+    /// A newer attempt of the job exists: kill.
+    Fenced,
+    Shutdown,
+}
+
+struct Shared {
+    cfg: AgentConfig,
+    /// The agent identity.
+    client: Client,
+    done: mpsc::UnboundedSender<(JobId, u32)>,
+}
+
+/// How a heartbeat went.
+enum Beat {
+    Continue,
+    /// The job must stop here and no finish is to be reported.
+    Stop(String),
+}
+
+async fn heartbeat(shared: &Shared, a: &Assignment, seq: &mut u64, progress: (u32, u64)) -> Beat {
+    let shard = shared.cfg.shard;
+    for _ in 0..64 {
+        *seq += 1;
+        let hb = JobHeartbeat {
+            job: a.job,
+            attempt: a.attempt,
+            seq: *seq,
+            progress_ppm: progress.0,
+            checkpoint: progress.1,
+        };
+        match shared.client.job_heartbeat(shard, hb).await {
+            Ok(Reply::JobHeartbeat(r)) => {
+                if let Some(s) = r.stop {
+                    return Beat::Stop(format!(
+                        "out of credits (settled: captured {}, uncollected {})",
+                        s.captured_micro, s.uncollected_micro
+                    ));
+                }
+                if r.accepted {
+                    debug!(
+                        job = a.job.0,
+                        attempt = a.attempt,
+                        seq = *seq,
+                        ppm = progress.0,
+                        checkpoint = progress.1,
+                        captured = r.captured_attempt_micro,
+                        "heartbeat"
+                    );
+                    return Beat::Continue;
+                }
+                // The shard has seen this seq: an earlier agent process heartbeated this
+                // attempt. Jump ahead until a seq is new.
+                *seq = seq.saturating_mul(2);
+            }
+            Ok(other) => {
+                warn!(job = a.job.0, "unexpected heartbeat reply {other:?}");
+                return Beat::Continue;
+            }
+            Err(Error::Rejected(
+                e @ (CommandError::StaleAttempt { .. }
+                | CommandError::JobFinished
+                | CommandError::JobNotPlaced
+                | CommandError::UnknownJob),
+            )) => return Beat::Stop(format!("heartbeat refused: {e}")),
+            Err(e) => {
+                warn!(job = a.job.0, attempt = a.attempt, "heartbeat failed: {e}");
+                return Beat::Continue;
+            }
+        }
+    }
+    Beat::Continue
+}
+
+/// Reports an attempt's exit, retrying (same request id) while the cluster is unreachable.
+async fn report_finish(shared: &Shared, job: JobId, attempt: u32, success: bool) {
+    let id = shared.client.next_request_id();
+    let started = Instant::now();
+    loop {
+        let cmd = Command::FinishJob {
+            job,
+            attempt,
+            success,
+        };
+        match shared.client.run_with_id(shared.cfg.shard, id, cmd).await {
+            Ok(Reply::JobFinished(settlement)) => {
+                match settlement {
+                    Some(s) => info!(job = job.0, attempt, success, reason = ?s.reason,
+                        captured = s.captured_micro, refunded = s.refunded_micro, "job finished"),
+                    None => info!(job = job.0, attempt, "preempted job stopped; requeued"),
+                }
+                return;
+            }
+            Ok(other) => {
+                warn!(job = job.0, attempt, "unexpected finish reply {other:?}");
+                return;
+            }
+            Err(Error::Rejected(e)) => {
+                warn!(
+                    job = job.0,
+                    attempt, "finish refused (the job has moved on): {e}"
+                );
+                return;
+            }
+            Err(e) if started.elapsed() < FINISH_PERSIST => {
+                warn!(
+                    job = job.0,
+                    attempt, "reporting the finish failed, retrying: {e}"
+                );
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(e) => {
+                error!(job = job.0, attempt, "giving up reporting the finish: {e}");
+                return;
+            }
+        }
+    }
+}
+
+/// Whether `(job, attempt)` is still placed here, by a linearizable read (`None`: gone,
+/// or the cluster could not say — then the job is not allowed to keep running).
+async fn still_assigned(shared: &Shared, job: JobId, attempt: u32) -> Option<JobState> {
+    match shared
+        .client
+        .assignments(shared.cfg.shard, shared.cfg.node)
+        .await
+    {
+        Ok(set) => set
+            .into_iter()
+            .find(|a| a.job == job && a.attempt == attempt)
+            .map(|a| a.state),
+        Err(e) => {
+            warn!(job = job.0, attempt, "cannot confirm the assignment: {e}");
+            None
+        }
+    }
+}
+
+/// How an attempt ended, as far as the agent is concerned.
+enum End {
+    /// The runner exited: report it.
+    Exited { success: bool },
+    /// Stopped here; nothing to report.
+    Dropped,
+}
+
+async fn job_task(shared: Arc<Shared>, a: Assignment, mut dir: watch::Receiver<Directive>) {
+    let end = run_attempt(&shared, &a, &mut dir).await;
+    if let End::Exited { success } = end {
+        report_finish(&shared, a.job, a.attempt, success).await;
+    }
+    let _ = shared.done.send((a.job, a.attempt));
+}
+
+async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<Directive>) -> End {
+    let (job, attempt) = (a.job.0, a.attempt);
+    let (runner, mut exit) = match Runner::start(shared, a).await {
+        Ok(r) => r,
+        Err(e) => {
+            error!(job, attempt, "cannot start the job runner: {e}");
+            return End::Exited { success: false };
+        }
+    };
+    info!(job, attempt, gpus = %gpu_list(&a.gpu_indices), "job started");
+    let mut seq = 0u64;
+    let mut tick = tokio::time::interval(shared.cfg.heartbeat_interval);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut preempting = false;
+    let mut grace_until: Option<Instant> = None;
+    let end = loop {
+        tokio::select! {
+            exited = &mut exit => {
+                let exited = exited.unwrap_or(Exit { success: false, how: "lost".into() });
+                // The final progress: a checkpoint written while stopping counts.
+                if let Beat::Stop(why) = heartbeat(shared, a, &mut seq, runner.progress()).await {
+                    info!(job, attempt, "runner exited ({}), but {why}", exited.how);
+                    break End::Dropped;
+                }
+                if preempting {
+                    info!(job, attempt, "runner stopped for preemption ({})", exited.how);
+                    break End::Exited { success: false };
+                }
+                info!(job, attempt, success = exited.success, "runner exited ({})", exited.how);
+                break End::Exited { success: exited.success };
+            }
+            _ = tick.tick() => {
+                if let Beat::Stop(why) = heartbeat(shared, a, &mut seq, runner.progress()).await {
+                    warn!(job, attempt, "killing the runner: {why}");
+                    break kill_and_reap(&runner, &mut exit).await;
+                }
+            }
+            _ = tokio::time::sleep_until(grace_until.unwrap_or_else(Instant::now)), if grace_until.is_some() => {
+                warn!(job, attempt, "grace period over: SIGKILL");
+                grace_until = None;
+                runner.kill().await;
+            }
+            changed = dir.changed() => {
+                let d = if changed.is_ok() { *dir.borrow_and_update() } else { Directive::Shutdown };
+                let d = match d {
+                    Directive::Gone => match still_assigned(shared, a.job, attempt).await {
+                        Some(JobState::Preempting) => Directive::Preempt,
+                        Some(_) => Directive::Run,
+                        None => Directive::Gone,
+                    },
+                    d => d,
+                };
+                match d {
+                    Directive::Run => {}
+                    Directive::Preempt if !preempting => {
+                        preempting = true;
+                        grace_until = Some(Instant::now() + shared.cfg.grace);
+                        info!(job, attempt, grace = ?shared.cfg.grace, "preempted: SIGTERM");
+                        runner.terminate().await;
+                    }
+                    Directive::Preempt => {}
+                    Directive::Gone | Directive::Fenced => {
+                        warn!(job, attempt, "no longer assigned here ({d:?}): SIGKILL");
+                        break kill_and_reap(&runner, &mut exit).await;
+                    }
+                    Directive::Shutdown => {
+                        info!(job, attempt, "agent shutting down: SIGTERM (not reported as finished)");
+                        runner.terminate().await;
+                        if tokio::time::timeout(shared.cfg.grace, &mut exit).await.is_err() {
+                            warn!(job, attempt, "still running after the grace period: SIGKILL");
+                            runner.kill().await;
+                            let _ = tokio::time::timeout(REAP_TIMEOUT, &mut exit).await;
+                        }
+                        break End::Dropped;
+                    }
+                }
+            }
+        }
+    };
+    runner.cleanup();
+    end
+}
+
+async fn kill_and_reap(runner: &Runner, exit: &mut oneshot::Receiver<Exit>) -> End {
+    runner.kill().await;
+    if tokio::time::timeout(REAP_TIMEOUT, exit).await.is_err() {
+        error!("the runner did not exit {REAP_TIMEOUT:?} after SIGKILL");
+    }
+    End::Dropped
+}
+
+// ---------------------------------------------------------------------------- main loop
+
+struct Task {
+    attempt: u32,
+    directive: watch::Sender<Directive>,
+    join: tokio::task::JoinHandle<()>,
+}
+
+struct Agent {
+    shared: Arc<Shared>,
+    tasks: HashMap<JobId, Task>,
+    /// Highest attempt of each job that ended here (bounded, oldest forgotten first).
+    ended: HashMap<JobId, u32>,
+    ended_order: VecDeque<JobId>,
+    last_set: Vec<Assignment>,
+}
+
+impl Agent {
+    fn record_ended(&mut self, job: JobId, attempt: u32) {
+        let e = self.ended.entry(job).or_insert(0);
+        if *e == 0 {
+            self.ended_order.push_back(job);
+        }
+        *e = (*e).max(attempt);
+        while self.ended_order.len() > ENDED_REMEMBERED {
+            if let Some(old) = self.ended_order.pop_front() {
+                self.ended.remove(&old);
+            }
+        }
+    }
+
+    /// Applies a whole assignment set: directs running attempts, starts new ones.
+    fn reconcile(&mut self, set: Vec<Assignment>) {
+        let by_job: HashMap<JobId, &Assignment> = set.iter().map(|a| (a.job, a)).collect();
+        for (job, task) in &self.tasks {
+            let d = match by_job.get(job) {
+                None => Directive::Gone,
+                Some(a) if a.attempt > task.attempt => Directive::Fenced,
+                // An older view (a lagging replica): it says nothing about this attempt.
+                Some(a) if a.attempt < task.attempt => continue,
+                Some(a) if a.state == JobState::Preempting => Directive::Preempt,
+                Some(_) => Directive::Run,
+            };
+            if d == Directive::Gone {
+                // Always re-checked: an earlier check may have found it still placed.
+                task.directive.send_replace(d);
+            } else {
+                task.directive.send_if_modified(|cur| {
+                    let change = *cur != d && !(*cur == Directive::Preempt && d == Directive::Run);
+                    if change {
+                        *cur = d;
+                    }
+                    change
+                });
+            }
+        }
+        self.last_set = set;
+        self.start_new();
+    }
+
+    /// Starts the attempts of the last set that are not running here.
+    fn start_new(&mut self) {
+        let set = std::mem::take(&mut self.last_set);
+        for a in &set {
+            if self.tasks.contains_key(&a.job)
+                || self.ended.get(&a.job).is_some_and(|&e| e >= a.attempt)
+            {
+                continue;
+            }
+            match a.state {
+                JobState::Placed | JobState::Running => {
+                    let (tx, rx) = watch::channel(Directive::Run);
+                    let join = tokio::spawn(job_task(self.shared.clone(), a.clone(), rx));
+                    self.tasks.insert(
+                        a.job,
+                        Task {
+                            attempt: a.attempt,
+                            directive: tx,
+                            join,
+                        },
+                    );
+                }
+                JobState::Preempting => {
+                    // Not running here (the agent restarted): it has already stopped.
+                    info!(
+                        job = a.job.0,
+                        attempt = a.attempt,
+                        "preempted job is not running here: reporting it stopped"
+                    );
+                    self.record_ended(a.job, a.attempt);
+                    let (shared, job, attempt) = (self.shared.clone(), a.job, a.attempt);
+                    tokio::spawn(async move { report_finish(&shared, job, attempt, false).await });
+                }
+                _ => {}
+            }
+        }
+        self.last_set = set;
+    }
+
+    fn task_done(&mut self, job: JobId, attempt: u32) {
+        if self.tasks.get(&job).is_some_and(|t| t.attempt == attempt) {
+            self.tasks.remove(&job);
+        }
+        self.record_ended(job, attempt);
+        // A newer attempt may have been waiting for this one's GPUs.
+        self.start_new();
+    }
+}
+
+async fn register(admin: &Client, cfg: &AgentConfig) -> Result<()> {
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        match admin.register_node(cfg.shard, cfg.node_spec()).await {
+            Ok(()) => {
+                info!(node = cfg.node.0, shard = cfg.shard, gpu_type = %cfg.gpu_type,
+                    gpus = cfg.gpus, "node registered");
+                return Ok(());
+            }
+            Err(
+                e @ (Error::Rejected(_)
+                | Error::InvalidArgument(_)
+                | Error::Config(_)
+                | Error::NotFound(_)
+                | Error::Unauthenticated(_)
+                | Error::PermissionDenied(_)),
+            ) => return Err(e),
+            Err(e) => {
+                warn!("registering the node failed, retrying: {e}");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+async fn node_heartbeats(client: Client, admin: Client, cfg: AgentConfig) {
+    let mut tick = tokio::time::interval(cfg.node_heartbeat_interval);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        match client.node_heartbeat(cfg.shard, cfg.node).await {
+            Ok(()) => {}
+            Err(Error::Rejected(CommandError::UnknownNode)) => {
+                warn!("the shard does not know this node: registering again");
+                if let Err(e) = admin.register_node(cfg.shard, cfg.node_spec()).await {
+                    warn!("registering the node failed: {e}");
+                }
+            }
+            Err(e) => warn!("node heartbeat failed: {e}"),
+        }
+    }
+}
+
+/// Follows the assignment stream, moving to the next endpoint (with backoff) whenever
+/// it ends or fails.
+async fn watch_sets(client: Client, cfg: AgentConfig, tx: mpsc::Sender<Vec<Assignment>>) {
+    let endpoints = client.endpoints().to_vec();
+    let mut i = 0usize;
+    let base = Duration::from_millis(200);
+    let mut backoff = base;
+    loop {
+        let addr = &endpoints[i % endpoints.len()];
+        match client.watch_assignments(addr, cfg.shard, cfg.node).await {
+            Ok(mut stream) => {
+                debug!(%addr, "watching assignments");
+                loop {
+                    match stream.next().await {
+                        Some(Ok(set)) => {
+                            backoff = base;
+                            if tx.send(set).await.is_err() {
+                                return;
+                            }
+                        }
+                        Some(Err(e)) => {
+                            warn!(%addr, "assignment stream failed: {e}");
+                            break;
+                        }
+                        None => {
+                            info!(%addr, "assignment stream ended");
+                            break;
+                        }
+                    }
+                }
+            }
+            Err(e) => warn!(%addr, "cannot watch assignments: {e}"),
+        }
+        i += 1;
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// Re-reads the assignment set (linearizable) now and then.
+async fn resync(client: Client, cfg: AgentConfig, tx: mpsc::Sender<Vec<Assignment>>) {
+    loop {
+        tokio::time::sleep(RESYNC_INTERVAL).await;
+        match client.assignments(cfg.shard, cfg.node).await {
+            Ok(set) => {
+                if tx.send(set).await.is_err() {
+                    return;
+                }
+            }
+            Err(e) => debug!("resync failed: {e}"),
+        }
+    }
+}
+
+fn clients(cfg: &AgentConfig) -> Result<(Client, Client)> {
+    let mut b = Client::builder()
+        .endpoints(cfg.endpoints.clone())
+        .timeout(Duration::from_secs(5))
+        .attempt_timeout(Duration::from_secs(2))
+        .retries(1_000);
+    if let Some(t) = &cfg.token {
+        b = b.token(t.clone());
+    }
+    let admin = b.clone().identity(Actor::Admin(PrincipalId(1))).build()?;
+    let agent = b.identity(Actor::Agent(cfg.node)).build()?;
+    Ok((agent, admin))
+}
+
+/// Runs the agent until `shutdown` completes (see the module docs). Fails only at
+/// start-up: a bad configuration, or a registration the shard refuses.
+pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Result<()> {
+    config.validate()?;
+    std::fs::create_dir_all(&config.work_dir)
+        .map_err(|e| Error::Config(format!("work dir {}: {e}", config.work_dir.display())))?;
+    let work_dir = std::fs::canonicalize(&config.work_dir)
+        .map_err(|e| Error::Config(format!("work dir {}: {e}", config.work_dir.display())))?;
+    let config = AgentConfig { work_dir, ..config };
+    let (client, admin) = clients(&config)?;
+    tokio::pin!(shutdown);
+    tokio::select! {
+        r = register(&admin, &config) => r?,
+        _ = &mut shutdown => return Ok(()),
+    }
+
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+    let (sets_tx, mut sets_rx) = mpsc::channel(16);
+    let background = [
+        tokio::spawn(node_heartbeats(client.clone(), admin, config.clone())),
+        tokio::spawn(watch_sets(client.clone(), config.clone(), sets_tx.clone())),
+        tokio::spawn(resync(client.clone(), config.clone(), sets_tx)),
+    ];
+    let grace = config.grace;
+    let mut agent = Agent {
+        shared: Arc::new(Shared {
+            cfg: config,
+            client,
+            done: done_tx,
+        }),
+        tasks: HashMap::new(),
+        ended: HashMap::new(),
+        ended_order: VecDeque::new(),
+        last_set: Vec::new(),
+    };
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            Some(set) = sets_rx.recv() => agent.reconcile(set),
+            Some((job, attempt)) = done_rx.recv() => agent.task_done(job, attempt),
+        }
+    }
+
+    info!(running = agent.tasks.len(), "shutting down");
+    for b in &background {
+        b.abort();
+    }
+    for t in agent.tasks.values() {
+        t.directive.send_replace(Directive::Shutdown);
+    }
+    let deadline = Instant::now() + grace + REAP_TIMEOUT + Duration::from_secs(1);
+    for (job, t) in agent.tasks.drain() {
+        let mut join = t.join;
+        if tokio::time::timeout_at(deadline, &mut join).await.is_err() {
+            warn!(job = job.0, "the job's task did not stop in time");
+            join.abort();
+        }
+    }
+    Ok(())
+}
+
+/// The work directory's progress file of an attempt (for runners and tests).
+pub fn progress_file(work_dir: &Path, job: JobId, attempt: u32) -> PathBuf {
+    work_dir.join(format!("job-{}.{}.progress", job.0, attempt))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_lines_parse_or_are_ignored() {
+        assert_eq!(parse_progress("500000 3\n"), Some((500_000, 3)));
+        assert_eq!(parse_progress("  0   0 "), Some((0, 0)));
+        assert_eq!(parse_progress("2000000 1"), Some((1_000_000, 1)));
+        for bad in ["", "5", "a b", "1 2 3", "-1 2", "1.5 2", "500000"] {
+            assert_eq!(parse_progress(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn labels_and_ranges() {
+        assert_eq!(
+            parse_label("zone=eu-1").unwrap(),
+            ("zone".to_string(), "eu-1".to_string())
+        );
+        assert_eq!(parse_label("k=").unwrap(), ("k".to_string(), String::new()));
+        assert!(parse_label("=v").is_err());
+        assert!(parse_label("novalue").is_err());
+        assert_eq!(
+            parse_duration_range("10s..30s").unwrap(),
+            (Duration::from_secs(10), Duration::from_secs(30))
+        );
+        assert_eq!(
+            parse_duration_range("1500ms").unwrap(),
+            (Duration::from_millis(1500), Duration::from_millis(1500))
+        );
+        assert!(parse_duration_range("30s..10s").is_err());
+        assert!(parse_duration_range("1s..x").is_err());
+    }
+
+    #[test]
+    fn simulated_runtimes_are_deterministic_and_in_range() {
+        let (lo, hi) = (Duration::from_secs(2), Duration::from_secs(4));
+        let mut seen = std::collections::BTreeSet::new();
+        for j in 0..200 {
+            let r = sim_runtime(JobId(j), lo, hi);
+            assert!(r >= lo && r <= hi, "{r:?}");
+            assert_eq!(r, sim_runtime(JobId(j), lo, hi));
+            seen.insert(r);
+        }
+        assert!(seen.len() > 100, "runtimes should spread over the range");
+        assert_eq!(sim_runtime(JobId(7), lo, lo), lo);
+        let fails = (0..1000).filter(|j| sim_fails(JobId(*j), 30)).count();
+        assert!((200..400).contains(&fails), "{fails}");
+        assert!((0..1000).all(|j| !sim_fails(JobId(j), 0)));
+        assert!((0..1000).all(|j| sim_fails(JobId(j), 100)));
+    }
+
+    #[test]
+    fn gpu_lists_are_comma_separated() {
+        assert_eq!(gpu_list(&[0, 3, 12]), "0,3,12");
+        assert_eq!(gpu_list(&[]), "");
+    }
+}

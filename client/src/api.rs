@@ -361,10 +361,10 @@ impl Client {
     ) -> Result<AssignmentStream> {
         let stream = self
             .agent_at(addr)?
-            .watch_assignments(WatchRequest {
+            .watch_assignments(self.authorized(WatchRequest {
                 shard,
                 node_id: node.0.to_string(),
-            })
+            }))
             .await
             .map_err(|s| Error::from_status(&s))?
             .into_inner();

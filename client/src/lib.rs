@@ -44,6 +44,7 @@
 //! # }
 //! ```
 
+mod admin;
 pub mod agent;
 mod api;
 mod error;

@@ -226,6 +226,11 @@ impl Client {
         self.inner.identity
     }
 
+    /// The deadline of one attempt.
+    pub fn attempt_timeout(&self) -> Duration {
+        self.inner.settings.attempt_timeout
+    }
+
     pub fn endpoints(&self) -> &[String] {
         &self.inner.endpoints
     }
@@ -261,12 +266,19 @@ impl Client {
         Ok(c)
     }
 
-    fn request<T>(&self, msg: T, timeout: Duration) -> tonic::Request<T> {
+    /// A request carrying the token (streams: no deadline).
+    pub(crate) fn authorized<T>(&self, msg: T) -> tonic::Request<T> {
         let mut r = tonic::Request::new(msg);
-        r.set_timeout(timeout);
         if let Some(b) = &self.inner.bearer {
             r.metadata_mut().insert(meta::AUTHORIZATION, b.clone());
         }
+        r
+    }
+
+    /// A request carrying the token and a deadline.
+    pub(crate) fn request<T>(&self, msg: T, timeout: Duration) -> tonic::Request<T> {
+        let mut r = self.authorized(msg);
+        r.set_timeout(timeout);
         r
     }
 

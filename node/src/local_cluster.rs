@@ -4,7 +4,7 @@
 //! the same way.
 
 use allot_proto::admin_client::AdminClient;
-use allot_proto::{InitRequest, Member, StatusReply, StatusRequest};
+use allot_proto::{StatusReply, StatusRequest};
 use anyhow::{bail, Context};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -176,19 +176,11 @@ impl LocalCluster {
             bail!("no members");
         }
         self.members = ids.to_vec();
-        let first = self.node(ids[0]).addr.clone();
-        let members = self
-            .nodes
+        let members: Vec<(u64, String)> = ids
             .iter()
-            .filter(|n| ids.contains(&n.id))
-            .map(|n| Member {
-                node_id: n.id,
-                addr: n.addr.clone(),
-            })
-            .collect::<Vec<_>>();
-        let _ = first;
-        let addrs: Vec<String> = ids.iter().map(|id| self.node(*id).addr.clone()).collect();
-        init_spread(&addrs, &members, self.shards).await
+            .map(|id| (*id, self.node(*id).addr.clone()))
+            .collect();
+        init_spread(&members, self.shards).await
     }
 
     pub async fn status(&self, id: u64) -> anyhow::Result<StatusReply> {
@@ -258,36 +250,12 @@ impl Drop for LocalCluster {
     }
 }
 
-/// Initialises a new cluster: shard s through member `s mod n`, so the first leaders are
-/// spread over the members instead of all on one node. Retries while nodes start.
-pub async fn init_spread(addrs: &[String], members: &[Member], shards: u32) -> anyhow::Result<()> {
-    for (i, addr) in addrs.iter().enumerate() {
-        let mine: Vec<u32> = (0..shards)
-            .filter(|s| *s as usize % addrs.len() == i)
-            .collect();
-        if mine.is_empty() {
-            continue;
-        }
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let r = async {
-                admin(addr)
-                    .await?
-                    .init(InitRequest {
-                        members: members.to_vec(),
-                        shards: mine.clone(),
-                    })
-                    .await
-                    .map_err(|s| anyhow::anyhow!("init through {addr}: {}", s.message()))
-            }
-            .await;
-            match r {
-                Ok(_) => break,
-                Err(e) if Instant::now() > deadline => return Err(e),
-                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-            }
-        }
-    }
+/// Initialises a new cluster through the client library (shard s through member
+/// `s mod n`, so the first leaders are spread), retrying while nodes start.
+pub async fn init_spread(members: &[(u64, String)], shards: u32) -> anyhow::Result<()> {
+    client(members.iter().map(|(_, a)| a.clone()).collect())
+        .init_cluster(members, shards, Duration::from_secs(20))
+        .await?;
     Ok(())
 }
 

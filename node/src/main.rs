@@ -6,7 +6,7 @@ use allot_node::proposer::ProposerConfig;
 use allot_node::ratelimit::RateLimiter;
 use allot_node::serve::{serve, shutdown_signal};
 use allot_proto::admin_client::AdminClient;
-use allot_proto::{Member, StatusRequest};
+use allot_proto::StatusRequest;
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -233,10 +233,7 @@ async fn init(endpoint: String, members: Vec<String>) -> anyhow::Result<()> {
             bail!("--member must be id=host:port (got {m})");
         };
         let node_id: u64 = id.parse().with_context(|| format!("member id {id}"))?;
-        ms.push(Member {
-            node_id,
-            addr: addr.to_string(),
-        });
+        ms.push((node_id, addr.to_string()));
     }
     let shards = admin(&endpoint)
         .await?
@@ -246,8 +243,7 @@ async fn init(endpoint: String, members: Vec<String>) -> anyhow::Result<()> {
         .into_inner()
         .shards
         .len() as u32;
-    let addrs: Vec<String> = ms.iter().map(|m| m.addr.clone()).collect();
-    allot_node::local_cluster::init_spread(&addrs, &ms, shards).await?;
+    allot_node::local_cluster::init_spread(&ms, shards).await?;
     println!("initialised {shards} shards over {} members", ms.len());
     Ok(())
 }

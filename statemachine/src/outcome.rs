@@ -137,6 +137,7 @@ pub enum ConfigProblem {
     MinRuntime,
     Hysteresis,
     PreemptionCap,
+    PreemptionLoss,
     HalfLife,
     /// Tiers can be retuned, not added or removed.
     TierCount,

@@ -8,11 +8,13 @@ use allot_statemachine::*;
 const P: Account = Account::Project(PROJECT);
 
 /// A world whose node and job leases outlast the tests' time jumps (lease expiry has
-/// its own tests on the default configuration).
+/// its own tests on the default configuration), and whose preemption loss cap does not
+/// interfere with the other preemption rules (it has its own test).
 fn world() -> Harness {
     let mut config = Config::default();
     config.scheduler.node_lease_ms = 30 * 86_400_000;
     config.scheduler.job_lease_ms = 30 * 86_400_000;
+    config.scheduler.preemption_loss_max_gpu_ms = u64::MAX;
     let mut h = Harness::world_with(config);
     h.grant(1, P, BucketKind::Paid, credits(100_000), None);
     h
@@ -373,6 +375,43 @@ fn no_preemption_of_non_preemptible_same_tier_or_young_jobs() {
             h.job(10).state == JobState::Preempting,
             c.expect_preempt,
             "case {i}"
+        );
+    }
+}
+
+/// Victims lose at most `preemption_loss_max_gpu_ms` of work: a job that has run long
+/// without a checkpoint is not preempted; the same job with a recent checkpoint is.
+#[test]
+fn preemption_spares_a_victim_that_would_lose_too_much_work() {
+    for (checkpoint_at_ms, expect) in [
+        (None, JobState::Running),
+        (Some(4 * 60_000 + 30_000), JobState::Preempting),
+    ] {
+        let mut h = world();
+        h.state.config.scheduler.preemption_loss_max_gpu_ms = 8 * 60_000;
+        h.fleet(&[(1, a100(), 2, 80)]);
+        submit(&mut h, Harness::job_spec(10, Tier::FREE, vec![a100()], 2));
+        let mut seq = 1;
+        if let Some(at) = checkpoint_at_ms {
+            h.advance(at);
+            h.nodes_alive();
+            h.job_heartbeat(10, seq, 1).unwrap();
+            seq += 1;
+        }
+        // At 5 min: 2 GPUs × 5 min = 10 GPU-min since start, or 1 GPU-min since the
+        // checkpoint at 4.5 min.
+        h.advance(5 * 60_000 - checkpoint_at_ms.unwrap_or(0));
+        h.nodes_alive();
+        h.job_heartbeat(10, seq, checkpoint_at_ms.map_or(0, |_| 1))
+            .unwrap();
+        submit(
+            &mut h,
+            Harness::job_spec(20, Tier::ENTERPRISE, vec![a100()], 2),
+        );
+        assert_eq!(
+            h.job(10).state,
+            expect,
+            "checkpoint at {checkpoint_at_ms:?}"
         );
     }
 }

@@ -58,11 +58,14 @@ fn configured_min_runtime_allows_an_earlier_preemption() {
     }
 }
 
+/// Makes one setting invalid.
+type Breaker = fn(&mut SchedulerSettings);
+
 #[test]
 fn bad_settings_are_refused_whole_and_change_nothing() {
     let mut h = world();
     let good = settings(&h);
-    let cases: Vec<(fn(&mut SchedulerSettings), ConfigProblem)> = vec![
+    let cases: Vec<(Breaker, ConfigProblem)> = vec![
         (|s| s.node_lease_ms = 999, ConfigProblem::NodeLease),
         (|s| s.job_lease_ms = 0, ConfigProblem::JobLease),
         (|s| s.grace_ms = 3_600_001, ConfigProblem::Grace),
@@ -73,6 +76,10 @@ fn bad_settings_are_refused_whole_and_change_nothing() {
             ConfigProblem::PreemptionCap,
         ),
         (|s| s.usage_half_life_ms = 59_999, ConfigProblem::HalfLife),
+        (
+            |s| s.preemption_loss_max_gpu_ms = 8 * 86_400_000 + 1,
+            ConfigProblem::PreemptionLoss,
+        ),
         (
             |s| {
                 s.tiers.pop();

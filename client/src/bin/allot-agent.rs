@@ -1,4 +1,180 @@
-fn main() {
-    eprintln!("not built yet");
-    std::process::exit(2);
+//! `allot-agent`: the GPU node agent. Registers a GPU node, watches its assignments,
+//! runs each job attempt with the configured runner (or simulates it), heartbeats
+//! progress and checkpoints, forwards preemption as SIGTERM then SIGKILL after the
+//! grace period, and reports exits. SIGTERM or Ctrl-C stops it cleanly (runners get
+//! SIGTERM; their jobs are not reported finished). The behaviour is documented in
+//! `allot_client::agent`.
+//!
+//!   allot-agent --endpoints 127.0.0.1:7101,127.0.0.1:7102 --shard 0 --node 7 \
+//!       --gpu-type A100 --gpus 8 --mem-gb 80 -- /opt/jobs/run-job.sh
+//!   allot-agent --endpoints 127.0.0.1:7101 --node 7 --simulate --sim-runtime 10s..30s
+
+use allot_client::agent::{self, AgentConfig, Mode, SimConfig};
+use allot_client::statemachine::{GpuType, NodeId};
+use clap::Parser;
+use std::path::PathBuf;
+use std::time::Duration;
+
+fn duration(s: &str) -> Result<Duration, String> {
+    allot_client::parse_duration_ms(s)
+        .map(Duration::from_millis)
+        .map_err(|e| e.to_string())
+}
+
+fn range(s: &str) -> Result<(Duration, Duration), String> {
+    agent::parse_duration_range(s).map_err(|e| e.to_string())
+}
+
+fn label(s: &str) -> Result<(String, String), String> {
+    agent::parse_label(s).map_err(|e| e.to_string())
+}
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "allot-agent",
+    version,
+    about = "The allot GPU node agent: runs the jobs the scheduler places on this node.",
+    after_help = "The job runner after `--` is started for every job attempt with \
+CUDA_VISIBLE_DEVICES (the assigned GPU indices), ALLOT_JOB_ID, ALLOT_ATTEMPT and \
+ALLOT_PROGRESS_FILE (write \"<progress_ppm> <checkpoint>\" there). Exit 0 reports \
+success. On preemption it gets SIGTERM, then SIGKILL after the grace period."
+)]
+struct Args {
+    /// Cluster endpoints, host:port, comma-separated (any nodes of the cluster).
+    #[arg(
+        long,
+        env = "ALLOT_AGENT_ENDPOINTS",
+        value_delimiter = ',',
+        required = true
+    )]
+    endpoints: Vec<String>,
+    /// The shard owning this node's GPU pool.
+    #[arg(long, default_value_t = 0)]
+    shard: u32,
+    /// This GPU node's id.
+    #[arg(long)]
+    node: u64,
+    #[arg(long, default_value = "A100")]
+    gpu_type: String,
+    /// GPUs on this node.
+    #[arg(long, default_value_t = 8)]
+    gpus: u32,
+    /// Memory per GPU, in GB.
+    #[arg(long, default_value_t = 80)]
+    mem_gb: u32,
+    /// A node label, key=value (repeatable).
+    #[arg(long = "label", value_parser = label)]
+    labels: Vec<(String, String)>,
+    /// Job heartbeat interval.
+    #[arg(long, default_value = "2s", value_parser = duration)]
+    heartbeat_interval: Duration,
+    /// Node heartbeat interval (renews the node lease).
+    #[arg(long, default_value = "2s", value_parser = duration)]
+    node_heartbeat_interval: Duration,
+    /// Time between SIGTERM and SIGKILL on preemption and shutdown.
+    #[arg(long, default_value = "30s", value_parser = duration)]
+    grace: Duration,
+    /// Directory for progress files and runner logs (default: a temp dir per node).
+    #[arg(long)]
+    work_dir: Option<PathBuf>,
+    /// API token.
+    #[arg(long, env = "ALLOT_AGENT_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Fake GPUs and job runtimes (no runner is started).
+    #[arg(long)]
+    simulate: bool,
+    /// Simulated runtime of each job, MIN..MAX (chosen from the job id).
+    #[arg(long, default_value = "10s..30s", value_parser = range)]
+    sim_runtime: (Duration, Duration),
+    /// Simulated checkpoint period of checkpointable jobs (0: none).
+    #[arg(long, default_value = "5s", value_parser = duration)]
+    sim_checkpoint_every: Duration,
+    /// Percentage of simulated jobs that fail.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=100))]
+    sim_fail_pct: u32,
+    /// More logging (-v: info, -vv: debug, -vvv: trace); RUST_LOG overrides.
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    verbose: u8,
+    /// The job runner and its arguments.
+    #[arg(last = true, value_name = "RUNNER")]
+    runner: Vec<String>,
+}
+
+fn init_logs(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "warn,allot_client=info,allot_agent=info",
+        2 => "info,allot_client=debug,allot_agent=debug",
+        _ => "debug,allot_client=trace,allot_agent=trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+}
+
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!("cannot listen for SIGTERM: {e}");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => tracing::info!("interrupted"),
+        _ = term.recv() => tracing::info!("SIGTERM"),
+    }
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    init_logs(args.verbose);
+    match run(args).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("allot-agent: {e:#}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let mode = match (args.simulate, args.runner.split_first()) {
+        (true, None) => Mode::Simulate(SimConfig {
+            runtime_min: args.sim_runtime.0,
+            runtime_max: args.sim_runtime.1,
+            checkpoint_every: args.sim_checkpoint_every,
+            fail_pct: args.sim_fail_pct,
+        }),
+        (true, Some(_)) => anyhow::bail!("--simulate starts no runner: drop the command after --"),
+        (false, Some((program, rest))) => Mode::Run {
+            program: program.clone(),
+            args: rest.to_vec(),
+        },
+        (false, None) => anyhow::bail!(
+            "give the job runner after --, e.g. `allot-agent ... -- ./run-job.sh`, or use --simulate"
+        ),
+    };
+    let node = NodeId(args.node);
+    let mut config = AgentConfig::new(args.endpoints, node, mode);
+    config.token = args.token;
+    config.shard = args.shard;
+    config.gpu_type = GpuType::new(&args.gpu_type);
+    config.gpus = args.gpus;
+    config.mem_gb = args.mem_gb;
+    config.labels = args.labels;
+    config.heartbeat_interval = args.heartbeat_interval;
+    config.node_heartbeat_interval = args.node_heartbeat_interval;
+    config.grace = args.grace;
+    if let Some(d) = args.work_dir {
+        config.work_dir = d;
+    }
+    agent::run(config, shutdown_signal()).await?;
+    Ok(())
 }

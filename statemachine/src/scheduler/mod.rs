@@ -59,6 +59,9 @@ pub struct SchedulerConfig {
     /// No preemption while a running job on a fitting node ends within this time.
     pub hysteresis_ms: u64,
     pub preemptions_per_job_max: u32,
+    /// A running job is a preemption victim only while the work it would lose (GPUs ×
+    /// time since its last checkpoint, or since it started) is at most this many GPU-ms.
+    pub preemption_loss_max_gpu_ms: u64,
     pub usage_half_life_ms: u64,
     pub default_quota: Quota,
     /// Bounds on one scheduling pass.
@@ -91,6 +94,7 @@ impl Default for SchedulerConfig {
             min_runtime_ms: 60_000,
             hysteresis_ms: 60_000,
             preemptions_per_job_max: 3,
+            preemption_loss_max_gpu_ms: 8 * 60_000,
             usage_half_life_ms: 3_600_000,
             default_quota: Quota {
                 queued_max: 10_000,
@@ -99,7 +103,7 @@ impl Default for SchedulerConfig {
             placements_per_pass_max: 512,
             candidates_per_pass_max: 2_048,
             preemption_searches_per_pass_max: 8,
-            reserved_nodes_max: 8,
+            reserved_nodes_max: 4,
         }
     }
 }
@@ -114,6 +118,7 @@ pub struct SchedulerSettings {
     pub min_runtime_ms: u64,
     pub hysteresis_ms: u64,
     pub preemptions_per_job_max: u32,
+    pub preemption_loss_max_gpu_ms: u64,
     pub usage_half_life_ms: u64,
     pub tiers: Vec<TierConfig>,
 }
@@ -127,6 +132,8 @@ pub mod settings_bounds {
     pub const HALF_LIFE_MS_MIN: u64 = 60_000;
     pub const HALF_LIFE_MS_MAX: u64 = 30 * 86_400_000;
     pub const PREEMPTIONS_PER_JOB_MAX: u32 = 100;
+    /// Eight GPUs for a day.
+    pub const PREEMPTION_LOSS_GPU_MS_MAX: u64 = 8 * 86_400_000;
     pub const TIER_WEIGHT_MAX: u32 = 1_000;
     pub const TIER_NAME_LEN_MAX: usize = 32;
     pub const TIER_WAIT_MS_MAX: u64 = 30 * 86_400_000;
@@ -141,6 +148,7 @@ impl SchedulerConfig {
             min_runtime_ms: self.min_runtime_ms,
             hysteresis_ms: self.hysteresis_ms,
             preemptions_per_job_max: self.preemptions_per_job_max,
+            preemption_loss_max_gpu_ms: self.preemption_loss_max_gpu_ms,
             usage_half_life_ms: self.usage_half_life_ms,
             tiers: self.tiers.clone(),
         }
@@ -172,6 +180,10 @@ impl SchedulerConfig {
             P::PreemptionCap,
         )?;
         check(
+            s.preemption_loss_max_gpu_ms <= PREEMPTION_LOSS_GPU_MS_MAX,
+            P::PreemptionLoss,
+        )?;
+        check(
             (HALF_LIFE_MS_MIN..=HALF_LIFE_MS_MAX).contains(&s.usage_half_life_ms),
             P::HalfLife,
         )?;
@@ -197,6 +209,7 @@ impl SchedulerConfig {
         self.min_runtime_ms = s.min_runtime_ms;
         self.hysteresis_ms = s.hysteresis_ms;
         self.preemptions_per_job_max = s.preemptions_per_job_max;
+        self.preemption_loss_max_gpu_ms = s.preemption_loss_max_gpu_ms;
         self.usage_half_life_ms = s.usage_half_life_ms;
         self.tiers = s.tiers.clone();
         Ok(())

@@ -260,7 +260,8 @@ impl Scheduler {
     }
 
     /// Preemption for a job that does not fit: only preemptible jobs of a lower tier,
-    /// past their minimum runtime and under their preemption cap; on one node, the
+    /// past their minimum runtime, under their preemption cap and whose loss (GPUs ×
+    /// time since the last checkpoint) is within `preemption_loss_max_gpu_ms`; on one node, the
     /// victim set that frees enough GPUs with the least work lost since checkpoint, then
     /// the fewest victims, then the lowest node id. Not when a running job on a fitting
     /// node ends within the hysteresis window (waiting is cheaper). Victims enter
@@ -309,11 +310,10 @@ impl Scheduler {
                             .and_then(|m| m.checkpoint_ms)
                             .unwrap_or(p.started_ms)
                             .max(p.started_ms);
-                        cands.push((
-                            vj.spec.gpus as u64 * now.saturating_sub(since),
-                            v,
-                            vj.spec.gpus,
-                        ));
+                        let lost = vj.spec.gpus as u64 * now.saturating_sub(since);
+                        if lost <= cfg.preemption_loss_max_gpu_ms {
+                            cands.push((lost, v, vj.spec.gpus));
+                        }
                     }
                 }
                 cands.sort();

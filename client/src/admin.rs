@@ -1,0 +1,80 @@
+//! Cluster administration through the `Admin` service: initialising a new cluster.
+
+use crate::error::{Error, Result};
+use crate::transport::Client;
+use allot_proto::{InitRequest, Member};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+impl Client {
+    /// A request for a raw gRPC call (e.g. on [`Client::admin_at`]) carrying this
+    /// client's token and attempt deadline.
+    pub fn grpc_request<T>(&self, msg: T) -> tonic::Request<T> {
+        self.request(msg, self.attempt_timeout())
+    }
+
+    /// Initialises every shard of a new cluster with `members` (node id, address) as
+    /// voters: shard `s` through member `s mod n`, so the first leaders are spread over
+    /// the members. Retried while nodes start, until `wait` has passed; idempotent (an
+    /// initialised shard accepts the same init again). Returns shard → the member it was
+    /// initialised through.
+    pub async fn init_cluster(
+        &self,
+        members: &[(u64, String)],
+        shards: u32,
+        wait: Duration,
+    ) -> Result<BTreeMap<u32, u64>> {
+        if members.is_empty() {
+            return Err(Error::Config("no members".into()));
+        }
+        let deadline = Instant::now() + wait;
+        let voters: Vec<Member> = members
+            .iter()
+            .map(|(id, addr)| Member {
+                node_id: *id,
+                addr: addr.clone(),
+            })
+            .collect();
+        let mut through = BTreeMap::new();
+        for (i, (id, addr)) in members.iter().enumerate() {
+            let mine: Vec<u32> = (0..shards)
+                .filter(|s| *s as usize % members.len() == i)
+                .collect();
+            if mine.is_empty() {
+                continue;
+            }
+            self.init_through(addr, &voters, &mine, deadline).await?;
+            through.extend(mine.into_iter().map(|s| (s, *id)));
+        }
+        Ok(through)
+    }
+
+    async fn init_through(
+        &self,
+        addr: &str,
+        voters: &[Member],
+        shards: &[u32],
+        deadline: Instant,
+    ) -> Result<()> {
+        loop {
+            let req = self.grpc_request(InitRequest {
+                members: voters.to_vec(),
+                shards: shards.to_vec(),
+            });
+            match self.admin_at(addr)?.init(req).await {
+                Ok(_) => return Ok(()),
+                Err(s) if s.code() == tonic::Code::InvalidArgument => {
+                    return Err(Error::from_status(&s))
+                }
+                Err(s) if Instant::now() >= deadline => {
+                    return Err(Error::Unavailable {
+                        attempts: 0,
+                        elapsed: Duration::ZERO,
+                        last: format!("init through {addr}: {:?}: {}", s.code(), s.message()),
+                    })
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    }
+}

@@ -1,4 +1,0 @@
-fn main() {
-    eprintln!("not built yet");
-    std::process::exit(2);
-}

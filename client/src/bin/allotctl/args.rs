@@ -1,0 +1,115 @@
+//! The command line: global flags (each also from an `ALLOTCTL_*` variable) and the
+//! command tree. Each command's own flags live in the module that runs it.
+
+use crate::output::Format;
+use crate::values;
+use allot_statemachine::Actor;
+use clap::{Args, Parser, Subcommand};
+use std::time::Duration;
+
+const AFTER_HELP: &str = "\
+Exit codes: 0 success; 1 the operation failed (refused by the cluster, an unknown id, \
+unreachable endpoints); 2 usage errors (bad flags or values: nothing was sent).
+Amounts are credits with up to 6 decimals (12.5); durations 1500ms, 90s, 30m, 2h, 7d; \
+instants unix milliseconds or 2025-01-31T12:00:00Z.";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "allotctl",
+    version,
+    about = "Operate an allot cluster: GPU credits, budgets, GPU nodes and jobs",
+    after_help = AFTER_HELP,
+    propagate_version = true
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: Global,
+    #[command(subcommand)]
+    pub cmd: Cmd,
+}
+
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Global options")]
+pub struct Global {
+    /// Cluster endpoints, comma-separated host:port (any node will do).
+    #[arg(
+        long,
+        global = true,
+        env = "ALLOTCTL_ENDPOINTS",
+        value_delimiter = ',',
+        default_value = "127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103"
+    )]
+    pub endpoints: Vec<String>,
+    /// API token, sent as `authorization: Bearer <token>`.
+    #[arg(long, global = true, env = "ALLOTCTL_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Output format: aligned text, or exactly one JSON document on stdout.
+    #[arg(short, long, global = true, env = "ALLOTCTL_OUTPUT", value_enum, default_value_t = Format::Table)]
+    pub output: Format,
+    /// Deadline of each call to the cluster, retries included.
+    #[arg(long, global = true, env = "ALLOTCTL_TIMEOUT", default_value = "10s", value_parser = values::duration)]
+    pub timeout: Duration,
+    /// Most retries per call (unreachable endpoints, no leader, overload).
+    #[arg(long, global = true, env = "ALLOTCTL_RETRIES", default_value_t = 6)]
+    pub retries: u32,
+    /// Identity the commands are issued as: admin, org:<id> (a tenant of that org), or
+    /// agent:<node id>.
+    #[arg(long = "as", global = true, env = "ALLOTCTL_AS", default_value = "admin", value_parser = values::identity)]
+    pub identity: Actor,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Cmd {
+    /// Cluster set-up (initialise a new cluster).
+    #[command(subcommand)]
+    Cluster(crate::cluster::ClusterCmd),
+    /// Raft membership of the shards (voters, learners, leaders).
+    #[command(subcommand)]
+    Member(crate::membership::MemberCmd),
+    /// Health of each endpoint.
+    #[command(subcommand)]
+    Endpoint(crate::cluster::EndpointCmd),
+    /// Replica state hashes, to compare replicas.
+    #[command(subcommand)]
+    Shard(crate::cluster::ShardCmd),
+    /// Organisations.
+    #[command(subcommand)]
+    Org(crate::tenancy::OrgCmd),
+    /// Projects of an organisation.
+    #[command(subcommand)]
+    Project(crate::tenancy::ProjectCmd),
+    /// Users of an organisation.
+    #[command(subcommand)]
+    User(crate::tenancy::UserCmd),
+    /// Admission quotas of an organisation.
+    #[command(subcommand)]
+    Quota(crate::tenancy::QuotaCmd),
+    /// Credit grants (paid, promotional, granted buckets).
+    #[command(subcommand)]
+    Grant(crate::credits::GrantCmd),
+    /// Balance of an org or project with its breakdown and upcoming expirations.
+    Balance(crate::credits::BalanceArgs),
+    /// Budgets of an org, project or user.
+    #[command(subcommand)]
+    Budget(crate::credits::BudgetCmd),
+    /// GPU prices (credits per GPU-hour).
+    #[command(subcommand)]
+    Price(crate::credits::PriceCmd),
+    /// Credit totals of each shard (issued, consumed, expired, moved).
+    Totals(crate::credits::TotalsArgs),
+    /// Scheduler settings of a shard.
+    #[command(subcommand)]
+    Scheduler(crate::scheduler::SchedulerCmd),
+    /// Queue per tier: queued jobs, oldest wait, running GPUs.
+    Queue(crate::scheduler::QueueArgs),
+    /// GPU nodes of a shard's pool.
+    #[command(subcommand)]
+    Node(crate::nodes::NodeCmd),
+    /// GPU jobs.
+    #[command(subcommand)]
+    Job(crate::jobs::JobCmd),
+    /// Audit trail: events of an org, project or job (`audit export` for JSON lines).
+    Audit(crate::audit::AuditArgs),
+    /// Load generator: closed-loop hold/capture/release workers against the cluster.
+    Bench(crate::bench::BenchArgs),
+}

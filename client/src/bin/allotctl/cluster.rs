@@ -1,0 +1,392 @@
+//! Cluster-level operations: `cluster init`, `endpoint status`, `shard hash`.
+
+use crate::connect::Ctx;
+use crate::failure::usage;
+use crate::output::{hex, list, show, Table};
+use crate::values;
+use allot_proto::{ShardRequest, StatusReply};
+use clap::{Args, Subcommand};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+#[derive(Subcommand, Debug)]
+pub enum ClusterCmd {
+    /// Initialises a new cluster's shards with the given voters. Shard s is initialised
+    /// through member s mod n (so the first leaders are spread), retried while the nodes
+    /// start; then waits until every shard has a leader.
+    Init(InitArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct InitArgs {
+    /// A voter, `<node id>=<host:port>`; repeat for each node (order matters: shard s
+    /// goes through the (s mod n)-th member).
+    #[arg(long = "member", required = true, value_parser = values::member)]
+    members: Vec<(u64, String)>,
+    /// The shard count the nodes were started with; if given, the nodes must report it.
+    #[arg(long)]
+    shards: Option<u32>,
+    /// How long to wait for the nodes to come up and for leaders.
+    #[arg(long, default_value = "30s", value_parser = values::duration)]
+    wait: Duration,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum EndpointCmd {
+    /// One row per endpoint and shard: node id, role, leader, term, applied index, and
+    /// the error of an endpoint that did not answer. Exits 0 if at least one endpoint
+    /// answered, 1 if none did.
+    Status,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ShardCmd {
+    /// Each replica's state hash per shard (endpoint, shard, applied index, hash): equal
+    /// hashes at equal applied indexes mean identical replicas.
+    Hash(HashArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct HashArgs {
+    #[arg(long)]
+    shard: Option<u32>,
+    /// Repeat until each shard's replicas report the same applied index (within
+    /// --timeout), then exit 1 if their hashes differ.
+    #[arg(long)]
+    check: bool,
+}
+
+pub async fn run(ctx: &Ctx, cmd: ClusterCmd) -> anyhow::Result<()> {
+    match cmd {
+        ClusterCmd::Init(a) => init(ctx, a).await,
+    }
+}
+
+pub async fn run_endpoint(ctx: &Ctx, cmd: EndpointCmd) -> anyhow::Result<()> {
+    match cmd {
+        EndpointCmd::Status => endpoint_status(ctx).await,
+    }
+}
+
+pub async fn run_shard(ctx: &Ctx, cmd: ShardCmd) -> anyhow::Result<()> {
+    match cmd {
+        ShardCmd::Hash(a) => shard_hash(ctx, a).await,
+    }
+}
+
+// ---------------------------------------------------------------- cluster init
+
+async fn init(ctx: &Ctx, a: InitArgs) -> anyhow::Result<()> {
+    let mut ids: Vec<u64> = a.members.iter().map(|m| m.0).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    if ids.len() != a.members.len() {
+        return Err(usage("--member: each node id once"));
+    }
+    let deadline = Instant::now() + a.wait;
+    let shards = agreed_shard_count(ctx, &a.members, a.shards, deadline).await?;
+    let wait = deadline.saturating_duration_since(Instant::now());
+    let through = ctx.client.init_cluster(&a.members, shards, wait).await?;
+    let leaders = wait_leaders(ctx, &a.members, shards, deadline).await?;
+    print_init(ctx, shards, &through, &leaders)
+}
+
+/// Every member's reported shard count, retried while nodes start; they must agree
+/// (and equal `expected` if given).
+async fn agreed_shard_count(
+    ctx: &Ctx,
+    members: &[(u64, String)],
+    expected: Option<u32>,
+    deadline: Instant,
+) -> anyhow::Result<u32> {
+    let mut counts = BTreeMap::new();
+    for (id, addr) in members {
+        let s = status_until(ctx, addr, deadline).await?;
+        if s.node_id != *id {
+            anyhow::bail!("{addr} is node {}, not node {id}", s.node_id);
+        }
+        counts.insert(*id, s.shards.len() as u32);
+    }
+    let distinct: std::collections::BTreeSet<u32> = counts.values().copied().collect();
+    if distinct.len() != 1 {
+        anyhow::bail!("the nodes report different shard counts: {counts:?} (node → shards)");
+    }
+    let n = *distinct.iter().next().unwrap_or(&0);
+    match expected {
+        Some(e) if e != n => anyhow::bail!(
+            "--shards {e}, but the nodes were started with {n} shards (allot-node run --shards); nothing was initialised"
+        ),
+        _ if n == 0 => anyhow::bail!("the nodes host no shards"),
+        _ => Ok(n),
+    }
+}
+
+async fn status_until(ctx: &Ctx, addr: &str, deadline: Instant) -> anyhow::Result<StatusReply> {
+    loop {
+        match ctx.client.status_of(addr).await {
+            Ok(s) => return Ok(s),
+            Err(e) if Instant::now() >= deadline => {
+                anyhow::bail!("node {addr} did not answer: {e}")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+}
+
+/// Waits until a member sees a leader for every shard; returns shard → leader id.
+async fn wait_leaders(
+    ctx: &Ctx,
+    members: &[(u64, String)],
+    shards: u32,
+    deadline: Instant,
+) -> anyhow::Result<BTreeMap<u32, u64>> {
+    loop {
+        let mut leaders = BTreeMap::new();
+        for (_, addr) in members {
+            if let Ok(s) = ctx.client.status_of(addr).await {
+                for sh in s.shards.iter().filter(|sh| sh.leader != 0) {
+                    leaders.insert(sh.shard, sh.leader);
+                }
+            }
+        }
+        if leaders.len() as u32 == shards {
+            return Ok(leaders);
+        }
+        if Instant::now() >= deadline {
+            anyhow::bail!(
+                "initialised, but only shards {:?} have a leader after the wait",
+                leaders.keys().collect::<Vec<_>>()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn print_init(
+    ctx: &Ctx,
+    shards: u32,
+    through: &BTreeMap<u32, u64>,
+    leaders: &BTreeMap<u32, u64>,
+) -> anyhow::Result<()> {
+    let mut t = Table::new(&["SHARD", "INITIALISED THROUGH", "LEADER"]);
+    let mut rows = Vec::new();
+    for s in 0..shards {
+        let (th, l) = (through.get(&s).copied(), leaders.get(&s).copied());
+        t.row(vec![s.to_string(), opt(th), opt(l)]);
+        rows.push(serde_json::json!({"shard": s, "through": th, "leader": l}));
+    }
+    show(
+        ctx.format,
+        &serde_json::json!({"shards": shards, "initialised": rows}),
+        &[t],
+    )
+}
+
+fn opt(v: Option<u64>) -> String {
+    v.map_or("-".into(), |v| v.to_string())
+}
+
+// ---------------------------------------------------------------- endpoint status
+
+#[derive(Serialize)]
+struct EndpointRow {
+    endpoint: String,
+    node_id: Option<u64>,
+    shard: Option<u32>,
+    state: Option<String>,
+    is_leader: bool,
+    leader: Option<u64>,
+    term: Option<u64>,
+    applied_index: Option<u64>,
+    last_log_index: Option<u64>,
+    logical_time_ms: Option<u64>,
+    voters: Vec<u64>,
+    learners: Vec<u64>,
+    error: Option<String>,
+}
+
+async fn endpoint_status(ctx: &Ctx) -> anyhow::Result<()> {
+    let mut rows = Vec::new();
+    let mut answered = 0;
+    for addr in ctx.client.endpoints() {
+        match ctx.client.status_of(addr).await {
+            Ok(s) => {
+                answered += 1;
+                rows.extend(status_rows(addr, &s));
+            }
+            Err(e) => rows.push(error_row(addr, e.to_string())),
+        }
+    }
+    let mut t = Table::new(&[
+        "ENDPOINT", "NODE", "SHARD", "STATE", "LEADER", "TERM", "APPLIED", "ERROR",
+    ]);
+    for r in &rows {
+        t.row(vec![
+            r.endpoint.clone(),
+            opt(r.node_id),
+            opt(r.shard.map(u64::from)),
+            r.state.clone().unwrap_or("-".into()),
+            opt(r.leader),
+            opt(r.term),
+            opt(r.applied_index),
+            r.error.clone().unwrap_or_default(),
+        ]);
+    }
+    show(ctx.format, &rows, &[t])?;
+    if answered == 0 {
+        anyhow::bail!("no endpoint answered");
+    }
+    Ok(())
+}
+
+fn status_rows(addr: &str, s: &StatusReply) -> Vec<EndpointRow> {
+    s.shards
+        .iter()
+        .map(|sh| EndpointRow {
+            endpoint: addr.to_string(),
+            node_id: Some(s.node_id),
+            shard: Some(sh.shard),
+            state: Some(sh.state.clone()),
+            is_leader: sh.is_leader,
+            leader: (sh.leader != 0).then_some(sh.leader),
+            term: Some(sh.term),
+            applied_index: Some(sh.applied_index),
+            last_log_index: Some(sh.last_log_index),
+            logical_time_ms: Some(sh.logical_time_ms),
+            voters: sh.voters.clone(),
+            learners: sh.learners.clone(),
+            error: None,
+        })
+        .collect()
+}
+
+fn error_row(addr: &str, error: String) -> EndpointRow {
+    EndpointRow {
+        endpoint: addr.to_string(),
+        node_id: None,
+        shard: None,
+        state: None,
+        is_leader: false,
+        leader: None,
+        term: None,
+        applied_index: None,
+        last_log_index: None,
+        logical_time_ms: None,
+        voters: vec![],
+        learners: vec![],
+        error: Some(error),
+    }
+}
+
+// ---------------------------------------------------------------- shard hash
+
+#[derive(Serialize, Clone)]
+struct HashRow {
+    endpoint: String,
+    shard: u32,
+    applied_index: Option<u64>,
+    logical_time_ms: Option<u64>,
+    state_hash: Option<String>,
+    error: Option<String>,
+}
+
+async fn shard_hash(ctx: &Ctx, a: HashArgs) -> anyhow::Result<()> {
+    let shards = ctx.shards_or_all(a.shard).await?;
+    let deadline = Instant::now() + ctx.timeout;
+    let rows = loop {
+        let rows = read_hashes(ctx, &shards).await?;
+        if !a.check || settled(&rows) || Instant::now() >= deadline {
+            break rows;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let mut t = Table::new(&["ENDPOINT", "SHARD", "APPLIED", "STATE HASH", "ERROR"]);
+    for r in &rows {
+        t.row(vec![
+            r.endpoint.clone(),
+            r.shard.to_string(),
+            opt(r.applied_index),
+            r.state_hash.clone().unwrap_or("-".into()),
+            r.error.clone().unwrap_or_default(),
+        ]);
+    }
+    show(ctx.format, &rows, &[t])?;
+    if a.check {
+        check_hashes(&rows)?;
+    }
+    if rows.iter().all(|r| r.error.is_some()) {
+        anyhow::bail!("no replica answered");
+    }
+    Ok(())
+}
+
+async fn read_hashes(ctx: &Ctx, shards: &[u32]) -> anyhow::Result<Vec<HashRow>> {
+    let mut rows = Vec::new();
+    for addr in ctx.client.endpoints() {
+        for &shard in shards {
+            let r = ctx
+                .admin(addr)?
+                .shard_hash(ctx.admin_req(ShardRequest { shard }))
+                .await;
+            rows.push(match r {
+                Ok(h) => {
+                    let h = h.into_inner();
+                    HashRow {
+                        endpoint: addr.clone(),
+                        shard,
+                        applied_index: Some(h.applied_index),
+                        logical_time_ms: Some(h.logical_time_ms),
+                        state_hash: Some(hex(&h.state_hash)),
+                        error: None,
+                    }
+                }
+                Err(s) => HashRow {
+                    endpoint: addr.clone(),
+                    shard,
+                    applied_index: None,
+                    logical_time_ms: None,
+                    state_hash: None,
+                    error: Some(format!("{:?}: {}", s.code(), s.message())),
+                },
+            });
+        }
+    }
+    Ok(rows)
+}
+
+/// Every shard's answering replicas are at one applied index.
+fn settled(rows: &[HashRow]) -> bool {
+    let mut by_shard: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
+    for r in rows {
+        if let Some(i) = r.applied_index {
+            by_shard.entry(r.shard).or_default().push(i);
+        }
+    }
+    by_shard
+        .values()
+        .all(|v| v.windows(2).all(|w| w[0] == w[1]))
+}
+
+fn check_hashes(rows: &[HashRow]) -> anyhow::Result<()> {
+    let mut by_shard: BTreeMap<u32, Vec<&HashRow>> = BTreeMap::new();
+    for r in rows.iter().filter(|r| r.state_hash.is_some()) {
+        by_shard.entry(r.shard).or_default().push(r);
+    }
+    for (shard, rs) in by_shard {
+        let indexes: Vec<u64> = rs.iter().filter_map(|r| r.applied_index).collect();
+        if indexes.windows(2).any(|w| w[0] != w[1]) {
+            anyhow::bail!(
+                "shard {shard}: the replicas did not reach one applied index within --timeout ({})",
+                list(&indexes)
+            );
+        }
+        if rs.windows(2).any(|w| w[0].state_hash != w[1].state_hash) {
+            anyhow::bail!(
+                "shard {shard}: replicas DIFFER at applied index {}",
+                indexes.first().copied().unwrap_or(0)
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,91 @@
+//! How a failed command ends: a readable message on stderr and the exit code (2 for
+//! usage errors, 1 for everything else).
+
+use allot_client::Error;
+use allot_statemachine::CommandError;
+
+/// A usage error found after parsing (conflicting values, an unknown tier name...):
+/// nothing was sent; exit code 2.
+#[derive(Debug)]
+pub struct Usage(pub String);
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Usage {}
+
+pub fn usage(msg: impl Into<String>) -> anyhow::Error {
+    Usage(msg.into()).into()
+}
+
+/// Prints the error and exits with its code.
+pub fn exit(e: &anyhow::Error) -> ! {
+    let code = if e.downcast_ref::<Usage>().is_some() {
+        2
+    } else {
+        1
+    };
+    eprintln!("error: {}", render(e));
+    if code == 2 {
+        eprintln!("\nFor more information, try '--help'.");
+    }
+    std::process::exit(code)
+}
+
+/// The error chain on one line, with the state machine's refusals named.
+pub fn render(e: &anyhow::Error) -> String {
+    let mut parts = Vec::new();
+    for cause in e.chain() {
+        let text = match cause.downcast_ref::<Error>() {
+            Some(err) => client_error(err),
+            None => cause.to_string(),
+        };
+        parts.push(text);
+    }
+    parts.join(": ")
+}
+
+fn client_error(e: &Error) -> String {
+    match e {
+        Error::Rejected(c) => format!("rejected by the cluster: {c} [{}]", code(c)),
+        Error::Unavailable { .. } => format!(
+            "cluster unreachable or without a leader ({e}); check --endpoints and that the nodes run"
+        ),
+        other => other.to_string(),
+    }
+}
+
+/// The refusal's variant name (`UnknownOrg`), stable for scripts.
+pub fn code(c: &CommandError) -> String {
+    let dbg = format!("{c:?}");
+    dbg.split(['(', ' ', '{'])
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_are_named() {
+        let e: anyhow::Error = anyhow::Error::new(Error::Rejected(CommandError::UnknownOrg))
+            .context("creating project:5");
+        let r = render(&e);
+        assert!(
+            r.contains("creating project:5") && r.contains("[UnknownOrg]"),
+            "{r}"
+        );
+        assert_eq!(
+            code(&CommandError::InsufficientCredits {
+                available: 1,
+                needed: 2
+            }),
+            "InsufficientCredits"
+        );
+    }
+}

@@ -1,0 +1,142 @@
+//! Organisations, projects, users and admission quotas.
+
+use crate::connect::Ctx;
+use crate::failure::usage;
+use crate::output::{show, Table};
+use allot_client::Error;
+use allot_statemachine::{OrgId, ProjectId, Quota, UserId};
+use anyhow::Context;
+use clap::{Args, Subcommand};
+
+#[derive(Subcommand, Debug)]
+pub enum OrgCmd {
+    /// Creates an organisation (on its home shard: org id mod shard count).
+    Create {
+        #[arg(long)]
+        org: u64,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ProjectCmd {
+    /// Creates a project in an organisation.
+    Create {
+        #[arg(long)]
+        org: u64,
+        #[arg(long)]
+        project: u64,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum UserCmd {
+    /// Creates a user in an organisation.
+    Create {
+        #[arg(long)]
+        org: u64,
+        #[arg(long)]
+        user: u64,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum QuotaCmd {
+    /// Sets an org's admission quotas (or, with --clear, returns it to the shard default).
+    Set(QuotaArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct QuotaArgs {
+    #[arg(long)]
+    org: u64,
+    /// Jobs queued at once; a submission beyond it is refused.
+    #[arg(long, required_unless_present = "clear")]
+    queued_max: Option<u32>,
+    /// Jobs running at once; beyond it the org's jobs wait in the queue.
+    #[arg(long, required_unless_present = "clear")]
+    running_max: Option<u32>,
+    #[arg(long, conflicts_with_all = ["queued_max", "running_max"])]
+    clear: bool,
+}
+
+pub async fn run_org(ctx: &Ctx, cmd: OrgCmd) -> anyhow::Result<()> {
+    let OrgCmd::Create { org } = cmd;
+    let org = OrgId(org);
+    let r = ctx.client.create_org(org).await;
+    created(ctx, org, r, &[("org", org.0)], &format!("creating {org}")).await
+}
+
+pub async fn run_project(ctx: &Ctx, cmd: ProjectCmd) -> anyhow::Result<()> {
+    let ProjectCmd::Create { org, project } = cmd;
+    let (org, project) = (OrgId(org), ProjectId(project));
+    let r = ctx.client.create_project(org, project).await;
+    let what = format!("creating {project} in {org}");
+    created(
+        ctx,
+        org,
+        r,
+        &[("org", org.0), ("project", project.0)],
+        &what,
+    )
+    .await
+}
+
+pub async fn run_user(ctx: &Ctx, cmd: UserCmd) -> anyhow::Result<()> {
+    let UserCmd::Create { org, user } = cmd;
+    let (org, user) = (OrgId(org), UserId(user));
+    let r = ctx.client.create_user(org, user).await;
+    let what = format!("creating {user} in {org}");
+    created(ctx, org, r, &[("org", org.0), ("user", user.0)], &what).await
+}
+
+/// Reports a create: the ids, the org's home shard.
+async fn created(
+    ctx: &Ctx,
+    org: OrgId,
+    r: Result<(), Error>,
+    ids: &[(&str, u64)],
+    what: &str,
+) -> anyhow::Result<()> {
+    r.with_context(|| what.to_string())?;
+    let shard = ctx.home_shard(org).await?;
+    let mut json = serde_json::Map::new();
+    let mut fields = Vec::new();
+    for (k, v) in ids {
+        json.insert(k.to_string(), (*v).into());
+        fields.push((k.to_string(), v.to_string()));
+    }
+    json.insert("shard".into(), shard.into());
+    json.insert("created".into(), true.into());
+    fields.push(("shard".into(), shard.to_string()));
+    show(ctx.format, &json, &[Table::fields(fields)])
+}
+
+pub async fn run_quota(ctx: &Ctx, cmd: QuotaCmd) -> anyhow::Result<()> {
+    let QuotaCmd::Set(a) = cmd;
+    let org = OrgId(a.org);
+    let quota = match (a.clear, a.queued_max, a.running_max) {
+        (true, ..) => None,
+        (false, Some(queued_max), Some(running_max)) => Some(Quota {
+            queued_max,
+            running_max,
+        }),
+        _ => return Err(usage("--queued-max and --running-max (or --clear)")),
+    };
+    ctx.client
+        .set_quota(org, quota)
+        .await
+        .with_context(|| format!("setting the quota of {org}"))?;
+    let json = serde_json::json!({"org": org.0, "quota": quota});
+    let t = Table::fields([
+        ("org", org.to_string()),
+        (
+            "queued max",
+            quota.map_or("shard default".into(), |q| q.queued_max.to_string()),
+        ),
+        (
+            "running max",
+            quota.map_or("shard default".into(), |q| q.running_max.to_string()),
+        ),
+    ]);
+    show(ctx.format, &json, &[t])
+}

@@ -1,0 +1,716 @@
+//! The GPU agent (`allot-agent`, the real binary) against a real 3-node cluster: simulated
+//! jobs run to completion and settle (capture and refund), a real runner sees its
+//! assigned GPUs and its exit status becomes the job's outcome, preemption reaches the
+//! runner as SIGTERM, requeues the victim and lets the higher tier run, a cancelled job's
+//! runner is killed at once, and one ignoring SIGTERM is killed after the grace period.
+//!
+//! Needs the node binary: `cargo build -p allot-node --bin allot-node`. Set
+//! `ALLOT_TEST_AGENT_LOG=1` to see the agent's log of passing tests too.
+
+use allot_client::{AuditFilter, Client};
+use allot_node::local_cluster::{node_binary, LocalCluster};
+use allot_statemachine::scheduler::{Job, JobState, Reason};
+use allot_statemachine::testkit::{a100, A100_PRICE, ORG, PROJECT, USER};
+use allot_statemachine::{
+    Account, AuditEvent, BucketId, BucketKind, EventBody, Grant, HoldId, JobId, JobSpec, NodeId,
+    Reply, Tier,
+};
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+const SHARD: u32 = 0;
+const NODE: u64 = 7;
+const GRANT_MICRO: u64 = 100_000_000;
+
+/// Polls with a deadline: `tick` fails the test once the deadline has passed.
+struct Deadline {
+    until: Instant,
+    what: String,
+}
+
+impl Deadline {
+    fn new(what: impl Into<String>, within: Duration) -> Deadline {
+        Deadline {
+            until: Instant::now() + within,
+            what: what.into(),
+        }
+    }
+
+    async fn tick(&self) {
+        assert!(
+            Instant::now() < self.until,
+            "timed out waiting for {}",
+            self.what
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A 3-node, 1-shard cluster in a fresh temp dir, and an admin client.
+async fn cluster() -> (tempfile::TempDir, LocalCluster, Client) {
+    let dir = tempfile::Builder::new()
+        .prefix("allot-agent-")
+        .tempdir()
+        .unwrap();
+    let mut c = LocalCluster::new(
+        node_binary().expect("build it first: cargo build -p allot-node --bin allot-node"),
+        dir.path().join("cluster"),
+        3,
+        1,
+    )
+    .unwrap();
+    c.start_all().unwrap();
+    c.init().await.unwrap();
+    c.wait_leaders(Duration::from_secs(30)).await.unwrap();
+    let client = allot_node::local_cluster::client(c.endpoints());
+    (dir, c, client)
+}
+
+/// An org with one project and user, the A100 price, and a paid grant to the project.
+async fn fund(client: &Client) {
+    client.create_org(ORG).await.unwrap();
+    client.create_project(ORG, PROJECT).await.unwrap();
+    client.create_user(ORG, USER).await.unwrap();
+    client.set_prices(vec![(a100(), A100_PRICE)]).await.unwrap();
+    client
+        .issue_grant(
+            ORG,
+            Grant {
+                bucket: BucketId(1),
+                owner: Account::Project(PROJECT),
+                kind: BucketKind::Paid,
+                amount_micro: GRANT_MICRO,
+                expires_at_ms: None,
+                priority: 100,
+                policy: None,
+                source_ref: None,
+            },
+        )
+        .await
+        .unwrap();
+}
+
+fn spec(job: u64, tier: Tier, gpus: u32, preemptible: bool) -> JobSpec {
+    JobSpec {
+        job: JobId(job),
+        project: PROJECT,
+        user: USER,
+        tier,
+        gpu_types: vec![a100()],
+        gpus,
+        mem_floor_gb: 0,
+        preemptible,
+        checkpointable: true,
+        max_duration_ms: 600_000,
+    }
+}
+
+async fn submit(client: &Client, spec: JobSpec) {
+    let job = spec.job;
+    match client.submit_job(ORG, spec).await.unwrap() {
+        Reply::JobSubmitted { state, .. } => assert_eq!(state, JobState::Queued, "{job}"),
+        other => panic!("submit {job}: {other:?}"),
+    }
+}
+
+async fn job(client: &Client, id: u64) -> Job {
+    client.job(ORG, JobId(id)).await.unwrap()
+}
+
+/// Waits for the job to reach `want`; any other final state fails the test.
+async fn wait_state(client: &Client, id: u64, want: JobState, within: Duration) -> Job {
+    let d = Deadline::new(format!("job {id} to be {want:?}"), within);
+    loop {
+        let j = job(client, id).await;
+        if j.state == want {
+            return j;
+        }
+        assert!(
+            !j.state.is_final(),
+            "job {id} ended {:?} ({:?}) instead of {want:?}",
+            j.state,
+            j.last_reason
+        );
+        d.tick().await;
+    }
+}
+
+async fn wait_file(path: &Path, within: Duration) -> String {
+    let d = Deadline::new(format!("{}", path.display()), within);
+    loop {
+        if let Ok(s) = std::fs::read_to_string(path) {
+            if s.ends_with('\n') {
+                return s;
+            }
+        }
+        d.tick().await;
+    }
+}
+
+/// Every audit event of a job's hold.
+async fn audit_of(client: &Client, id: u64) -> Vec<AuditEvent> {
+    let mut out = Vec::new();
+    let filter = AuditFilter {
+        hold: Some(HoldId(id)),
+        ..AuditFilter::default()
+    };
+    client
+        .audit_export(SHARD, filter, 0, |e| {
+            out.push(e.clone());
+            Ok(())
+        })
+        .await
+        .unwrap();
+    out
+}
+
+/// The `allot-agent` binary as a child process, logging to a file. Stopped with SIGTERM
+/// when dropped; its log is printed if the test is failing (or ALLOT_TEST_AGENT_LOG is set).
+struct AgentProc {
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl AgentProc {
+    fn start(endpoints: &[String], gpus: u32, dir: &Path, extra: &[&str]) -> AgentProc {
+        std::fs::create_dir_all(dir).unwrap();
+        let log = dir.join("agent.log");
+        let out = std::fs::File::create(&log).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_allot-agent"))
+            .arg("--endpoints")
+            .arg(endpoints.join(","))
+            .args(["--shard", &SHARD.to_string(), "--node", &NODE.to_string()])
+            .args(["--gpu-type", "A100", "--gpus", &gpus.to_string()])
+            .args([
+                "--mem-gb",
+                "80",
+                "--label",
+                "zone=test",
+                "--label",
+                "rack=r1",
+            ])
+            .args(["--node-heartbeat-interval", "1s", "-vv"])
+            .arg("--work-dir")
+            .arg(dir.join("work"))
+            .args(extra)
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap();
+        AgentProc {
+            child: Some(child),
+            log,
+        }
+    }
+
+    /// SIGTERM, then waits for the exit (SIGKILL after `within`: `None`).
+    fn stop(&mut self, within: Duration) -> Option<ExitStatus> {
+        let mut c = self.child.take()?;
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(c.id().to_string())
+            .status();
+        let deadline = Instant::now() + within;
+        loop {
+            if let Ok(Some(st)) = c.try_wait() {
+                return Some(st);
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                let _ = c.wait();
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn assert_running(&mut self) {
+        if let Some(st) = self.child.as_mut().and_then(|c| c.try_wait().unwrap()) {
+            panic!("the agent exited: {st}");
+        }
+    }
+}
+
+impl Drop for AgentProc {
+    fn drop(&mut self) {
+        self.stop(Duration::from_secs(15));
+        if std::thread::panicking() || std::env::var_os("ALLOT_TEST_AGENT_LOG").is_some() {
+            if let Ok(f) = std::fs::File::open(&self.log) {
+                let lines: Vec<String> = BufReader::new(f).lines().map_while(Result::ok).collect();
+                eprintln!("---- agent log (last 200 lines) ----");
+                for l in lines.iter().rev().take(200).rev() {
+                    eprintln!("{l}");
+                }
+            }
+        }
+    }
+}
+
+/// Waits until the agent has registered its node with the configured shape.
+async fn wait_registered(client: &Client, agent: &mut AgentProc, gpus: u32) {
+    let d = Deadline::new("the agent to register its node", Duration::from_secs(30));
+    loop {
+        agent.assert_running();
+        let nodes = client.nodes(SHARD).await.unwrap();
+        if let Some(n) = nodes.iter().find(|n| n.id == NodeId(NODE)) {
+            assert_eq!(n.gpu_count, gpus);
+            assert_eq!(n.gpu_type, a100());
+            assert_eq!(n.gpu_mem_gb, 80);
+            assert_eq!(
+                n.labels,
+                vec![("rack".into(), "r1".into()), ("zone".into(), "test".into())]
+            );
+            return;
+        }
+        d.tick().await;
+    }
+}
+
+/// A job runner: records its pid and the GPUs it was given, reports progress and a
+/// checkpoint, waits for a go file (or 60 s), exits 0 — or 3 if a fail file exists. On
+/// SIGTERM it saves a checkpoint, leaves a marker and exits 0 (or, given an ignore-term
+/// file, ignores SIGTERM). The GPU file is written last: once it exists, the trap is set.
+const RUNNER: &str = r#"#!/bin/sh
+out="$1"
+tag="$ALLOT_JOB_ID-$ALLOT_ATTEMPT"
+if [ -e "$out/ignore-term-$ALLOT_JOB_ID" ]; then
+  trap '' TERM
+else
+  trap 'echo "900000 2" > "$ALLOT_PROGRESS_FILE"; echo term > "$out/term-$tag"; exit 0' TERM
+fi
+echo "100000 1" > "$ALLOT_PROGRESS_FILE"
+echo "$$" > "$out/pid-$tag"
+echo "$CUDA_VISIBLE_DEVICES" > "$out/cuda-$tag"
+i=0
+while [ ! -e "$out/go-$ALLOT_JOB_ID" ] && [ "$i" -lt 600 ]; do
+  sleep 0.1
+  i=$((i + 1))
+done
+echo "1000000 3" > "$ALLOT_PROGRESS_FILE"
+if [ -e "$out/fail-$ALLOT_JOB_ID" ]; then exit 3; fi
+exit 0
+"#;
+
+fn runner(dir: &Path) -> (PathBuf, PathBuf) {
+    let script = dir.join("runner.sh");
+    std::fs::write(&script, RUNNER).unwrap();
+    let out = dir.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    (script, out)
+}
+
+fn touch(path: PathBuf) {
+    std::fs::write(path, "").unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simulated_jobs_run_to_completion_and_settle_with_capture_and_refund() {
+    let (dir, c, client) = cluster().await;
+    fund(&client).await;
+    let mut agent = AgentProc::start(
+        &c.endpoints(),
+        4,
+        &dir.path().join("agent"),
+        &[
+            "--simulate",
+            "--sim-runtime",
+            "2s..4s",
+            "--sim-checkpoint-every",
+            "1s",
+            "--heartbeat-interval",
+            "500ms",
+        ],
+    );
+    wait_registered(&client, &mut agent, 4).await;
+
+    // 7 GPUs of work on a 4-GPU node: some jobs wait for others to finish.
+    let jobs = [(101, 1), (102, 2), (103, 1), (104, 2), (105, 1)];
+    for (id, gpus) in jobs {
+        submit(&client, spec(id, Tier::PAID, gpus, false)).await;
+    }
+    for (id, _) in jobs {
+        let j = wait_state(&client, id, JobState::Succeeded, Duration::from_secs(90)).await;
+        assert_eq!(j.attempt, 1, "job {id} ran once");
+        assert_eq!(j.last_reason, Reason::Succeeded);
+    }
+
+    // The ledger: each hold partly captured, the rest refunded, nothing left held.
+    let mut consumed = 0u64;
+    for (id, _) in jobs {
+        let events = audit_of(&client, id).await;
+        let sum = |f: &dyn Fn(&EventBody) -> Option<u64>| -> u64 {
+            events.iter().filter_map(|e| f(&e.body)).sum()
+        };
+        let drawn = sum(&|b| match b {
+            EventBody::HoldDrawn { amount_micro, .. } => Some(*amount_micro),
+            _ => None,
+        });
+        let captured = sum(&|b| match b {
+            EventBody::Captured { amount_micro, .. } => Some(*amount_micro),
+            _ => None,
+        });
+        let reversed = sum(&|b| match b {
+            EventBody::CaptureReversed { amount_micro, .. } => Some(*amount_micro),
+            _ => None,
+        });
+        let refunded = sum(&|b| match b {
+            EventBody::Refunded { amount_micro, .. } => Some(*amount_micro),
+            _ => None,
+        });
+        assert!(
+            captured > reversed,
+            "job {id}: nothing captured: {events:#?}"
+        );
+        assert!(refunded > 0, "job {id}: nothing refunded: {events:#?}");
+        assert_eq!(
+            drawn,
+            captured - reversed + refunded,
+            "job {id}: the hold is fully accounted for"
+        );
+        // Ran ~2–4 s on its GPUs at 2 credits per GPU-hour: far below the hold.
+        assert!(
+            captured - reversed < drawn / 10,
+            "job {id}: {captured} of {drawn}"
+        );
+        let ran_here = events.iter().any(|e| {
+            matches!(e.body, EventBody::JobTransition { to: JobState::Running, node: Some(n), .. } if n == NodeId(NODE))
+        });
+        assert!(ran_here, "job {id} ran on node {NODE}: {events:#?}");
+        consumed += captured - reversed;
+    }
+    let b = client
+        .balance(ORG, Account::Project(PROJECT), 0)
+        .await
+        .unwrap();
+    assert_eq!(b.held_micro, 0, "{b:?}");
+    assert_eq!(b.consumed_micro, consumed, "{b:?}");
+    assert!(b.consumed_micro > 0);
+    assert_eq!(
+        b.paid_available_micro,
+        GRANT_MICRO - b.consumed_micro,
+        "{b:?}"
+    );
+
+    let st = agent
+        .stop(Duration::from_secs(15))
+        .expect("the agent stops on SIGTERM");
+    assert!(st.success(), "agent exit: {st}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_runner_gets_its_gpus_and_its_exit_status_decides_the_outcome() {
+    let (dir, c, client) = cluster().await;
+    fund(&client).await;
+    let (script, out) = runner(dir.path());
+    let mut agent = AgentProc::start(
+        &c.endpoints(),
+        4,
+        &dir.path().join("agent"),
+        &[
+            "--heartbeat-interval",
+            "500ms",
+            "--",
+            "/bin/sh",
+            script.to_str().unwrap(),
+            out.to_str().unwrap(),
+        ],
+    );
+    wait_registered(&client, &mut agent, 4).await;
+
+    // 201 and 202 succeed, 203 exits 3.
+    touch(out.join("fail-203"));
+    for (id, gpus) in [(201, 1), (202, 2), (203, 1)] {
+        submit(&client, spec(id, Tier::PAID, gpus, false)).await;
+    }
+    for id in [201, 202, 203] {
+        wait_state(&client, id, JobState::Running, Duration::from_secs(30)).await;
+    }
+    // The GPUs the scheduler assigned, while the runners wait for their go files.
+    let assigned: BTreeMap<u64, Vec<u8>> = client
+        .assignments(SHARD, NodeId(NODE))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|a| {
+            assert_eq!(a.attempt, 1);
+            (a.job.0, a.gpu_indices)
+        })
+        .collect();
+    assert_eq!(
+        assigned.keys().copied().collect::<Vec<_>>(),
+        vec![201, 202, 203]
+    );
+    let mut all: Vec<u8> = assigned.values().flatten().copied().collect();
+    all.sort();
+    assert_eq!(all, vec![0, 1, 2, 3], "four distinct GPUs: {assigned:?}");
+    for (id, gpus) in &assigned {
+        let want: Vec<String> = gpus.iter().map(u8::to_string).collect();
+        let seen = wait_file(&out.join(format!("cuda-{id}-1")), Duration::from_secs(10)).await;
+        assert_eq!(
+            seen.trim(),
+            want.join(","),
+            "CUDA_VISIBLE_DEVICES of job {id}"
+        );
+    }
+    for id in [201, 202, 203] {
+        touch(out.join(format!("go-{id}")));
+    }
+    for id in [201, 202] {
+        wait_state(&client, id, JobState::Succeeded, Duration::from_secs(30)).await;
+    }
+    let failed = wait_state(&client, 203, JobState::Failed, Duration::from_secs(30)).await;
+    assert_eq!(failed.last_reason, Reason::Failed);
+    assert!(client
+        .assignments(SHARD, NodeId(NODE))
+        .await
+        .unwrap()
+        .is_empty());
+    // No runner was signalled.
+    for id in [201, 202, 203] {
+        assert!(
+            !out.join(format!("term-{id}-1")).exists(),
+            "job {id} got SIGTERM"
+        );
+    }
+    let st = agent
+        .stop(Duration::from_secs(15))
+        .expect("the agent stops on SIGTERM");
+    assert!(st.success(), "agent exit: {st}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preemption_reaches_the_runner_as_sigterm_and_requeues_the_victim() {
+    let (dir, c, client) = cluster().await;
+    fund(&client).await;
+    // Immediate preemption; the scheduler waits 5 s for the victim to stop.
+    let mut s = client.scheduler_settings(SHARD).await.unwrap();
+    s.min_runtime_ms = 0;
+    s.hysteresis_ms = 0;
+    s.grace_ms = 5_000;
+    client.configure_scheduler(SHARD, s).await.unwrap();
+    let (script, out) = runner(dir.path());
+    let mut agent = AgentProc::start(
+        &c.endpoints(),
+        2,
+        &dir.path().join("agent"),
+        &[
+            "--heartbeat-interval",
+            "500ms",
+            "--grace",
+            "3s",
+            "--",
+            "/bin/sh",
+            script.to_str().unwrap(),
+            out.to_str().unwrap(),
+        ],
+    );
+    wait_registered(&client, &mut agent, 2).await;
+
+    // A preemptible free-tier job fills the node.
+    let (victim, vip) = (301, 302);
+    submit(&client, spec(victim, Tier::FREE, 2, true)).await;
+    wait_state(&client, victim, JobState::Running, Duration::from_secs(30)).await;
+    // Its runner is up (and has installed its SIGTERM trap).
+    wait_file(
+        &out.join(format!("cuda-{victim}-1")),
+        Duration::from_secs(10),
+    )
+    .await;
+
+    // An enterprise job arrives: the victim's runner gets SIGTERM.
+    submit(&client, spec(vip, Tier::ENTERPRISE, 2, false)).await;
+    wait_file(
+        &out.join(format!("term-{victim}-1")),
+        Duration::from_secs(30),
+    )
+    .await;
+    let e = wait_state(&client, vip, JobState::Running, Duration::from_secs(30)).await;
+    assert_eq!(e.attempt, 1);
+    // The victim went back to the queue (its runner exited 0 on SIGTERM, yet it was
+    // reported as stopped, not succeeded), billed up to its SIGTERM checkpoint.
+    let v = job(&client, victim).await;
+    assert_eq!(v.state, JobState::Queued, "{v:?}");
+    assert_eq!(v.preemptions, 1);
+    assert!(v.run_ms > 0, "the checkpoints were reported: {v:?}");
+    let seen = wait_file(&out.join(format!("cuda-{vip}-1")), Duration::from_secs(10)).await;
+    assert_eq!(seen.trim(), "0,1");
+
+    // The enterprise job completes; the victim runs again as attempt 2.
+    touch(out.join(format!("go-{vip}")));
+    wait_state(&client, vip, JobState::Succeeded, Duration::from_secs(30)).await;
+    let d = Deadline::new("the victim to run again", Duration::from_secs(30));
+    loop {
+        let v = job(&client, victim).await;
+        assert!(!v.state.is_final(), "{v:?}");
+        if v.attempt == 2 && v.state == JobState::Running {
+            break;
+        }
+        d.tick().await;
+    }
+    wait_file(
+        &out.join(format!("cuda-{victim}-2")),
+        Duration::from_secs(10),
+    )
+    .await;
+    let transitions: Vec<(JobState, Reason, u32)> = audit_of(&client, victim)
+        .await
+        .into_iter()
+        .filter_map(|e| match e.body {
+            EventBody::JobTransition {
+                to,
+                reason,
+                attempt,
+                ..
+            } => Some((to, reason, attempt)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        transitions,
+        vec![
+            (JobState::Queued, Reason::Submitted, 0),
+            (JobState::Placed, Reason::Placed, 1),
+            (JobState::Running, Reason::Started, 1),
+            (
+                JobState::Preempting,
+                Reason::Preempted { by: JobId(vip) },
+                1
+            ),
+            (JobState::Queued, Reason::Requeued, 1),
+            (JobState::Placed, Reason::Placed, 2),
+            (JobState::Running, Reason::Started, 2),
+        ]
+    );
+
+    // Stopping the agent: the runner gets SIGTERM; the job is not reported finished.
+    let st = agent
+        .stop(Duration::from_secs(15))
+        .expect("the agent stops on SIGTERM");
+    assert!(st.success(), "agent exit: {st}");
+    assert!(out.join(format!("term-{victim}-2")).exists());
+    let v = job(&client, victim).await;
+    assert_eq!((v.state, v.attempt), (JobState::Running, 2), "{v:?}");
+}
+
+/// Whether a process is alive (`kill -0`).
+fn alive(pid: &str) -> bool {
+    Command::new("kill")
+        .args(["-0", pid.trim()])
+        .stderr(Stdio::null())
+        .status()
+        .unwrap()
+        .success()
+}
+
+/// The logical time of a job's first transition to `to`.
+async fn transition_ms(client: &Client, id: u64, want: JobState) -> u64 {
+    audit_of(client, id)
+        .await
+        .iter()
+        .find_map(|e| match e.body {
+            EventBody::JobTransition { to, .. } if to == want => Some(e.time_ms),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("job {id} never became {want:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_job_is_killed_at_once_and_a_runner_ignoring_sigterm_after_the_grace() {
+    let (dir, c, client) = cluster().await;
+    fund(&client).await;
+    // The scheduler would wait 10 s for a preempted job; the agent's grace is 2 s.
+    let mut s = client.scheduler_settings(SHARD).await.unwrap();
+    s.min_runtime_ms = 0;
+    s.hysteresis_ms = 0;
+    s.grace_ms = 10_000;
+    client.configure_scheduler(SHARD, s).await.unwrap();
+    let (script, out) = runner(dir.path());
+    let mut agent = AgentProc::start(
+        &c.endpoints(),
+        2,
+        &dir.path().join("agent"),
+        &[
+            "--heartbeat-interval",
+            "500ms",
+            "--grace",
+            "2s",
+            "--",
+            "/bin/sh",
+            script.to_str().unwrap(),
+            out.to_str().unwrap(),
+        ],
+    );
+    wait_registered(&client, &mut agent, 2).await;
+
+    // Cancelled while running: it leaves the assignment set and its runner is killed
+    // at once (SIGKILL: no SIGTERM marker); no finish overrides the cancellation.
+    submit(&client, spec(401, Tier::PAID, 1, false)).await;
+    wait_state(&client, 401, JobState::Running, Duration::from_secs(30)).await;
+    wait_file(&out.join("cuda-401-1"), Duration::from_secs(10)).await;
+    let pid = std::fs::read_to_string(out.join("pid-401-1")).unwrap();
+    assert!(alive(&pid));
+    match client.cancel_job(ORG, JobId(401)).await.unwrap() {
+        Reply::JobCancelled(Some(_)) => {}
+        other => panic!("cancel: {other:?}"),
+    }
+    let d = Deadline::new(
+        "the cancelled job's runner to be killed",
+        Duration::from_secs(5),
+    );
+    while alive(&pid) {
+        d.tick().await;
+    }
+    assert!(!out.join("term-401-1").exists(), "killed, not terminated");
+    let j = job(&client, 401).await;
+    assert_eq!(
+        (j.state, j.last_reason),
+        (JobState::Cancelled, Reason::Cancelled)
+    );
+
+    // A preempted runner that ignores SIGTERM is SIGKILLed when the agent's grace is
+    // over, and the attempt is then reported stopped (requeued) — well before the
+    // scheduler's own 10 s grace would have requeued it.
+    let (victim, vip) = (402, 403);
+    touch(out.join(format!("ignore-term-{victim}")));
+    submit(&client, spec(victim, Tier::FREE, 2, true)).await;
+    wait_state(&client, victim, JobState::Running, Duration::from_secs(30)).await;
+    wait_file(
+        &out.join(format!("cuda-{victim}-1")),
+        Duration::from_secs(10),
+    )
+    .await;
+    let pid = std::fs::read_to_string(out.join(format!("pid-{victim}-1"))).unwrap();
+    submit(&client, spec(vip, Tier::ENTERPRISE, 2, false)).await;
+    wait_state(&client, vip, JobState::Running, Duration::from_secs(30)).await;
+    assert!(!alive(&pid), "the victim's runner is gone");
+    let v = job(&client, victim).await;
+    assert_eq!((v.state, v.preemptions), (JobState::Queued, 1), "{v:?}");
+    let preempted = transition_ms(&client, victim, JobState::Preempting).await;
+    let requeued = audit_of(&client, victim)
+        .await
+        .iter()
+        .find_map(|e| match e.body {
+            EventBody::JobTransition {
+                to: JobState::Queued,
+                reason: Reason::Requeued,
+                ..
+            } => Some(e.time_ms),
+            _ => None,
+        })
+        .expect("requeued");
+    let waited = requeued - preempted;
+    assert!(
+        (1_900..9_000).contains(&waited),
+        "requeued {waited} ms after the preemption: the agent's 2 s grace, then SIGKILL"
+    );
+
+    let st = agent
+        .stop(Duration::from_secs(15))
+        .expect("the agent stops on SIGTERM");
+    assert!(st.success(), "agent exit: {st}");
+}
