@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The main job: a local 3-node allot cluster (4 shards, real processes on 127.0.0.1) and
-# a mixed multi-tenant GPU workload for about a minute with a live progress view; ends
-# with a summary table and an invariant check on every replica, and leaves the cluster
-# running so it can be queried.
+# The main job: a local 3-node allot cluster (4 shards, real processes on 127.0.0.1), a
+# simulated GPU fleet run by GPU agents (simulate mode), and a mixed multi-tenant
+# workload for about a minute with a live progress view; ends with a summary table and an
+# invariant check on every replica, and leaves the cluster running so it can be queried
+# (allotctl).
 #
 #   scripts/demo.sh [--seconds 60] [--ledger]
 #
@@ -23,7 +24,7 @@ while [ $# -gt 0 ]; do
 done
 scripts/setup.sh
 echo "building (the first run compiles RocksDB from source: ~15 minutes on 2 cores; later runs are incremental)..." >&2
-cargo build --release --locked -q -p allot-node --bins
+cargo build --release --locked -q -p allot-node --bins -p allot-client
 if [ "$ledger" = 1 ]; then
   cargo build --release --locked -q -p allot-statemachine --example demo
   "$CARGO_TARGET_DIR/release/examples/demo"
@@ -36,8 +37,14 @@ endpoints="$(paste -sd, "$dir/endpoints")"
 "$CARGO_TARGET_DIR/release/allot-demo" --endpoints "$endpoints" --shards 4 --seconds "$seconds"
 cat <<MSG
 
-The cluster is still running (data in $dir):
-  scripts/cluster.sh status --dir $dir          # leaders, terms, applied index per shard
+The cluster is still running (data in $dir); its GPU agents stopped with the demo.
+  export ALLOTCTL_ENDPOINTS=$endpoints
+  $CARGO_TARGET_DIR/release/allotctl endpoint status       # leader, term, applied index per node × shard
+  $CARGO_TARGET_DIR/release/allotctl queue                 # per tier: queued, oldest wait, running GPUs
+  $CARGO_TARGET_DIR/release/allotctl balance --org 1 --project 11
+  $CARGO_TARGET_DIR/release/allotctl job list --org 1 --state succeeded
+  $CARGO_TARGET_DIR/release/allotctl audit --shard 1 --limit 20
+  $CARGO_TARGET_DIR/release/allotctl shard hash --check    # replicas agree
   curl -s http://127.0.0.1:9101/metrics | grep ^allot_   # Prometheus metrics of node 1
   scripts/cluster.sh down --dir $dir            # stop it (SIGTERM; data kept)
 MSG

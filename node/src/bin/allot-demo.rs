@@ -1,25 +1,29 @@
 //! `allot-demo`: a mixed multi-tenant GPU workload against a running cluster, with a live
 //! progress view, a summary table and an invariant check on every replica.
 //!
-//! Per shard it creates three teams (enterprise, paid, free), funds them, registers a
-//! GPU pool (2 × 8 A100 + 2 × 8 H100) and plays the GPU agents itself: node heartbeats,
-//! job heartbeats with checkpoints, finishing jobs when their run time is over and
-//! acknowledging preemptions. Jobs arrive faster than the pool can run them, so queues,
-//! fair sharing and preemption are visible.
+//! Per shard it creates three teams (enterprise, paid, free), funds them, and starts a
+//! GPU pool of 2 × 8 A100 + 2 × 8 H100 nodes, each run by a GPU agent in simulate mode
+//! (the `allot-agent` code, `allot_client::agent::run`, one task per node): the agents
+//! register their nodes, watch their assignments, heartbeat progress and checkpoints,
+//! finish jobs when their simulated run time is over and hand preempted GPUs back after
+//! the grace period. Jobs arrive faster than the pools can run them, so queues, fair
+//! sharing and preemption are visible.
 //!
 //!   allot-demo --endpoints 127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103 [--shards 4] [--seconds 60]
 
+use allot_client::agent::{self, AgentConfig, Mode, SimConfig};
+use allot_client::{format_credits, AuditFilter};
 use allot_node::local_cluster::{admin, Client};
 use allot_node::workload::{admin as admin_req, grant, rid};
-use allot_statemachine::query::{Answer, Query};
+use allot_statemachine::query::{Answer, JobFilter, Query};
 use allot_statemachine::scheduler::{JobState, SchedulerConfig};
 use allot_statemachine::testkit::{
     a100, h100, world_commands, ORG, OTHER_ORG, OTHER_PROJECT, OTHER_USER, PROJECT, PROJECT_B,
     USER, USER_B,
 };
 use allot_statemachine::{
-    Account, Actor, Command, GpuType, JobHeartbeat, JobId, JobSpec, NodeId, NodeSpec, OrgId,
-    PrincipalId, ProjectId, Request, Tier, UserId,
+    Account, Actor, Command, EventBody, GpuType, JobId, JobSpec, NodeId, OrgId, PrincipalId,
+    ProjectId, Request, Tier, UserId,
 };
 use anyhow::{bail, Context};
 use std::collections::BTreeMap;
@@ -61,10 +65,7 @@ fn teams() -> [Team; 3] {
 #[derive(Clone, Debug)]
 struct Track {
     tier: Tier,
-    run_ms: u64,
-    submitted: Instant,
-    /// (attempt, when we first saw it running, heartbeat seq)
-    running: Option<(u32, Instant, u64)>,
+    /// The first placement's queue wait (logical time, from the job's record).
     waited: Option<Duration>,
     state: JobState,
     preemptions: u32,
@@ -147,54 +148,30 @@ async fn main() -> anyhow::Result<()> {
                 )),
             ));
         }
-        for (node, ty) in node_ids(s) {
-            reqs.push(admin_req(
-                next_rid(1),
-                Command::RegisterNode(NodeSpec {
-                    node,
-                    gpu_type: ty,
-                    gpu_count: 8,
-                    gpu_mem_gb: 80,
-                    labels: vec![],
-                }),
-            ));
-        }
         let (outs, _) = client.execute(s, &reqs).await?;
         if let Some(bad) = outs.iter().find(|o| o.is_err()) {
             bail!("setup of shard {s} failed: {bad:?} (is this a fresh cluster?)");
         }
     }
 
+    let agents = start_agents(&endpoints, shards)?;
+    wait_fleet(&client, shards).await?;
+
     let mut rng = Lcg(42);
     let mut jobs: BTreeMap<(u32, u64), Track> = BTreeMap::new();
     let mut next_job = 1u64;
     let started = Instant::now();
-    let mut last_node_hb = Instant::now() - Duration::from_secs(10);
     let mut last_view = Instant::now() - Duration::from_secs(10);
     let mut submit_debt = 0.0f64;
     let mut last_loop = Instant::now();
     let mut refused = 0u64;
+    let mut money = Money::default();
     let tty = std::io::stdout().is_terminal();
     println!("== running the workload for {seconds} s (jobs of 1–8 GPUs, 4–16 s each; arrivals ≈1.3× capacity)");
     while started.elapsed() < Duration::from_secs(seconds) {
         tokio::time::sleep(Duration::from_millis(250)).await;
         let dt = last_loop.elapsed().as_secs_f64();
         last_loop = Instant::now();
-        // Node agents: heartbeat every 2 s.
-        if last_node_hb.elapsed() > Duration::from_secs(2) {
-            last_node_hb = Instant::now();
-            for s in 0..shards {
-                let reqs: Vec<Request> = node_ids(s)
-                    .into_iter()
-                    .map(|(node, _)| Request {
-                        actor: Actor::Agent(node),
-                        request_id: 0,
-                        command: Command::NodeHeartbeat { node },
-                    })
-                    .collect();
-                client.execute(s, &reqs).await?;
-            }
-        }
         // Arrivals: ≈ 1.3 × capacity (128 GPUs / (avg 3.1 GPUs × 10 s)).
         submit_debt += dt * 5.5;
         while submit_debt >= 1.0 {
@@ -209,7 +186,6 @@ async fn main() -> anyhow::Result<()> {
                 2
             }];
             let gpus = [1u32, 1, 2, 2, 4, 8][rng.below(6) as usize];
-            let run_ms = 4_000 + rng.below(12_000);
             let id = next_job;
             next_job += 1;
             let spec = JobSpec {
@@ -242,9 +218,6 @@ async fn main() -> anyhow::Result<()> {
                     (s, id),
                     Track {
                         tier: team.tier,
-                        run_ms,
-                        submitted: Instant::now(),
-                        running: None,
                         waited: None,
                         state: JobState::Queued,
                         preemptions: 0,
@@ -254,81 +227,19 @@ async fn main() -> anyhow::Result<()> {
                 refused += 1;
             }
         }
-        // GPU agents: what is placed on each node.
-        for s in 0..shards {
-            let mut reqs = Vec::new();
-            for (node, _) in node_ids(s) {
-                let Answer::Assignments(a) = client.query(s, &Query::Assignments(node)).await?
-                else {
-                    continue;
-                };
-                for (job, attempt, _gpus, state) in a {
-                    let Some(t) = jobs.get_mut(&(s, job.0)) else {
-                        continue;
-                    };
-                    t.state = state;
-                    match state {
-                        JobState::Placed | JobState::Running => {
-                            let (att, since, seq) = match t.running {
-                                Some((att, since, seq)) if att == attempt => (att, since, seq + 1),
-                                _ => {
-                                    t.waited.get_or_insert(t.submitted.elapsed());
-                                    (attempt, Instant::now(), 1)
-                                }
-                            };
-                            t.running = Some((att, since, seq));
-                            let ran = since.elapsed().as_millis() as u64;
-                            let actor = Actor::Agent(node);
-                            if ran >= t.run_ms {
-                                reqs.push(Request {
-                                    actor,
-                                    request_id: next_rid(3),
-                                    command: Command::FinishJob {
-                                        job,
-                                        attempt,
-                                        success: true,
-                                    },
-                                });
-                            } else {
-                                reqs.push(Request {
-                                    actor,
-                                    request_id: 0,
-                                    command: Command::JobHeartbeat(JobHeartbeat {
-                                        job,
-                                        attempt,
-                                        seq,
-                                        progress_ppm: (ran * 1_000_000 / t.run_ms) as u32,
-                                        // A checkpoint every 2 s of run time.
-                                        checkpoint: ran / 2_000,
-                                    }),
-                                });
-                            }
-                        }
-                        JobState::Preempting => {
-                            // The agent stops the job within its grace period.
-                            reqs.push(Request {
-                                actor: Actor::Agent(node),
-                                request_id: next_rid(3),
-                                command: Command::FinishJob {
-                                    job,
-                                    attempt,
-                                    success: false,
-                                },
-                            });
-                            t.running = None;
-                        }
-                        _ => {}
-                    }
-                }
-            }
-            if !reqs.is_empty() {
-                client.execute(s, &reqs).await?;
-            }
-        }
         if last_view.elapsed() >= Duration::from_secs(1) {
             last_view = Instant::now();
-            refresh_states(&client, &mut jobs).await?;
-            let line = progress_line(&client, &endpoints, shards, &jobs, started.elapsed()).await?;
+            refresh_states(&client, shards, &mut jobs).await?;
+            money.update(&client, shards).await?;
+            let line = progress_line(
+                &client,
+                &endpoints,
+                shards,
+                &jobs,
+                &money,
+                started.elapsed(),
+            )
+            .await?;
             if tty {
                 print!("\r{line}");
                 std::io::stdout().flush()?;
@@ -338,21 +249,146 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     println!();
-    refresh_states(&client, &mut jobs).await?;
-    summary(&client, &endpoints, shards, &jobs, refused).await
+    refresh_states(&client, shards, &mut jobs).await?;
+    money.update(&client, shards).await?;
+    let result = summary(&client, &endpoints, shards, &jobs, &money, refused).await;
+    agents.stop().await;
+    result
 }
 
+/// Every job's state, preemptions and first wait, a page of jobs per query.
 async fn refresh_states(
     client: &Client,
+    shards: u32,
     jobs: &mut BTreeMap<(u32, u64), Track>,
 ) -> anyhow::Result<()> {
-    for ((s, id), t) in jobs.iter_mut() {
-        if t.state.is_final() {
-            continue;
+    for s in 0..shards {
+        let mut after = None;
+        loop {
+            let filter = JobFilter {
+                after,
+                ..JobFilter::default()
+            };
+            let Answer::Jobs(page) = client.query(s, &Query::Jobs(filter)).await? else {
+                bail!("jobs page")
+            };
+            for j in &page.jobs {
+                if let Some(t) = jobs.get_mut(&(s, j.spec.job.0)) {
+                    t.state = j.state;
+                    t.preemptions = j.preemptions;
+                    t.waited = j.waits_ms.first().map(|ms| Duration::from_millis(*ms));
+                }
+            }
+            match page.next {
+                Some(n) => after = Some(n),
+                None => break,
+            }
         }
-        if let Answer::Job(Some(j)) = client.query(*s, &Query::Job(JobId(*id))).await? {
-            t.state = j.state;
-            t.preemptions = j.preemptions;
+    }
+    Ok(())
+}
+
+/// Credits refunded and forfeited so far, summed from each shard's audit trail
+/// (read incrementally: each update reads only the events since the last one).
+#[derive(Default)]
+struct Money {
+    next_seq: BTreeMap<u32, u64>,
+    refunded_micro: u64,
+    forfeited_micro: u64,
+}
+
+impl Money {
+    async fn update(&mut self, client: &Client, shards: u32) -> anyhow::Result<()> {
+        for s in 0..shards {
+            let from = self.next_seq.get(&s).copied().unwrap_or(0);
+            let (mut refunded, mut forfeited) = (0, 0);
+            let next = client
+                .audit_export(s, AuditFilter::default(), from, |ev| {
+                    match ev.body {
+                        EventBody::Refunded { amount_micro, .. } => refunded += amount_micro,
+                        EventBody::RefundForfeited { amount_micro, .. } => {
+                            forfeited += amount_micro
+                        }
+                        _ => {}
+                    }
+                    Ok(())
+                })
+                .await?;
+            self.refunded_micro += refunded;
+            self.forfeited_micro += forfeited;
+            self.next_seq.insert(s, next);
+        }
+        Ok(())
+    }
+}
+
+/// The simulated GPU agents, one task per node.
+struct Agents {
+    stop: tokio::sync::watch::Sender<bool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+fn start_agents(endpoints: &[String], shards: u32) -> anyhow::Result<Agents> {
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let work = std::env::temp_dir().join(format!("allot-demo-agents-{}", std::process::id()));
+    let mut tasks = Vec::new();
+    for s in 0..shards {
+        for (node, gpu_type) in node_ids(s) {
+            let sim = SimConfig {
+                runtime_min: Duration::from_secs(4),
+                runtime_max: Duration::from_secs(16),
+                checkpoint_every: Duration::from_secs(2),
+                fail_pct: 3,
+            };
+            let mut cfg = AgentConfig::new(endpoints.to_vec(), node, Mode::Simulate(sim));
+            cfg.shard = s;
+            cfg.gpu_type = gpu_type;
+            cfg.heartbeat_interval = Duration::from_secs(1);
+            cfg.grace = Duration::from_secs(2);
+            cfg.work_dir = work.join(node.0.to_string());
+            let mut stopped = stopped.clone();
+            tasks.push(tokio::spawn(async move {
+                let shutdown = async move {
+                    let _ = stopped.wait_for(|s| *s).await;
+                };
+                if let Err(e) = agent::run(cfg, shutdown).await {
+                    eprintln!("agent of {node}: {e}");
+                }
+            }));
+        }
+    }
+    println!(
+        "== started {} GPU agents (simulate mode: 4–16 s jobs, a checkpoint every 2 s, 3% fail)",
+        tasks.len()
+    );
+    Ok(Agents { stop, tasks })
+}
+
+impl Agents {
+    /// Stops every agent (runners stopped, nothing reported finished: the cluster's
+    /// leases decide what happens to jobs still placed).
+    async fn stop(self) {
+        let _ = self.stop.send(true);
+        for t in self.tasks {
+            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+        }
+    }
+}
+
+/// Waits until every agent has registered its node (32 GPUs per shard).
+async fn wait_fleet(client: &Client, shards: u32) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for s in 0..shards {
+        loop {
+            if let Answer::Fleet { gpus, .. } = client.query(s, &Query::Fleet).await? {
+                if gpus >= 32 {
+                    break;
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("the agents of shard {s} did not register their nodes");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
     Ok(())
@@ -371,6 +407,7 @@ async fn progress_line(
     endpoints: &[String],
     shards: u32,
     jobs: &BTreeMap<(u32, u64), Track>,
+    money: &Money,
     elapsed: Duration,
 ) -> anyhow::Result<String> {
     let mut by_tier: BTreeMap<Tier, (u32, u32, u32)> = BTreeMap::new();
@@ -411,13 +448,15 @@ async fn progress_line(
         .rev()
         .map(|(t, (q, r, d))| format!("{} {q}q/{r}r/{d}d", tier_name(*t)))
         .collect();
+    let preempted: u32 = jobs.values().map(|t| t.preemptions).sum();
     Ok(format!(
-        "[{:>3}s] {} | GPUs {used}/{gpus} ({:.0}%) | credits held {:.0} consumed {:.0} | leaders {}   ",
+        "[{:>3}s] {} | preempted {preempted} | GPUs {used}/{gpus} ({:.0}%) | credits held {:.0} consumed {:.1} refunded {:.0} | leaders {}   ",
         elapsed.as_secs(),
         tiers.join(" "),
         100.0 * used as f64 / gpus.max(1) as f64,
         held as f64 / 1e6,
         consumed as f64 / 1e6,
+        money.refunded_micro as f64 / 1e6,
         leaders
     ))
 }
@@ -450,6 +489,7 @@ async fn summary(
     endpoints: &[String],
     shards: u32,
     jobs: &BTreeMap<(u32, u64), Track>,
+    money: &Money,
     refused: u64,
 ) -> anyhow::Result<()> {
     println!("\n== summary");
@@ -493,6 +533,11 @@ async fn summary(
         );
     }
     println!("submissions refused by admission quotas: {refused}");
+    println!(
+        "credits refunded to their buckets: {}; forfeited (refund into an expired bucket): {}",
+        format_credits(money.refunded_micro),
+        format_credits(money.forfeited_micro)
+    );
     println!(
         "\n{:<6} {:>14} {:>14} {:>14} {:>14}",
         "shard", "issued", "consumed", "held", "available"
