@@ -299,8 +299,10 @@ impl Sim {
                     },
                 ));
                 // Admission control sheds what the fleet cannot serve: per-org queue caps
-                // by tier (free work may be shed, per the seed).
-                let queued_max = [40, 200, 1_000][tier as usize];
+                // by tier (free work may be shed, per the seed). An enterprise org may
+                // queue 250 jobs: a flood beyond that is refused at once (backpressure)
+                // instead of waiting behind the org's fair share (DESIGN §24).
+                let queued_max = [40, 200, 250][tier as usize];
                 reqs.push(self.req(
                     ADMIN,
                     Command::SetQuota {
