@@ -12,65 +12,21 @@
 //! per GPU-millisecond), so every charge is checked exactly against the logical
 //! instants in the audit trail.
 
+mod common;
+
 use allot_node::local_cluster::{node_binary, LocalCluster};
+use common::*;
 use serde_json::Value;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-const CTL: &str = env!("CARGO_BIN_EXE_allotctl");
 const AGENT: &str = env!("CARGO_BIN_EXE_allot-agent");
 const C: u64 = 1_000_000;
 /// Micro-credits per GPU-millisecond at 3600 credits per GPU-hour.
 const PER_GPU_MS: u64 = 1_000;
 
 // ---------------------------------------------------------------- helpers
-
-fn wait_bounded(mut child: Child, limit: Duration) -> std::process::Output {
-    let deadline = Instant::now() + limit;
-    while child.try_wait().expect("wait").is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("allotctl ran longer than {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    child.wait_with_output().expect("output")
-}
-
-/// Runs `allotctl -o json` against `eps`; it must succeed and print one JSON document.
-fn json(eps: &str, args: &[&str]) -> Value {
-    let child = Command::new(CTL)
-        .args(["--endpoints", eps, "-o", "json"])
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("allotctl runs");
-    let out = wait_bounded(child, Duration::from_secs(60));
-    assert!(
-        out.status.success(),
-        "allotctl {args:?} failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("one JSON document")
-}
-
-fn u(v: &Value) -> u64 {
-    v.as_u64().unwrap_or_else(|| panic!("not a number: {v}"))
-}
-
-fn poll<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
 
 fn now_ms() -> u64 {
     std::time::SystemTime::now()
