@@ -1,1 +1,57 @@
-//! `allot-jepsen`: the fault-injection harness. Empty until the harness issue lands.
+//! `allot-jepsen`: a fault-injection harness in the manner of Jepsen — generators,
+//! nemeses, histories of invoke/ok/fail/info operations and checkers — in Rust, on one
+//! machine, against real `allot-node` processes on loopback.
+//!
+//! - [`proxy`]: an in-process TCP proxy per directed peer link (partitions black-hole
+//!   or reset links; delay is added per chunk; bytes are never altered).
+//! - [`cluster`]: the nodes (own data dirs, every peer dial routed through its link's
+//!   proxy with `--peer-route`) and the fault operations on them.
+//! - [`nemesis`]: the fault schedule (kill, pause, partitions, clock, membership, disk).
+//! - [`history`]: the recorded operations (JSON lines).
+//! - [`workloads`]: ledger-bank, idempotency, scheduler, register — generators and
+//!   checkers; [`linear`]: the WGL linearizability checker used by the register.
+//! - [`run`]: one run end to end, and its report.
+
+pub mod cluster;
+pub mod history;
+pub mod linear;
+pub mod nemesis;
+pub mod proxy;
+pub mod rng;
+pub mod run;
+pub mod workloads;
+
+/// A checker's verdict on one property.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Verdict {
+    pub checker: String,
+    pub ok: bool,
+    /// What was checked (counts), or the first counter-example.
+    pub detail: String,
+}
+
+impl Verdict {
+    pub fn pass(checker: &str, detail: impl Into<String>) -> Verdict {
+        Verdict {
+            checker: checker.to_string(),
+            ok: true,
+            detail: detail.into(),
+        }
+    }
+
+    pub fn fail(checker: &str, detail: impl Into<String>) -> Verdict {
+        Verdict {
+            checker: checker.to_string(),
+            ok: false,
+            detail: detail.into(),
+        }
+    }
+
+    /// Passes when `violation` is `None`; otherwise fails with it.
+    pub fn from(checker: &str, violation: Option<String>, checked: impl Into<String>) -> Verdict {
+        match violation {
+            None => Verdict::pass(checker, checked),
+            Some(v) => Verdict::fail(checker, v),
+        }
+    }
+}

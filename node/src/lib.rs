@@ -6,6 +6,8 @@
 //! (batching), [`node`] (the shards of a process), [`server`] (gRPC services),
 //! [`ratelimit`] (edge protection), [`metrics`], [`serve`].
 
+#[cfg(feature = "chaos")]
+pub mod chaos;
 pub mod clock;
 pub mod local_cluster;
 pub mod metrics;

@@ -160,6 +160,40 @@ impl LocalCluster {
         }
     }
 
+    /// The process id of node `id`, if it was started (and not killed) by this cluster.
+    pub fn pid(&self, id: u64) -> Option<u32> {
+        self.node(id).child.as_ref().map(Child::id)
+    }
+
+    /// SIGSTOP: the process stays, frozen (sockets open, nothing answered).
+    pub fn pause(&self, id: u64) -> bool {
+        self.signal(id, "-STOP")
+    }
+
+    /// SIGCONT after [`pause`](Self::pause).
+    pub fn resume(&self, id: u64) -> bool {
+        self.signal(id, "-CONT")
+    }
+
+    fn signal(&self, id: u64, sig: &str) -> bool {
+        let Some(pid) = self.pid(id) else {
+            return false;
+        };
+        Command::new("kill")
+            .arg(sig)
+            .arg(pid.to_string())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    /// Whether node `id` exited by itself; reaps it and returns its exit status if so.
+    pub fn exited(&mut self, id: u64) -> Option<std::process::ExitStatus> {
+        let n = self.node_mut(id);
+        let status = n.child.as_mut()?.try_wait().ok().flatten()?;
+        n.child = None;
+        Some(status)
+    }
+
     pub fn is_running(&self, id: u64) -> bool {
         self.node(id).child.is_some()
     }

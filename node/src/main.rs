@@ -118,6 +118,16 @@ struct RunArgs {
         allow_hyphen_values = true
     )]
     test_clock_offset_ms: i64,
+    /// Dial the peer advertised at ADDR at VIA instead (`ADDR=VIA`, repeatable; the
+    /// environment variable takes a comma-separated list). For fault-injection proxies.
+    #[arg(long = "peer-route", env = "ALLOT_PEER_ROUTE", value_delimiter = ',')]
+    peer_route: Vec<String>,
+    /// CHAOS BUILDS ONLY (cargo feature `chaos`): replaces every request id with a fresh
+    /// one before proposing, so retries are applied again. Exists to show that the
+    /// harness's idempotency checker catches it; never in a release build.
+    #[cfg(feature = "chaos")]
+    #[arg(long, hide = true)]
+    chaos_skip_idempotency: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -161,6 +171,21 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
             "TEST CLOCK OFFSET: this node's wall clock is skewed on purpose"
         );
     }
+    let mut peer_routes = Vec::new();
+    for r in &a.peer_route {
+        let Some((addr, via)) = r.split_once('=') else {
+            bail!("--peer-route must be ADDR=VIA (got {r:?})");
+        };
+        if addr.is_empty() || via.is_empty() {
+            bail!("--peer-route must be ADDR=VIA (got {r:?})");
+        }
+        peer_routes.push((addr.to_string(), via.to_string()));
+    }
+    #[cfg(feature = "chaos")]
+    if a.chaos_skip_idempotency {
+        tracing::warn!("CHAOS: request ids are replaced before proposing (idempotency off)");
+        allot_node::chaos::SKIP_IDEMPOTENCY.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
     let listener = tokio::net::TcpListener::bind(&a.listen)
         .await
         .with_context(|| format!("binding gRPC listener {}", a.listen))?;
@@ -196,6 +221,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
             ..ProposerConfig::default()
         },
         clock_offset_ms: a.test_clock_offset_ms,
+        peer_routes,
     };
     let node = Node::start(config).await?;
     tracing::info!(

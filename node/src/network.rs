@@ -28,15 +28,32 @@ pub const RAFT_MESSAGE_MAX: usize = 256 << 20;
 #[derive(Default)]
 pub struct Channels {
     map: Mutex<HashMap<String, Channel>>,
+    /// Peer routes (`--peer-route ADDR=VIA`): a peer advertised at `ADDR` is dialled at
+    /// `VIA` instead (e.g. through a test proxy). The map is keyed by the advertised
+    /// address either way, so Raft, forwarding and clock sampling all follow the route.
+    routes: HashMap<String, String>,
 }
 
 impl Channels {
+    pub fn with_routes(routes: HashMap<String, String>) -> Channels {
+        Channels {
+            map: Mutex::default(),
+            routes,
+        }
+    }
+
+    /// The address actually dialled for a peer advertised at `addr`.
+    pub fn route<'a>(&'a self, addr: &'a str) -> &'a str {
+        self.routes.get(addr).map_or(addr, String::as_str)
+    }
+
     pub fn get(&self, addr: &str) -> Result<Channel, tonic::transport::Error> {
         let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(c) = map.get(addr) {
             return Ok(c.clone());
         }
-        let ch = Endpoint::from_shared(format!("http://{addr}"))?
+        let dial = self.route(addr);
+        let ch = Endpoint::from_shared(format!("http://{dial}"))?
             .connect_timeout(Duration::from_millis(500))
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(5))

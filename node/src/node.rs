@@ -50,6 +50,9 @@ pub struct NodeConfig {
     pub proposer: ProposerConfig,
     /// Test-only skew of this node's wall clock, ms.
     pub clock_offset_ms: i64,
+    /// Peer routes: dial the peer advertised at the key at the value instead
+    /// (`--peer-route`; used by the fault-injection harness's per-link proxies).
+    pub peer_routes: Vec<(String, String)>,
 }
 
 pub struct Shard {
@@ -89,7 +92,9 @@ impl Node {
             .with_context(|| format!("opening RocksDB in {}", config.data_dir.display()))?;
         check_shard_count(&db, config.shards)?;
         let clock = Arc::new(ClusterClock::new(config.clock_offset_ms));
-        let channels = Arc::new(Channels::default());
+        let channels = Arc::new(Channels::with_routes(
+            config.peer_routes.iter().cloned().collect(),
+        ));
         let metrics = Arc::new(Metrics::new());
         let wal = metrics.wal_sync.clone();
         let syncer = store::log::Syncer::start_observed(db.clone(), move |d, _| {

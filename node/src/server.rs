@@ -133,6 +133,8 @@ impl Services {
         if !was_forwarded {
             self.limiter.admit(&requests)?;
         }
+        #[cfg(feature = "chaos")]
+        crate::chaos::rewrite_request_ids(&mut requests);
         match shard.proposer.propose(requests).await {
             Ok(c) => Ok(ExecuteReply {
                 outcomes: c.outcomes.iter().map(codec::encode).collect(),
