@@ -8,6 +8,9 @@
 # `up` builds allot-node (release) if needed, starts the nodes in the background (data,
 # logs and pids under DIR), initialises every shard, waits until each shard has a leader
 # and prints the endpoints. Node i listens on port+i-1 (gRPC) and 9100+i (/metrics).
+# The nodes run in INSECURE DEV MODE (--insecure-dev-mode: calls without a token act as
+# the identity they claim): a local sandbox. A secured cluster is initialised with
+# `allotctl cluster init` (which installs an admin token); see README "Security".
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/.." && pwd)"
@@ -63,7 +66,7 @@ case "$cmd" in
       else
         nohup "$bin" run --node-id "$i" --listen "127.0.0.1:$((port + i - 1))" \
           --metrics-listen "127.0.0.1:$((9100 + i))" --data-dir "$nd" --shards "$shards" \
-          ${extra[@]+"${extra[@]}"} >>"$nd/node.log" 2>&1 &
+          --insecure-dev-mode ${extra[@]+"${extra[@]}"} >>"$nd/node.log" 2>&1 &
         echo $! > "$nd/pid"
       fi
       echo "127.0.0.1:$((port + i - 1))" >> "$dir/endpoints"
@@ -81,7 +84,7 @@ case "$cmd" in
       done
       [ "$ok" = 1 ] || { echo "cluster.sh: $ep has shards without a leader (see $dir/node-*/node.log)" >&2; exit 1; }
     done
-    echo "allot cluster up: $nodes nodes, $shards shards, data in $dir"
+    echo "allot cluster up: $nodes nodes, $shards shards, data in $dir (INSECURE DEV MODE: no tokens)"
     echo "endpoints: $(endpoints | paste -sd, -)"
     echo "metrics:   $(for i in $(seq 1 "$nodes"); do printf 'http://127.0.0.1:%s/metrics ' $((9100 + i)); done)"
     ;;

@@ -60,10 +60,13 @@
 //!
 //! # Identity
 //!
-//! Heartbeats, finishes and node heartbeats go out as `Actor::Agent(node)`. Registering a
-//! node is an admin command in today's authorisation, so the agent registers (and
-//! re-registers a node the shard does not know) with a second client carrying the admin
-//! identity; both send the configured token.
+//! Heartbeats, finishes and node heartbeats go out as `Actor::Agent(node)`: in a secured
+//! cluster, `token` is an agent token scoped to this node (`allotctl token create
+//! --scope agent:<node>`), and the cluster lets it report only on jobs placed on this
+//! node. Registering a node is an admin command, so the agent registers (and
+//! re-registers a node the shard does not know) with a second client carrying
+//! `register_token` (an admin token) or, without one, the same token; in dev mode the
+//! two clients claim the agent and admin identities.
 
 use crate::error::{Error, Result};
 use crate::{Assignment, Client};
@@ -137,6 +140,8 @@ pub struct AgentConfig {
     /// Any nodes of the cluster (`host:port`).
     pub endpoints: Vec<String>,
     pub token: Option<String>,
+    /// Token for node registration (an admin token); default: `token`.
+    pub register_token: Option<String>,
     /// The shard owning this node's GPU pool.
     pub shard: u32,
     pub node: NodeId,
@@ -161,6 +166,7 @@ impl AgentConfig {
         AgentConfig {
             endpoints,
             token: None,
+            register_token: None,
             shard: 0,
             node,
             gpu_type: GpuType::new("A100"),
@@ -989,12 +995,15 @@ fn clients(cfg: &AgentConfig) -> Result<(Client, Client)> {
         .timeout(Duration::from_secs(5))
         .attempt_timeout(Duration::from_secs(2))
         .retries(1_000);
+    let mut admin = b.clone().identity(Actor::Admin(PrincipalId(1)));
+    if let Some(t) = cfg.register_token.as_ref().or(cfg.token.as_ref()) {
+        admin = admin.token(t.clone());
+    }
     if let Some(t) = &cfg.token {
         b = b.token(t.clone());
     }
-    let admin = b.clone().identity(Actor::Admin(PrincipalId(1))).build()?;
     let agent = b.identity(Actor::Agent(cfg.node)).build()?;
-    Ok((agent, admin))
+    Ok((agent, admin.build()?))
 }
 
 /// Runs the agent until `shutdown` completes (see the module docs). Fails only at

@@ -48,6 +48,7 @@ mod admin;
 pub mod agent;
 mod api;
 mod error;
+pub mod security;
 mod transport;
 mod units;
 

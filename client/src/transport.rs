@@ -39,6 +39,8 @@ pub struct ClientBuilder {
     backoff_max: Duration,
     connect_timeout: Duration,
     shards: Option<u32>,
+    /// PEM of the CA that signs the nodes' certificates: connect over TLS.
+    tls_ca: Option<Vec<u8>>,
 }
 
 impl Default for ClientBuilder {
@@ -54,6 +56,7 @@ impl Default for ClientBuilder {
             backoff_max: Duration::from_secs(1),
             connect_timeout: Duration::from_millis(500),
             shards: None,
+            tls_ca: None,
         }
     }
 }
@@ -113,6 +116,13 @@ impl ClientBuilder {
         self
     }
 
+    /// Connect over TLS, trusting the CA in `pem` (the cluster CA); endpoints may then
+    /// also be written `https://host:port`.
+    pub fn tls_ca(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls_ca = Some(pem.into());
+        self
+    }
+
     /// The cluster's shard count, if known (otherwise asked of the cluster once).
     pub fn shards(mut self, shards: u32) -> Self {
         self.shards = Some(shards);
@@ -128,6 +138,7 @@ impl ClientBuilder {
             let e = e.trim();
             let addr = e
                 .strip_prefix("http://")
+                .or_else(|| e.strip_prefix("https://"))
                 .unwrap_or(e)
                 .trim_end_matches('/')
                 .to_string();
@@ -252,13 +263,30 @@ impl Client {
         b.build().expect("settings were valid when first built")
     }
 
+    /// The same settings without a token (for `bootstrap`, the one anonymous call).
+    pub fn anonymous(&self) -> Client {
+        let mut b = self.inner.settings.clone();
+        b.token = None;
+        b.build().expect("settings were valid when first built")
+    }
+
     fn channel(&self, addr: &str) -> Result<Channel> {
         let mut m = lock(&self.inner.channels);
         if let Some(c) = m.get(addr) {
             return Ok(c.clone());
         }
-        let c = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| Error::Config(format!("endpoint {addr}: {e}")))?
+        let bad = |e: tonic::transport::Error| Error::Config(format!("endpoint {addr}: {e}"));
+        let c = match &self.inner.settings.tls_ca {
+            Some(ca) => Endpoint::from_shared(format!("https://{addr}"))
+                .map_err(bad)?
+                .tls_config(
+                    tonic::transport::ClientTlsConfig::new()
+                        .ca_certificate(tonic::transport::Certificate::from_pem(ca)),
+                )
+                .map_err(bad)?,
+            None => Endpoint::from_shared(format!("http://{addr}")).map_err(bad)?,
+        };
+        let c = c
             .connect_timeout(self.inner.settings.connect_timeout)
             .tcp_nodelay(true)
             .connect_lazy();

@@ -180,7 +180,7 @@ async fn seed_walkthroughs_through_allotctl_and_the_agent() {
     let mut c = LocalCluster::new(node_binary().unwrap(), dir.path().into(), 3, 1).unwrap();
     c.start_all().unwrap();
     let eps = c.endpoints().join(",");
-    let mut init = vec!["cluster".to_string(), "init".into()];
+    let mut init = vec!["cluster".to_string(), "init".into(), "--insecure".into()];
     for n in &c.nodes {
         init.extend(["--member".into(), format!("{}={}", n.id, n.addr)]);
     }

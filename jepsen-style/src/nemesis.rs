@@ -28,7 +28,9 @@ pub enum Nemesis {
     Clock,
     /// Remove a voter from every shard, later add it back as a learner and promote it.
     Membership,
-    /// Fill the small tmpfs holding one node's data dir (ENOSPC); free it and restart.
+    /// A disk fault: fill the small tmpfs holding one node's data dir (ENOSPC, needs
+    /// root), or make a node's WAL fsyncs fail (`--test-fsync-fail-file`); the node
+    /// must exit. Then heal and restart it.
     Disk,
 }
 
@@ -61,7 +63,7 @@ enum Active {
     Partitioned,
     Skewed(u64),
     Removed(u64),
-    DiskFull(u64),
+    DiskFault(u64, &'static str),
 }
 
 /// A target: the leader of shard 0 half the time, else a random running voter.
@@ -194,8 +196,16 @@ async fn start(c: &mut Cluster, kind: Nemesis, rng: &mut Rng, h: &History) -> Op
             }
         }
         Nemesis::Disk => {
-            let id = c.disk_node?;
-            let written = c.fill_disk();
+            // ENOSPC needs the tmpfs node (root); a failing fsync works on any node.
+            let enospc = c.disk_node.is_some() && rng.chance(50);
+            let (id, variant, written) = if enospc {
+                let id = c.disk_node?;
+                (id, "enospc", c.fill_disk().ok())
+            } else {
+                let id = target(c, rng).await;
+                c.fail_fsync(id, true);
+                (id, "fsync-failure", None)
+            };
             let mut exited = None;
             let started = Instant::now();
             while started.elapsed() < Duration::from_secs(5) {
@@ -207,11 +217,11 @@ async fn start(c: &mut Cluster, kind: Nemesis, rng: &mut Rng, h: &History) -> Op
             }
             h.nemesis(
                 "start-disk",
-                json!({"filled_bytes": written.as_ref().ok(), "node_exited": exited,
+                json!({"variant": variant, "filled_bytes": written, "node_exited": exited,
                        "after_ms": started.elapsed().as_millis() as u64}),
                 Some(id),
             );
-            Some(Active::DiskFull(id))
+            Some(Active::DiskFault(id, variant))
         }
     }
 }
@@ -246,12 +256,15 @@ async fn stop(c: &mut Cluster, a: Active, h: &History) {
                 Some(id),
             );
         }
-        Active::DiskFull(id) => {
+        Active::DiskFault(id, variant) => {
             c.free_disk();
+            c.fail_fsync(id, false);
             let exited = c.lc.exited(id).map(|s| s.to_string());
             let kept_running = exited.is_none() && c.is_running(id);
             let log = c.log_tail(id, 200);
-            let storage_error = log.contains("No space left") || log.contains("Fatal");
+            let storage_error = log.contains("No space left")
+                || log.contains("fsync failed")
+                || log.contains("fatal storage error");
             if kept_running {
                 // A node whose storage failed must not carry on: stop it for the restart.
                 c.kill(id);
@@ -259,7 +272,7 @@ async fn stop(c: &mut Cluster, a: Active, h: &History) {
             let r = c.restart(id);
             h.nemesis(
                 "stop-disk",
-                json!({"freed": true, "exit": exited, "kept_running": kept_running,
+                json!({"variant": variant, "freed": true, "exit": exited, "kept_running": kept_running,
                        "storage_error_logged": storage_error, "restarted": r.is_ok()}),
                 Some(id),
             );

@@ -221,41 +221,40 @@ pub fn profile(name: &str) -> Option<Vec<(Workload, Vec<Nemesis>, u64)>> {
     }
 }
 
-/// The disk nemesis: after ENOSPC a node must crash cleanly (exit) or at least stop
-/// (its Raft refuses to go on, logged) — never carry on as if its writes succeeded.
-/// Silent continuation shows up in the workload checkers and replica agreement; this
-/// verdict reports how the node behaved. A node that stayed up with its storage
-/// failed (logged, Raft stopped) passes with a FINDING note.
+/// The disk nemesis: after ENOSPC or a failed fsync a node must crash cleanly (exit
+/// non-zero) — never carry on as if its writes succeeded, and never linger up with its
+/// shards stopped. Silent data loss would also show in the workload checkers and in
+/// replica agreement; this verdict checks how the node itself behaved.
 pub fn disk_verdict(ops: &[crate::history::Op]) -> Option<Verdict> {
+    const NAME: &str = "disk/fault-stops-the-node";
     let stops: Vec<&crate::history::Op> = ops.iter().filter(|o| o.f == "stop-disk").collect();
     if stops.is_empty() {
         return None;
     }
-    let exited = stops.iter().filter(|o| !o.value["exit"].is_null()).count();
-    let stayed: Vec<&&crate::history::Op> = stops
+    let stayed = stops
         .iter()
-        .filter(|o| o.value["kept_running"].as_bool() == Some(true))
-        .collect();
-    let silent = stayed
-        .iter()
-        .find(|o| o.value["storage_error_logged"].as_bool() != Some(true));
-    Some(match silent {
+        .find(|o| o.value["kept_running"].as_bool() == Some(true));
+    Some(match stayed {
         Some(o) => Verdict::fail(
-            "disk/enospc-stops-the-node",
-            format!("op {}: disk full, node kept running without any storage error", o.index),
-        ),
-        None if stayed.is_empty() => Verdict::pass(
-            "disk/enospc-stops-the-node",
-            format!("{} fault(s): the node exited each time", stops.len()),
-        ),
-        None => Verdict::pass(
-            "disk/enospc-stops-the-node",
+            NAME,
             format!(
-                "{} fault(s), {exited} exit(s); FINDING: {} time(s) the node stayed up with its Raft \
-                 stopped on a fatal storage error (no clean exit) until the harness restarted it",
-                stops.len(),
-                stayed.len()
+                "op {}: {} fault, the node kept running (storage error logged: {})",
+                o.index, o.value["variant"], o.value["storage_error_logged"]
             ),
         ),
+        None => {
+            let variants: Vec<String> = stops
+                .iter()
+                .map(|o| o.value["variant"].as_str().unwrap_or("?").to_string())
+                .collect();
+            Verdict::pass(
+                NAME,
+                format!(
+                    "{} fault(s) ({}): the node exited each time",
+                    stops.len(),
+                    variants.join(", ")
+                ),
+            )
+        }
     })
 }

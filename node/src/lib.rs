@@ -4,8 +4,9 @@
 //! Code map: [`types`] (openraft type config), [`store`] (RocksDB log and state-machine
 //! storage), [`network`] (Raft over gRPC), [`clock`] (logical time), [`proposer`]
 //! (batching), [`node`] (the shards of a process), [`server`] (gRPC services),
-//! [`ratelimit`] (edge protection), [`metrics`], [`serve`].
+//! [`auth`] (credentials at the edge), [`ratelimit`] (edge protection), [`metrics`], [`serve`].
 
+pub mod auth;
 #[cfg(feature = "chaos")]
 pub mod chaos;
 pub mod clock;
@@ -18,6 +19,7 @@ pub mod ratelimit;
 pub mod serve;
 pub mod server;
 pub mod store;
+pub mod tls;
 pub mod types;
 pub mod workload;
 

@@ -4,7 +4,7 @@
 //! the same way.
 
 use allot_proto::admin_client::AdminClient;
-use allot_proto::{StatusReply, StatusRequest};
+use allot_proto::StatusReply;
 use anyhow::{bail, Context};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -26,6 +26,15 @@ pub struct LocalCluster {
     /// The nodes `wait_leaders` and `leader_of` consult (the initial voters, by default
     /// every node).
     pub members: Vec<u64>,
+    /// Start the nodes with `--insecure-dev-mode` (claimed identities accepted until an
+    /// admin token is bootstrapped). On by default for the tests that exercise other
+    /// things; the security tests turn it off.
+    pub dev_mode: bool,
+    /// Sent with the admin status calls once the cluster is secured.
+    pub admin_token: Option<String>,
+    /// A directory of `allot-node dev-certs` output: nodes serve TLS with it and the
+    /// cluster's own calls (init, status) trust its CA.
+    pub tls_dir: Option<PathBuf>,
     bin: PathBuf,
 }
 
@@ -74,6 +83,9 @@ impl LocalCluster {
             shards,
             members: (1..=n).collect(),
             nodes,
+            dev_mode: true,
+            admin_token: None,
+            tls_dir: None,
             bin,
         })
     }
@@ -95,6 +107,18 @@ impl LocalCluster {
         let bin = self.bin.clone();
         let dir = self.dir.join(format!("node-{id}"));
         let shards = self.shards;
+        let dev_mode = self.dev_mode;
+        let tls: Vec<String> = match &self.tls_dir {
+            Some(d) => [
+                ("--tls-cert", "node.pem"),
+                ("--tls-key", "node-key.pem"),
+                ("--tls-ca", "ca.pem"),
+            ]
+            .iter()
+            .flat_map(|(flag, f)| [flag.to_string(), d.join(f).display().to_string()])
+            .collect(),
+            None => Vec::new(),
+        };
         let n = self.node_mut(id);
         std::fs::create_dir_all(&dir)?;
         let log = std::fs::OpenOptions::new()
@@ -113,6 +137,8 @@ impl LocalCluster {
             .arg(&dir)
             .arg("--shards")
             .arg(shards.to_string())
+            .args(dev_mode.then_some("--insecure-dev-mode"))
+            .args(&tls)
             .args(&n.extra_args)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
@@ -214,15 +240,34 @@ impl LocalCluster {
             .iter()
             .map(|id| (*id, self.node(*id).addr.clone()))
             .collect();
-        init_spread(&members, self.shards).await
+        self.admin_client()?
+            .init_cluster(&members, self.shards, Duration::from_secs(20))
+            .await?;
+        Ok(())
+    }
+
+    /// A client of this cluster as its operator: the admin token (once secured) and
+    /// the dev CA (with TLS).
+    pub fn admin_client(&self) -> anyhow::Result<Client> {
+        let mut b = Client::builder()
+            .endpoints(self.endpoints())
+            .retries(u32::MAX)
+            .timeout(Duration::from_secs(30))
+            .attempt_timeout(Duration::from_secs(5));
+        if let Some(t) = &self.admin_token {
+            b = b.token(t.clone());
+        }
+        if let Some(d) = &self.tls_dir {
+            b = b.tls_ca(std::fs::read(d.join("ca.pem"))?);
+        }
+        Ok(b.build()?)
     }
 
     pub async fn status(&self, id: u64) -> anyhow::Result<StatusReply> {
-        Ok(admin(&self.node(id).addr)
-            .await?
-            .status(StatusRequest {})
-            .await?
-            .into_inner())
+        Ok(self
+            .admin_client()?
+            .status_of(&self.node(id).addr)
+            .await?)
     }
 
     /// Waits until every running node sees a leader for every shard, and the leader is

@@ -48,6 +48,16 @@ enum Cmd {
         #[arg(long)]
         require_leaders: bool,
     },
+    /// Writes a development CA and a node certificate (server and client use) for
+    /// local TLS clusters and tests: ca.pem, ca-key.pem, node.pem, node-key.pem.
+    DevCerts {
+        /// Output directory.
+        #[arg(long)]
+        out: PathBuf,
+        /// Names and IP addresses the certificate is valid for (repeatable).
+        #[arg(long = "host", default_values_t = ["127.0.0.1".to_string(), "localhost".to_string()])]
+        hosts: Vec<String>,
+    },
 }
 
 #[derive(Args)]
@@ -122,6 +132,26 @@ struct RunArgs {
     /// environment variable takes a comma-separated list). For fault-injection proxies.
     #[arg(long = "peer-route", env = "ALLOT_PEER_ROUTE", value_delimiter = ',')]
     peer_route: Vec<String>,
+    /// INSECURE: accept requests without a bearer token (the identity the client claims
+    /// is taken as given) while the cluster has no admin token. For local development
+    /// and tests only; logged loudly. Without it every call needs a token (except
+    /// cluster init and bootstrap before the admin token exists).
+    #[arg(long, env = "ALLOT_INSECURE_DEV_MODE")]
+    insecure_dev_mode: bool,
+    /// TEST ONLY: while this file exists, WAL fsyncs fail (disk-fault injection; the
+    /// node must stop, not continue).
+    #[arg(long, env = "ALLOT_TEST_FSYNC_FAIL_FILE", hide = true)]
+    test_fsync_fail_file: Option<PathBuf>,
+    /// TLS: this node's certificate (PEM). With --tls-key and --tls-ca, the node serves
+    /// only TLS and peers must present a certificate of the CA (mutual TLS).
+    #[arg(long, env = "ALLOT_TLS_CERT", requires_all = ["tls_key", "tls_ca"])]
+    tls_cert: Option<PathBuf>,
+    /// TLS: this node's private key (PEM).
+    #[arg(long, env = "ALLOT_TLS_KEY", requires_all = ["tls_cert", "tls_ca"])]
+    tls_key: Option<PathBuf>,
+    /// TLS: the cluster CA (PEM) that signs every node's certificate.
+    #[arg(long, env = "ALLOT_TLS_CA", requires_all = ["tls_cert", "tls_key"])]
+    tls_ca: Option<PathBuf>,
     /// CHAOS BUILDS ONLY (cargo feature `chaos`): replaces every request id with a fresh
     /// one before proposing, so retries are applied again. Exists to show that the
     /// harness's idempotency checker catches it; never in a release build.
@@ -150,6 +180,16 @@ fn main() -> anyhow::Result<()> {
                 endpoint,
                 require_leaders,
             } => status(endpoint, require_leaders).await,
+            Cmd::DevCerts { out, hosts } => {
+                allot_node::tls::write_dev_certs(&out, &hosts)?;
+                println!(
+                    "wrote {0}/ca.pem, {0}/node.pem, {0}/node-key.pem (and ca-key.pem); start nodes \
+                     with --tls-cert {0}/node.pem --tls-key {0}/node-key.pem --tls-ca {0}/ca.pem \
+                     and clients with --tls-ca {0}/ca.pem",
+                    out.display()
+                );
+                Ok(())
+            }
         }
     })
 }
@@ -170,6 +210,14 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
             offset_ms = a.test_clock_offset_ms,
             "TEST CLOCK OFFSET: this node's wall clock is skewed on purpose"
         );
+    }
+    if a.insecure_dev_mode {
+        for _ in 0..3 {
+            tracing::warn!(
+                "INSECURE DEV MODE: requests without a token run as the identity they claim \
+                 until an admin token is bootstrapped. Never use this in production."
+            );
+        }
     }
     let mut peer_routes = Vec::new();
     for r in &a.peer_route {
@@ -222,6 +270,16 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         },
         clock_offset_ms: a.test_clock_offset_ms,
         peer_routes,
+        insecure_dev_mode: a.insecure_dev_mode,
+        test_fsync_fail_file: a.test_fsync_fail_file.clone(),
+        tls: match (&a.tls_cert, &a.tls_key, &a.tls_ca) {
+            (Some(cert), Some(key), Some(ca)) => Some(allot_node::tls::TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                ca: ca.clone(),
+            }),
+            _ => None,
+        },
     };
     let node = Node::start(config).await?;
     tracing::info!(
@@ -232,14 +290,30 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         data_dir = %a.data_dir.display(),
         "allot-node serving"
     );
-    serve(
-        node,
-        listener,
-        metrics,
-        RateLimiter::new(a.rate_limit, a.rate_burst),
-        shutdown_signal(),
-    )
-    .await
+    let watched = node.clone();
+    tokio::select! {
+        r = serve(
+            node,
+            listener,
+            metrics,
+            RateLimiter::new(a.rate_limit, a.rate_burst),
+            shutdown_signal(),
+        ) => r,
+        (shard, error) = async move { watched.fatal().await } => {
+            tracing::error!(shard, %error, "fatal storage error: exiting (restart the node once the disk is fixed)");
+            let _ = watched_flush();
+            std::process::exit(EXIT_FATAL_STORAGE);
+        }
+    }
+}
+
+/// Exit status after a fatal storage error (EX_IOERR).
+const EXIT_FATAL_STORAGE: i32 = 74;
+
+fn watched_flush() -> std::io::Result<()> {
+    use std::io::Write;
+    std::io::stderr().flush()?;
+    std::io::stdout().flush()
 }
 
 async fn admin(endpoint: &str) -> anyhow::Result<AdminClient<tonic::transport::Channel>> {

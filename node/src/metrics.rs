@@ -20,6 +20,8 @@ pub struct Metrics {
     pub queue_depth: GaugeVec,
     pub gpus: GaugeVec,
     pub credits: GaugeVec,
+    /// Calls refused at the edge, by api and reason.
+    pub auth_denials: IntCounterVec,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -83,8 +85,13 @@ impl Metrics {
             Opts::new("credits_micro", "Credit totals per shard (micro-credits)"),
             &["shard", "kind"],
         ));
+        let auth_denials = must(IntCounterVec::new(
+            Opts::new("auth_denials_total", "Calls refused at the edge by api and reason"),
+            &["api", "reason"],
+        ));
         for c in [
-            Box::new(batch_size.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(auth_denials.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(batch_size.clone()),
             Box::new(requests.clone()),
             Box::new(latency.clone()),
             Box::new(stage.clone()),
@@ -107,6 +114,7 @@ impl Metrics {
             queue_depth,
             gpus,
             credits,
+            auth_denials,
         }
     }
 

@@ -19,7 +19,7 @@ use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
 /// Largest gRPC message the Raft service sends or accepts (append batches, snapshot chunks).
 pub const RAFT_MESSAGE_MAX: usize = 256 << 20;
@@ -32,13 +32,16 @@ pub struct Channels {
     /// `VIA` instead (e.g. through a test proxy). The map is keyed by the advertised
     /// address either way, so Raft, forwarding and clock sampling all follow the route.
     routes: HashMap<String, String>,
+    /// Dial peers over TLS (presenting this node's certificate) when set.
+    tls: Option<ClientTlsConfig>,
 }
 
 impl Channels {
-    pub fn with_routes(routes: HashMap<String, String>) -> Channels {
+    pub fn new(routes: HashMap<String, String>, tls: Option<ClientTlsConfig>) -> Channels {
         Channels {
             map: Mutex::default(),
             routes,
+            tls,
         }
     }
 
@@ -53,7 +56,12 @@ impl Channels {
             return Ok(c.clone());
         }
         let dial = self.route(addr);
-        let ch = Endpoint::from_shared(format!("http://{dial}"))?
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let mut ep = Endpoint::from_shared(format!("{scheme}://{dial}"))?;
+        if let Some(tls) = &self.tls {
+            ep = ep.tls_config(tls.clone())?;
+        }
+        let ch = ep
             .connect_timeout(Duration::from_millis(500))
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(5))

@@ -53,6 +53,13 @@ pub struct NodeConfig {
     /// Peer routes: dial the peer advertised at the key at the value instead
     /// (`--peer-route`; used by the fault-injection harness's per-link proxies).
     pub peer_routes: Vec<(String, String)>,
+    /// Accept requests without a bearer token (their claimed actor) while the shard is
+    /// unsecured. Off unless `--insecure-dev-mode`; logged loudly at start.
+    pub insecure_dev_mode: bool,
+    /// Test fault injection: while this file exists, WAL fsyncs fail.
+    pub test_fsync_fail_file: Option<PathBuf>,
+    /// TLS for clients and peers (`--tls-cert/--tls-key/--tls-ca`).
+    pub tls: Option<crate::tls::TlsFiles>,
 }
 
 pub struct Shard {
@@ -71,6 +78,10 @@ pub struct Node {
     pub channels: Arc<Channels>,
     pub metrics: Arc<Metrics>,
     pub config: NodeConfig,
+    /// Edge denials waiting for the audit trail.
+    pub denials: crate::auth::Denials,
+    /// Loaded TLS configuration, if the node serves TLS.
+    pub tls: Option<crate::tls::Tls>,
 }
 
 const SHARD_COUNT_KEY: &[u8] = b"cluster/shards";
@@ -92,14 +103,22 @@ impl Node {
             .with_context(|| format!("opening RocksDB in {}", config.data_dir.display()))?;
         check_shard_count(&db, config.shards)?;
         let clock = Arc::new(ClusterClock::new(config.clock_offset_ms));
-        let channels = Arc::new(Channels::with_routes(
+        let tls = config
+            .tls
+            .as_ref()
+            .map(crate::tls::Tls::load)
+            .transpose()?;
+        let channels = Arc::new(Channels::new(
             config.peer_routes.iter().cloned().collect(),
+            tls.as_ref().map(|t| t.client.clone()),
         ));
         let metrics = Arc::new(Metrics::new());
         let wal = metrics.wal_sync.clone();
-        let syncer = store::log::Syncer::start_observed(db.clone(), move |d, _| {
-            wal.observe(d.as_secs_f64())
-        });
+        let syncer = store::log::Syncer::start_observed(
+            db.clone(),
+            move |d, _| wal.observe(d.as_secs_f64()),
+            config.test_fsync_fail_file.clone(),
+        );
         let mut shards = Vec::new();
         for id in 0..config.shards {
             let log = LogStore::new(db.clone(), id, syncer.clone());
@@ -158,8 +177,11 @@ impl Node {
             channels,
             metrics,
             config,
+            denials: Default::default(),
+            tls,
         });
         tokio::spawn(sample_clocks(Arc::downgrade(&node)));
+        tokio::spawn(crate::auth::flush_denials(Arc::downgrade(&node)));
         Ok(node)
     }
 
@@ -179,6 +201,32 @@ impl Node {
             }
         }
         peers
+    }
+
+    /// Resolves when a shard's Raft has stopped on a fatal error (a storage error such as
+    /// ENOSPC or a failed fsync: openraft stops the group rather than continue on a
+    /// log it cannot trust). `allot-node run` then exits non-zero, so a supervisor
+    /// restarts it and the failure is visible, instead of a process that is up but
+    /// silently no longer takes part in its shards. A normal shutdown is not fatal.
+    pub async fn fatal(&self) -> (ShardId, String) {
+        let waits = self.shards.iter().map(|s| {
+            let mut rx = s.raft.metrics();
+            let id = s.id;
+            Box::pin(async move {
+                loop {
+                    if let Err(e) = &rx.borrow_and_update().running_state {
+                        if !matches!(e, openraft::error::Fatal::Stopped) {
+                            return (id, e.to_string());
+                        }
+                    }
+                    if rx.changed().await.is_err() {
+                        // The Raft is gone (shutdown): never fatal from here on.
+                        std::future::pending::<()>().await;
+                    }
+                }
+            })
+        });
+        futures::future::select_all(waits).await.0
     }
 
     /// Stops every shard's Raft and syncs the WAL.

@@ -16,11 +16,20 @@ enum Key {
     Agent(u64),
     Admin(u64),
     System,
+    /// A bearer token (resolved to its principal only inside apply): keyed by digest.
+    Token([u8; 8]),
+    Anonymous,
 }
 
 fn key_of(a: &Actor) -> Key {
     match a {
-        Actor::Tenant { org, .. } => Key::Org(org.0),
+        Actor::Tenant { org, .. } | Actor::Project { org, .. } => Key::Org(org.0),
+        Actor::Bearer(d) => {
+            let mut k = [0; 8];
+            k.copy_from_slice(&d.0[..8]);
+            Key::Token(k)
+        }
+        Actor::Anonymous => Key::Anonymous,
         Actor::Agent(n) => Key::Agent(n.0),
         Actor::Admin(p) => Key::Admin(p.0),
         Actor::System => Key::System,

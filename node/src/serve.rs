@@ -50,7 +50,11 @@ pub async fn serve(
     let incoming = tonic::transport::server::TcpIncoming::from(listener)
         .with_nodelay(Some(true))
         .with_keepalive(Some(Duration::from_secs(30)));
-    tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = &node.tls {
+        builder = builder.tls_config(tls.server.clone())?;
+    }
+    builder
         .timeout(Duration::from_secs(30))
         .tcp_nodelay(true)
         .add_service(health)

@@ -1,6 +1,7 @@
 //! The gRPC services of a node: client (`Allot`), `Agent`, `Admin` and the internal `Raft`
 //! transport, all on one listener; `/metrics` on another.
 
+use crate::auth;
 use crate::node::{Node, Shard};
 use crate::proposer::{leader_of, ProposeError};
 use crate::ratelimit::RateLimiter;
@@ -14,7 +15,7 @@ use allot_proto::allot_server::Allot;
 use allot_proto::raft_server::Raft as RaftService;
 use allot_proto::*;
 use allot_statemachine::query::{self, Query};
-use allot_statemachine::{codec, HoldId, ProjectId, Request};
+use allot_statemachine::{codec, Actor, DenialReason, HoldId, ProjectId, Request};
 use openraft::BasicNode;
 use std::collections::{BTreeMap, BTreeSet};
 use std::pin::Pin;
@@ -78,8 +79,42 @@ pub fn status_of(e: ProposeError) -> Status {
     }
 }
 
-fn forwarded<T>(req: &tonic::Request<T>) -> bool {
-    req.metadata().get(FORWARDED).is_some()
+/// Whether the request was forwarded by a peer. With TLS, only a caller presenting a
+/// certificate of the cluster CA (a peer) may say so; without TLS the marker only
+/// skips a second forward and the edge rate limit (credentials are checked anyway).
+fn forwarded<T>(node: &Node, req: &tonic::Request<T>) -> bool {
+    req.metadata().get(FORWARDED).is_some() && (node.tls.is_none() || from_peer(req))
+}
+
+/// The caller presented a client certificate that chains to the cluster CA (rustls
+/// verified it during the handshake).
+fn from_peer<T>(req: &tonic::Request<T>) -> bool {
+    req.peer_certs().is_some_and(|c| !c.is_empty())
+}
+
+/// Peer-only services (Raft, clock, denial reports) under TLS: mutual TLS required.
+fn require_peer<T>(node: &Node, req: &tonic::Request<T>) -> Result<(), Status> {
+    if node.tls.is_some() && !from_peer(req) {
+        return Err(Status::permission_denied(
+            "peer service: a cluster certificate is required",
+        ));
+    }
+    Ok(())
+}
+
+/// A request to forward to the leader: marked as forwarded (so it is not forwarded
+/// again) and carrying the caller's credentials, which the leader checks itself.
+fn forward_with<T>(msg: T, meta: &tonic::metadata::MetadataMap) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.metadata_mut()
+        .insert(FORWARDED, MetadataValue::from_static("1"));
+    if let Some(a) = meta.get("authorization") {
+        r.metadata_mut().insert("authorization", a.clone());
+    }
+    if let Some(t) = meta.get("grpc-timeout") {
+        r.metadata_mut().insert("grpc-timeout", t.clone());
+    }
+    r
 }
 
 impl Services {
@@ -111,8 +146,9 @@ impl Services {
         &self,
         req: tonic::Request<ExecuteRequest>,
     ) -> Result<ExecuteReply, Status> {
-        let was_forwarded = forwarded(&req);
-        let timeout = req.metadata().get("grpc-timeout").cloned();
+        let was_forwarded = forwarded(&self.node, &req);
+        let meta = req.metadata().clone();
+        let bearer = auth::bearer(&meta)?;
         let msg = req.into_inner();
         let shard = shard_of(&self.node, msg.shard)?;
         if msg.requests.is_empty() {
@@ -126,8 +162,9 @@ impl Services {
         }
         let mut requests = Vec::with_capacity(msg.requests.len());
         for (i, b) in msg.requests.iter().enumerate() {
-            let r: Request = codec::decode(b)
+            let mut r: Request = codec::decode(b)
                 .map_err(|e| Status::invalid_argument(format!("request {i}: {e}")))?;
+            auth::stamp(&self.node, bearer, &mut r)?;
             requests.push(r);
         }
         if !was_forwarded {
@@ -146,20 +183,19 @@ impl Services {
             }) if !was_forwarded => {
                 // Forward once; the leader answers (or says who leads now).
                 let mut client = self.leader_client(&addr).await?;
-                let mut fwd = tonic::Request::new(msg);
-                fwd.metadata_mut()
-                    .insert(FORWARDED, MetadataValue::from_static("1"));
-                if let Some(t) = timeout {
-                    fwd.metadata_mut().insert("grpc-timeout", t);
-                }
-                client.execute(fwd).await.map(|r| r.into_inner())
+                client
+                    .execute(forward_with(msg, &meta))
+                    .await
+                    .map(|r| r.into_inner())
             }
             Err(e) => Err(status_of(e)),
         }
     }
 
     async fn query_inner(&self, req: tonic::Request<QueryRequest>) -> Result<QueryReply, Status> {
-        let was_forwarded = forwarded(&req);
+        let was_forwarded = forwarded(&self.node, &req);
+        let meta = req.metadata().clone();
+        let caller = auth::caller(&self.node, auth::bearer(&meta)?);
         let msg = req.into_inner();
         let shard = shard_of(&self.node, msg.shard)?;
         let q: Query = codec::decode(&msg.query)
@@ -172,18 +208,26 @@ impl Services {
                         addr: Some(addr), ..
                     } if !was_forwarded => {
                         let mut client = self.leader_client(&addr).await?;
-                        let mut fwd = tonic::Request::new(msg);
-                        fwd.metadata_mut()
-                            .insert(FORWARDED, MetadataValue::from_static("1"));
-                        client.query(fwd).await.map(|r| r.into_inner())
+                        client
+                            .query(forward_with(msg, &meta))
+                            .await
+                            .map(|r| r.into_inner())
                     }
                     e => Err(status_of(e)),
                 };
             }
         }
         let g = shard.view.read();
+        let answer = query::answer_as(&g.state, caller, &q).map_err(|e| {
+            let reason = match e {
+                query::QueryDenied::Unauthenticated => DenialReason::Unauthenticated,
+                query::QueryDenied::PermissionDenied => DenialReason::PermissionDenied,
+            };
+            let who = g.state.security.resolve(caller, g.state.time_ms).unwrap_or(caller);
+            auth::refuse(&self.node, shard.id, who, &format!("query:{}", q.name()), reason)
+        })?;
         Ok(QueryReply {
-            answer: codec::encode(&query::answer(&g.state, &q)),
+            answer: codec::encode(&answer),
             applied_index: g.last_applied.map(|l| l.index).unwrap_or(0),
             logical_time_ms: g.state.time_ms,
         })
@@ -216,12 +260,48 @@ impl Allot for Services {
         &self,
         req: tonic::Request<AuditRequest>,
     ) -> Result<tonic::Response<AuditReply>, Status> {
-        let msg = req.into_inner();
+        let caller = auth::caller(&self.node, auth::bearer(req.metadata())?);
+        let mut msg = req.into_inner();
         let shard = shard_of(&self.node, msg.shard)?;
+        // A tenant reads only its own org's events (a project token its project's);
+        // filters naming another org or project match nothing, like unknown ids.
+        let (org_only, project_only) = match auth::resolve(&self.node, shard.id, caller) {
+            Ok(Actor::Admin(_)) => (None, None),
+            Ok(Actor::Tenant { org, .. }) => (Some(org.0), None),
+            Ok(Actor::Project { org, project, .. }) => (Some(org.0), Some(project.0)),
+            Ok(other) => {
+                return Err(auth::refuse(
+                    &self.node,
+                    shard.id,
+                    other,
+                    "audit",
+                    DenialReason::PermissionDenied,
+                ))
+            }
+            Err(_) => {
+                return Err(auth::refuse(
+                    &self.node,
+                    shard.id,
+                    caller,
+                    "audit",
+                    DenialReason::Unauthenticated,
+                ))
+            }
+        };
+        let mut nothing = false;
+        if let Some(o) = org_only {
+            nothing |= msg.org.is_some_and(|m| m != o);
+            msg.org = Some(o);
+        }
+        if let Some(p) = project_only {
+            nothing |= msg.project.is_some_and(|m| m != p);
+            msg.project = Some(p);
+        }
         let head_seq = shard.view.read().state.audit.next_seq;
         let limit = (msg.limit as usize).clamp(1, AUDIT_PAGE_MAX);
         let keep = |ev: &allot_statemachine::AuditEvent| {
-            msg.org
+            !nothing
+                && msg.org
                 .is_none_or(|o| ev.org == Some(allot_statemachine::OrgId(o)))
                 && msg.project.is_none_or(|p| {
                     ev.account == Some(allot_statemachine::Account::Project(ProjectId(p)))
@@ -238,7 +318,10 @@ impl Allot for Services {
             AUDIT_SCAN_MAX,
             keep,
         )
-        .map_err(|e| Status::internal(format!("audit store: {e}")))?;
+        .map_err(|e| match e {
+            store::AuditReadError::Gap { .. } => Status::unavailable(e.to_string()),
+            e => Status::internal(format!("audit store: {e}")),
+        })?;
         Ok(tonic::Response::new(AuditReply {
             events,
             next_seq,
@@ -257,12 +340,36 @@ impl Agent for Services {
         &self,
         req: tonic::Request<WatchRequest>,
     ) -> Result<tonic::Response<AssignmentStream>, Status> {
+        let caller = auth::caller(&self.node, auth::bearer(req.metadata())?);
         let msg = req.into_inner();
         let shard = shard_of(&self.node, msg.shard)?;
         let node_id: u64 = msg
             .node_id
             .parse()
             .map_err(|_| Status::invalid_argument("node_id must be a number"))?;
+        // Only the node's own agent (or an admin) may watch its assignments.
+        match auth::resolve(&self.node, shard.id, caller) {
+            Ok(Actor::Admin(_)) => {}
+            Ok(Actor::Agent(n)) if n.0 == node_id => {}
+            Ok(other) => {
+                return Err(auth::refuse(
+                    &self.node,
+                    shard.id,
+                    other,
+                    "watch_assignments",
+                    DenialReason::PermissionDenied,
+                ))
+            }
+            Err(_) => {
+                return Err(auth::refuse(
+                    &self.node,
+                    shard.id,
+                    caller,
+                    "watch_assignments",
+                    DenialReason::Unauthenticated,
+                ))
+            }
+        }
         let view = shard.view.clone();
         let mut applied = view.applied_watch();
         let (tx, rx) = tokio::sync::mpsc::channel(16);
@@ -336,16 +443,8 @@ impl Services {
     }
 }
 
-fn forwarded_admin(meta: &tonic::metadata::MetadataMap) -> bool {
-    meta.get(FORWARDED).is_some()
-}
 
-fn forward<T>(msg: T) -> tonic::Request<T> {
-    let mut r = tonic::Request::new(msg);
-    r.metadata_mut()
-        .insert(FORWARDED, MetadataValue::from_static("1"));
-    r
-}
+
 
 impl Services {
     /// Runs a membership call for `shard` on its leader when this node is not it
@@ -389,6 +488,7 @@ impl Admin for Services {
         &self,
         req: tonic::Request<InitRequest>,
     ) -> Result<tonic::Response<InitReply>, Status> {
+        auth::require_admin(&self.node, req.metadata(), "admin:init", true)?;
         let msg = req.into_inner();
         if msg.members.is_empty() {
             return Err(Status::invalid_argument("no members"));
@@ -433,6 +533,8 @@ impl Admin for Services {
         req: tonic::Request<MemberRequest>,
     ) -> Result<tonic::Response<MembershipReply>, Status> {
         let req_meta = req.metadata().clone();
+        let was_forwarded = forwarded(&self.node, &req);
+        auth::require_admin(&self.node, &req_meta, "admin:add_learner", false)?;
         let msg = req.into_inner();
         let member = msg
             .member
@@ -442,7 +544,6 @@ impl Admin for Services {
                 "member id must be positive and address set",
             ));
         }
-        let was_forwarded = forwarded_admin(&req_meta);
         let mut out = Vec::new();
         for s in self.target_shards(msg.shard, msg.all_shards)? {
             let r = s
@@ -459,7 +560,8 @@ impl Admin for Services {
                                 all_shards: false,
                                 member: Some(member.clone()),
                             };
-                            async move { c.add_learner(forward(m)).await }
+                            let r = forward_with(m, &req_meta);
+                            async move { c.add_learner(r).await }
                         })
                         .await?;
                     out.extend(leader.shards);
@@ -474,6 +576,8 @@ impl Admin for Services {
         req: tonic::Request<ChangeMembershipRequest>,
     ) -> Result<tonic::Response<MembershipReply>, Status> {
         let req_meta = req.metadata().clone();
+        let was_forwarded = forwarded(&self.node, &req);
+        auth::require_admin(&self.node, &req_meta, "admin:change_membership", false)?;
         let msg = req.into_inner();
         let voters: BTreeSet<NodeId> = msg.voters.iter().copied().collect();
         if voters.is_empty() || voters.contains(&0) {
@@ -481,7 +585,6 @@ impl Admin for Services {
                 "voters must be a non-empty set of positive ids",
             ));
         }
-        let was_forwarded = forwarded_admin(&req_meta);
         let mut out = Vec::new();
         for s in self.target_shards(msg.shard, msg.all_shards)? {
             match s.raft.change_membership(voters.clone(), false).await {
@@ -494,7 +597,8 @@ impl Admin for Services {
                                 all_shards: false,
                                 voters: voters.iter().copied().collect(),
                             };
-                            async move { c.change_membership(forward(m)).await }
+                            let r = forward_with(m, &req_meta);
+                            async move { c.change_membership(r).await }
                         })
                         .await?;
                     out.extend(leader.shards);
@@ -506,8 +610,9 @@ impl Admin for Services {
 
     async fn status(
         &self,
-        _req: tonic::Request<StatusRequest>,
+        req: tonic::Request<StatusRequest>,
     ) -> Result<tonic::Response<StatusReply>, Status> {
+        auth::require_authenticated(&self.node, req.metadata(), "admin:status")?;
         Ok(tonic::Response::new(StatusReply {
             node_id: self.node.id,
             shards: self
@@ -523,6 +628,7 @@ impl Admin for Services {
         &self,
         req: tonic::Request<ShardRequest>,
     ) -> Result<tonic::Response<ShardHashReply>, Status> {
+        auth::require_admin(&self.node, req.metadata(), "admin:shard_hash", false)?;
         let msg = req.into_inner();
         let shard = shard_of(&self.node, msg.shard)?;
         let g = shard.view.read();
@@ -549,6 +655,7 @@ impl RaftService for Services {
         &self,
         req: tonic::Request<RaftMessage>,
     ) -> Result<tonic::Response<RaftMessage>, Status> {
+        require_peer(&self.node, &req)?;
         let msg = req.into_inner();
         let shard = shard_of(&self.node, msg.shard)?;
         let r = shard.raft.append_entries(decode(&msg.payload)?).await;
@@ -559,6 +666,7 @@ impl RaftService for Services {
         &self,
         req: tonic::Request<RaftMessage>,
     ) -> Result<tonic::Response<RaftMessage>, Status> {
+        require_peer(&self.node, &req)?;
         let msg = req.into_inner();
         let shard = shard_of(&self.node, msg.shard)?;
         let r = shard.raft.vote(decode(&msg.payload)?).await;
@@ -569,16 +677,35 @@ impl RaftService for Services {
         &self,
         req: tonic::Request<RaftMessage>,
     ) -> Result<tonic::Response<RaftMessage>, Status> {
+        require_peer(&self.node, &req)?;
         let msg = req.into_inner();
         let shard = shard_of(&self.node, msg.shard)?;
         let r = shard.raft.install_snapshot(decode(&msg.payload)?).await;
         encode(&r)
     }
 
+    async fn report_denials(
+        &self,
+        req: tonic::Request<RaftMessage>,
+    ) -> Result<tonic::Response<RaftMessage>, Status> {
+        require_peer(&self.node, &req)?;
+        let msg = req.into_inner();
+        shard_of(&self.node, msg.shard)?;
+        let (reporter, denials): (u64, Vec<allot_statemachine::Denial>) = decode(&msg.payload)?;
+        if denials.len() > allot_statemachine::limits::DENIALS_PER_RECORD_MAX {
+            return Err(Status::invalid_argument("too many denials"));
+        }
+        auth::report(&self.node, msg.shard, reporter, denials)
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        encode(&())
+    }
+
     async fn clock(
         &self,
-        _req: tonic::Request<ClockRequest>,
+        req: tonic::Request<ClockRequest>,
     ) -> Result<tonic::Response<ClockReply>, Status> {
+        require_peer(&self.node, &req)?;
         Ok(tonic::Response::new(ClockReply {
             wall_ms: self.node.clock.wall_ms(),
             node_id: self.node.id,

@@ -145,7 +145,8 @@ fn setup(state: &mut State, mix: &mut Mix) -> u64 {
 fn next(mix: &mut Mix) -> Request {
     let i = mix.cursor % mix.running.len();
     mix.cursor += 1;
-    let agent = Actor::Agent(NodeId(1));
+    // The metering service reports on explicit metered holds with an admin credential.
+    let agent = Actor::Admin(PrincipalId(7));
     let (hold, project, beats) = mix.running[i];
     let command = match beats {
         None if hold == 0 => {

@@ -86,6 +86,14 @@ pub enum EventBody {
         limit_micro: u64,
         used_micro: u64,
     },
+    /// A call refused at a node's edge (reported by `node`); the stamp's actor is the
+    /// system, `caller` is who was refused.
+    Denied {
+        node: u64,
+        caller: Actor,
+        api: String,
+        reason: crate::command::DenialReason,
+    },
 }
 
 /// An event before it is numbered and chained.

@@ -2,9 +2,10 @@
 //! sequence of these (wrapped in [`Request`]s, batched in [`Entry`]s).
 
 use crate::ids::{
-    Account, Actor, BucketId, GpuType, HoldId, JobId, NodeId, OrgId, ProjectId, RequestId, Tier,
-    UserId,
+    Account, Actor, BucketId, GpuType, HoldId, JobId, NodeId, OrgId, PrincipalId, ProjectId,
+    RequestId, Tier, TokenDigest, UserId,
 };
+pub use crate::security::Scope;
 use serde::{Deserialize, Serialize};
 
 /// One Raft log entry's payload: the leader stamps the logical time; the node's batching
@@ -252,6 +253,54 @@ pub enum Command {
     /// Retunes the shard's scheduler (leases, grace, preemption rules, decay, tiers);
     /// admin only; validated whole, applied whole.
     ConfigureScheduler(crate::scheduler::SchedulerSettings),
+    // -- security --
+    /// Installs the first admin token and secures the shard for good. The one command
+    /// an unauthenticated caller may send; refused once the shard is secured.
+    Bootstrap {
+        principal: PrincipalId,
+        digest: TokenDigest,
+    },
+    /// A new principal with one token (its SHA-256; the token never reaches the node).
+    CreateToken {
+        principal: PrincipalId,
+        digest: TokenDigest,
+        scope: Scope,
+        expires_at_ms: Option<u64>,
+    },
+    /// Adds a new token to a principal; its old tokens stop working `overlap_ms` later.
+    RotateToken {
+        principal: PrincipalId,
+        digest: TokenDigest,
+        overlap_ms: u64,
+    },
+    /// Revokes every token of a principal, for good.
+    RevokeToken {
+        principal: PrincipalId,
+    },
+    /// Authorisation denials a node saw at its edge (queries, audit reads, admin
+    /// calls), reported by the node itself so they enter the audit trail. Commands
+    /// denied inside apply are audited by their own command event.
+    RecordDenials {
+        node: u64,
+        denials: Vec<Denial>,
+    },
+}
+
+/// One refused call at a node's edge.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Denial {
+    /// The caller as far as it could be established (a resolved principal, or the
+    /// unresolved token digest, or `Anonymous`); never a secret.
+    pub actor: Actor,
+    /// The call, e.g. "query:balance", "audit", "admin:change_membership".
+    pub api: String,
+    pub reason: DenialReason,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DenialReason {
+    Unauthenticated,
+    PermissionDenied,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -325,6 +374,11 @@ impl Command {
             Command::FinishJob { .. } => "finish_job",
             Command::SetQuota { .. } => "set_quota",
             Command::ConfigureScheduler(_) => "configure_scheduler",
+            Command::Bootstrap { .. } => "bootstrap",
+            Command::CreateToken { .. } => "create_token",
+            Command::RotateToken { .. } => "rotate_token",
+            Command::RevokeToken { .. } => "revoke_token",
+            Command::RecordDenials { .. } => "record_denials",
         }
     }
 
@@ -355,6 +409,19 @@ impl Command {
                 | Command::Heartbeat(_)
                 | Command::JobHeartbeat(_)
                 | Command::NodeHeartbeat { .. }
+                | Command::RecordDenials { .. }
+        )
+    }
+
+    /// Commands that change the token table.
+    pub fn is_security(&self) -> bool {
+        matches!(
+            self,
+            Command::Bootstrap { .. }
+                | Command::CreateToken { .. }
+                | Command::RotateToken { .. }
+                | Command::RevokeToken { .. }
+                | Command::RecordDenials { .. }
         )
     }
 }

@@ -105,4 +105,41 @@ pub enum Actor {
     Agent(NodeId),
     /// The replicated state machine itself (ticks, expiry, leases).
     System,
+    /// A token scoped to one project of one organisation.
+    Project {
+        org: OrgId,
+        project: ProjectId,
+        principal: PrincipalId,
+    },
+    /// Not yet resolved: the SHA-256 of the bearer token the request came with, set by
+    /// the edge node. Apply resolves it to the token's principal (or refuses the request
+    /// as `Unauthenticated`) before anything else, so the actor a command runs as
+    /// always comes from the replicated token table, never from the client.
+    Bearer(TokenDigest),
+    /// A request without credentials; only `Bootstrap` accepts it.
+    Anonymous,
+}
+
+/// SHA-256 of an API token. Only digests are stored and replicated, never tokens.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct TokenDigest(pub [u8; 32]);
+
+impl TokenDigest {
+    /// The digest of a presented token.
+    pub fn of(token: &[u8]) -> TokenDigest {
+        use sha2::{Digest, Sha256};
+        TokenDigest(Sha256::digest(token).into())
+    }
+}
+
+/// Logs and audit views show an 8-byte prefix: enough to tell tokens apart, and a
+/// digest reveals nothing of a 256-bit token anyway.
+impl fmt::Debug for TokenDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "sha256:")?;
+        for b in &self.0[..8] {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
 }

@@ -48,6 +48,7 @@ pub mod limits;
 pub mod outcome;
 pub mod query;
 pub mod scheduler;
+pub mod security;
 pub mod state;
 pub mod testkit;
 

@@ -66,3 +66,10 @@ pub const JOBS_ACTIVE_MAX: usize = 1_000_000;
 pub const JOBS_FINISHED_MAX: usize = 4_000_000;
 /// Timers fired by one entry (the rest fire in the next entries).
 pub const TIMERS_PER_ENTRY_MAX: usize = 16_384;
+/// API-token keys (digests) per shard, revoked and rotated-out ones included.
+pub const TOKENS_MAX: usize = 1_000_000;
+/// Live keys one principal may hold at once (rotation with overlap adds one).
+pub const TOKEN_KEYS_PER_PRINCIPAL_MAX: usize = 4;
+/// Denials one `RecordDenials` command may carry, and the length of a denial's api name.
+pub const DENIALS_PER_RECORD_MAX: usize = 256;
+pub const DENIAL_API_LEN_MAX: usize = 64;

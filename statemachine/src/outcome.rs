@@ -26,6 +26,9 @@ pub enum Limit {
     PriceTableTypes,
     GpuTypesPerList,
     TiersPerPolicy,
+    Tokens,
+    TokenKeysPerPrincipal,
+    Denials,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
@@ -126,6 +129,17 @@ pub enum CommandError {
     // Appended (the encoding is positional): a request-validation error.
     #[error("invalid scheduler settings: {0:?}")]
     InvalidConfig(ConfigProblem),
+    // -- security (appended: the encoding is positional) --
+    /// Missing, unknown, expired or revoked token, or a claimed identity on a secured
+    /// shard. Deliberately one error: the caller learns nothing about which.
+    #[error("unauthenticated")]
+    Unauthenticated,
+    #[error("a token digest must not be all zeros")]
+    InvalidToken,
+    #[error("the shard is already secured (bootstrapped)")]
+    AlreadyBootstrapped,
+    #[error("unknown principal")]
+    UnknownPrincipal,
 }
 
 /// Which scheduler setting is out of bounds (`scheduler::settings_bounds`).
@@ -253,4 +267,9 @@ pub enum Reply {
     JobFinished(Option<Settlement>),
     QuotaSet,
     SchedulerConfigured,
+    /// A token was installed, rotated or revoked.
+    TokenSet,
+    DenialsRecorded {
+        count: u32,
+    },
 }

@@ -6,7 +6,7 @@
 //! New variants go at the end of [`Query`] and [`Answer`]: their encoding is positional.
 
 use crate::command::{BudgetScope, BudgetSpec};
-use crate::ids::{Account, JobId, NodeId, OrgId, ProjectId, Tier, UserId};
+use crate::ids::{Account, Actor, JobId, NodeId, OrgId, ProjectId, Tier, UserId};
 use crate::ledger::{Balance, PriceTable, Totals, Usage};
 use crate::scheduler::{GpuNode, Job, JobState, SchedulerSettings};
 use crate::{check_invariants, State};
@@ -105,6 +105,126 @@ pub enum Answer {
     /// `None`: unknown org, project or user.
     Budget(Option<BudgetView>),
     SchedulerSettings(SchedulerSettings),
+}
+
+/// Why a query was refused (the node answers PERMISSION_DENIED / UNAUTHENTICATED).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum QueryDenied {
+    #[error("unauthenticated")]
+    Unauthenticated,
+    #[error("permission denied")]
+    PermissionDenied,
+}
+
+impl Query {
+    /// A stable short name for logs and denial records.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Query::Balance { .. } => "balance",
+            Query::Job(_) => "job",
+            Query::Assignments(_) => "assignments",
+            Query::QueueDepth => "queue_depth",
+            Query::Totals => "totals",
+            Query::Invariants => "invariants",
+            Query::StateHash => "state_hash",
+            Query::Fleet => "fleet",
+            Query::Jobs(_) => "jobs",
+            Query::Nodes => "nodes",
+            Query::Queue => "queue",
+            Query::Prices => "prices",
+            Query::Budget(_) => "budget",
+            Query::SchedulerSettings => "scheduler_settings",
+        }
+    }
+}
+
+/// [`answer`] for `caller` (a claimed or bearer actor, resolved here against the
+/// replicated token table). A tenant sees only its own org (a project token only its
+/// project): another org's account, job or budget answers exactly as a nonexistent
+/// one (`None`), and job lists are confined to the caller's org. Shard-wide views
+/// (totals, invariants, state hash, node list) are for admins; an agent sees its own
+/// node's assignments and the jobs placed on it.
+pub fn answer_as(state: &State, caller: Actor, q: &Query) -> Result<Answer, QueryDenied> {
+    let actor = state
+        .security
+        .resolve(caller, state.time_ms)
+        .map_err(|_| QueryDenied::Unauthenticated)?;
+    let (org, project) = match actor {
+        Actor::Admin(_) | Actor::System => return Ok(answer(state, q)),
+        Actor::Anonymous | Actor::Bearer(_) => return Err(QueryDenied::Unauthenticated),
+        Actor::Agent(node) => {
+            return match q {
+                Query::Assignments(n) if *n == node => Ok(answer(state, q)),
+                Query::Job(id) => Ok(Answer::Job(
+                    state
+                        .scheduler
+                        .job(*id)
+                        .filter(|j| j.placement.as_ref().is_some_and(|p| p.node == node))
+                        .cloned()
+                        .map(Box::new),
+                )),
+                Query::Prices | Query::SchedulerSettings => Ok(answer(state, q)),
+                _ => Err(QueryDenied::PermissionDenied),
+            };
+        }
+        Actor::Tenant { org, .. } => (org, None),
+        Actor::Project { org, project, .. } => (org, Some(project)),
+    };
+    let ledger = &state.ledger;
+    let in_scope = |account: Account| {
+        ledger.org_of(account) == Some(org)
+            && project.is_none_or(|p| account == Account::Project(p))
+    };
+    Ok(match q {
+        Query::Balance { account, .. } if !in_scope(*account) => Answer::Balance(None),
+        Query::Job(id)
+            if !state.scheduler.job(*id).is_some_and(|j| {
+                j.org == org && project.is_none_or(|p| j.spec.project == p)
+            }) =>
+        {
+            Answer::Job(None)
+        }
+        Query::Jobs(filter) => {
+            let mut f = filter.clone();
+            let foreign = f.org.is_some_and(|o| o != org)
+                || matches!((f.project, project), (Some(a), Some(b)) if a != b);
+            if foreign {
+                return Ok(Answer::Jobs(JobsPage {
+                    jobs: Vec::new(),
+                    next: None,
+                }));
+            }
+            f.org = Some(org);
+            f.project = f.project.or(project);
+            Answer::Jobs(jobs_page(state, &f))
+        }
+        Query::Budget(scope) => {
+            let visible = match scope {
+                BudgetScope::Org(o) => project.is_none() && *o == org,
+                BudgetScope::Project(p) => in_scope(Account::Project(*p)),
+                BudgetScope::User(u) => {
+                    project.is_none() && ledger.users.get(u).is_some_and(|r| r.org == org)
+                }
+            };
+            if visible {
+                answer(state, q)
+            } else {
+                Answer::Budget(None)
+            }
+        }
+        Query::Balance { .. }
+        | Query::Job(_)
+        | Query::QueueDepth
+        | Query::Fleet
+        | Query::Queue
+        | Query::Prices
+        | Query::SchedulerSettings => answer(state, q),
+        Query::Assignments(_)
+        | Query::Totals
+        | Query::Invariants
+        | Query::StateHash
+        | Query::Nodes => return Err(QueryDenied::PermissionDenied),
+    })
 }
 
 pub fn answer(state: &State, q: &Query) -> Answer {

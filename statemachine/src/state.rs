@@ -9,9 +9,12 @@ use crate::command::{Command, Entry, Request};
 use crate::idempotency::{fingerprint, IdempotencyTable, Lookup};
 use crate::ids::{Account, HoldId};
 use crate::ledger::{Ctx, Ledger, LedgerConfig};
-use crate::limits::COMMANDS_PER_ENTRY_MAX;
+use crate::limits::{COMMANDS_PER_ENTRY_MAX, DENIALS_PER_RECORD_MAX, DENIAL_API_LEN_MAX};
+use crate::security::Scope;
 use crate::outcome::{CommandError, Limit, Outcome, Reply};
 use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::security::Security;
+use crate::ids::Actor;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -50,6 +53,8 @@ pub struct State {
     pub scheduler: Scheduler,
     pub idempotency: IdempotencyTable,
     pub audit: AuditChain,
+    /// API tokens (digests) and whether the shard is secured.
+    pub security: Security,
 }
 
 /// What applying one entry produced: one outcome per request, in order, and the audit
@@ -81,6 +86,7 @@ impl State {
             scheduler: Scheduler::default(),
             idempotency: IdempotencyTable::new(config.idempotency_retention_ms),
             audit: AuditChain::default(),
+            security: Security::default(),
             config,
         }
     }
@@ -166,20 +172,24 @@ pub fn apply_into(
         .prune_finished(now, state.config.job_retention_ms);
 
     for (i, req) in entry.requests.iter().enumerate() {
+        // Who the request runs as comes from the replicated token table, resolved here
+        // at the request's log position (a revoked token is refused from the revoking
+        // entry on, on every replica). An unresolved bearer is audited by its digest.
+        let actor = state.security.resolve(req.actor, now);
         let stamp = Stamp {
             log_index: entry.log_index,
             time_ms: now,
-            actor: req.actor,
+            actor: *actor.as_ref().unwrap_or(&req.actor),
             request_id: req.request_id,
         };
         let digest = command_digest(&req.command, &mut scratch);
-        let (outcome, replayed) = if i >= COMMANDS_PER_ENTRY_MAX {
-            (
+        let (outcome, replayed) = match actor {
+            _ if i >= COMMANDS_PER_ENTRY_MAX => (
                 Err(CommandError::LimitReached(Limit::CommandsPerEntry)),
                 false,
-            )
-        } else {
-            apply_request(state, req, &digest, now, &mut effects)
+            ),
+            Ok(actor) => apply_request(state, actor, req, &digest, now, &mut effects),
+            Err(_) => (Err(CommandError::Unauthenticated), false),
         };
         let head = PendingEvent {
             org: None,
@@ -224,19 +234,20 @@ pub fn apply_into(
 /// Idempotency around one command. Returns the outcome and whether it was a replay.
 fn apply_request(
     state: &mut State,
+    actor: Actor,
     req: &Request,
     digest: &Hash32,
     now: u64,
     effects: &mut Vec<PendingEvent>,
 ) -> (Outcome, bool) {
     if !req.command.uses_idempotency_table() {
-        return (execute(state, req, now, effects), false);
+        return (execute(state, actor, &req.command, now, effects), false);
     }
     if req.request_id == 0 {
         return (Err(CommandError::MissingRequestId), false);
     }
     let fp = fingerprint(digest);
-    match state.idempotency.lookup(req.actor, req.request_id, &fp) {
+    match state.idempotency.lookup(actor, req.request_id, &fp) {
         Lookup::Replay(outcome) => return (outcome, true),
         Lookup::Conflict => return (Err(CommandError::RequestIdReused), false),
         Lookup::New => {}
@@ -247,27 +258,34 @@ fn apply_request(
             false,
         );
     }
-    let outcome = execute(state, req, now, effects);
+    let outcome = execute(state, actor, &req.command, now, effects);
     state
         .idempotency
-        .insert(req.actor, req.request_id, fp, now, outcome.clone());
+        .insert(actor, req.request_id, fp, now, outcome.clone());
     (outcome, false)
 }
 
 /// Runs one command. On error, its effects are discarded (every operation validates
 /// before it mutates, so an error leaves the state as it was).
-fn execute(state: &mut State, req: &Request, now: u64, effects: &mut Vec<PendingEvent>) -> Outcome {
+fn execute(
+    state: &mut State,
+    actor: Actor,
+    command: &Command,
+    now: u64,
+    effects: &mut Vec<PendingEvent>,
+) -> Outcome {
     let mark = effects.len();
     let result =
-        authorize(&state.ledger, &state.scheduler, req.actor, &req.command).and_then(|()| {
+        authorize(&state.ledger, &state.scheduler, &state.security, actor, command).and_then(|()| {
             let ctx = &mut Ctx { now, effects };
-            match &req.command {
+            match command {
                 Command::ConfigureScheduler(settings) => state
                     .config
                     .scheduler
                     .apply_settings(settings)
                     .map(|()| Reply::SchedulerConfigured),
-                command if command.is_scheduler() => dispatch_scheduler(state, req, ctx),
+                command if command.is_scheduler() => dispatch_scheduler(state, actor, command, ctx),
+                command if command.is_security() => dispatch_security(state, command, ctx),
                 command => {
                     reject_job_hold(&state.ledger, command)?;
                     dispatch(&mut state.ledger, command, ctx)
@@ -297,14 +315,84 @@ fn reject_job_hold(ledger: &Ledger, command: &Command) -> Result<(), CommandErro
     Ok(())
 }
 
-fn dispatch_scheduler(state: &mut State, req: &Request, ctx: &mut Ctx) -> Outcome {
+fn dispatch_security(state: &mut State, command: &Command, ctx: &mut Ctx) -> Outcome {
+    let now = ctx.now;
+    let sec = &mut state.security;
+    match command {
+        Command::Bootstrap { principal, digest } => sec
+            .bootstrap(now, *principal, *digest)
+            .map(|()| Reply::TokenSet),
+        Command::CreateToken {
+            principal,
+            digest,
+            scope,
+            expires_at_ms,
+        } => {
+            // The scope must name live objects: an org token for an existing org, a
+            // project token for a project of that org.
+            let ledger = &state.ledger;
+            match scope {
+                Scope::Org(o) if ledger.org_of(Account::Org(*o)).is_none() => {
+                    return Err(CommandError::UnknownOrg)
+                }
+                Scope::Project { org, project }
+                    if ledger.org_of(Account::Project(*project)) != Some(*org) =>
+                {
+                    return Err(CommandError::UnknownProject)
+                }
+                _ => {}
+            }
+            sec.create(now, *principal, *digest, *scope, *expires_at_ms)
+                .map(|()| Reply::TokenSet)
+        }
+        Command::RotateToken {
+            principal,
+            digest,
+            overlap_ms,
+        } => sec
+            .rotate(now, *principal, *digest, *overlap_ms)
+            .map(|()| Reply::TokenSet),
+        Command::RevokeToken { principal } => sec.revoke(*principal).map(|()| Reply::TokenSet),
+        Command::RecordDenials { node, denials } => {
+            if denials.len() > DENIALS_PER_RECORD_MAX {
+                return Err(CommandError::LimitReached(Limit::Denials));
+            }
+            if denials.iter().any(|d| d.api.len() > DENIAL_API_LEN_MAX) {
+                return Err(CommandError::LimitReached(Limit::Denials));
+            }
+            for d in denials {
+                let org = match d.actor {
+                    Actor::Tenant { org, .. } | Actor::Project { org, .. } => Some(org),
+                    _ => None,
+                };
+                ctx.effects.push(PendingEvent {
+                    org,
+                    account: None,
+                    hold: None,
+                    body: EventBody::Denied {
+                        node: *node,
+                        caller: d.actor,
+                        api: d.api.clone(),
+                        reason: d.reason,
+                    },
+                });
+            }
+            Ok(Reply::DenialsRecorded {
+                count: denials.len() as u32,
+            })
+        }
+        _ => Err(CommandError::Unauthorized),
+    }
+}
+
+fn dispatch_scheduler(state: &mut State, actor: Actor, command: &Command, ctx: &mut Ctx) -> Outcome {
     let (sched, ledger, cfg) = (
         &mut state.scheduler,
         &mut state.ledger,
         &state.config.scheduler,
     );
     let now = ctx.now;
-    match &req.command {
+    match command {
         Command::RegisterNode(spec) => {
             sched.register_node(now, cfg.node_lease_ms, spec, ctx.effects)
         }
@@ -315,13 +403,13 @@ fn dispatch_scheduler(state: &mut State, req: &Request, ctx: &mut Ctx) -> Outcom
             sched.set_draining(*node, *draining, ctx.effects)
         }
         Command::SubmitJob(spec) => sched.submit(ctx, ledger, cfg, spec),
-        Command::CancelJob { job } => sched.cancel(ctx, ledger, cfg, req.actor, *job),
-        Command::JobHeartbeat(hb) => sched.heartbeat(ctx, ledger, cfg, req.actor, hb),
+        Command::CancelJob { job } => sched.cancel(ctx, ledger, cfg, actor, *job),
+        Command::JobHeartbeat(hb) => sched.heartbeat(ctx, ledger, cfg, actor, hb),
         Command::FinishJob {
             job,
             attempt,
             success,
-        } => sched.finish(ctx, ledger, cfg, req.actor, (*job, *attempt, *success)),
+        } => sched.finish(ctx, ledger, cfg, actor, (*job, *attempt, *success)),
         Command::SetQuota { org, quota } => sched.set_quota(ledger, *org, *quota),
         _ => Err(CommandError::Unauthorized),
     }
@@ -461,7 +549,16 @@ fn refs_of(state: &State, command: &Command, mut ev: PendingEvent) -> PendingEve
         | Command::Tick
         | Command::RegisterNode(_)
         | Command::NodeHeartbeat { .. }
-        | Command::SetNodeDraining { .. } => (None, None, None),
+        | Command::SetNodeDraining { .. }
+        | Command::Bootstrap { .. }
+        | Command::RotateToken { .. }
+        | Command::RevokeToken { .. }
+        | Command::RecordDenials { .. } => (None, None, None),
+        Command::CreateToken { scope, .. } => (
+            scope.org(),
+            scope.org().map(Account::Org),
+            None,
+        ),
     };
     ev.org = org;
     ev.account = account;

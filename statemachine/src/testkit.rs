@@ -55,6 +55,9 @@ pub struct Harness {
     pub entries: Vec<Entry>,
     chain: AuditChain,
     next_request_id: u128,
+    /// The identity `run`/`ok` (and the fixtures built on them) act as: the claimed
+    /// [`ADMIN`] on an unsecured shard, an admin bearer token on a secured one.
+    pub admin: Actor,
 }
 
 /// The commands (all by the admin) that build the standard world: orgs 1 and 2;
@@ -110,6 +113,7 @@ impl Harness {
             entries: Vec::new(),
             chain: AuditChain::default(),
             next_request_id: 1,
+            admin: ADMIN,
         }
     }
 
@@ -176,7 +180,7 @@ impl Harness {
     }
 
     pub fn run(&mut self, command: Command) -> Outcome {
-        self.run_as(ADMIN, command)
+        self.run_as(self.admin, command)
     }
 
     /// Runs a command as admin and panics with its error if it fails.
@@ -245,7 +249,8 @@ impl Harness {
                 Command { .. }
                 | BudgetAlert { .. }
                 | JobTransition { .. }
-                | NodeStateChanged { .. } => None,
+                | NodeStateChanged { .. }
+                | Denied { .. } => None,
                 Issued {
                     bucket,
                     amount_micro,
@@ -398,7 +403,8 @@ pub fn replay_buckets(
             Command { .. }
             | BudgetAlert { .. }
             | JobTransition { .. }
-            | NodeStateChanged { .. } => {}
+            | NodeStateChanged { .. }
+            | Denied { .. } => {}
         }
     }
     m

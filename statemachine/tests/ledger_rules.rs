@@ -279,8 +279,9 @@ fn metered(h: &mut Harness, hold: u64, amount: u64, gpus: u32) {
 }
 
 fn heartbeat(h: &mut Harness, hold: u64, attempt: u32, seq: u64, checkpoint: u64) -> Outcome {
+    // The metering service (admin credential) reports on explicit metered holds.
     h.run_as(
-        Actor::Agent(NodeId(1)),
+        Actor::Admin(PrincipalId(7)),
         Command::Heartbeat(Heartbeat {
             hold: HoldId(hold),
             attempt,

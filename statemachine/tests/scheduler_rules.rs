@@ -728,8 +728,13 @@ fn a_jobs_hold_is_only_touched_through_the_job() {
         checkpoint: 0,
     };
     assert_eq!(
-        h.run_as(Actor::Agent(NodeId(1)), Command::Heartbeat(hb)),
+        h.run(Command::Heartbeat(hb.clone())),
         Err(CommandError::HoldOwnedByJob)
+    );
+    // An agent may not meter holds at all (only its own node's jobs, by job id).
+    assert_eq!(
+        h.run_as(Actor::Agent(NodeId(1)), Command::Heartbeat(hb)),
+        Err(CommandError::Unauthorized)
     );
 }
 

@@ -8,7 +8,9 @@ use allot_statemachine::*;
 const P: Account = Account::Project(PROJECT);
 const PROMO: u64 = 1;
 const PAID: u64 = 2;
-const AGENT: Actor = Actor::Agent(NodeId(7));
+/// The platform's metering service reports on explicit (non-job) metered holds with an
+/// admin credential; agent tokens report only on jobs placed on their node.
+const AGENT: Actor = Actor::Admin(PrincipalId(7));
 
 fn hb(h: &mut Harness, seq: u64, checkpoint: u64) -> HeartbeatReply {
     let cmd = Command::Heartbeat(Heartbeat {

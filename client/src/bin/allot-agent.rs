@@ -77,9 +77,13 @@ struct Args {
     /// Directory for progress files and runner logs (default: a temp dir per node).
     #[arg(long)]
     work_dir: Option<PathBuf>,
-    /// API token.
+    /// API token: an agent token for this node (`allotctl token create --scope
+    /// agent:<node>`) in a secured cluster.
     #[arg(long, env = "ALLOT_AGENT_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// Admin token used only to register the node (default: --token).
+    #[arg(long, env = "ALLOT_AGENT_REGISTER_TOKEN", hide_env_values = true)]
+    register_token: Option<String>,
     /// Fake GPUs and job runtimes (no runner is started).
     #[arg(long)]
     simulate: bool,
@@ -164,6 +168,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let node = NodeId(args.node);
     let mut config = AgentConfig::new(args.endpoints, node, mode);
     config.token = args.token;
+    config.register_token = args.register_token;
     config.shard = args.shard;
     config.gpu_type = GpuType::new(&args.gpu_type);
     config.gpus = args.gpus;

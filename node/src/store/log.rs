@@ -28,12 +28,16 @@ impl Syncer {
     /// Starts the sync thread; `observe` receives each fsync's duration and the number
     /// of appends it made durable.
     pub fn start(db: Arc<DB>) -> Arc<Syncer> {
-        Syncer::start_observed(db, |_, _| {})
+        Syncer::start_observed(db, |_, _| {}, None)
     }
 
+    /// `fail_if`: fault injection for tests (`--test-fsync-fail-file`): while that file
+    /// exists, every sync reports failure (as a failing disk would), which openraft
+    /// treats as fatal for the shard.
     pub fn start_observed(
         db: Arc<DB>,
         observe: impl Fn(std::time::Duration, usize) + Send + 'static,
+        fail_if: Option<std::path::PathBuf>,
     ) -> Arc<Syncer> {
         let (tx, rx) = mpsc::channel::<LogFlushed<TypeConfig>>();
         // A weak handle: the thread must not keep the database open. RocksDB aborts the
@@ -47,7 +51,9 @@ impl Syncer {
                     let mut pending = vec![first];
                     pending.extend(rx.try_iter());
                     let t = std::time::Instant::now();
+                    let injected = fail_if.as_ref().is_some_and(|p| p.exists());
                     let result: Result<(), String> = match db.upgrade() {
+                        _ if injected => Err("fsync failed (injected test fault)".into()),
                         Some(db) => db.flush_wal(true).map_err(|e| e.to_string()),
                         None => Err("database closed".into()),
                     };

@@ -311,6 +311,12 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
 /// that `keep` accepts, looking at no more than `scan_max` events. Returns their
 /// encodings and the sequence number to continue from (past everything looked at, so a
 /// filtered page never rescans).
+///
+/// The chain must be contiguous from `from_seq`: a replica that caught up by installing
+/// a snapshot has no rows for the entries the snapshot covers, and one whose audit write
+/// failed (a fatal storage error) may lack the last ones. Such a gap is an error
+/// ([`AuditReadError::Gap`]), never a silently shorter trail; the node answers it as
+/// UNAVAILABLE so the client asks another replica.
 pub fn read_audit(
     db: &DB,
     shard: ShardId,
@@ -351,6 +357,12 @@ pub fn read_audit(
             if out.len() >= limit || scanned >= scan_max {
                 break 'rows;
             }
+            if ev.seq != next {
+                return Err(AuditReadError::Gap {
+                    missing_from: next,
+                    found: ev.seq,
+                });
+            }
             scanned += 1;
             next = ev.seq + 1;
             if keep(&ev) {
@@ -367,4 +379,9 @@ pub enum AuditReadError {
     Db(#[from] rocksdb::Error),
     #[error("audit row: {0}")]
     Codec(#[from] codec::CodecError),
+    #[error(
+        "this replica lacks audit events {missing_from}..{found} (it caught up from a \
+         snapshot); read the audit trail from another replica"
+    )]
+    Gap { missing_from: u64, found: u64 },
 }

@@ -40,6 +40,9 @@ pub struct Global {
         default_value = "127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103"
     )]
     pub endpoints: Vec<String>,
+    /// Connect over TLS, trusting this CA certificate (PEM): the cluster CA.
+    #[arg(long, global = true, env = "ALLOTCTL_TLS_CA")]
+    pub tls_ca: Option<std::path::PathBuf>,
     /// API token, sent as `authorization: Bearer <token>`.
     #[arg(long, global = true, env = "ALLOTCTL_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
@@ -52,8 +55,9 @@ pub struct Global {
     /// Most retries per call (unreachable endpoints, no leader, overload).
     #[arg(long, global = true, env = "ALLOTCTL_RETRIES", default_value_t = 6)]
     pub retries: u32,
-    /// Identity the commands are issued as: admin, org:<id> (a tenant of that org), or
-    /// agent:<node id>.
+    /// DEV MODE ONLY (nodes started with --insecure-dev-mode, cluster not bootstrapped):
+    /// the identity claimed without a token: admin, org:<id> or agent:<node id>. With
+    /// --token the token's identity is used and this is ignored.
     #[arg(long = "as", global = true, env = "ALLOTCTL_AS", default_value = "admin", value_parser = values::identity)]
     pub identity: Actor,
 }
@@ -66,6 +70,9 @@ pub enum Cmd {
     /// Raft membership of the shards (voters, learners, leaders).
     #[command(subcommand)]
     Member(crate::membership::MemberCmd),
+    /// API tokens: create, rotate, revoke.
+    #[command(subcommand)]
+    Token(crate::tokens::TokenCmd),
     /// Health of each endpoint.
     #[command(subcommand)]
     Endpoint(crate::cluster::EndpointCmd),

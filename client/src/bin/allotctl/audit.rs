@@ -211,9 +211,16 @@ pub fn event_json(ev: &AuditEvent) -> serde_json::Value {
 fn actor(a: Actor) -> String {
     match a {
         Actor::Admin(p) => format!("admin:{}", p.0),
-        Actor::Tenant { org, .. } => format!("org:{}", org.0),
+        Actor::Tenant { org, principal } => format!("org:{}/principal:{}", org.0, principal.0),
+        Actor::Project {
+            org,
+            project,
+            principal,
+        } => format!("org:{}/project:{}/principal:{}", org.0, project.0, principal.0),
         Actor::Agent(n) => format!("agent:{}", n.0),
         Actor::System => "system".into(),
+        Actor::Bearer(d) => format!("unresolved-token:{d:?}"),
+        Actor::Anonymous => "anonymous".into(),
     }
 }
 
@@ -232,6 +239,7 @@ fn kind(b: &EventBody) -> &'static str {
         EventBody::JobTransition { .. } => "job_transition",
         EventBody::NodeStateChanged { .. } => "node_state",
         EventBody::BudgetAlert { .. } => "budget_alert",
+        EventBody::Denied { .. } => "denied",
     }
 }
 
@@ -296,6 +304,12 @@ fn details(ev: &AuditEvent) -> String {
             format!("{job} {from} -> {to:?} attempt {attempt}{node} ({reason:?})")
         }
         EventBody::NodeStateChanged { node, state } => format!("{node} -> {state:?}"),
+        EventBody::Denied {
+            node,
+            caller,
+            api,
+            reason,
+        } => format!("{api} by {} refused at node {node}: {reason:?}", actor(*caller)),
         EventBody::BudgetAlert {
             scope,
             limit_micro,

@@ -30,6 +30,16 @@ pub struct InitArgs {
     /// How long to wait for the nodes to come up and for leaders.
     #[arg(long, default_value = "30s", value_parser = values::duration)]
     wait: Duration,
+    /// The first admin token: read from this file if it exists (an operator-chosen
+    /// secret of at least 32 characters), else generated and written there (mode 0600).
+    /// Without it a generated token is printed. Installed on every shard (bootstrap),
+    /// which secures the cluster: from then on every call needs a token.
+    #[arg(long, conflicts_with = "insecure")]
+    admin_token_file: Option<std::path::PathBuf>,
+    /// Leave the cluster unsecured (no admin token): only for nodes started with
+    /// --insecure-dev-mode, for local development.
+    #[arg(long)]
+    insecure: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -89,7 +99,57 @@ async fn init(ctx: &Ctx, a: InitArgs) -> anyhow::Result<()> {
     let wait = deadline.saturating_duration_since(Instant::now());
     let through = ctx.client.init_cluster(&a.members, shards, wait).await?;
     let leaders = wait_leaders(ctx, &a.members, shards, deadline).await?;
-    print_init(ctx, shards, &through, &leaders)
+    let token = if a.insecure {
+        eprintln!("WARNING: cluster left unsecured (--insecure): dev mode only");
+        None
+    } else {
+        Some(bootstrap(ctx, a.admin_token_file.as_deref()).await?)
+    };
+    print_init(ctx, shards, &through, &leaders, token)
+}
+
+/// Installs the admin token on every shard, from a client without a token.
+async fn bootstrap(ctx: &Ctx, file: Option<&std::path::Path>) -> anyhow::Result<BootstrapToken> {
+    use allot_client::security::{check_chosen_token, generate_token};
+    let (token, source) = match file {
+        Some(p) if p.exists() => {
+            let t = std::fs::read_to_string(p)
+                .map_err(|e| usage(format!("--admin-token-file {}: {e}", p.display())))?
+                .trim()
+                .to_string();
+            check_chosen_token(&t).map_err(|e| usage(e.to_string()))?;
+            (t, format!("read from {}", p.display()))
+        }
+        Some(p) => {
+            let t = generate_token()?;
+            write_secret(p, &t)?;
+            (t, format!("generated, written to {}", p.display()))
+        }
+        None => (generate_token()?, "generated (shown once)".to_string()),
+    };
+    ctx.client
+        .anonymous()
+        .bootstrap(allot_statemachine::PrincipalId(1), &token)
+        .await?;
+    Ok(BootstrapToken { token, source })
+}
+
+struct BootstrapToken {
+    token: String,
+    source: String,
+}
+
+fn write_secret(p: &std::path::Path, token: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(p)
+        .map_err(|e| usage(format!("--admin-token-file {}: {e}", p.display())))?;
+    writeln!(f, "{token}")?;
+    Ok(())
 }
 
 /// Every member's reported shard count, retried while nodes start; they must agree
@@ -168,7 +228,17 @@ fn print_init(
     shards: u32,
     through: &BTreeMap<u32, u64>,
     leaders: &BTreeMap<u32, u64>,
+    token: Option<BootstrapToken>,
 ) -> anyhow::Result<()> {
+    if let Some(t) = &token {
+        // To stderr, so `-o json` stays one document (the token is in it too).
+        eprintln!(
+            "cluster secured with admin principal 1; admin token ({}):\n  {}\n\
+             use it as: export ALLOTCTL_TOKEN=<token>  (or --token; gRPC clients send \
+             `authorization: Bearer <token>`)",
+            t.source, t.token
+        );
+    }
     let mut t = Table::new(&["SHARD", "INITIALISED THROUGH", "LEADER"]);
     let mut rows = Vec::new();
     for s in 0..shards {
@@ -178,7 +248,12 @@ fn print_init(
     }
     show(
         ctx.format,
-        &serde_json::json!({"shards": shards, "initialised": rows}),
+        &serde_json::json!({
+            "shards": shards,
+            "initialised": rows,
+            "secured": token.is_some(),
+            "admin_token": token.as_ref().map(|t| t.token.clone()),
+        }),
         &[t],
     )
 }

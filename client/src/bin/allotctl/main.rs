@@ -18,6 +18,7 @@ mod output;
 mod scheduler;
 mod tenancy;
 mod timefmt;
+mod tokens;
 mod values;
 
 use args::{Cli, Cmd};
@@ -49,6 +50,7 @@ async fn dispatch(ctx: &Ctx, cmd: Cmd) -> anyhow::Result<()> {
     match cmd {
         Cmd::Cluster(c) => cluster::run(ctx, c).await,
         Cmd::Member(c) => membership::run(ctx, c).await,
+        Cmd::Token(c) => tokens::run(ctx, c).await,
         Cmd::Endpoint(c) => cluster::run_endpoint(ctx, c).await,
         Cmd::Shard(c) => cluster::run_shard(ctx, c).await,
         Cmd::Org(c) => tenancy::run_org(ctx, c).await,

@@ -1,0 +1,142 @@
+//! API tokens: generated here (on the client), installed as SHA-256 digests on every
+//! shard. The node never sees a token except as a bearer credential, and stores none.
+
+use crate::error::{Error, Result};
+use crate::transport::Client;
+use allot_statemachine::{Command, PrincipalId, Reply, Scope, TokenDigest};
+use base64::Engine;
+
+/// Prefix of generated tokens (so leaked ones are easy to grep for).
+pub const TOKEN_PREFIX: &str = "alt_";
+/// Shortest operator-chosen secret accepted for a bootstrap admin token.
+pub const CHOSEN_TOKEN_LEN_MIN: usize = 32;
+
+/// A new token: `alt_` + 256 bits from the operating system's CSPRNG, base64url.
+pub fn generate_token() -> Result<String> {
+    let mut b = [0u8; 32];
+    getrandom::fill(&mut b).map_err(|e| Error::Config(format!("no OS randomness: {e}")))?;
+    Ok(format!(
+        "{TOKEN_PREFIX}{}",
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(b)
+    ))
+}
+
+/// Checks an operator-chosen token (e.g. read from a file): long enough, printable.
+pub fn check_chosen_token(token: &str) -> Result<()> {
+    if token.len() < CHOSEN_TOKEN_LEN_MIN || token.len() > 512 {
+        return Err(Error::Config(format!(
+            "a chosen token must be {CHOSEN_TOKEN_LEN_MIN}..=512 characters (got {}); \
+             omit it to have one generated",
+            token.len()
+        )));
+    }
+    if !token.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(Error::Config(
+            "a token may contain only printable ASCII without spaces".into(),
+        ));
+    }
+    Ok(())
+}
+
+pub fn digest(token: &str) -> TokenDigest {
+    TokenDigest::of(token.as_bytes())
+}
+
+impl Client {
+    /// Runs `command` on every shard (tokens live on every shard), with one request id
+    /// per shard kept across retries.
+    async fn on_every_shard(&self, what: &str, command: Command) -> Result<()> {
+        for shard in 0..self.shards().await? {
+            match self.run(shard, command.clone()).await? {
+                Reply::TokenSet => {}
+                other => {
+                    return Err(Error::Unexpected(format!(
+                        "{what} on shard {shard}: unexpected reply {other:?}"
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Installs the first admin token on every shard and so secures the cluster. Send
+    /// it from a client *without* a token. Idempotent for the same token; refused with
+    /// `AlreadyBootstrapped` on a shard secured with another one.
+    pub async fn bootstrap(&self, principal: PrincipalId, token: &str) -> Result<()> {
+        self.on_every_shard(
+            "bootstrap",
+            Command::Bootstrap {
+                principal,
+                digest: digest(token),
+            },
+        )
+        .await
+    }
+
+    /// Creates principal `principal` with `scope` and a new token, on every shard;
+    /// returns the token (shown once, stored nowhere).
+    pub async fn create_token(
+        &self,
+        principal: PrincipalId,
+        scope: Scope,
+        expires_at_ms: Option<u64>,
+    ) -> Result<String> {
+        let token = generate_token()?;
+        self.on_every_shard(
+            "create token",
+            Command::CreateToken {
+                principal,
+                digest: digest(&token),
+                scope,
+                expires_at_ms,
+            },
+        )
+        .await?;
+        Ok(token)
+    }
+
+    /// Gives `principal` a new token; its old ones stop working `overlap_ms` later.
+    pub async fn rotate_token(&self, principal: PrincipalId, overlap_ms: u64) -> Result<String> {
+        let token = generate_token()?;
+        self.on_every_shard(
+            "rotate token",
+            Command::RotateToken {
+                principal,
+                digest: digest(&token),
+                overlap_ms,
+            },
+        )
+        .await?;
+        Ok(token)
+    }
+
+    /// Revokes every token of `principal` on every shard.
+    pub async fn revoke_token(&self, principal: PrincipalId) -> Result<()> {
+        self.on_every_shard("revoke token", Command::RevokeToken { principal })
+            .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_tokens_are_long_distinct_and_accepted() {
+        let a = generate_token().unwrap();
+        let b = generate_token().unwrap();
+        assert_ne!(a, b);
+        assert!(a.starts_with(TOKEN_PREFIX));
+        assert_eq!(a.len(), TOKEN_PREFIX.len() + 43);
+        check_chosen_token(&a).unwrap();
+        assert_ne!(digest(&a), digest(&b));
+    }
+
+    #[test]
+    fn short_or_unprintable_chosen_tokens_are_refused() {
+        assert!(check_chosen_token("short").is_err());
+        assert!(check_chosen_token(&"x y".repeat(20)).is_err());
+        assert!(check_chosen_token(&"x".repeat(513)).is_err());
+        assert!(check_chosen_token(&"x".repeat(32)).is_ok());
+    }
+}

@@ -1,0 +1,236 @@
+//! Authentication at the node's edge. The edge only *carries* credentials: it puts the
+//! SHA-256 of the presented bearer token on every request (overwriting whatever actor
+//! the client claimed), and apply resolves it against the replicated token table on
+//! the leader (`allot_statemachine::security`). Queries, audit reads and admin calls
+//! are answered by this node, so they resolve the digest against this replica's
+//! applied state (after the read index for linearizable reads).
+//!
+//! Without a bearer token a request keeps its claimed actor only when this node runs
+//! with `--insecure-dev-mode` *and* the shard is not secured (no admin token was ever
+//! bootstrapped); `Bootstrap` alone is accepted anonymously (it succeeds only on an
+//! unsecured shard). Clients can never claim `System` or a token digest.
+
+use crate::node::Node;
+use allot_statemachine::security::Refusal;
+use allot_statemachine::{Actor, Command, Denial, DenialReason, PrincipalId, Request, TokenDigest};
+use tonic::metadata::MetadataMap;
+use tonic::Status;
+
+/// Longest accepted token (generated tokens are 47 characters).
+pub const TOKEN_LEN_MAX: usize = 512;
+/// Shortest accepted token: 128 bits in base64 is 22 characters; operator-chosen
+/// secrets shorter than 32 characters are refused when created (allotctl), and a
+/// shorter bearer cannot match any digest in practice, but is refused here as malformed.
+pub const TOKEN_LEN_MIN: usize = 22;
+
+/// The digest of the `authorization: Bearer <token>` metadata, if any. A malformed
+/// header is refused (not ignored: a client that meant to authenticate must not fall
+/// back to dev mode).
+pub fn bearer(meta: &MetadataMap) -> Result<Option<TokenDigest>, Status> {
+    let Some(v) = meta.get("authorization") else {
+        return Ok(None);
+    };
+    let malformed = || Status::unauthenticated("malformed authorization metadata");
+    let v = v.to_str().map_err(|_| malformed())?;
+    let token = v
+        .strip_prefix("Bearer ")
+        .or_else(|| v.strip_prefix("bearer "))
+        .ok_or_else(malformed)?
+        .trim();
+    if token.len() < TOKEN_LEN_MIN
+        || token.len() > TOKEN_LEN_MAX
+        || !token.bytes().all(|b| b.is_ascii_graphic())
+    {
+        return Err(malformed());
+    }
+    Ok(Some(TokenDigest::of(token.as_bytes())))
+}
+
+/// The actor a read (query, audit, admin call) runs as before resolution.
+pub fn caller(node: &Node, bearer: Option<TokenDigest>) -> Actor {
+    match bearer {
+        Some(d) => Actor::Bearer(d),
+        // Dev mode: an unauthenticated reader is the operator (resolution refuses the
+        // claim once the shard is secured).
+        None if node.config.insecure_dev_mode => Actor::Admin(PrincipalId(0)),
+        None => Actor::Anonymous,
+    }
+}
+
+/// Sets the actor a request is proposed with (see the module doc).
+pub fn stamp(node: &Node, bearer: Option<TokenDigest>, r: &mut Request) -> Result<(), Status> {
+    if let Some(d) = bearer {
+        r.actor = Actor::Bearer(d);
+        return Ok(());
+    }
+    if let Command::Bootstrap { .. } = r.command {
+        r.actor = Actor::Anonymous;
+        return Ok(());
+    }
+    match r.actor {
+        Actor::System | Actor::Bearer(_) | Actor::Anonymous => {
+            Err(Status::unauthenticated("unauthenticated"))
+        }
+        _ if node.config.insecure_dev_mode => Ok(()),
+        _ => Err(Status::unauthenticated(
+            "unauthenticated: send authorization: Bearer <token>",
+        )),
+    }
+}
+
+/// The status for a refused read; the reason is logged (never the token) and queued
+/// for the audit trail.
+pub fn refuse(node: &Node, shard: u32, caller: Actor, api: &str, reason: DenialReason) -> Status {
+    tracing::warn!(shard, ?caller, api, ?reason, "authorisation denied");
+    node.metrics
+        .auth_denials
+        .with_label_values(&[api, reason_label(reason)])
+        .inc();
+    node.denials.record(
+        shard,
+        Denial {
+            actor: caller,
+            api: api.chars().take(allot_statemachine::limits::DENIAL_API_LEN_MAX).collect(),
+            reason,
+        },
+    );
+    match reason {
+        DenialReason::Unauthenticated => Status::unauthenticated("unauthenticated"),
+        DenialReason::PermissionDenied => Status::permission_denied("permission denied"),
+    }
+}
+
+fn reason_label(r: DenialReason) -> &'static str {
+    match r {
+        DenialReason::Unauthenticated => "unauthenticated",
+        DenialReason::PermissionDenied => "permission_denied",
+    }
+}
+
+/// Resolves a reader against one shard's applied state.
+pub fn resolve(node: &Node, shard: u32, caller: Actor) -> Result<Actor, Refusal> {
+    let s = node
+        .shard(shard)
+        .ok_or(Refusal::UnknownToken)?;
+    let g = s.view.read();
+    g.state.security.resolve(caller, g.state.time_ms)
+}
+
+/// Admin calls: an admin token, or in dev mode on an unsecured cluster anyone.
+/// `before_bootstrap`: also anyone while shard 0 is unsecured (cluster init and the
+/// status calls that wait for leaders happen before the admin token is installed).
+/// Resolved against shard 0 (tokens are installed on every shard).
+pub fn require_admin(
+    node: &Node,
+    meta: &MetadataMap,
+    api: &str,
+    before_bootstrap: bool,
+) -> Result<(), Status> {
+    let caller = caller(node, bearer(meta)?);
+    match resolve(node, 0, caller) {
+        Ok(Actor::Admin(_)) => Ok(()),
+        Ok(Actor::Anonymous) if before_bootstrap && !secured(node) => Ok(()),
+        Ok(Actor::Anonymous) => Err(refuse(node, 0, caller, api, DenialReason::Unauthenticated)),
+        Ok(other) => Err(refuse(node, 0, other, api, DenialReason::PermissionDenied)),
+        Err(_) => Err(refuse(node, 0, caller, api, DenialReason::Unauthenticated)),
+    }
+}
+
+/// Any authenticated caller (the endpoint status: shard count, leaders and terms,
+/// which every client needs for routing; no tenant data). Anyone before bootstrap.
+pub fn require_authenticated(node: &Node, meta: &MetadataMap, api: &str) -> Result<(), Status> {
+    let caller = caller(node, bearer(meta)?);
+    match resolve(node, 0, caller) {
+        Ok(Actor::Anonymous) if secured(node) => {
+            Err(refuse(node, 0, caller, api, DenialReason::Unauthenticated))
+        }
+        Ok(_) => Ok(()),
+        Err(_) => Err(refuse(node, 0, caller, api, DenialReason::Unauthenticated)),
+    }
+}
+
+fn secured(node: &Node) -> bool {
+    node.shard(0)
+        .is_some_and(|s| s.view.read().state.security.secured)
+}
+
+/// Edge denials waiting to be proposed into their shard's audit trail (bounded; what
+/// does not fit is counted in the log and the `auth_denials_total` metric, not kept).
+#[derive(Default)]
+pub struct Denials {
+    pending: std::sync::Mutex<std::collections::BTreeMap<u32, Vec<Denial>>>,
+}
+
+/// Denials kept per shard between two flushes.
+const PENDING_PER_SHARD_MAX: usize = 1024;
+
+impl Denials {
+    pub fn record(&self, shard: u32, d: Denial) {
+        let mut g = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let v = g.entry(shard).or_default();
+        if v.len() < PENDING_PER_SHARD_MAX {
+            v.push(d);
+        } else {
+            tracing::warn!(shard, "denial buffer full: a denial is logged but not audited");
+        }
+    }
+
+    fn take(&self) -> Vec<(u32, Vec<Denial>)> {
+        std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner())).into_iter().collect()
+    }
+}
+
+/// Every second, proposes the buffered denials of each shard as one `RecordDenials`
+/// command: on this node when it leads the shard, else through the leader's internal
+/// (peer) service.
+pub async fn flush_denials(node: std::sync::Weak<Node>) {
+    let mut every = tokio::time::interval(std::time::Duration::from_secs(1));
+    loop {
+        every.tick().await;
+        let Some(node) = node.upgrade() else { return };
+        for (shard, denials) in node.denials.take() {
+            for chunk in denials.chunks(allot_statemachine::limits::DENIALS_PER_RECORD_MAX) {
+                if let Err(e) = report(&node, shard, node.id, chunk.to_vec()).await {
+                    tracing::warn!(shard, error = %e, n = chunk.len(), "denials not audited");
+                }
+            }
+        }
+    }
+}
+
+/// Proposes `RecordDenials` for `shard` here if this node leads it, else sends it to
+/// the leader's peer service.
+pub async fn report(
+    node: &Node,
+    shard: u32,
+    reporter: u64,
+    denials: Vec<Denial>,
+) -> anyhow::Result<()> {
+    let s = node
+        .shard(shard)
+        .ok_or_else(|| anyhow::anyhow!("unknown shard {shard}"))?;
+    let req = Request {
+        actor: Actor::System,
+        request_id: 0,
+        command: Command::RecordDenials {
+            node: reporter,
+            denials,
+        },
+    };
+    match s.proposer.propose(vec![req.clone()]).await {
+        Ok(_) => Ok(()),
+        Err(crate::proposer::ProposeError::NotLeader {
+            addr: Some(addr), ..
+        }) if reporter == node.id => {
+            let Command::RecordDenials { denials, .. } = req.command else {
+                unreachable!("built above")
+            };
+            let payload = bincode::serialize(&(reporter, denials))?;
+            let mut c = allot_proto::raft_client::RaftClient::new(node.channels.get(&addr)?);
+            c.report_denials(allot_proto::RaftMessage { shard, payload })
+                .await?;
+            Ok(())
+        }
+        Err(e) => anyhow::bail!("{e:?}"),
+    }
+}

@@ -1,0 +1,437 @@
+//! Tokens, resolution inside apply, scoped authorisation and scoped queries.
+
+use allot_statemachine::query::{answer_as, Answer, JobFilter, Query, QueryDenied};
+use allot_statemachine::testkit::*;
+use allot_statemachine::*;
+use proptest::prelude::*;
+
+const ADMIN_TOKEN: &str = "alt_admin-token-for-tests-0000000000000000000";
+
+fn bearer(token: &str) -> Actor {
+    Actor::Bearer(TokenDigest::of(token.as_bytes()))
+}
+
+/// The standard world, secured with an admin token; org tokens for both orgs, a
+/// project token for project 11, agent tokens for nodes 1 and 2.
+fn secured() -> Harness {
+    let mut h = Harness::world();
+    let boot = Command::Bootstrap {
+        principal: PrincipalId(1),
+        digest: TokenDigest::of(ADMIN_TOKEN.as_bytes()),
+    };
+    assert_eq!(h.run_as(Actor::Anonymous, boot), Ok(Reply::TokenSet));
+    let admin = bearer(ADMIN_TOKEN);
+    h.admin = admin;
+    for (principal, token, scope) in [
+        (10, "tok-org-1-aaaaaaaaaaaaaaaaaaaaaaaa", Scope::Org(ORG)),
+        (20, "tok-org-2-bbbbbbbbbbbbbbbbbbbbbbbb", Scope::Org(OTHER_ORG)),
+        (
+            30,
+            "tok-project-11-cccccccccccccccccccc",
+            Scope::Project {
+                org: ORG,
+                project: PROJECT,
+            },
+        ),
+        (41, "tok-agent-1-dddddddddddddddddddddd", Scope::Agent(NodeId(1))),
+        (42, "tok-agent-2-eeeeeeeeeeeeeeeeeeeeee", Scope::Agent(NodeId(2))),
+    ] {
+        let cmd = Command::CreateToken {
+            principal: PrincipalId(principal),
+            digest: TokenDigest::of(token.as_bytes()),
+            scope,
+            expires_at_ms: None,
+        };
+        assert_eq!(h.run_as(admin, cmd), Ok(Reply::TokenSet));
+    }
+    h
+}
+
+const ORG1: &str = "tok-org-1-aaaaaaaaaaaaaaaaaaaaaaaa";
+const ORG2: &str = "tok-org-2-bbbbbbbbbbbbbbbbbbbbbbbb";
+const PROJ11: &str = "tok-project-11-cccccccccccccccccccc";
+const AGENT1: &str = "tok-agent-1-dddddddddddddddddddddd";
+const AGENT2: &str = "tok-agent-2-eeeeeeeeeeeeeeeeeeeeee";
+
+fn ledger_fingerprint(h: &Harness) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
+    (
+        codec::encode(&h.state.ledger),
+        codec::encode(&h.state.scheduler),
+        codec::encode(&h.state.security),
+    )
+}
+
+#[test]
+fn bootstrap_secures_the_shard_once_and_claims_stop_working() {
+    let mut h = Harness::world();
+    // Unsecured: a claimed admin works (dev mode).
+    assert!(h.run(Command::CreateOrg { org: OrgId(5) }).is_ok());
+    let boot = |t: &str| Command::Bootstrap {
+        principal: PrincipalId(1),
+        digest: TokenDigest::of(t.as_bytes()),
+    };
+    assert_eq!(h.run_as(Actor::Anonymous, boot(ADMIN_TOKEN)), Ok(Reply::TokenSet));
+    // Idempotent for the same token; refused for another.
+    assert_eq!(h.run_as(Actor::Anonymous, boot(ADMIN_TOKEN)), Ok(Reply::TokenSet));
+    assert_eq!(
+        h.run_as(Actor::Anonymous, boot("another-token-0000000000000000000000")),
+        Err(CommandError::AlreadyBootstrapped)
+    );
+    // Claims are refused now, whatever they claim.
+    for claim in [ADMIN, tenant(ORG), Actor::Agent(NodeId(1))] {
+        assert_eq!(
+            h.run_as(claim, Command::CreateOrg { org: OrgId(6) }),
+            Err(CommandError::Unauthenticated)
+        );
+    }
+    assert_eq!(
+        h.run_as(Actor::Anonymous, Command::CreateOrg { org: OrgId(6) }),
+        Err(CommandError::Unauthenticated)
+    );
+    // The token works and runs as principal 1.
+    assert!(h
+        .run_as(bearer(ADMIN_TOKEN), Command::CreateOrg { org: OrgId(6) })
+        .is_ok());
+    let last = h.events.last().unwrap();
+    assert_eq!(last.actor, Actor::Admin(PrincipalId(1)));
+}
+
+#[test]
+fn an_org_token_cannot_touch_another_org_and_learns_nothing() {
+    let mut h = secured();
+    h.grant(1, Account::Project(OTHER_PROJECT), BucketKind::Paid, credits(10), None);
+    let mut foreign = Harness::hold_spec(5, credits(1));
+    foreign.project = OTHER_PROJECT;
+    foreign.user = OTHER_USER;
+    let mut missing = foreign.clone();
+    missing.project = ProjectId(999);
+    let before = ledger_fingerprint(&h);
+    let t = bearer(ORG1);
+    // Spend in org 2 = the same answer as a project that does not exist.
+    assert_eq!(
+        h.run_as(t, Command::CreateHold(foreign.clone())),
+        Err(CommandError::UnknownProject)
+    );
+    assert_eq!(
+        h.run_as(t, Command::CreateHold(missing)),
+        Err(CommandError::UnknownProject)
+    );
+    let mut job = Harness::job_spec(77, Tier(1), vec![a100()], 1);
+    job.project = OTHER_PROJECT;
+    job.user = OTHER_USER;
+    assert_eq!(
+        h.run_as(t, Command::SubmitJob(job)),
+        Err(CommandError::UnknownProject)
+    );
+    assert_eq!(
+        h.run_as(
+            t,
+            Command::Transfer {
+                from: Account::Org(OTHER_ORG),
+                to: Account::Project(PROJECT),
+                amount_micro: 1
+            }
+        ),
+        Err(CommandError::UnknownOrg)
+    );
+    assert_eq!(
+        h.run_as(t, Command::CreateProject { project: ProjectId(50), org: OTHER_ORG }),
+        Err(CommandError::UnknownOrg)
+    );
+    // Admin-only commands.
+    for cmd in [
+        Command::CreateOrg { org: OrgId(9) },
+        Command::SetPrices { prices: vec![(a100(), 1)] },
+        Command::RegisterNode(NodeSpec {
+            node: NodeId(9),
+            gpu_type: a100(),
+            gpu_count: 8,
+            gpu_mem_gb: 80,
+            labels: vec![],
+        }),
+        Command::SetNodeDraining { node: NodeId(9), draining: true },
+        Command::SetQuota { org: ORG, quota: None },
+        Command::Tick,
+    ] {
+        assert_eq!(h.run_as(t, cmd), Err(CommandError::Unauthorized));
+    }
+    // Org 2's hold, created by org 2's token, is invisible to org 1's token.
+    assert!(h.run_as(bearer(ORG2), Command::CreateHold(foreign)).is_ok());
+    let mid = ledger_fingerprint(&h);
+    assert_ne!(before, mid);
+    for cmd in [
+        Command::ReleaseHold { hold: HoldId(5) },
+        Command::Capture { hold: HoldId(5), amount_micro: 1 },
+        Command::TopUp { hold: HoldId(5), amount_micro: 1 },
+    ] {
+        assert_eq!(h.run_as(t, cmd.clone()), Err(CommandError::UnknownHold));
+    }
+    assert_eq!(h.run_as(t, Command::ReleaseHold { hold: HoldId(404) }), Err(CommandError::UnknownHold));
+    assert_eq!(mid, ledger_fingerprint(&h), "refusals change nothing");
+}
+
+#[test]
+fn queries_are_confined_to_the_callers_org() {
+    let mut h = secured();
+    h.grant(1, Account::Project(OTHER_PROJECT), BucketKind::Paid, credits(10), None);
+    h.grant(2, Account::Project(PROJECT), BucketKind::Paid, credits(10), None);
+    let s = &h.state;
+    let t = bearer(ORG1);
+    let balance = |a| Query::Balance { account: a, horizon_ms: 0 };
+    // Own balance: visible. Foreign one: answered exactly like a nonexistent account.
+    assert!(matches!(answer_as(s, t, &balance(Account::Project(PROJECT))), Ok(Answer::Balance(Some(_)))));
+    assert_eq!(
+        answer_as(s, t, &balance(Account::Project(OTHER_PROJECT))),
+        answer_as(s, t, &balance(Account::Project(ProjectId(999))))
+    );
+    assert_eq!(answer_as(s, t, &balance(Account::Project(OTHER_PROJECT))), Ok(Answer::Balance(None)));
+    assert_eq!(
+        answer_as(s, t, &Query::Budget(BudgetScope::Org(OTHER_ORG))),
+        Ok(Answer::Budget(None))
+    );
+    // Job lists are forced to the caller's org.
+    let page = answer_as(
+        s,
+        t,
+        &Query::Jobs(JobFilter { org: Some(OTHER_ORG), ..Default::default() }),
+    );
+    assert!(matches!(page, Ok(Answer::Jobs(p)) if p.jobs.is_empty()));
+    // Shard-wide views are admin only.
+    for q in [Query::Totals, Query::Invariants, Query::StateHash, Query::Nodes, Query::Assignments(NodeId(1))] {
+        assert_eq!(answer_as(s, t, &q), Err(QueryDenied::PermissionDenied), "{q:?}");
+        assert!(answer_as(s, bearer(ADMIN_TOKEN), &q).is_ok());
+    }
+    // A project token sees only its project.
+    let p = bearer(PROJ11);
+    assert_eq!(answer_as(s, p, &balance(Account::Project(PROJECT_B))), Ok(Answer::Balance(None)));
+    assert_eq!(answer_as(s, p, &balance(Account::Org(ORG))), Ok(Answer::Balance(None)));
+    assert!(matches!(answer_as(s, p, &balance(Account::Project(PROJECT))), Ok(Answer::Balance(Some(_)))));
+    // Agents: their own node's assignments only.
+    assert!(answer_as(s, bearer(AGENT1), &Query::Assignments(NodeId(1))).is_ok());
+    assert_eq!(
+        answer_as(s, bearer(AGENT1), &Query::Assignments(NodeId(2))),
+        Err(QueryDenied::PermissionDenied)
+    );
+    // Claims and unknown tokens on a secured shard.
+    assert_eq!(answer_as(s, ADMIN, &Query::Totals), Err(QueryDenied::Unauthenticated));
+    assert_eq!(answer_as(s, bearer("nope-nope-nope-nope-nope-nope"), &Query::Prices), Err(QueryDenied::Unauthenticated));
+}
+
+#[test]
+fn project_tokens_act_only_inside_their_project() {
+    let mut h = secured();
+    h.grant(1, Account::Project(PROJECT), BucketKind::Paid, credits(10), None);
+    h.grant(2, Account::Project(PROJECT_B), BucketKind::Paid, credits(10), None);
+    let p = bearer(PROJ11);
+    assert!(h.run_as(p, Command::CreateHold(Harness::hold_spec(1, credits(1)))).is_ok());
+    let mut other = Harness::hold_spec(2, credits(1));
+    other.project = PROJECT_B;
+    other.user = USER_B;
+    assert_eq!(h.run_as(p, Command::CreateHold(other.clone())), Err(CommandError::UnknownProject));
+    // The org token may; then the project token cannot release it.
+    assert!(h.run_as(bearer(ORG1), Command::CreateHold(other)).is_ok());
+    assert_eq!(h.run_as(p, Command::ReleaseHold { hold: HoldId(2) }), Err(CommandError::UnknownHold));
+    // Org-level management is not for project tokens.
+    assert_eq!(
+        h.run_as(p, Command::CreateProject { project: ProjectId(60), org: ORG }),
+        Err(CommandError::Unauthorized)
+    );
+    assert_eq!(
+        h.run_as(
+            p,
+            Command::CreateToken {
+                principal: PrincipalId(99),
+                digest: TokenDigest::of(b"x-x-x-x-x-x-x-x-x-x-x-x-x-x-x"),
+                scope: Scope::Project { org: ORG, project: PROJECT },
+                expires_at_ms: None
+            }
+        ),
+        Err(CommandError::Unauthorized)
+    );
+}
+
+#[test]
+fn an_agent_token_cannot_finish_another_nodes_job() {
+    let mut h = secured();
+    h.grant(1, Account::Project(PROJECT), BucketKind::Paid, credits(1000), None);
+    h.fleet(&[(1, a100(), 8, 80)]);
+    assert!(h
+        .run_as(bearer(AGENT1), Command::NodeHeartbeat { node: NodeId(1) })
+        .is_ok());
+    let spec = Harness::job_spec(7, Tier(1), vec![a100()], 1);
+    assert!(h.run_as(bearer(ORG1), Command::SubmitJob(spec)).is_ok());
+    h.tick();
+    let attempt = h.job(7).attempt;
+    assert_eq!(h.job(7).placement.as_ref().map(|p| p.node), Some(NodeId(1)));
+    let finish = Command::FinishJob { job: JobId(7), attempt, success: true };
+    // Node 2's agent: the job does not exist as far as it is concerned.
+    assert_eq!(h.run_as(bearer(AGENT2), finish.clone()), Err(CommandError::UnknownJob));
+    // A tenant cannot report a finish either; node 1's agent can.
+    assert_eq!(h.run_as(bearer(ORG1), finish.clone()), Err(CommandError::Unauthorized));
+    assert!(h.run_as(bearer(AGENT1), finish).is_ok());
+    // Agents cannot settle or meter arbitrary holds, nor heartbeat another node.
+    assert_eq!(
+        h.run_as(bearer(AGENT1), Command::NodeHeartbeat { node: NodeId(2) }),
+        Err(CommandError::Unauthorized)
+    );
+    assert_eq!(
+        h.run_as(bearer(AGENT1), Command::Settle { hold: HoldId(7), attempt, reason: SettleReason::Succeeded }),
+        Err(CommandError::Unauthorized)
+    );
+}
+
+#[test]
+fn revocation_rotation_and_expiry_take_effect_at_their_log_position() {
+    let mut h = secured();
+    let admin = bearer(ADMIN_TOKEN);
+    let t = bearer(ORG1);
+    let q = Query::Budget(BudgetScope::Org(ORG));
+    assert!(h.run_as(t, Command::SetBudget { scope: BudgetScope::Org(ORG), budget: None }).is_ok());
+    // Rotation with a 1 s overlap: both work, then only the new one.
+    let new = "tok-org-1-rotated-ffffffffffffffffffff";
+    assert_eq!(
+        h.run_as(t, Command::RotateToken { principal: PrincipalId(10), digest: TokenDigest::of(new.as_bytes()), overlap_ms: 1_000 }),
+        Ok(Reply::TokenSet)
+    );
+    assert!(answer_as(&h.state, t, &q).is_ok());
+    assert!(answer_as(&h.state, bearer(new), &q).is_ok());
+    h.advance(1_000);
+    h.tick();
+    assert_eq!(answer_as(&h.state, t, &q), Err(QueryDenied::Unauthenticated));
+    assert_eq!(
+        h.run_as(t, Command::SetBudget { scope: BudgetScope::Org(ORG), budget: None }),
+        Err(CommandError::Unauthenticated)
+    );
+    // The rotated principal keeps its identity (same principal id in the audit trail).
+    assert!(h.run_as(bearer(new), Command::SetBudget { scope: BudgetScope::Org(ORG), budget: None }).is_ok());
+    assert_eq!(h.events.iter().rev().find(|e| matches!(e.body, EventBody::Command { .. })).unwrap().actor, Actor::Tenant { org: ORG, principal: PrincipalId(10) });
+    // Org 2 cannot revoke org 1's principal (answered as unknown); the admin can.
+    assert_eq!(h.run_as(bearer(ORG2), Command::RevokeToken { principal: PrincipalId(10) }), Err(CommandError::UnknownPrincipal));
+    assert_eq!(h.run_as(admin, Command::RevokeToken { principal: PrincipalId(10) }), Ok(Reply::TokenSet));
+    assert_eq!(answer_as(&h.state, bearer(new), &q), Err(QueryDenied::Unauthenticated));
+    assert_eq!(
+        h.run_as(bearer(new), Command::SetBudget { scope: BudgetScope::Org(ORG), budget: None }),
+        Err(CommandError::Unauthenticated)
+    );
+    // A principal id and a digest are never reused.
+    assert_eq!(
+        h.run_as(admin, Command::CreateToken { principal: PrincipalId(10), digest: TokenDigest::of(b"fresh-fresh-fresh-fresh-fresh"), scope: Scope::Org(ORG), expires_at_ms: None }),
+        Err(CommandError::AlreadyExists)
+    );
+    assert_eq!(
+        h.run_as(admin, Command::CreateToken { principal: PrincipalId(11), digest: TokenDigest::of(new.as_bytes()), scope: Scope::Org(ORG), expires_at_ms: None }),
+        Err(CommandError::AlreadyExists)
+    );
+    // Expiry: a token created to expire in 500 ms stops working then.
+    let exp = "tok-expiring-gggggggggggggggggggggggg";
+    let at = h.now + 500;
+    assert_eq!(
+        h.run_as(admin, Command::CreateToken { principal: PrincipalId(12), digest: TokenDigest::of(exp.as_bytes()), scope: Scope::Org(ORG), expires_at_ms: Some(at) }),
+        Ok(Reply::TokenSet)
+    );
+    assert!(answer_as(&h.state, bearer(exp), &q).is_ok());
+    h.advance(500);
+    h.tick();
+    assert_eq!(answer_as(&h.state, bearer(exp), &q), Err(QueryDenied::Unauthenticated));
+    // Bad token commands: typed errors.
+    assert_eq!(
+        h.run_as(admin, Command::CreateToken { principal: PrincipalId(13), digest: TokenDigest([0; 32]), scope: Scope::Admin, expires_at_ms: None }),
+        Err(CommandError::InvalidToken)
+    );
+    assert_eq!(
+        h.run_as(admin, Command::CreateToken { principal: PrincipalId(13), digest: TokenDigest::of(b"past-past-past-past-past-past"), scope: Scope::Admin, expires_at_ms: Some(h.now) }),
+        Err(CommandError::ExpiryInPast)
+    );
+    assert_eq!(
+        h.run_as(admin, Command::CreateToken { principal: PrincipalId(13), digest: TokenDigest::of(b"nope-org-nope-org-nope-org-no"), scope: Scope::Org(OrgId(404)), expires_at_ms: None }),
+        Err(CommandError::UnknownOrg)
+    );
+    assert_eq!(h.run_as(admin, Command::RevokeToken { principal: PrincipalId(404) }), Err(CommandError::UnknownPrincipal));
+}
+
+#[test]
+fn edge_denials_enter_the_audit_trail_only_from_the_system() {
+    let mut h = secured();
+    let denial = Denial { actor: bearer(ORG1), api: "query:totals".into(), reason: DenialReason::PermissionDenied };
+    let cmd = Command::RecordDenials { node: 2, denials: vec![denial.clone()] };
+    assert_eq!(h.run_as(bearer(ADMIN_TOKEN), cmd.clone()), Err(CommandError::Unauthorized));
+    let from = h.events.len();
+    assert_eq!(h.run_as(Actor::System, cmd), Ok(Reply::DenialsRecorded { count: 1 }));
+    assert!(h.events[from..].iter().any(|e| matches!(&e.body, EventBody::Denied { node: 2, api, .. } if api == "query:totals")));
+    let too_many = Command::RecordDenials { node: 2, denials: vec![denial; limits::DENIALS_PER_RECORD_MAX + 1] };
+    assert_eq!(h.run_as(Actor::System, too_many), Err(CommandError::LimitReached(Limit::Denials)));
+}
+
+#[test]
+fn same_log_same_security_state() {
+    let h = secured();
+    let mut again = Harness::default();
+    for e in &h.entries {
+        apply(&mut again.state, e).unwrap();
+    }
+    assert_eq!(again.state.state_hash(), h.state.state_hash());
+}
+
+fn any_command() -> impl Strategy<Value = Command> {
+    prop_oneof![
+        Just(Command::CreateOrg { org: OrgId(9) }),
+        Just(Command::Tick),
+        Just(Command::IssueGrant(Grant {
+            bucket: BucketId(900),
+            owner: Account::Org(ORG),
+            kind: BucketKind::Paid,
+            amount_micro: 5,
+            expires_at_ms: None,
+            priority: 0,
+            policy: None,
+            source_ref: None,
+        })),
+        Just(Command::CreateHold(Harness::hold_spec(901, 1))),
+        Just(Command::RevokeToken { principal: PrincipalId(1) }),
+        Just(Command::CreateToken {
+            principal: PrincipalId(902),
+            digest: TokenDigest::of(b"attacker-attacker-attacker-att"),
+            scope: Scope::Admin,
+            expires_at_ms: None
+        }),
+        Just(Command::Bootstrap { principal: PrincipalId(903), digest: TokenDigest::of(b"attacker-boot-attacker-boot-at") }),
+    ]
+}
+
+fn any_claim() -> impl Strategy<Value = Actor> {
+    prop_oneof![
+        any::<[u8; 32]>().prop_map(|d| Actor::Bearer(TokenDigest(d))),
+        any::<u64>().prop_map(|p| Actor::Admin(PrincipalId(p))),
+        (any::<u64>(), any::<u64>()).prop_map(|(o, p)| Actor::Tenant { org: OrgId(o), principal: PrincipalId(p) }),
+        any::<u64>().prop_map(|n| Actor::Agent(NodeId(n))),
+        Just(Actor::Anonymous),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// On a secured shard, random tokens and any claimed identity never authorise
+    /// anything: every command is refused and the ledger, scheduler and token table
+    /// are unchanged (the refusal itself is audited).
+    #[test]
+    fn random_credentials_never_authorise(
+        ops in proptest::collection::vec((any_claim(), any_command()), 1..12),
+        query_digest in any::<[u8; 32]>(),
+    ) {
+        let mut h = secured();
+        let before = ledger_fingerprint(&h);
+        for (actor, cmd) in ops {
+            let out = h.run_as(actor, cmd.clone());
+            let refused = matches!(
+                out,
+                Err(CommandError::Unauthenticated) | Err(CommandError::AlreadyBootstrapped)
+            );
+            prop_assert!(refused, "{actor:?} {cmd:?} -> {out:?}");
+        }
+        prop_assert_eq!(&before.0, &ledger_fingerprint(&h).0);
+        prop_assert_eq!(&before.2, &ledger_fingerprint(&h).2);
+        let q = answer_as(&h.state, Actor::Bearer(TokenDigest(query_digest)), &Query::Prices);
+        prop_assert_eq!(q, Err(QueryDenied::Unauthenticated));
+    }
+}
