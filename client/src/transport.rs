@@ -267,6 +267,10 @@ impl Client {
     pub fn anonymous(&self) -> Client {
         let mut b = self.inner.settings.clone();
         b.token = None;
+        b.shards = match self.inner.shards.load(Ordering::Relaxed) {
+            0 => b.shards,
+            n => Some(n),
+        };
         b.build().expect("settings were valid when first built")
     }
 

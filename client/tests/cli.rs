@@ -222,7 +222,7 @@ fn settings_from_the_environment(eps: &str) {
             .env("ALLOTCTL_TIMEOUT", "5s")
             .env("ALLOTCTL_RETRIES", "3")
             .env("ALLOTCTL_AS", identity)
-            .env("ALLOTCTL_TOKEN", "test-token")
+            .env_remove("ALLOTCTL_TOKEN")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -254,6 +254,26 @@ fn settings_from_the_environment(eps: &str) {
         Some(2),
         "a bad ALLOTCTL_AS is a usage error"
     );
+    // ALLOTCTL_TOKEN is sent: a token the cluster does not know is refused even in dev
+    // mode (a bearer token always overrides the claimed identity), and nothing is shown.
+    let child = Command::new(CTL)
+        .args(["balance", "--org", "1"])
+        .env("ALLOTCTL_ENDPOINTS", eps)
+        .env("ALLOTCTL_RETRIES", "1")
+        .env(
+            "ALLOTCTL_TOKEN",
+            "alt_not-a-token-of-this-cluster-000000000000",
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = wait_bounded(child, Duration::from_secs(30));
+    assert_ne!(out.status.code(), Some(0));
+    let err = String::from_utf8_lossy(&out.stderr).to_lowercase();
+    assert!(err.contains("unauthenticated"), "{err}");
+    assert!(out.stdout.is_empty());
 }
 
 fn budgets_quotas_scheduler(eps: &str) {

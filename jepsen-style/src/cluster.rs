@@ -21,7 +21,9 @@ pub struct Cluster {
     /// Base arguments of each node (routes, timings), without the clock offset.
     base_args: BTreeMap<u64, Vec<String>>,
     pub clock_offsets: BTreeMap<u64, i64>,
-    /// The node whose data dir is a small tmpfs (disk-fault nemesis), if any.
+    /// The node whose RocksDB directory is a small tmpfs (disk-fault nemesis), if any.
+    /// Only the database is on it: the node's log stays on the real disk, so a full
+    /// disk cannot hide what the node logged.
     pub disk_node: Option<u64>,
     pub tmpfs: Option<PathBuf>,
     /// Current voters (membership nemesis removes and re-adds one).
@@ -114,7 +116,7 @@ impl Cluster {
         }
         let mut tmpfs = None;
         if let Some((node, mb)) = disk_node {
-            let path = dir.join(format!("node-{node}"));
+            let path = dir.join(format!("node-{node}")).join("db");
             std::fs::create_dir_all(&path)?;
             let mounted = std::process::Command::new("mount")
                 .args(["-t", "tmpfs", "-o", &format!("size={mb}m"), "tmpfs"])
@@ -172,6 +174,19 @@ impl Cluster {
             args.push(format!("--test-clock-offset-ms={o}"));
         }
         self.lc.nodes[(id - 1) as usize].extra_args = args;
+    }
+
+    /// The size of node `id`'s log now (to read only what it logs after a point).
+    pub fn log_len(&self, id: u64) -> u64 {
+        let p = self.lc.dir.join(format!("node-{id}")).join("node.log");
+        std::fs::metadata(p).map_or(0, |m| m.len())
+    }
+
+    /// What node `id` logged after byte `from` of its log.
+    pub fn log_since(&self, id: u64, from: u64) -> String {
+        let p = self.lc.dir.join(format!("node-{id}")).join("node.log");
+        let bytes = std::fs::read(p).unwrap_or_default();
+        String::from_utf8_lossy(bytes.get(from as usize..).unwrap_or_default()).into_owned()
     }
 
     pub fn log_tail(&self, id: u64, lines: usize) -> String {

@@ -63,7 +63,8 @@ enum Active {
     Partitioned,
     Skewed(u64),
     Removed(u64),
-    DiskFault(u64, &'static str),
+    /// Node, variant, and where its log stood when the fault began.
+    DiskFault(u64, &'static str, u64),
 }
 
 /// A target: the leader of shard 0 half the time, else a random running voter.
@@ -198,13 +199,15 @@ async fn start(c: &mut Cluster, kind: Nemesis, rng: &mut Rng, h: &History) -> Op
         Nemesis::Disk => {
             // ENOSPC needs the tmpfs node (root); a failing fsync works on any node.
             let enospc = c.disk_node.is_some() && rng.chance(50);
-            let (id, variant, written) = if enospc {
+            let (id, variant, written, log_from) = if enospc {
                 let id = c.disk_node?;
-                (id, "enospc", c.fill_disk().ok())
+                let from = c.log_len(id);
+                (id, "enospc", c.fill_disk().ok(), from)
             } else {
                 let id = target(c, rng).await;
+                let from = c.log_len(id);
                 c.fail_fsync(id, true);
-                (id, "fsync-failure", None)
+                (id, "fsync-failure", None, from)
             };
             let mut exited = None;
             let started = Instant::now();
@@ -221,7 +224,7 @@ async fn start(c: &mut Cluster, kind: Nemesis, rng: &mut Rng, h: &History) -> Op
                        "after_ms": started.elapsed().as_millis() as u64}),
                 Some(id),
             );
-            Some(Active::DiskFault(id, variant))
+            Some(Active::DiskFault(id, variant, log_from))
         }
     }
 }
@@ -256,15 +259,21 @@ async fn stop(c: &mut Cluster, a: Active, h: &History) {
                 Some(id),
             );
         }
-        Active::DiskFault(id, variant) => {
+        Active::DiskFault(id, variant, log_from) => {
             c.free_disk();
             c.fail_fsync(id, false);
             let exited = c.lc.exited(id).map(|s| s.to_string());
             let kept_running = exited.is_none() && c.is_running(id);
-            let log = c.log_tail(id, 200);
-            let storage_error = log.contains("No space left")
-                || log.contains("fsync failed")
-                || log.contains("fatal storage error");
+            let log = c.log_since(id, log_from);
+            let storage_error = [
+                "No space left",
+                "fsync failed",
+                "fatal storage error",
+                "LogFlush error",
+                "StorageError",
+            ]
+            .iter()
+            .any(|m| log.contains(m));
             if kept_running {
                 // A node whose storage failed must not carry on: stop it for the restart.
                 c.kill(id);

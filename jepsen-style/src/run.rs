@@ -231,15 +231,24 @@ pub fn disk_verdict(ops: &[crate::history::Op]) -> Option<Verdict> {
     if stops.is_empty() {
         return None;
     }
-    let stayed = stops
+    // Kept running *with* a storage error in its log: it did not stop. Kept running
+    // without one: the fault never bit (RocksDB's preallocated WAL still had room, so
+    // every write succeeded) — nothing failed, so nothing had to stop. The log is on a
+    // healthy disk (only the database is on the tmpfs), so its silence is reliable.
+    let stayed = stops.iter().find(|o| {
+        o.value["kept_running"].as_bool() == Some(true)
+            && o.value["storage_error_logged"].as_bool() != Some(false)
+    });
+    let unbitten = stops
         .iter()
-        .find(|o| o.value["kept_running"].as_bool() == Some(true));
+        .filter(|o| o.value["kept_running"].as_bool() == Some(true))
+        .count();
     Some(match stayed {
         Some(o) => Verdict::fail(
             NAME,
             format!(
-                "op {}: {} fault, the node kept running (storage error logged: {})",
-                o.index, o.value["variant"], o.value["storage_error_logged"]
+                "op {}: {} fault, the node kept running after a storage error",
+                o.index, o.value["variant"]
             ),
         ),
         None => {
@@ -250,9 +259,17 @@ pub fn disk_verdict(ops: &[crate::history::Op]) -> Option<Verdict> {
             Verdict::pass(
                 NAME,
                 format!(
-                    "{} fault(s) ({}): the node exited each time",
+                    "{} fault(s) ({}): the node exited after every storage error{}",
                     stops.len(),
-                    variants.join(", ")
+                    variants.join(", "),
+                    if unbitten > 0 {
+                        format!(
+                            " ({unbitten} fault(s) did not bite within 5 s: no write failed, \
+                             the node rightly went on)"
+                        )
+                    } else {
+                        String::new()
+                    }
                 ),
             )
         }

@@ -90,7 +90,10 @@ pub fn refuse(node: &Node, shard: u32, caller: Actor, api: &str, reason: DenialR
         shard,
         Denial {
             actor: caller,
-            api: api.chars().take(allot_statemachine::limits::DENIAL_API_LEN_MAX).collect(),
+            api: api
+                .chars()
+                .take(allot_statemachine::limits::DENIAL_API_LEN_MAX)
+                .collect(),
             reason,
         },
     );
@@ -109,9 +112,7 @@ fn reason_label(r: DenialReason) -> &'static str {
 
 /// Resolves a reader against one shard's applied state.
 pub fn resolve(node: &Node, shard: u32, caller: Actor) -> Result<Actor, Refusal> {
-    let s = node
-        .shard(shard)
-        .ok_or(Refusal::UnknownToken)?;
+    let s = node.shard(shard).ok_or(Refusal::UnknownToken)?;
     let g = s.view.read();
     g.state.security.resolve(caller, g.state.time_ms)
 }
@@ -171,12 +172,17 @@ impl Denials {
         if v.len() < PENDING_PER_SHARD_MAX {
             v.push(d);
         } else {
-            tracing::warn!(shard, "denial buffer full: a denial is logged but not audited");
+            tracing::warn!(
+                shard,
+                "denial buffer full: a denial is logged but not audited"
+            );
         }
     }
 
     fn take(&self) -> Vec<(u32, Vec<Denial>)> {
-        std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner())).into_iter().collect()
+        std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()))
+            .into_iter()
+            .collect()
     }
 }
 

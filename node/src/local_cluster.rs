@@ -264,10 +264,7 @@ impl LocalCluster {
     }
 
     pub async fn status(&self, id: u64) -> anyhow::Result<StatusReply> {
-        Ok(self
-            .admin_client()?
-            .status_of(&self.node(id).addr)
-            .await?)
+        Ok(self.admin_client()?.status_of(&self.node(id).addr).await?)
     }
 
     /// Waits until every running node sees a leader for every shard, and the leader is

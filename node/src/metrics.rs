@@ -86,7 +86,10 @@ impl Metrics {
             &["shard", "kind"],
         ));
         let auth_denials = must(IntCounterVec::new(
-            Opts::new("auth_denials_total", "Calls refused at the edge by api and reason"),
+            Opts::new(
+                "auth_denials_total",
+                "Calls refused at the edge by api and reason",
+            ),
             &["api", "reason"],
         ));
         for c in [

@@ -103,11 +103,7 @@ impl Node {
             .with_context(|| format!("opening RocksDB in {}", config.data_dir.display()))?;
         check_shard_count(&db, config.shards)?;
         let clock = Arc::new(ClusterClock::new(config.clock_offset_ms));
-        let tls = config
-            .tls
-            .as_ref()
-            .map(crate::tls::Tls::load)
-            .transpose()?;
+        let tls = config.tls.as_ref().map(crate::tls::Tls::load).transpose()?;
         let channels = Arc::new(Channels::new(
             config.peer_routes.iter().cloned().collect(),
             tls.as_ref().map(|t| t.client.clone()),

@@ -223,8 +223,18 @@ impl Services {
                 query::QueryDenied::Unauthenticated => DenialReason::Unauthenticated,
                 query::QueryDenied::PermissionDenied => DenialReason::PermissionDenied,
             };
-            let who = g.state.security.resolve(caller, g.state.time_ms).unwrap_or(caller);
-            auth::refuse(&self.node, shard.id, who, &format!("query:{}", q.name()), reason)
+            let who = g
+                .state
+                .security
+                .resolve(caller, g.state.time_ms)
+                .unwrap_or(caller);
+            auth::refuse(
+                &self.node,
+                shard.id,
+                who,
+                &format!("query:{}", q.name()),
+                reason,
+            )
         })?;
         Ok(QueryReply {
             answer: codec::encode(&answer),
@@ -301,8 +311,9 @@ impl Allot for Services {
         let limit = (msg.limit as usize).clamp(1, AUDIT_PAGE_MAX);
         let keep = |ev: &allot_statemachine::AuditEvent| {
             !nothing
-                && msg.org
-                .is_none_or(|o| ev.org == Some(allot_statemachine::OrgId(o)))
+                && msg
+                    .org
+                    .is_none_or(|o| ev.org == Some(allot_statemachine::OrgId(o)))
                 && msg.project.is_none_or(|p| {
                     ev.account == Some(allot_statemachine::Account::Project(ProjectId(p)))
                 })
@@ -442,9 +453,6 @@ impl Services {
         }
     }
 }
-
-
-
 
 impl Services {
     /// Runs a membership call for `shard` on its leader when this node is not it

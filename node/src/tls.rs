@@ -37,7 +37,11 @@ impl Tls {
             read(&f.key, "key")?,
             read(&f.ca, "CA certificate")?,
         );
-        for (bytes, what) in [(&cert, "certificate"), (&key, "key"), (&ca, "CA certificate")] {
+        for (bytes, what) in [
+            (&cert, "certificate"),
+            (&key, "key"),
+            (&ca, "CA certificate"),
+        ] {
             if !bytes.starts_with(b"-----BEGIN") {
                 anyhow::bail!("the TLS {what} is not PEM");
             }

@@ -47,7 +47,13 @@ async fn tls_cluster_serves_tls_and_refuses_plaintext_and_certless_peers() {
     tls.create_project(OrgId(1), ProjectId(10)).await.unwrap();
     // Through a follower too (forwarded to the leader over a peer link).
     let leader = c.leader_of(0).await.unwrap();
-    let follower = c.nodes.iter().find(|n| n.id != leader).unwrap().addr.clone();
+    let follower = c
+        .nodes
+        .iter()
+        .find(|n| n.id != leader)
+        .unwrap()
+        .addr
+        .clone();
     let via_follower = Client::builder()
         .endpoints(vec![follower.clone()])
         .tls_ca(ca.clone())
@@ -68,11 +74,17 @@ async fn tls_cluster_serves_tls_and_refuses_plaintext_and_certless_peers() {
         .unwrap();
     let e = plain.create_org(OrgId(2)).await.unwrap_err();
     assert!(
-        matches!(e, allot_client::Error::Unavailable { .. } | allot_client::Error::Status { .. }),
+        matches!(
+            e,
+            allot_client::Error::Unavailable { .. } | allot_client::Error::Status { .. }
+        ),
         "{e:?}"
     );
     // Nothing it sent was applied.
-    assert!(tls.create_org(OrgId(2)).await.is_ok(), "org 2 did not exist yet");
+    assert!(
+        tls.create_org(OrgId(2)).await.is_ok(),
+        "org 2 did not exist yet"
+    );
 
     // A TLS caller that trusts the CA but presents no certificate is not a peer.
     let ch = Endpoint::from_shared(format!("https://{follower}"))

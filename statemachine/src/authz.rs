@@ -6,10 +6,10 @@
 
 use crate::command::{BudgetScope, Command, SettleReason};
 use crate::ids::{Account, Actor, JobId, OrgId, ProjectId};
-use crate::security::{Scope, Security};
 use crate::ledger::{unknown_account, Ledger};
 use crate::outcome::CommandError;
 use crate::scheduler::Scheduler;
+use crate::security::{Scope, Security};
 
 /// The org a command acts in, and the error to give a caller from outside it.
 fn target(
@@ -108,7 +108,12 @@ fn project_target(
     sched: &Scheduler,
     command: &Command,
 ) -> (Option<ProjectId>, CommandError) {
-    let hold_project = |id| (ledger.hold(id).map(|h| h.project), CommandError::UnknownHold);
+    let hold_project = |id| {
+        (
+            ledger.hold(id).map(|h| h.project),
+            CommandError::UnknownHold,
+        )
+    };
     match command {
         Command::CreateHold(spec) => (Some(spec.project), CommandError::UnknownProject),
         Command::SubmitJob(spec) => (Some(spec.project), CommandError::UnknownProject),
@@ -133,7 +138,11 @@ fn project_target(
 
 /// Token management by a tenant: inside its own org only; a project token only on
 /// itself (rotate or revoke its own principal).
-fn tenant_security(security: &Security, actor: Actor, command: &Command) -> Result<(), CommandError> {
+fn tenant_security(
+    security: &Security,
+    actor: Actor,
+    command: &Command,
+) -> Result<(), CommandError> {
     let (org, own) = match actor {
         Actor::Tenant { org, principal } => (org, principal),
         Actor::Project { org, principal, .. } => (org, principal),

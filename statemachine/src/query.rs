@@ -178,9 +178,10 @@ pub fn answer_as(state: &State, caller: Actor, q: &Query) -> Result<Answer, Quer
     Ok(match q {
         Query::Balance { account, .. } if !in_scope(*account) => Answer::Balance(None),
         Query::Job(id)
-            if !state.scheduler.job(*id).is_some_and(|j| {
-                j.org == org && project.is_none_or(|p| j.spec.project == p)
-            }) =>
+            if !state
+                .scheduler
+                .job(*id)
+                .is_some_and(|j| j.org == org && project.is_none_or(|p| j.spec.project == p)) =>
         {
             Answer::Job(None)
         }

@@ -7,14 +7,14 @@ use crate::authz::authorize;
 use crate::codec;
 use crate::command::{Command, Entry, Request};
 use crate::idempotency::{fingerprint, IdempotencyTable, Lookup};
+use crate::ids::Actor;
 use crate::ids::{Account, HoldId};
 use crate::ledger::{Ctx, Ledger, LedgerConfig};
 use crate::limits::{COMMANDS_PER_ENTRY_MAX, DENIALS_PER_RECORD_MAX, DENIAL_API_LEN_MAX};
-use crate::security::Scope;
 use crate::outcome::{CommandError, Limit, Outcome, Reply};
 use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::security::Scope;
 use crate::security::Security;
-use crate::ids::Actor;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -275,23 +275,29 @@ fn execute(
     effects: &mut Vec<PendingEvent>,
 ) -> Outcome {
     let mark = effects.len();
-    let result =
-        authorize(&state.ledger, &state.scheduler, &state.security, actor, command).and_then(|()| {
-            let ctx = &mut Ctx { now, effects };
-            match command {
-                Command::ConfigureScheduler(settings) => state
-                    .config
-                    .scheduler
-                    .apply_settings(settings)
-                    .map(|()| Reply::SchedulerConfigured),
-                command if command.is_scheduler() => dispatch_scheduler(state, actor, command, ctx),
-                command if command.is_security() => dispatch_security(state, command, ctx),
-                command => {
-                    reject_job_hold(&state.ledger, command)?;
-                    dispatch(&mut state.ledger, command, ctx)
-                }
+    let result = authorize(
+        &state.ledger,
+        &state.scheduler,
+        &state.security,
+        actor,
+        command,
+    )
+    .and_then(|()| {
+        let ctx = &mut Ctx { now, effects };
+        match command {
+            Command::ConfigureScheduler(settings) => state
+                .config
+                .scheduler
+                .apply_settings(settings)
+                .map(|()| Reply::SchedulerConfigured),
+            command if command.is_scheduler() => dispatch_scheduler(state, actor, command, ctx),
+            command if command.is_security() => dispatch_security(state, command, ctx),
+            command => {
+                reject_job_hold(&state.ledger, command)?;
+                dispatch(&mut state.ledger, command, ctx)
             }
-        });
+        }
+    });
     if result.is_err() {
         effects.truncate(mark);
     }
@@ -385,7 +391,12 @@ fn dispatch_security(state: &mut State, command: &Command, ctx: &mut Ctx) -> Out
     }
 }
 
-fn dispatch_scheduler(state: &mut State, actor: Actor, command: &Command, ctx: &mut Ctx) -> Outcome {
+fn dispatch_scheduler(
+    state: &mut State,
+    actor: Actor,
+    command: &Command,
+    ctx: &mut Ctx,
+) -> Outcome {
     let (sched, ledger, cfg) = (
         &mut state.scheduler,
         &mut state.ledger,
@@ -554,11 +565,7 @@ fn refs_of(state: &State, command: &Command, mut ev: PendingEvent) -> PendingEve
         | Command::RotateToken { .. }
         | Command::RevokeToken { .. }
         | Command::RecordDenials { .. } => (None, None, None),
-        Command::CreateToken { scope, .. } => (
-            scope.org(),
-            scope.org().map(Account::Org),
-            None,
-        ),
+        Command::CreateToken { scope, .. } => (scope.org(), scope.org().map(Account::Org), None),
     };
     ev.org = org;
     ev.account = account;

@@ -24,7 +24,11 @@ fn secured() -> Harness {
     h.admin = admin;
     for (principal, token, scope) in [
         (10, "tok-org-1-aaaaaaaaaaaaaaaaaaaaaaaa", Scope::Org(ORG)),
-        (20, "tok-org-2-bbbbbbbbbbbbbbbbbbbbbbbb", Scope::Org(OTHER_ORG)),
+        (
+            20,
+            "tok-org-2-bbbbbbbbbbbbbbbbbbbbbbbb",
+            Scope::Org(OTHER_ORG),
+        ),
         (
             30,
             "tok-project-11-cccccccccccccccccccc",
@@ -33,8 +37,16 @@ fn secured() -> Harness {
                 project: PROJECT,
             },
         ),
-        (41, "tok-agent-1-dddddddddddddddddddddd", Scope::Agent(NodeId(1))),
-        (42, "tok-agent-2-eeeeeeeeeeeeeeeeeeeeee", Scope::Agent(NodeId(2))),
+        (
+            41,
+            "tok-agent-1-dddddddddddddddddddddd",
+            Scope::Agent(NodeId(1)),
+        ),
+        (
+            42,
+            "tok-agent-2-eeeeeeeeeeeeeeeeeeeeee",
+            Scope::Agent(NodeId(2)),
+        ),
     ] {
         let cmd = Command::CreateToken {
             principal: PrincipalId(principal),
@@ -70,11 +82,20 @@ fn bootstrap_secures_the_shard_once_and_claims_stop_working() {
         principal: PrincipalId(1),
         digest: TokenDigest::of(t.as_bytes()),
     };
-    assert_eq!(h.run_as(Actor::Anonymous, boot(ADMIN_TOKEN)), Ok(Reply::TokenSet));
-    // Idempotent for the same token; refused for another.
-    assert_eq!(h.run_as(Actor::Anonymous, boot(ADMIN_TOKEN)), Ok(Reply::TokenSet));
     assert_eq!(
-        h.run_as(Actor::Anonymous, boot("another-token-0000000000000000000000")),
+        h.run_as(Actor::Anonymous, boot(ADMIN_TOKEN)),
+        Ok(Reply::TokenSet)
+    );
+    // Idempotent for the same token; refused for another.
+    assert_eq!(
+        h.run_as(Actor::Anonymous, boot(ADMIN_TOKEN)),
+        Ok(Reply::TokenSet)
+    );
+    assert_eq!(
+        h.run_as(
+            Actor::Anonymous,
+            boot("another-token-0000000000000000000000")
+        ),
         Err(CommandError::AlreadyBootstrapped)
     );
     // Claims are refused now, whatever they claim.
@@ -99,7 +120,13 @@ fn bootstrap_secures_the_shard_once_and_claims_stop_working() {
 #[test]
 fn an_org_token_cannot_touch_another_org_and_learns_nothing() {
     let mut h = secured();
-    h.grant(1, Account::Project(OTHER_PROJECT), BucketKind::Paid, credits(10), None);
+    h.grant(
+        1,
+        Account::Project(OTHER_PROJECT),
+        BucketKind::Paid,
+        credits(10),
+        None,
+    );
     let mut foreign = Harness::hold_spec(5, credits(1));
     foreign.project = OTHER_PROJECT;
     foreign.user = OTHER_USER;
@@ -135,13 +162,21 @@ fn an_org_token_cannot_touch_another_org_and_learns_nothing() {
         Err(CommandError::UnknownOrg)
     );
     assert_eq!(
-        h.run_as(t, Command::CreateProject { project: ProjectId(50), org: OTHER_ORG }),
+        h.run_as(
+            t,
+            Command::CreateProject {
+                project: ProjectId(50),
+                org: OTHER_ORG
+            }
+        ),
         Err(CommandError::UnknownOrg)
     );
     // Admin-only commands.
     for cmd in [
         Command::CreateOrg { org: OrgId(9) },
-        Command::SetPrices { prices: vec![(a100(), 1)] },
+        Command::SetPrices {
+            prices: vec![(a100(), 1)],
+        },
         Command::RegisterNode(NodeSpec {
             node: NodeId(9),
             gpu_type: a100(),
@@ -149,8 +184,14 @@ fn an_org_token_cannot_touch_another_org_and_learns_nothing() {
             gpu_mem_gb: 80,
             labels: vec![],
         }),
-        Command::SetNodeDraining { node: NodeId(9), draining: true },
-        Command::SetQuota { org: ORG, quota: None },
+        Command::SetNodeDraining {
+            node: NodeId(9),
+            draining: true,
+        },
+        Command::SetQuota {
+            org: ORG,
+            quota: None,
+        },
         Command::Tick,
     ] {
         assert_eq!(h.run_as(t, cmd), Err(CommandError::Unauthorized));
@@ -161,30 +202,60 @@ fn an_org_token_cannot_touch_another_org_and_learns_nothing() {
     assert_ne!(before, mid);
     for cmd in [
         Command::ReleaseHold { hold: HoldId(5) },
-        Command::Capture { hold: HoldId(5), amount_micro: 1 },
-        Command::TopUp { hold: HoldId(5), amount_micro: 1 },
+        Command::Capture {
+            hold: HoldId(5),
+            amount_micro: 1,
+        },
+        Command::TopUp {
+            hold: HoldId(5),
+            amount_micro: 1,
+        },
     ] {
         assert_eq!(h.run_as(t, cmd.clone()), Err(CommandError::UnknownHold));
     }
-    assert_eq!(h.run_as(t, Command::ReleaseHold { hold: HoldId(404) }), Err(CommandError::UnknownHold));
+    assert_eq!(
+        h.run_as(t, Command::ReleaseHold { hold: HoldId(404) }),
+        Err(CommandError::UnknownHold)
+    );
     assert_eq!(mid, ledger_fingerprint(&h), "refusals change nothing");
 }
 
 #[test]
 fn queries_are_confined_to_the_callers_org() {
     let mut h = secured();
-    h.grant(1, Account::Project(OTHER_PROJECT), BucketKind::Paid, credits(10), None);
-    h.grant(2, Account::Project(PROJECT), BucketKind::Paid, credits(10), None);
+    h.grant(
+        1,
+        Account::Project(OTHER_PROJECT),
+        BucketKind::Paid,
+        credits(10),
+        None,
+    );
+    h.grant(
+        2,
+        Account::Project(PROJECT),
+        BucketKind::Paid,
+        credits(10),
+        None,
+    );
     let s = &h.state;
     let t = bearer(ORG1);
-    let balance = |a| Query::Balance { account: a, horizon_ms: 0 };
+    let balance = |a| Query::Balance {
+        account: a,
+        horizon_ms: 0,
+    };
     // Own balance: visible. Foreign one: answered exactly like a nonexistent account.
-    assert!(matches!(answer_as(s, t, &balance(Account::Project(PROJECT))), Ok(Answer::Balance(Some(_)))));
+    assert!(matches!(
+        answer_as(s, t, &balance(Account::Project(PROJECT))),
+        Ok(Answer::Balance(Some(_)))
+    ));
     assert_eq!(
         answer_as(s, t, &balance(Account::Project(OTHER_PROJECT))),
         answer_as(s, t, &balance(Account::Project(ProjectId(999))))
     );
-    assert_eq!(answer_as(s, t, &balance(Account::Project(OTHER_PROJECT))), Ok(Answer::Balance(None)));
+    assert_eq!(
+        answer_as(s, t, &balance(Account::Project(OTHER_PROJECT))),
+        Ok(Answer::Balance(None))
+    );
     assert_eq!(
         answer_as(s, t, &Query::Budget(BudgetScope::Org(OTHER_ORG))),
         Ok(Answer::Budget(None))
@@ -193,19 +264,41 @@ fn queries_are_confined_to_the_callers_org() {
     let page = answer_as(
         s,
         t,
-        &Query::Jobs(JobFilter { org: Some(OTHER_ORG), ..Default::default() }),
+        &Query::Jobs(JobFilter {
+            org: Some(OTHER_ORG),
+            ..Default::default()
+        }),
     );
     assert!(matches!(page, Ok(Answer::Jobs(p)) if p.jobs.is_empty()));
     // Shard-wide views are admin only.
-    for q in [Query::Totals, Query::Invariants, Query::StateHash, Query::Nodes, Query::Assignments(NodeId(1))] {
-        assert_eq!(answer_as(s, t, &q), Err(QueryDenied::PermissionDenied), "{q:?}");
+    for q in [
+        Query::Totals,
+        Query::Invariants,
+        Query::StateHash,
+        Query::Nodes,
+        Query::Assignments(NodeId(1)),
+    ] {
+        assert_eq!(
+            answer_as(s, t, &q),
+            Err(QueryDenied::PermissionDenied),
+            "{q:?}"
+        );
         assert!(answer_as(s, bearer(ADMIN_TOKEN), &q).is_ok());
     }
     // A project token sees only its project.
     let p = bearer(PROJ11);
-    assert_eq!(answer_as(s, p, &balance(Account::Project(PROJECT_B))), Ok(Answer::Balance(None)));
-    assert_eq!(answer_as(s, p, &balance(Account::Org(ORG))), Ok(Answer::Balance(None)));
-    assert!(matches!(answer_as(s, p, &balance(Account::Project(PROJECT))), Ok(Answer::Balance(Some(_)))));
+    assert_eq!(
+        answer_as(s, p, &balance(Account::Project(PROJECT_B))),
+        Ok(Answer::Balance(None))
+    );
+    assert_eq!(
+        answer_as(s, p, &balance(Account::Org(ORG))),
+        Ok(Answer::Balance(None))
+    );
+    assert!(matches!(
+        answer_as(s, p, &balance(Account::Project(PROJECT))),
+        Ok(Answer::Balance(Some(_)))
+    ));
     // Agents: their own node's assignments only.
     assert!(answer_as(s, bearer(AGENT1), &Query::Assignments(NodeId(1))).is_ok());
     assert_eq!(
@@ -213,27 +306,59 @@ fn queries_are_confined_to_the_callers_org() {
         Err(QueryDenied::PermissionDenied)
     );
     // Claims and unknown tokens on a secured shard.
-    assert_eq!(answer_as(s, ADMIN, &Query::Totals), Err(QueryDenied::Unauthenticated));
-    assert_eq!(answer_as(s, bearer("nope-nope-nope-nope-nope-nope"), &Query::Prices), Err(QueryDenied::Unauthenticated));
+    assert_eq!(
+        answer_as(s, ADMIN, &Query::Totals),
+        Err(QueryDenied::Unauthenticated)
+    );
+    assert_eq!(
+        answer_as(s, bearer("nope-nope-nope-nope-nope-nope"), &Query::Prices),
+        Err(QueryDenied::Unauthenticated)
+    );
 }
 
 #[test]
 fn project_tokens_act_only_inside_their_project() {
     let mut h = secured();
-    h.grant(1, Account::Project(PROJECT), BucketKind::Paid, credits(10), None);
-    h.grant(2, Account::Project(PROJECT_B), BucketKind::Paid, credits(10), None);
+    h.grant(
+        1,
+        Account::Project(PROJECT),
+        BucketKind::Paid,
+        credits(10),
+        None,
+    );
+    h.grant(
+        2,
+        Account::Project(PROJECT_B),
+        BucketKind::Paid,
+        credits(10),
+        None,
+    );
     let p = bearer(PROJ11);
-    assert!(h.run_as(p, Command::CreateHold(Harness::hold_spec(1, credits(1)))).is_ok());
+    assert!(h
+        .run_as(p, Command::CreateHold(Harness::hold_spec(1, credits(1))))
+        .is_ok());
     let mut other = Harness::hold_spec(2, credits(1));
     other.project = PROJECT_B;
     other.user = USER_B;
-    assert_eq!(h.run_as(p, Command::CreateHold(other.clone())), Err(CommandError::UnknownProject));
+    assert_eq!(
+        h.run_as(p, Command::CreateHold(other.clone())),
+        Err(CommandError::UnknownProject)
+    );
     // The org token may; then the project token cannot release it.
     assert!(h.run_as(bearer(ORG1), Command::CreateHold(other)).is_ok());
-    assert_eq!(h.run_as(p, Command::ReleaseHold { hold: HoldId(2) }), Err(CommandError::UnknownHold));
+    assert_eq!(
+        h.run_as(p, Command::ReleaseHold { hold: HoldId(2) }),
+        Err(CommandError::UnknownHold)
+    );
     // Org-level management is not for project tokens.
     assert_eq!(
-        h.run_as(p, Command::CreateProject { project: ProjectId(60), org: ORG }),
+        h.run_as(
+            p,
+            Command::CreateProject {
+                project: ProjectId(60),
+                org: ORG
+            }
+        ),
         Err(CommandError::Unauthorized)
     );
     assert_eq!(
@@ -242,7 +367,10 @@ fn project_tokens_act_only_inside_their_project() {
             Command::CreateToken {
                 principal: PrincipalId(99),
                 digest: TokenDigest::of(b"x-x-x-x-x-x-x-x-x-x-x-x-x-x-x"),
-                scope: Scope::Project { org: ORG, project: PROJECT },
+                scope: Scope::Project {
+                    org: ORG,
+                    project: PROJECT
+                },
                 expires_at_ms: None
             }
         ),
@@ -253,7 +381,13 @@ fn project_tokens_act_only_inside_their_project() {
 #[test]
 fn an_agent_token_cannot_finish_another_nodes_job() {
     let mut h = secured();
-    h.grant(1, Account::Project(PROJECT), BucketKind::Paid, credits(1000), None);
+    h.grant(
+        1,
+        Account::Project(PROJECT),
+        BucketKind::Paid,
+        credits(1000),
+        None,
+    );
     h.fleet(&[(1, a100(), 8, 80)]);
     assert!(h
         .run_as(bearer(AGENT1), Command::NodeHeartbeat { node: NodeId(1) })
@@ -263,11 +397,21 @@ fn an_agent_token_cannot_finish_another_nodes_job() {
     h.tick();
     let attempt = h.job(7).attempt;
     assert_eq!(h.job(7).placement.as_ref().map(|p| p.node), Some(NodeId(1)));
-    let finish = Command::FinishJob { job: JobId(7), attempt, success: true };
+    let finish = Command::FinishJob {
+        job: JobId(7),
+        attempt,
+        success: true,
+    };
     // Node 2's agent: the job does not exist as far as it is concerned.
-    assert_eq!(h.run_as(bearer(AGENT2), finish.clone()), Err(CommandError::UnknownJob));
+    assert_eq!(
+        h.run_as(bearer(AGENT2), finish.clone()),
+        Err(CommandError::UnknownJob)
+    );
     // A tenant cannot report a finish either; node 1's agent can.
-    assert_eq!(h.run_as(bearer(ORG1), finish.clone()), Err(CommandError::Unauthorized));
+    assert_eq!(
+        h.run_as(bearer(ORG1), finish.clone()),
+        Err(CommandError::Unauthorized)
+    );
     assert!(h.run_as(bearer(AGENT1), finish).is_ok());
     // Agents cannot settle or meter arbitrary holds, nor heartbeat another node.
     assert_eq!(
@@ -275,7 +419,14 @@ fn an_agent_token_cannot_finish_another_nodes_job() {
         Err(CommandError::Unauthorized)
     );
     assert_eq!(
-        h.run_as(bearer(AGENT1), Command::Settle { hold: HoldId(7), attempt, reason: SettleReason::Succeeded }),
+        h.run_as(
+            bearer(AGENT1),
+            Command::Settle {
+                hold: HoldId(7),
+                attempt,
+                reason: SettleReason::Succeeded
+            }
+        ),
         Err(CommandError::Unauthorized)
     );
 }
@@ -286,80 +437,228 @@ fn revocation_rotation_and_expiry_take_effect_at_their_log_position() {
     let admin = bearer(ADMIN_TOKEN);
     let t = bearer(ORG1);
     let q = Query::Budget(BudgetScope::Org(ORG));
-    assert!(h.run_as(t, Command::SetBudget { scope: BudgetScope::Org(ORG), budget: None }).is_ok());
+    assert!(h
+        .run_as(
+            t,
+            Command::SetBudget {
+                scope: BudgetScope::Org(ORG),
+                budget: None
+            }
+        )
+        .is_ok());
     // Rotation with a 1 s overlap: both work, then only the new one.
     let new = "tok-org-1-rotated-ffffffffffffffffffff";
     assert_eq!(
-        h.run_as(t, Command::RotateToken { principal: PrincipalId(10), digest: TokenDigest::of(new.as_bytes()), overlap_ms: 1_000 }),
+        h.run_as(
+            t,
+            Command::RotateToken {
+                principal: PrincipalId(10),
+                digest: TokenDigest::of(new.as_bytes()),
+                overlap_ms: 1_000
+            }
+        ),
         Ok(Reply::TokenSet)
     );
     assert!(answer_as(&h.state, t, &q).is_ok());
     assert!(answer_as(&h.state, bearer(new), &q).is_ok());
     h.advance(1_000);
     h.tick();
-    assert_eq!(answer_as(&h.state, t, &q), Err(QueryDenied::Unauthenticated));
     assert_eq!(
-        h.run_as(t, Command::SetBudget { scope: BudgetScope::Org(ORG), budget: None }),
+        answer_as(&h.state, t, &q),
+        Err(QueryDenied::Unauthenticated)
+    );
+    assert_eq!(
+        h.run_as(
+            t,
+            Command::SetBudget {
+                scope: BudgetScope::Org(ORG),
+                budget: None
+            }
+        ),
         Err(CommandError::Unauthenticated)
     );
     // The rotated principal keeps its identity (same principal id in the audit trail).
-    assert!(h.run_as(bearer(new), Command::SetBudget { scope: BudgetScope::Org(ORG), budget: None }).is_ok());
-    assert_eq!(h.events.iter().rev().find(|e| matches!(e.body, EventBody::Command { .. })).unwrap().actor, Actor::Tenant { org: ORG, principal: PrincipalId(10) });
-    // Org 2 cannot revoke org 1's principal (answered as unknown); the admin can.
-    assert_eq!(h.run_as(bearer(ORG2), Command::RevokeToken { principal: PrincipalId(10) }), Err(CommandError::UnknownPrincipal));
-    assert_eq!(h.run_as(admin, Command::RevokeToken { principal: PrincipalId(10) }), Ok(Reply::TokenSet));
-    assert_eq!(answer_as(&h.state, bearer(new), &q), Err(QueryDenied::Unauthenticated));
+    assert!(h
+        .run_as(
+            bearer(new),
+            Command::SetBudget {
+                scope: BudgetScope::Org(ORG),
+                budget: None
+            }
+        )
+        .is_ok());
     assert_eq!(
-        h.run_as(bearer(new), Command::SetBudget { scope: BudgetScope::Org(ORG), budget: None }),
+        h.events
+            .iter()
+            .rev()
+            .find(|e| matches!(e.body, EventBody::Command { .. }))
+            .unwrap()
+            .actor,
+        Actor::Tenant {
+            org: ORG,
+            principal: PrincipalId(10)
+        }
+    );
+    // Org 2 cannot revoke org 1's principal (answered as unknown); the admin can.
+    assert_eq!(
+        h.run_as(
+            bearer(ORG2),
+            Command::RevokeToken {
+                principal: PrincipalId(10)
+            }
+        ),
+        Err(CommandError::UnknownPrincipal)
+    );
+    assert_eq!(
+        h.run_as(
+            admin,
+            Command::RevokeToken {
+                principal: PrincipalId(10)
+            }
+        ),
+        Ok(Reply::TokenSet)
+    );
+    assert_eq!(
+        answer_as(&h.state, bearer(new), &q),
+        Err(QueryDenied::Unauthenticated)
+    );
+    assert_eq!(
+        h.run_as(
+            bearer(new),
+            Command::SetBudget {
+                scope: BudgetScope::Org(ORG),
+                budget: None
+            }
+        ),
         Err(CommandError::Unauthenticated)
     );
     // A principal id and a digest are never reused.
     assert_eq!(
-        h.run_as(admin, Command::CreateToken { principal: PrincipalId(10), digest: TokenDigest::of(b"fresh-fresh-fresh-fresh-fresh"), scope: Scope::Org(ORG), expires_at_ms: None }),
+        h.run_as(
+            admin,
+            Command::CreateToken {
+                principal: PrincipalId(10),
+                digest: TokenDigest::of(b"fresh-fresh-fresh-fresh-fresh"),
+                scope: Scope::Org(ORG),
+                expires_at_ms: None
+            }
+        ),
         Err(CommandError::AlreadyExists)
     );
     assert_eq!(
-        h.run_as(admin, Command::CreateToken { principal: PrincipalId(11), digest: TokenDigest::of(new.as_bytes()), scope: Scope::Org(ORG), expires_at_ms: None }),
+        h.run_as(
+            admin,
+            Command::CreateToken {
+                principal: PrincipalId(11),
+                digest: TokenDigest::of(new.as_bytes()),
+                scope: Scope::Org(ORG),
+                expires_at_ms: None
+            }
+        ),
         Err(CommandError::AlreadyExists)
     );
     // Expiry: a token created to expire in 500 ms stops working then.
     let exp = "tok-expiring-gggggggggggggggggggggggg";
     let at = h.now + 500;
     assert_eq!(
-        h.run_as(admin, Command::CreateToken { principal: PrincipalId(12), digest: TokenDigest::of(exp.as_bytes()), scope: Scope::Org(ORG), expires_at_ms: Some(at) }),
+        h.run_as(
+            admin,
+            Command::CreateToken {
+                principal: PrincipalId(12),
+                digest: TokenDigest::of(exp.as_bytes()),
+                scope: Scope::Org(ORG),
+                expires_at_ms: Some(at)
+            }
+        ),
         Ok(Reply::TokenSet)
     );
     assert!(answer_as(&h.state, bearer(exp), &q).is_ok());
     h.advance(500);
     h.tick();
-    assert_eq!(answer_as(&h.state, bearer(exp), &q), Err(QueryDenied::Unauthenticated));
+    assert_eq!(
+        answer_as(&h.state, bearer(exp), &q),
+        Err(QueryDenied::Unauthenticated)
+    );
     // Bad token commands: typed errors.
     assert_eq!(
-        h.run_as(admin, Command::CreateToken { principal: PrincipalId(13), digest: TokenDigest([0; 32]), scope: Scope::Admin, expires_at_ms: None }),
+        h.run_as(
+            admin,
+            Command::CreateToken {
+                principal: PrincipalId(13),
+                digest: TokenDigest([0; 32]),
+                scope: Scope::Admin,
+                expires_at_ms: None
+            }
+        ),
         Err(CommandError::InvalidToken)
     );
     assert_eq!(
-        h.run_as(admin, Command::CreateToken { principal: PrincipalId(13), digest: TokenDigest::of(b"past-past-past-past-past-past"), scope: Scope::Admin, expires_at_ms: Some(h.now) }),
+        h.run_as(
+            admin,
+            Command::CreateToken {
+                principal: PrincipalId(13),
+                digest: TokenDigest::of(b"past-past-past-past-past-past"),
+                scope: Scope::Admin,
+                expires_at_ms: Some(h.now)
+            }
+        ),
         Err(CommandError::ExpiryInPast)
     );
     assert_eq!(
-        h.run_as(admin, Command::CreateToken { principal: PrincipalId(13), digest: TokenDigest::of(b"nope-org-nope-org-nope-org-no"), scope: Scope::Org(OrgId(404)), expires_at_ms: None }),
+        h.run_as(
+            admin,
+            Command::CreateToken {
+                principal: PrincipalId(13),
+                digest: TokenDigest::of(b"nope-org-nope-org-nope-org-no"),
+                scope: Scope::Org(OrgId(404)),
+                expires_at_ms: None
+            }
+        ),
         Err(CommandError::UnknownOrg)
     );
-    assert_eq!(h.run_as(admin, Command::RevokeToken { principal: PrincipalId(404) }), Err(CommandError::UnknownPrincipal));
+    assert_eq!(
+        h.run_as(
+            admin,
+            Command::RevokeToken {
+                principal: PrincipalId(404)
+            }
+        ),
+        Err(CommandError::UnknownPrincipal)
+    );
 }
 
 #[test]
 fn edge_denials_enter_the_audit_trail_only_from_the_system() {
     let mut h = secured();
-    let denial = Denial { actor: bearer(ORG1), api: "query:totals".into(), reason: DenialReason::PermissionDenied };
-    let cmd = Command::RecordDenials { node: 2, denials: vec![denial.clone()] };
-    assert_eq!(h.run_as(bearer(ADMIN_TOKEN), cmd.clone()), Err(CommandError::Unauthorized));
+    let denial = Denial {
+        actor: bearer(ORG1),
+        api: "query:totals".into(),
+        reason: DenialReason::PermissionDenied,
+    };
+    let cmd = Command::RecordDenials {
+        node: 2,
+        denials: vec![denial.clone()],
+    };
+    assert_eq!(
+        h.run_as(bearer(ADMIN_TOKEN), cmd.clone()),
+        Err(CommandError::Unauthorized)
+    );
     let from = h.events.len();
-    assert_eq!(h.run_as(Actor::System, cmd), Ok(Reply::DenialsRecorded { count: 1 }));
-    assert!(h.events[from..].iter().any(|e| matches!(&e.body, EventBody::Denied { node: 2, api, .. } if api == "query:totals")));
-    let too_many = Command::RecordDenials { node: 2, denials: vec![denial; limits::DENIALS_PER_RECORD_MAX + 1] };
-    assert_eq!(h.run_as(Actor::System, too_many), Err(CommandError::LimitReached(Limit::Denials)));
+    assert_eq!(
+        h.run_as(Actor::System, cmd),
+        Ok(Reply::DenialsRecorded { count: 1 })
+    );
+    assert!(h.events[from..].iter().any(
+        |e| matches!(&e.body, EventBody::Denied { node: 2, api, .. } if api == "query:totals")
+    ));
+    let too_many = Command::RecordDenials {
+        node: 2,
+        denials: vec![denial; limits::DENIALS_PER_RECORD_MAX + 1],
+    };
+    assert_eq!(
+        h.run_as(Actor::System, too_many),
+        Err(CommandError::LimitReached(Limit::Denials))
+    );
 }
 
 #[test]
@@ -387,14 +686,19 @@ fn any_command() -> impl Strategy<Value = Command> {
             source_ref: None,
         })),
         Just(Command::CreateHold(Harness::hold_spec(901, 1))),
-        Just(Command::RevokeToken { principal: PrincipalId(1) }),
+        Just(Command::RevokeToken {
+            principal: PrincipalId(1)
+        }),
         Just(Command::CreateToken {
             principal: PrincipalId(902),
             digest: TokenDigest::of(b"attacker-attacker-attacker-att"),
             scope: Scope::Admin,
             expires_at_ms: None
         }),
-        Just(Command::Bootstrap { principal: PrincipalId(903), digest: TokenDigest::of(b"attacker-boot-attacker-boot-at") }),
+        Just(Command::Bootstrap {
+            principal: PrincipalId(903),
+            digest: TokenDigest::of(b"attacker-boot-attacker-boot-at")
+        }),
     ]
 }
 
@@ -402,7 +706,10 @@ fn any_claim() -> impl Strategy<Value = Actor> {
     prop_oneof![
         any::<[u8; 32]>().prop_map(|d| Actor::Bearer(TokenDigest(d))),
         any::<u64>().prop_map(|p| Actor::Admin(PrincipalId(p))),
-        (any::<u64>(), any::<u64>()).prop_map(|(o, p)| Actor::Tenant { org: OrgId(o), principal: PrincipalId(p) }),
+        (any::<u64>(), any::<u64>()).prop_map(|(o, p)| Actor::Tenant {
+            org: OrgId(o),
+            principal: PrincipalId(p)
+        }),
         any::<u64>().prop_map(|n| Actor::Agent(NodeId(n))),
         Just(Actor::Anonymous),
     ]

@@ -216,7 +216,10 @@ fn actor(a: Actor) -> String {
             org,
             project,
             principal,
-        } => format!("org:{}/project:{}/principal:{}", org.0, project.0, principal.0),
+        } => format!(
+            "org:{}/project:{}/principal:{}",
+            org.0, project.0, principal.0
+        ),
         Actor::Agent(n) => format!("agent:{}", n.0),
         Actor::System => "system".into(),
         Actor::Bearer(d) => format!("unresolved-token:{d:?}"),
@@ -309,7 +312,10 @@ fn details(ev: &AuditEvent) -> String {
             caller,
             api,
             reason,
-        } => format!("{api} by {} refused at node {node}: {reason:?}", actor(*caller)),
+        } => format!(
+            "{api} by {} refused at node {node}: {reason:?}",
+            actor(*caller)
+        ),
         EventBody::BudgetAlert {
             scope,
             limit_micro,

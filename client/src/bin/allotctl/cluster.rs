@@ -127,6 +127,9 @@ async fn bootstrap(ctx: &Ctx, file: Option<&std::path::Path>) -> anyhow::Result<
         }
         None => (generate_token()?, "generated (shown once)".to_string()),
     };
+    // The shard count is known (from init); the anonymous client cannot ask for it once
+    // the cluster is secured (a re-run).
+    ctx.client.shards().await?;
     ctx.client
         .anonymous()
         .bootstrap(allot_statemachine::PrincipalId(1), &token)

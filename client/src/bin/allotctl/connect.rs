@@ -44,8 +44,8 @@ impl Ctx {
             b = b.token(t.clone());
         }
         if let Some(ca) = &g.tls_ca {
-            let pem = std::fs::read(ca)
-                .map_err(|e| usage(format!("--tls-ca {}: {e}", ca.display())))?;
+            let pem =
+                std::fs::read(ca).map_err(|e| usage(format!("--tls-ca {}: {e}", ca.display())))?;
             b = b.tls_ca(pem);
         }
         let client = b.build().map_err(|e| usage(e.to_string()))?;

@@ -120,7 +120,15 @@ mod tests {
             })
         );
         assert_eq!(token_scope("agent:2"), Ok(Scope::Agent(NodeId(2))));
-        for bad in ["", "root", "org:", "org:x", "project:7", "agent:-1", "user:1"] {
+        for bad in [
+            "",
+            "root",
+            "org:",
+            "org:x",
+            "project:7",
+            "agent:-1",
+            "user:1",
+        ] {
             assert!(token_scope(bad).is_err(), "{bad}");
         }
     }
