@@ -73,7 +73,7 @@ case "$cmd" in
     done
     first="127.0.0.1:$port"
     for _ in $(seq 1 100); do
-      if "$bin" init --endpoint "$first" "${members[@]}" >/dev/null 2>&1; then break; fi
+      if "$bin" init --insecure --endpoint "$first" "${members[@]}" >/dev/null 2>&1; then break; fi
       sleep 0.2
     done
     for ep in $(endpoints); do

@@ -38,6 +38,53 @@ pub fn check_chosen_token(token: &str) -> Result<()> {
     Ok(())
 }
 
+/// The bootstrap admin token and where it came from: read from `file` if it exists (an
+/// operator-chosen secret, checked), else generated and written there with mode 0600,
+/// else (no file) generated and to be shown once. Used by `allotctl cluster init` and
+/// `allot-node init`.
+pub fn admin_token(file: Option<&std::path::Path>) -> Result<(String, String)> {
+    let io = |p: &std::path::Path, e: std::io::Error| {
+        Error::Config(format!("admin token file {}: {e}", p.display()))
+    };
+    match file {
+        Some(p) if p.exists() => {
+            let t = std::fs::read_to_string(p)
+                .map_err(|e| io(p, e))?
+                .trim()
+                .to_string();
+            check_chosen_token(&t)?;
+            Ok((t, format!("read from {}", p.display())))
+        }
+        Some(p) => {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            let t = generate_token()?;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(p)
+                .map_err(|e| io(p, e))?;
+            writeln!(f, "{t}").map_err(|e| io(p, e))?;
+            Ok((
+                t,
+                format!("generated, written to {} (mode 0600)", p.display()),
+            ))
+        }
+        None => Ok((generate_token()?, "generated (shown once)".to_string())),
+    }
+}
+
+/// How to use a freshly installed admin token (printed by the init commands).
+pub fn admin_token_help(token: &str, source: &str) -> String {
+    format!(
+        "cluster secured with admin principal 1; admin token ({source}):\n  {token}\n\
+         use it as: export ALLOTCTL_TOKEN=<token> (or allotctl --token); gRPC clients send \
+         `authorization: Bearer <token>`; create org, project and agent tokens with \
+         `allotctl token create --scope ...`"
+    )
+}
+
 pub fn digest(token: &str) -> TokenDigest {
     TokenDigest::of(token.as_bytes())
 }
@@ -130,6 +177,24 @@ mod tests {
         assert_eq!(a.len(), TOKEN_PREFIX.len() + 43);
         check_chosen_token(&a).unwrap();
         assert_ne!(digest(&a), digest(&b));
+    }
+
+    #[test]
+    fn admin_token_files_are_created_private_or_read_back() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("allot-token-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("admin-token");
+        let _ = std::fs::remove_file(&f);
+        let (t, _) = admin_token(Some(&f)).unwrap();
+        assert_eq!(
+            std::fs::metadata(&f).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        assert_eq!(admin_token(Some(&f)).unwrap().0, t, "read back");
+        std::fs::write(&f, "too-short\n").unwrap();
+        assert!(admin_token(Some(&f)).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -389,6 +389,70 @@ async fn tenant_isolation_revocation_and_agent_scope_on_a_real_cluster() {
         }
     }
 
+    // An expired token (created to live 1 s): allotctl fails with a clear error and
+    // a non-zero exit, and what it sent is not applied.
+    let exp = json(
+        &eps,
+        &[
+            "--token",
+            &admin_token,
+            "token",
+            "create",
+            "--scope",
+            "org:1",
+            "--expires-in",
+            "1s",
+        ],
+    );
+    let exp_tok = exp["token"].as_str().unwrap().to_string();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let out = ctl(&eps, &["--token", &exp_tok, "balance", "--org", "1"]);
+        if out.code != 0 {
+            assert!(
+                out.stderr.to_lowercase().contains("unauthenticated"),
+                "{}",
+                out.stderr
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "the token never expired");
+    }
+    let out = ctl(
+        &eps,
+        &[
+            "--token",
+            &exp_tok,
+            "project",
+            "create",
+            "--org",
+            "1",
+            "--project",
+            "13",
+        ],
+    );
+    assert_ne!(out.code, 0);
+    assert!(
+        out.stderr.to_lowercase().contains("unauthenticated"),
+        "{}",
+        out.stderr
+    );
+    let b = admin
+        .query(
+            0,
+            &Query::Balance {
+                account: Account::Project(ProjectId(13)),
+                horizon_ms: 0,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        b,
+        Answer::Balance(None),
+        "nothing applied with an expired token"
+    );
+
     // Denials at the edge are in the audit trail, with the caller and no secret.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {

@@ -117,6 +117,26 @@ pub fn resolve(node: &Node, shard: u32, caller: Actor) -> Result<Actor, Refusal>
     g.state.security.resolve(caller, g.state.time_ms)
 }
 
+/// Resolves a reader against `shard`'s replica; an unknown, expired or revoked token
+/// (or none, outside dev mode) is refused as UNAUTHENTICATED and recorded.
+pub fn authenticate(node: &Node, shard: u32, caller: Actor, api: &str) -> Result<Actor, Status> {
+    match resolve(node, shard, caller) {
+        Ok(Actor::Anonymous) | Err(_) => Err(refuse(
+            node,
+            shard,
+            caller,
+            api,
+            DenialReason::Unauthenticated,
+        )),
+        Ok(actor) => Ok(actor),
+    }
+}
+
+/// An authenticated caller outside its scope: PERMISSION_DENIED, recorded.
+pub fn forbidden(node: &Node, shard: u32, actor: Actor, api: &str) -> Status {
+    refuse(node, shard, actor, api, DenialReason::PermissionDenied)
+}
+
 /// Admin calls: an admin token, or in dev mode on an unsecured cluster anyone.
 /// `before_bootstrap`: also anyone while shard 0 is unsecured (cluster init and the
 /// status calls that wait for leaders happen before the admin token is installed).
@@ -238,5 +258,123 @@ pub async fn report(
             Ok(())
         }
         Err(e) => anyhow::bail!("{e:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use allot_statemachine::{apply, Entry, State};
+
+    const TOKEN: &str = "alt_the-one-real-token-of-this-test-0000000000";
+
+    fn secured() -> State {
+        let mut s = State::default();
+        let boot = Request {
+            actor: Actor::Anonymous,
+            request_id: 1,
+            command: Command::Bootstrap {
+                principal: PrincipalId(1),
+                digest: TokenDigest::of(TOKEN.as_bytes()),
+            },
+        };
+        let out = apply(
+            &mut s,
+            &Entry {
+                log_index: 1,
+                logical_time_ms: 1_000,
+                requests: vec![boot],
+            },
+        )
+        .unwrap();
+        assert!(out.outcomes[0].is_ok());
+        s
+    }
+
+    fn meta_with(v: &str) -> Option<MetadataMap> {
+        let mut m = MetadataMap::new();
+        m.insert("authorization", v.parse().ok()?);
+        Some(m)
+    }
+
+    /// Random `authorization` metadata (printable and not, with and without the
+    /// `Bearer ` prefix, near-misses of the real token) never panics and never
+    /// resolves to anyone on a secured shard; only the exact token does.
+    #[test]
+    fn random_metadata_never_authorises() {
+        let s = secured();
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let mut parsed = 0;
+        for i in 0..20_000 {
+            let len = (next() % 90) as usize;
+            let graphic = i % 4 != 3;
+            let mut v: String = (0..len)
+                .map(|_| {
+                    let r = next();
+                    char::from(if graphic {
+                        0x21 + (r % 0x5e) as u8
+                    } else {
+                        (r % 0x7f) as u8
+                    })
+                })
+                .collect();
+            match i % 4 {
+                0 => v = format!("Bearer {v}"),
+                1 => {
+                    // A near miss: the real token with one character changed or cut.
+                    let mut t: Vec<u8> = TOKEN.bytes().collect();
+                    let at = (next() as usize) % t.len();
+                    if next() % 2 == 0 {
+                        t[at] = b'A' + (next() % 26) as u8;
+                        if t == TOKEN.as_bytes() {
+                            t[at] = b'0';
+                        }
+                    } else {
+                        t.truncate(at);
+                    }
+                    v = format!("Bearer {}", String::from_utf8(t).unwrap());
+                }
+                _ => {}
+            }
+            let Some(meta) = meta_with(&v) else { continue };
+            if let Ok(Some(d)) = bearer(&meta) {
+                parsed += 1;
+                assert!(
+                    s.security.resolve(Actor::Bearer(d), s.time_ms).is_err(),
+                    "{v:?} authorised"
+                );
+            }
+        }
+        assert!(
+            parsed > 2_000,
+            "the generator reached the resolver ({parsed})"
+        );
+        let d = bearer(&meta_with(&format!("Bearer {TOKEN}")).unwrap())
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            s.security.resolve(Actor::Bearer(d), s.time_ms),
+            Ok(Actor::Admin(PrincipalId(1)))
+        );
+        // Missing and malformed headers.
+        assert_eq!(bearer(&MetadataMap::new()).unwrap(), None);
+        for bad in [
+            "Basic abc",
+            "Bearer",
+            "Bearer short",
+            "token-without-scheme-000000000",
+        ] {
+            assert_eq!(
+                bearer(&meta_with(bad).unwrap()).unwrap_err().code(),
+                tonic::Code::Unauthenticated,
+                "{bad}"
+            );
+        }
     }
 }

@@ -30,8 +30,10 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Runs a node.
-    Run(RunArgs),
-    /// Initialises every shard of a new cluster through one of its nodes.
+    Run(Box<RunArgs>),
+    /// Initialises every shard of a new cluster through one of its nodes, then secures
+    /// it with an admin token (created, or read from --admin-token-file) and prints how
+    /// to use it.
     Init {
         /// gRPC endpoint of a node to initialise through (host:port).
         #[arg(long, env = "ALLOT_ENDPOINT")]
@@ -39,6 +41,14 @@ enum Cmd {
         /// Voters: `id=host:port`, repeated (must include the endpoint's node).
         #[arg(long = "member", required = true)]
         members: Vec<String>,
+        /// The admin token: read from this file if it exists (at least 32 characters),
+        /// else generated and written there (mode 0600). Without it, one is generated
+        /// and printed.
+        #[arg(long, env = "ALLOT_ADMIN_TOKEN_FILE", conflicts_with = "insecure")]
+        admin_token_file: Option<PathBuf>,
+        /// Leave the cluster unsecured (nodes in --insecure-dev-mode; development only).
+        #[arg(long)]
+        insecure: bool,
     },
     /// Prints the Raft status of every shard of a node (one line per shard).
     Status {
@@ -47,6 +57,9 @@ enum Cmd {
         /// Exit non-zero unless every shard has a leader.
         #[arg(long)]
         require_leaders: bool,
+        /// API token (any valid token may read the status of a secured cluster).
+        #[arg(long, env = "ALLOT_TOKEN", hide_env_values = true)]
+        token: Option<String>,
     },
     /// Writes a development CA and a node certificate (server and client use) for
     /// local TLS clusters and tests: ca.pem, ca-key.pem, node.pem, node-key.pem.
@@ -174,12 +187,18 @@ fn main() -> anyhow::Result<()> {
         .context("starting the tokio runtime")?;
     rt.block_on(async move {
         match cli.cmd {
-            Cmd::Run(a) => run(a).await,
-            Cmd::Init { endpoint, members } => init(endpoint, members).await,
+            Cmd::Run(a) => run(*a).await,
+            Cmd::Init {
+                endpoint,
+                members,
+                admin_token_file,
+                insecure,
+            } => init(endpoint, members, admin_token_file, insecure).await,
             Cmd::Status {
                 endpoint,
                 require_leaders,
-            } => status(endpoint, require_leaders).await,
+                token,
+            } => status(endpoint, require_leaders, token).await,
             Cmd::DevCerts { out, hosts } => {
                 allot_node::tls::write_dev_certs(&out, &hosts)?;
                 println!(
@@ -326,7 +345,12 @@ async fn admin(endpoint: &str) -> anyhow::Result<AdminClient<tonic::transport::C
     Ok(AdminClient::new(ch))
 }
 
-async fn init(endpoint: String, members: Vec<String>) -> anyhow::Result<()> {
+async fn init(
+    endpoint: String,
+    members: Vec<String>,
+    admin_token_file: Option<PathBuf>,
+    insecure: bool,
+) -> anyhow::Result<()> {
     let mut ms = Vec::new();
     for m in members {
         let Some((id, addr)) = m.split_once('=') else {
@@ -345,13 +369,40 @@ async fn init(endpoint: String, members: Vec<String>) -> anyhow::Result<()> {
         .len() as u32;
     allot_node::local_cluster::init_spread(&ms, shards).await?;
     println!("initialised {shards} shards over {} members", ms.len());
+    if insecure {
+        eprintln!("WARNING: cluster left unsecured (--insecure): development only");
+        return Ok(());
+    }
+    let (token, source) = allot_client::security::admin_token(admin_token_file.as_deref())?;
+    allot_client::Client::builder()
+        .endpoints(ms.iter().map(|(_, a)| a.clone()))
+        .shards(shards)
+        .timeout(Duration::from_secs(30))
+        .retries(u32::MAX)
+        .build()?
+        .bootstrap(allot_statemachine::PrincipalId(1), &token)
+        .await
+        .context("installing the admin token (bootstrap)")?;
+    println!(
+        "{}",
+        allot_client::security::admin_token_help(&token, &source)
+    );
     Ok(())
 }
 
-async fn status(endpoint: String, require_leaders: bool) -> anyhow::Result<()> {
+async fn status(
+    endpoint: String,
+    require_leaders: bool,
+    token: Option<String>,
+) -> anyhow::Result<()> {
+    let mut req = tonic::Request::new(StatusRequest {});
+    if let Some(t) = token {
+        req.metadata_mut()
+            .insert("authorization", format!("Bearer {t}").parse()?);
+    }
     let r = admin(&endpoint)
         .await?
-        .status(StatusRequest {})
+        .status(req)
         .await
         .map_err(|s| anyhow::anyhow!("status: {}", s.message()))?
         .into_inner();

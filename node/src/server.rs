@@ -275,29 +275,13 @@ impl Allot for Services {
         let shard = shard_of(&self.node, msg.shard)?;
         // A tenant reads only its own org's events (a project token its project's);
         // filters naming another org or project match nothing, like unknown ids.
-        let (org_only, project_only) = match auth::resolve(&self.node, shard.id, caller) {
-            Ok(Actor::Admin(_)) => (None, None),
-            Ok(Actor::Tenant { org, .. }) => (Some(org.0), None),
-            Ok(Actor::Project { org, project, .. }) => (Some(org.0), Some(project.0)),
-            Ok(other) => {
-                return Err(auth::refuse(
-                    &self.node,
-                    shard.id,
-                    other,
-                    "audit",
-                    DenialReason::PermissionDenied,
-                ))
-            }
-            Err(_) => {
-                return Err(auth::refuse(
-                    &self.node,
-                    shard.id,
-                    caller,
-                    "audit",
-                    DenialReason::Unauthenticated,
-                ))
-            }
-        };
+        let (org_only, project_only) =
+            match auth::authenticate(&self.node, shard.id, caller, "audit")? {
+                Actor::Admin(_) => (None, None),
+                Actor::Tenant { org, .. } => (Some(org.0), None),
+                Actor::Project { org, project, .. } => (Some(org.0), Some(project.0)),
+                other => return Err(auth::forbidden(&self.node, shard.id, other, "audit")),
+            };
         let mut nothing = false;
         if let Some(o) = org_only {
             nothing |= msg.org.is_some_and(|m| m != o);
@@ -359,25 +343,15 @@ impl Agent for Services {
             .parse()
             .map_err(|_| Status::invalid_argument("node_id must be a number"))?;
         // Only the node's own agent (or an admin) may watch its assignments.
-        match auth::resolve(&self.node, shard.id, caller) {
-            Ok(Actor::Admin(_)) => {}
-            Ok(Actor::Agent(n)) if n.0 == node_id => {}
-            Ok(other) => {
-                return Err(auth::refuse(
+        match auth::authenticate(&self.node, shard.id, caller, "watch_assignments")? {
+            Actor::Admin(_) => {}
+            Actor::Agent(n) if n.0 == node_id => {}
+            other => {
+                return Err(auth::forbidden(
                     &self.node,
                     shard.id,
                     other,
                     "watch_assignments",
-                    DenialReason::PermissionDenied,
-                ))
-            }
-            Err(_) => {
-                return Err(auth::refuse(
-                    &self.node,
-                    shard.id,
-                    caller,
-                    "watch_assignments",
-                    DenialReason::Unauthenticated,
                 ))
             }
         }

@@ -9,26 +9,14 @@
 
 use super::*;
 use crate::history::{pairs, Op};
-use allot_statemachine::testkit::{world_commands, PROJECT, PROJECT_B, USER};
-use allot_statemachine::{Account, BucketId, BucketKind, EventBody, Grant, HoldId, HoldSpec, Tier};
+use allot_statemachine::testkit::{PROJECT, PROJECT_B, USER};
+use allot_statemachine::{Account, EventBody, HoldId, HoldSpec, Tier};
 use std::collections::BTreeMap;
 
 const STREAM_BASE: u64 = 1000;
 
 pub async fn setup(client: &Client) -> anyhow::Result<()> {
-    let mut cmds = world_commands();
-    for (i, p) in [PROJECT, PROJECT_B].iter().enumerate() {
-        cmds.push(Command::IssueGrant(Grant {
-            bucket: BucketId(i as u64 + 1),
-            owner: Account::Project(*p),
-            kind: BucketKind::Paid,
-            amount_micro: 1_000_000_000_000,
-            expires_at_ms: None,
-            priority: 100,
-            policy: None,
-            source_ref: None,
-        }));
-    }
+    let cmds = funded_world();
     super::setup(client, cmds).await
 }
 

@@ -204,6 +204,27 @@ pub async fn read_op(
     }
 }
 
+/// The standard world with a large paid grant on projects 11 and 12 (the idempotency
+/// and scheduler workloads' starting point).
+pub fn funded_world() -> Vec<Command> {
+    use allot_statemachine::testkit::{world_commands, PROJECT, PROJECT_B};
+    use allot_statemachine::{Account, BucketId, BucketKind, Grant};
+    let mut cmds = world_commands();
+    for (i, p) in [PROJECT, PROJECT_B].iter().enumerate() {
+        cmds.push(Command::IssueGrant(Grant {
+            bucket: BucketId(i as u64 + 1),
+            owner: Account::Project(*p),
+            kind: BucketKind::Paid,
+            amount_micro: 1_000_000_000_000,
+            expires_at_ms: None,
+            priority: 100,
+            policy: None,
+            source_ref: None,
+        }));
+    }
+    cmds
+}
+
 /// Runs the set-up commands (alone, no faults), failing on any refusal.
 pub async fn setup(client: &Client, commands: Vec<Command>) -> anyhow::Result<()> {
     let reqs: Vec<Request> = commands

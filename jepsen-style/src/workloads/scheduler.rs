@@ -10,29 +10,14 @@
 use super::*;
 use crate::history::{pairs, Op};
 use allot_statemachine::query::JobFilter;
-use allot_statemachine::testkit::{a100, world_commands, PROJECT, PROJECT_B, USER, USER_B};
-use allot_statemachine::{
-    Account, BucketId, BucketKind, EventBody, Grant, JobHeartbeat, JobId, JobSpec, NodeId,
-    NodeSpec, Tier,
-};
+use allot_statemachine::testkit::{a100, PROJECT, PROJECT_B, USER, USER_B};
+use allot_statemachine::{EventBody, JobHeartbeat, JobId, JobSpec, NodeId, NodeSpec, Tier};
 use std::collections::{BTreeMap, HashMap};
 
 pub const GPU_NODES: [u64; 2] = [1, 2];
 
 pub async fn setup(client: &Client) -> anyhow::Result<()> {
-    let mut cmds = world_commands();
-    for (i, p) in [PROJECT, PROJECT_B].iter().enumerate() {
-        cmds.push(Command::IssueGrant(Grant {
-            bucket: BucketId(i as u64 + 1),
-            owner: Account::Project(*p),
-            kind: BucketKind::Paid,
-            amount_micro: 1_000_000_000_000,
-            expires_at_ms: None,
-            priority: 100,
-            policy: None,
-            source_ref: None,
-        }));
-    }
+    let mut cmds = funded_world();
     for n in GPU_NODES {
         cmds.push(Command::RegisterNode(NodeSpec {
             node: NodeId(n),

@@ -110,23 +110,8 @@ async fn init(ctx: &Ctx, a: InitArgs) -> anyhow::Result<()> {
 
 /// Installs the admin token on every shard, from a client without a token.
 async fn bootstrap(ctx: &Ctx, file: Option<&std::path::Path>) -> anyhow::Result<BootstrapToken> {
-    use allot_client::security::{check_chosen_token, generate_token};
-    let (token, source) = match file {
-        Some(p) if p.exists() => {
-            let t = std::fs::read_to_string(p)
-                .map_err(|e| usage(format!("--admin-token-file {}: {e}", p.display())))?
-                .trim()
-                .to_string();
-            check_chosen_token(&t).map_err(|e| usage(e.to_string()))?;
-            (t, format!("read from {}", p.display()))
-        }
-        Some(p) => {
-            let t = generate_token()?;
-            write_secret(p, &t)?;
-            (t, format!("generated, written to {}", p.display()))
-        }
-        None => (generate_token()?, "generated (shown once)".to_string()),
-    };
+    let (token, source) =
+        allot_client::security::admin_token(file).map_err(|e| usage(e.to_string()))?;
     // The shard count is known (from init); the anonymous client cannot ask for it once
     // the cluster is secured (a re-run).
     ctx.client.shards().await?;
@@ -140,19 +125,6 @@ async fn bootstrap(ctx: &Ctx, file: Option<&std::path::Path>) -> anyhow::Result<
 struct BootstrapToken {
     token: String,
     source: String,
-}
-
-fn write_secret(p: &std::path::Path, token: &str) -> anyhow::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(p)
-        .map_err(|e| usage(format!("--admin-token-file {}: {e}", p.display())))?;
-    writeln!(f, "{token}")?;
-    Ok(())
 }
 
 /// Every member's reported shard count, retried while nodes start; they must agree
@@ -236,10 +208,8 @@ fn print_init(
     if let Some(t) = &token {
         // To stderr, so `-o json` stays one document (the token is in it too).
         eprintln!(
-            "cluster secured with admin principal 1; admin token ({}):\n  {}\n\
-             use it as: export ALLOTCTL_TOKEN=<token>  (or --token; gRPC clients send \
-             `authorization: Bearer <token>`)",
-            t.source, t.token
+            "{}",
+            allot_client::security::admin_token_help(&t.token, &t.source)
         );
     }
     let mut t = Table::new(&["SHARD", "INITIALISED THROUGH", "LEADER"]);
