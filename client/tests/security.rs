@@ -389,6 +389,47 @@ async fn tenant_isolation_revocation_and_agent_scope_on_a_real_cluster() {
         }
     }
 
+    // Rotation through the CLI (no overlap): the new token works at once, the old one
+    // is refused at once, and the principal (its identity) is the same.
+    let r = json(
+        &eps,
+        &[
+            "--token",
+            &admin_token,
+            "token",
+            "create",
+            "--scope",
+            "org:1",
+        ],
+    );
+    let (r_id, old_tok) = (
+        r["principal"].as_u64().unwrap(),
+        r["token"].as_str().unwrap().to_string(),
+    );
+    let rot = json(
+        &eps,
+        &[
+            "--token",
+            &admin_token,
+            "token",
+            "rotate",
+            "--principal",
+            &r_id.to_string(),
+        ],
+    );
+    assert_eq!(rot["principal"].as_u64(), Some(r_id));
+    let new_tok = rot["token"].as_str().unwrap().to_string();
+    assert_ne!(new_tok, old_tok);
+    let e = client(c.endpoints(), Some(&old_tok))
+        .balance(OrgId(1), Account::Project(ProjectId(10)), 0)
+        .await
+        .unwrap_err();
+    assert!(is_unauthenticated(&e), "{e:?}");
+    assert!(client(c.endpoints(), Some(&new_tok))
+        .balance(OrgId(1), Account::Project(ProjectId(10)), 0)
+        .await
+        .is_ok());
+
     // An expired token (created to live 1 s): allotctl fails with a clear error and
     // a non-zero exit, and what it sent is not applied.
     let exp = json(

@@ -106,6 +106,8 @@ impl Cluster {
             args.extend(extra_args.iter().cloned());
             args.push("--test-fsync-fail-file".into());
             args.push(fsync_fail_file(&dir, i).display().to_string());
+            args.push("--test-clock-offset-file".into());
+            args.push(clock_offset_file(&dir, i).display().to_string());
             for j in 1..=n {
                 if i != j {
                     args.push("--peer-route".into());
@@ -371,6 +373,24 @@ impl Cluster {
         Ok(written)
     }
 
+    /// The file node `id` reads its run-time clock offset from.
+    pub fn clock_file(&self, id: u64) -> PathBuf {
+        clock_offset_file(self.lc.dir.as_path(), id)
+    }
+
+    /// Sets (`Some`) or clears node `id`'s run-time clock offset (no restart).
+    pub fn write_clock(&self, id: u64, offset_ms: Option<i64>) {
+        let f = self.clock_file(id);
+        match offset_ms {
+            Some(o) => {
+                let _ = std::fs::write(&f, format!("{o}\n"));
+            }
+            None => {
+                let _ = std::fs::remove_file(&f);
+            }
+        }
+    }
+
     /// Makes node `id`'s WAL fsyncs fail (`on`) or succeed again.
     pub fn fail_fsync(&self, id: u64, on: bool) {
         let f = fsync_fail_file(self.lc.dir.as_path(), id);
@@ -473,6 +493,9 @@ impl Cluster {
                 }
             }
         }
+        for id in 1..=self.n {
+            self.write_clock(id, None);
+        }
         let skewed: Vec<u64> = self.clock_offsets.keys().copied().collect();
         for id in skewed {
             if let Err(e) = self.set_clock(id, 0) {
@@ -519,4 +542,9 @@ mod tonic_channel {
 /// full disk cannot stop the harness from creating or removing it).
 fn fsync_fail_file(dir: &std::path::Path, id: u64) -> PathBuf {
     dir.join(format!("node-{id}.fail-fsync"))
+}
+
+/// The file holding node `id`'s run-time clock offset (`--test-clock-offset-file`).
+fn clock_offset_file(dir: &std::path::Path, id: u64) -> PathBuf {
+    dir.join(format!("node-{id}.clock-offset"))
 }

@@ -62,6 +62,13 @@ enum Active {
     Paused(u64),
     Partitioned,
     Skewed(u64),
+    /// A running node's clock offset changed once (file), or flipping (task).
+    Bumped(u64),
+    Strobing(
+        u64,
+        Arc<std::sync::atomic::AtomicBool>,
+        tokio::task::JoinHandle<()>,
+    ),
     Removed(u64),
     /// Node, variant, and where its log stood when the fault began.
     DiskFault(u64, &'static str, u64),
@@ -164,13 +171,51 @@ async fn start(c: &mut Cluster, kind: Nemesis, rng: &mut Rng, h: &History) -> Op
             let id = target(c, rng).await;
             let mag = rng.range(2_000, 30_000) as i64;
             let offset = if rng.chance(50) { mag } else { -mag };
-            let r = c.set_clock(id, offset);
-            h.nemesis(
-                "start-clock",
-                json!({"offset_ms": offset, "restart": r.is_ok()}),
-                Some(id),
-            );
-            Some(Active::Skewed(id))
+            match rng.below(3) {
+                // A restart with a skewed clock.
+                0 => {
+                    let r = c.set_clock(id, offset);
+                    h.nemesis(
+                        "start-clock",
+                        json!({"variant": "restart", "offset_ms": offset, "restart": r.is_ok()}),
+                        Some(id),
+                    );
+                    Some(Active::Skewed(id))
+                }
+                // A bump: the running node's clock jumps.
+                1 => {
+                    c.write_clock(id, Some(offset));
+                    h.nemesis(
+                        "start-clock",
+                        json!({"variant": "bump", "offset_ms": offset}),
+                        Some(id),
+                    );
+                    Some(Active::Bumped(id))
+                }
+                // A strobe: the running node's clock flips between +mag and -mag every
+                // 50-250 ms until the fault ends.
+                _ => {
+                    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                    let file = c.clock_file(id);
+                    let period = Duration::from_millis(rng.range(50, 250));
+                    let flag = stop.clone();
+                    let task = tokio::spawn(async move {
+                        let mut sign = 1;
+                        while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                            let _ = std::fs::write(&file, format!("{}\n", sign * mag));
+                            sign = -sign;
+                            tokio::time::sleep(period).await;
+                        }
+                    });
+                    h.nemesis(
+                        "start-clock",
+                        json!({"variant": "strobe", "offset_ms": [mag, -mag],
+                               "period_ms": period.as_millis() as u64}),
+                        Some(id),
+                    );
+                    Some(Active::Strobing(id, stop, task))
+                }
+            }
         }
         Nemesis::Membership => {
             if c.voters.len() < 3 {
@@ -247,7 +292,25 @@ async fn stop(c: &mut Cluster, a: Active, h: &History) {
             let r = c.set_clock(id, 0);
             h.nemesis(
                 "stop-clock",
-                json!({"offset_ms": 0, "restart": r.is_ok()}),
+                json!({"variant": "restart", "offset_ms": 0, "restart": r.is_ok()}),
+                Some(id),
+            );
+        }
+        Active::Bumped(id) => {
+            c.write_clock(id, None);
+            h.nemesis(
+                "stop-clock",
+                json!({"variant": "bump", "offset_ms": 0}),
+                Some(id),
+            );
+        }
+        Active::Strobing(id, stop, task) => {
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            let _ = task.await;
+            c.write_clock(id, None);
+            h.nemesis(
+                "stop-clock",
+                json!({"variant": "strobe", "offset_ms": 0}),
                 Some(id),
             );
         }

@@ -57,8 +57,15 @@ pub fn caller(node: &Node, bearer: Option<TokenDigest>) -> Actor {
     }
 }
 
-/// Sets the actor a request is proposed with (see the module doc).
-pub fn stamp(node: &Node, bearer: Option<TokenDigest>, r: &mut Request) -> Result<(), Status> {
+/// Sets the actor a request for `shard` is proposed with (see the module doc). A
+/// request refused here (no token outside dev mode, or a claim no client may make) is
+/// recorded like every other edge denial.
+pub fn stamp(
+    node: &Node,
+    shard: u32,
+    bearer: Option<TokenDigest>,
+    r: &mut Request,
+) -> Result<(), Status> {
     if let Some(d) = bearer {
         r.actor = Actor::Bearer(d);
         return Ok(());
@@ -68,14 +75,18 @@ pub fn stamp(node: &Node, bearer: Option<TokenDigest>, r: &mut Request) -> Resul
         return Ok(());
     }
     match r.actor {
-        Actor::System | Actor::Bearer(_) | Actor::Anonymous => {
-            Err(Status::unauthenticated("unauthenticated"))
-        }
-        _ if node.config.insecure_dev_mode => Ok(()),
-        _ => Err(Status::unauthenticated(
-            "unauthenticated: send authorization: Bearer <token>",
-        )),
+        Actor::System | Actor::Bearer(_) | Actor::Anonymous => {}
+        _ if node.config.insecure_dev_mode => return Ok(()),
+        _ => {}
     }
+    let api = format!("execute:{}", r.command.name());
+    Err(refuse(
+        node,
+        shard,
+        Actor::Anonymous,
+        &api,
+        DenialReason::Unauthenticated,
+    ))
 }
 
 /// The status for a refused read; the reason is logged (never the token) and queued

@@ -22,6 +22,7 @@
 
 use crate::types::NodeId;
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -30,8 +31,9 @@ pub const SAMPLE_FRESH: Duration = Duration::from_secs(5);
 
 /// The node's wall clock (with a test-only offset) and its view of its peers' clocks.
 pub struct ClusterClock {
-    /// Added to the system clock: tests simulate skewed machines with it.
-    offset_ms: i64,
+    /// Added to the system clock: tests simulate skewed machines with it (and change it
+    /// at run time to simulate clock bumps and strobes).
+    offset_ms: AtomicI64,
     samples: Mutex<BTreeMap<NodeId, Sample>>,
     start: Instant,
 }
@@ -46,7 +48,7 @@ struct Sample {
 impl ClusterClock {
     pub fn new(offset_ms: i64) -> ClusterClock {
         ClusterClock {
-            offset_ms,
+            offset_ms: AtomicI64::new(offset_ms),
             samples: Mutex::new(BTreeMap::new()),
             start: Instant::now(),
         }
@@ -58,7 +60,12 @@ impl ClusterClock {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as i64)
             .unwrap_or(0);
-        (sys + self.offset_ms).max(0) as u64
+        (sys + self.offset_ms.load(Ordering::Relaxed)).max(0) as u64
+    }
+
+    /// Test only: changes the wall-clock offset at run time (`--test-clock-offset-file`).
+    pub fn set_offset_ms(&self, offset_ms: i64) {
+        self.offset_ms.store(offset_ms, Ordering::Relaxed);
     }
 
     /// Milliseconds of the monotonic clock since the node started.

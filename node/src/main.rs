@@ -141,6 +141,10 @@ struct RunArgs {
         allow_hyphen_values = true
     )]
     test_clock_offset_ms: i64,
+    /// TEST ONLY: a file holding a clock offset (ms) that replaces --test-clock-offset-ms
+    /// while it exists; re-read every 50 ms (clock bumps and strobes without a restart).
+    #[arg(long, env = "ALLOT_TEST_CLOCK_OFFSET_FILE", hide = true)]
+    test_clock_offset_file: Option<PathBuf>,
     /// Dial the peer advertised at ADDR at VIA instead (`ADDR=VIA`, repeatable; the
     /// environment variable takes a comma-separated list). For fault-injection proxies.
     #[arg(long = "peer-route", env = "ALLOT_PEER_ROUTE", value_delimiter = ',')]
@@ -288,6 +292,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
             ..ProposerConfig::default()
         },
         clock_offset_ms: a.test_clock_offset_ms,
+        test_clock_offset_file: a.test_clock_offset_file.clone(),
         peer_routes,
         insecure_dev_mode: a.insecure_dev_mode,
         test_fsync_fail_file: a.test_fsync_fail_file.clone(),

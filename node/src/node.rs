@@ -50,6 +50,9 @@ pub struct NodeConfig {
     pub proposer: ProposerConfig,
     /// Test-only skew of this node's wall clock, ms.
     pub clock_offset_ms: i64,
+    /// Test only: a file holding a clock offset in ms, re-read every 50 ms (clock bumps
+    /// and strobes without a restart); absent or unreadable = `clock_offset_ms`.
+    pub test_clock_offset_file: Option<PathBuf>,
     /// Peer routes: dial the peer advertised at the key at the value instead
     /// (`--peer-route`; used by the fault-injection harness's per-link proxies).
     pub peer_routes: Vec<(String, String)>,
@@ -178,6 +181,9 @@ impl Node {
         });
         tokio::spawn(sample_clocks(Arc::downgrade(&node)));
         tokio::spawn(crate::auth::flush_denials(Arc::downgrade(&node)));
+        if let Some(f) = node.config.test_clock_offset_file.clone() {
+            tokio::spawn(follow_clock_offset(Arc::downgrade(&node), f));
+        }
         Ok(node)
     }
 
@@ -248,6 +254,27 @@ fn check_shard_count(db: &rocksdb::DB, shards: u32) -> anyhow::Result<()> {
         None => db.put_cf(meta, &key, shards.to_be_bytes())?,
     }
     Ok(())
+}
+
+/// Test only: applies the clock offset written in `file` (ms), every 50 ms.
+async fn follow_clock_offset(node: std::sync::Weak<Node>, file: PathBuf) {
+    let mut every = tokio::time::interval(Duration::from_millis(50));
+    let mut last = None;
+    loop {
+        every.tick().await;
+        let Some(node) = node.upgrade() else { return };
+        let offset = std::fs::read_to_string(&file)
+            .ok()
+            .and_then(|t| t.trim().parse::<i64>().ok())
+            .unwrap_or(node.config.clock_offset_ms);
+        if last != Some(offset) {
+            if last.is_some() {
+                tracing::warn!(offset_ms = offset, "TEST CLOCK OFFSET changed at run time");
+            }
+            node.clock.set_offset_ms(offset);
+            last = Some(offset);
+        }
+    }
 }
 
 /// Samples every peer's wall clock twice a second (see [`crate::clock`]).

@@ -164,7 +164,7 @@ impl Services {
         for (i, b) in msg.requests.iter().enumerate() {
             let mut r: Request = codec::decode(b)
                 .map_err(|e| Status::invalid_argument(format!("request {i}: {e}")))?;
-            auth::stamp(&self.node, bearer, &mut r)?;
+            auth::stamp(&self.node, shard.id, bearer, &mut r)?;
             requests.push(r);
         }
         if !was_forwarded {
