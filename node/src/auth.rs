@@ -251,17 +251,17 @@ pub async fn report(
         request_id: 0,
         command: Command::RecordDenials {
             node: reporter,
-            denials,
+            denials: denials.clone(),
         },
     };
-    match s.proposer.propose(vec![req.clone()]).await {
-        Ok(_) => Ok(()),
+    match s.proposer.propose(vec![req]).await {
+        Ok(c) => match c.outcomes.first() {
+            Some(Err(e)) => anyhow::bail!("refused: {e}"),
+            _ => Ok(()),
+        },
         Err(crate::proposer::ProposeError::NotLeader {
             addr: Some(addr), ..
         }) if reporter == node.id => {
-            let Command::RecordDenials { denials, .. } = req.command else {
-                unreachable!("built above")
-            };
             let payload = bincode::serialize(&(reporter, denials))?;
             let mut c = allot_proto::raft_client::RaftClient::new(node.channels.get(&addr)?);
             c.report_denials(allot_proto::RaftMessage { shard, payload })

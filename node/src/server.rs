@@ -674,9 +674,6 @@ impl RaftService for Services {
         let msg = req.into_inner();
         shard_of(&self.node, msg.shard)?;
         let (reporter, denials): (u64, Vec<allot_statemachine::Denial>) = decode(&msg.payload)?;
-        if denials.len() > allot_statemachine::limits::DENIALS_PER_RECORD_MAX {
-            return Err(Status::invalid_argument("too many denials"));
-        }
         auth::report(&self.node, msg.shard, reporter, denials)
             .await
             .map_err(|e| Status::unavailable(e.to_string()))?;

@@ -90,8 +90,9 @@ pub struct Security {
     pub digests: BTreeMap<TokenDigest, PrincipalId>,
 }
 
-/// Why a credential was refused. Never shown to the caller in more detail than
-/// "unauthenticated" (no oracle for which tokens exist); recorded in the audit trail.
+/// Why a credential was refused: for the node's logs and for tests. The caller only
+/// ever learns "unauthenticated" (no oracle for which tokens exist), and the audit trail
+/// records the refused request with its unresolved digest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Refusal {
     UnknownToken,
