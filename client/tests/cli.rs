@@ -18,11 +18,7 @@ const SHARD: &str = "1";
 const C: u64 = 1_000_000;
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    allot_node::local_cluster::free_port().unwrap()
 }
 
 /// A node process started by the test (a fourth member), killed on drop.

@@ -150,7 +150,7 @@ impl Cluster {
         for id in 1..=n {
             c.apply_args(id);
         }
-        c.lc.start_all()?;
+        c.lc.start_all().context("the cluster did not start")?;
         let up = async {
             c.lc.init().await.context("initialising the cluster")?;
             c.lc.wait_leaders(Duration::from_secs(40))
@@ -180,22 +180,17 @@ impl Cluster {
 
     /// The size of node `id`'s log now (to read only what it logs after a point).
     pub fn log_len(&self, id: u64) -> u64 {
-        let p = self.lc.dir.join(format!("node-{id}")).join("node.log");
-        std::fs::metadata(p).map_or(0, |m| m.len())
+        std::fs::metadata(self.lc.log_path(id)).map_or(0, |m| m.len())
     }
 
     /// What node `id` logged after byte `from` of its log.
     pub fn log_since(&self, id: u64, from: u64) -> String {
-        let p = self.lc.dir.join(format!("node-{id}")).join("node.log");
-        let bytes = std::fs::read(p).unwrap_or_default();
+        let bytes = std::fs::read(self.lc.log_path(id)).unwrap_or_default();
         String::from_utf8_lossy(bytes.get(from as usize..).unwrap_or_default()).into_owned()
     }
 
     pub fn log_tail(&self, id: u64, lines: usize) -> String {
-        let p = self.lc.dir.join(format!("node-{id}")).join("node.log");
-        let text = std::fs::read_to_string(p).unwrap_or_default();
-        let all: Vec<&str> = text.lines().collect();
-        all[all.len().saturating_sub(lines)..].join("\n")
+        self.lc.log_tail(id, lines)
     }
 
     pub fn endpoints(&self) -> Vec<String> {

@@ -38,7 +38,42 @@ pub struct LocalCluster {
     bin: PathBuf,
 }
 
-fn free_port() -> anyhow::Result<u16> {
+/// A loopback port nobody listens on now, for a node started later.
+///
+/// A port from `bind(127.0.0.1:0)` comes from the kernel's ephemeral range, and once
+/// the probe socket is closed the very same range hands out the source ports of every
+/// outgoing connection (and the `bind(0)` of every other test process): under a
+/// parallel test run the port can be taken before the node binds it, and the node exits
+/// with "address in use". So the port is drawn at random from *below* the ephemeral
+/// range (`/proc/sys/net/ipv4/ip_local_port_range`), where the kernel never allocates
+/// on its own, checked free by binding it, and never handed out twice by one process.
+/// If the ephemeral range leaves no room below it, the kernel's choice is used.
+pub fn free_port() -> anyhow::Result<u16> {
+    use std::collections::BTreeSet;
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::Mutex;
+    static GIVEN: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+    const FLOOR: u16 = 12_000;
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    if ephemeral_low > FLOOR + 1_000 {
+        let span = u64::from(ephemeral_low - FLOOR);
+        let seed = std::collections::hash_map::RandomState::new();
+        for attempt in 0u64..500 {
+            let mut h = seed.build_hasher();
+            h.write_u64(attempt);
+            h.write_u32(std::process::id());
+            let port = FLOOR + (h.finish() % span) as u16;
+            let mut given = GIVEN.lock().unwrap_or_else(|p| p.into_inner());
+            if given.contains(&port) || std::net::TcpListener::bind(("127.0.0.1", port)).is_err() {
+                continue;
+            }
+            given.insert(port);
+            return Ok(port);
+        }
+    }
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
     Ok(l.local_addr()?.port())
 }
@@ -119,12 +154,13 @@ impl LocalCluster {
             .collect(),
             None => Vec::new(),
         };
+        let log_path = self.log_path(id);
         let n = self.node_mut(id);
         std::fs::create_dir_all(&dir)?;
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
-            .open(dir.join("node.log"))?;
+            .open(log_path)?;
         let child = Command::new(&bin)
             .arg("run")
             .arg("--node-id")
@@ -149,11 +185,56 @@ impl LocalCluster {
         Ok(())
     }
 
+    /// Starts every node and waits until each accepts connections; a node that exits
+    /// first (a port taken, a bad flag) is an error carrying the tail of its log.
     pub fn start_all(&mut self) -> anyhow::Result<()> {
         for id in 1..=self.nodes.len() as u64 {
             self.start(id)?;
         }
+        for id in 1..=self.nodes.len() as u64 {
+            self.wait_listening(id, Duration::from_secs(60))?;
+        }
         Ok(())
+    }
+
+    /// Waits until node `id` accepts TCP connections on its gRPC address.
+    pub fn wait_listening(&mut self, id: u64, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        let addr: std::net::SocketAddr = self
+            .node(id)
+            .addr
+            .parse()
+            .with_context(|| format!("node {id} address"))?;
+        loop {
+            if std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+                return Ok(());
+            }
+            if let Some(status) = self.exited(id) {
+                bail!(
+                    "node {id} exited ({status}) before listening on {addr}; its log ends:\n{}",
+                    self.log_tail(id, 10)
+                );
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "node {id} is not listening on {addr} after {timeout:?}; its log ends:\n{}",
+                    self.log_tail(id, 10)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The path of node `id`'s log (stdout and stderr of every start, appended).
+    pub fn log_path(&self, id: u64) -> PathBuf {
+        self.dir.join(format!("node-{id}")).join("node.log")
+    }
+
+    /// The last `lines` lines of node `id`'s log.
+    pub fn log_tail(&self, id: u64, lines: usize) -> String {
+        let text = std::fs::read_to_string(self.log_path(id)).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
     }
 
     /// SIGKILL: no shutdown path runs.
@@ -359,4 +440,26 @@ pub fn client(endpoints: Vec<String>) -> Client {
         .attempt_timeout(Duration::from_secs(5))
         .build()
         .expect("loopback endpoints are valid")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::free_port;
+
+    #[test]
+    fn free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() {
+        let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse().ok())
+            .unwrap_or(32_768);
+        let ports: Vec<u16> = (0..50).map(|_| free_port().unwrap()).collect();
+        let distinct: std::collections::BTreeSet<u16> = ports.iter().copied().collect();
+        assert_eq!(distinct.len(), ports.len(), "a port was handed out twice");
+        for p in ports {
+            if low > 13_000 {
+                assert!(p < low, "port {p} is in the ephemeral range (from {low})");
+            }
+            std::net::TcpListener::bind(("127.0.0.1", p)).expect("the port is free");
+        }
+    }
 }
