@@ -547,6 +547,48 @@ fn fair_share_between_orgs_in_a_tier() {
 }
 
 #[test]
+fn fair_share_holds_within_one_pass() {
+    // Both orgs queue while the only node drains; its return lets one pass place four
+    // jobs: each placement raises its org's share, so the pass alternates between the
+    // orgs instead of serving the first org four times.
+    let mut h = world();
+    h.fleet(&[(1, a100(), 4, 80)]);
+    let drain = |draining| Command::SetNodeDraining {
+        node: NodeId(1),
+        draining,
+    };
+    h.ok(drain(true));
+    h.grant(
+        2,
+        Account::Project(OTHER_PROJECT),
+        BucketKind::Paid,
+        credits(100_000),
+        None,
+    );
+    for j in 0..6 {
+        submit(
+            &mut h,
+            Harness::job_spec(100 + j, Tier::PAID, vec![a100()], 1),
+        );
+        let mut s = Harness::job_spec(200 + j, Tier::PAID, vec![a100()], 1);
+        s.project = OTHER_PROJECT;
+        s.user = OTHER_USER;
+        submit(&mut h, s);
+    }
+    assert_eq!(h.state.scheduler.used_gpus, 0);
+    h.ok(drain(false));
+    let running = |org| {
+        h.state
+            .scheduler
+            .running_org
+            .get(&org)
+            .copied()
+            .unwrap_or(0)
+    };
+    assert_eq!((running(ORG), running(OTHER_ORG)), (2, 2));
+}
+
+#[test]
 fn tier_floor_guarantees_a_share() {
     let mut h = world();
     // 20 GPUs; free tier floor 5% = 1 GPU.

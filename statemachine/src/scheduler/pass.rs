@@ -2,9 +2,41 @@
 //! job by policy, place it best-fit, or (for a higher tier) preempt lower-tier work.
 
 use super::{JobState, Policy, Reason, Scheduler, SchedulerConfig, Timer};
-use crate::ids::{HoldId, JobId, NodeId, Tier};
+use crate::ids::{HoldId, JobId, NodeId, OrgId, Tier};
 use crate::ledger::{Ctx, Ledger};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
+
+/// What one pass reuses from candidate to candidate. Nothing outlives the pass, and each
+/// item is dropped as soon as the pass changes what it was computed from, so decisions
+/// are exactly those of recomputing everything per candidate (the scheduler property
+/// tests and the simulator's figures are unchanged), only cheaper when most candidates
+/// fail to fit.
+#[derive(Default)]
+struct PassMemo {
+    /// Per tier, the orgs then queued in it, ascending by (fair-share score, org id):
+    /// the first one still queued is the org `min_by_key` over the tier would choose.
+    /// An org's score changes only when one of its jobs is placed (its running GPUs
+    /// grow: `rescore`); preemption only marks victims, which keep their GPUs until
+    /// their grace ends in a later entry. Orgs only leave a tier during the pass
+    /// (parked jobs return at its end), so entries of orgs gone are skipped.
+    org_rank: BTreeMap<Tier, VecDeque<(u64, OrgId)>>,
+    /// `try_reserve` found the reservation budget spent; only a placement (which
+    /// releases the placed job's reservation) can free one.
+    reserve_full: bool,
+}
+
+impl PassMemo {
+    /// Moves `org` to its new place in every tier's ranking.
+    fn rescore(&mut self, org: OrgId, score: u64) {
+        for rank in self.org_rank.values_mut() {
+            if let Some(pos) = rank.iter().position(|(_, o)| *o == org) {
+                rank.remove(pos);
+                let at = rank.partition_point(|e| *e < (score, org));
+                rank.insert(at, (score, org));
+            }
+        }
+    }
+}
 
 /// Fair-share score: decayed past usage plus the live allocation (running GPUs counted
 /// as one half-life of use), in GPU-milliseconds.
@@ -24,6 +56,7 @@ impl Scheduler {
         // Jobs that cannot be placed now leave the queue for the rest of the pass.
         let mut parked: Vec<JobId> = Vec::new();
         let (mut placed, mut examined, mut searches) = (0, 0, 0);
+        let mut memo = PassMemo::default();
         while placed < cfg.placements_per_pass_max && examined < cfg.candidates_per_pass_max {
             // Nothing free anywhere: only preemption can help, and its budget is spent.
             let searches_left =
@@ -31,7 +64,7 @@ impl Scheduler {
             if !searches_left && self.free_index.values().all(|s| s.is_empty()) {
                 break;
             }
-            let Some(id) = self.pick(cfg, ctx.now) else {
+            let Some(id) = self.pick(cfg, ctx.now, &mut memo) else {
                 break;
             };
             examined += 1;
@@ -44,6 +77,12 @@ impl Scheduler {
             if let Some((node, indices)) = self.find_fit(id) {
                 if self.place(ctx, ledger, cfg, id, node, indices).is_ok() {
                     placed += 1;
+                    if let Some(org) = self.jobs.get(&id).map(|j| j.org) {
+                        let h = cfg.usage_half_life_ms;
+                        let s = score(&self.usage_org, &self.running_org, &org, ctx.now, h);
+                        memo.rescore(org, s);
+                    }
+                    memo.reserve_full = false;
                     continue;
                 }
             } else {
@@ -52,7 +91,7 @@ impl Scheduler {
                     self.try_preempt(ctx, ledger, cfg, id);
                 }
                 if cfg.policy == Policy::Fair {
-                    self.try_reserve(cfg, id);
+                    self.try_reserve(cfg, id, &mut memo.reserve_full);
                 }
             }
             self.dequeue(id);
@@ -73,7 +112,7 @@ impl Scheduler {
     }
 
     /// The next job to consider, by policy.
-    fn pick(&self, cfg: &SchedulerConfig, now: u64) -> Option<JobId> {
+    fn pick(&self, cfg: &SchedulerConfig, now: u64, memo: &mut PassMemo) -> Option<JobId> {
         let oldest = |t: &Tier| self.by_age.get(t).and_then(|q| q.first()).copied();
         match cfg.policy {
             Policy::Fifo => self.by_age.keys().filter_map(oldest).min().map(|(_, j)| j),
@@ -108,7 +147,7 @@ impl Scheduler {
                     Some((_, t)) => t,
                     None => self.pick_tier(cfg)?,
                 };
-                self.pick_in_tier(tier, now, cfg.usage_half_life_ms)
+                self.pick_in_tier(tier, now, cfg.usage_half_life_ms, memo)
             }
         }
     }
@@ -142,11 +181,30 @@ impl Scheduler {
     }
 
     /// Weighted fair share down org → project → user on decayed usage, then oldest.
-    fn pick_in_tier(&self, tier: Tier, now: u64, h: u64) -> Option<JobId> {
+    fn pick_in_tier(&self, tier: Tier, now: u64, h: u64, memo: &mut PassMemo) -> Option<JobId> {
         let orgs = self.queue.get(&tier)?;
-        let (_, projects) = orgs
-            .iter()
-            .min_by_key(|(o, _)| (score(&self.usage_org, &self.running_org, *o, now, h), **o))?;
+        let rank = memo.org_rank.entry(tier).or_insert_with(|| {
+            let mut r: Vec<(u64, OrgId)> = orgs
+                .keys()
+                .map(|o| (score(&self.usage_org, &self.running_org, o, now, h), *o))
+                .collect();
+            r.sort_unstable();
+            r.into()
+        });
+        while rank.front().is_some_and(|(_, o)| !orgs.contains_key(o)) {
+            rank.pop_front();
+        }
+        let org = rank.front()?.1;
+        // The memo must choose exactly what a fresh minimum over the tier chooses (every
+        // test build checks it, on every candidate of every pass).
+        debug_assert_eq!(
+            Some(org),
+            orgs.keys()
+                .min_by_key(|o| (score(&self.usage_org, &self.running_org, *o, now, h), **o))
+                .copied(),
+            "the pass's org ranking diverged from fair share"
+        );
+        let projects = orgs.get(&org)?;
         let (_, users) = projects.iter().min_by_key(|(p, _)| {
             (
                 score(&self.usage_project, &self.running_project, *p, now, h),
@@ -215,9 +273,11 @@ impl Scheduler {
     /// Anti-fragmentation: a multi-GPU job that fits nowhere reserves the fitting node
     /// with the most free GPUs, so small jobs stop backfilling it; it then frees up as
     /// its jobs finish. Bounded by `reserved_nodes_max`.
-    fn try_reserve(&mut self, cfg: &SchedulerConfig, id: JobId) {
+    /// `full` is the pass's note that the budget is spent (set here, cleared by a
+    /// placement), which spares a scan of every node per blocked candidate.
+    fn try_reserve(&mut self, cfg: &SchedulerConfig, id: JobId, full: &mut bool) {
         let Some(j) = self.jobs.get(&id) else { return };
-        if j.reserved_node.is_some() || j.spec.gpus < 2 {
+        if *full || j.reserved_node.is_some() || j.spec.gpus < 2 {
             return;
         }
         let reserved = self
@@ -226,6 +286,7 @@ impl Scheduler {
             .filter(|n| n.reserved_for.is_some())
             .count();
         if reserved >= cfg.reserved_nodes_max as usize {
+            *full = true;
             return;
         }
         let (gpus, floor) = (j.spec.gpus, j.spec.mem_floor_gb);
