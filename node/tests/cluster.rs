@@ -270,6 +270,20 @@ async fn a_node_behind_the_purged_log_catches_up_by_snapshot() {
         st.shards[0]
     );
     assert_replicas_agree(&c, &client, shards).await;
+
+    // Snapshots are stored without the WAL (flushed to an SST before the log is purged):
+    // a SIGKILL right after must still find the installed snapshot on restart.
+    c.kill(lagger);
+    c.start(lagger).expect("restart after SIGKILL");
+    c.wait_leaders(Duration::from_secs(30)).await.unwrap();
+    let got = hashes_at_same_index(&c, 0, Duration::from_secs(60)).await;
+    for w in got.windows(2) {
+        assert_eq!(
+            w[0].1, w[1].1,
+            "replicas differ after a restart from the snapshot"
+        );
+    }
+    assert_replicas_agree(&c, &client, shards).await;
 }
 
 fn real_now_ms() -> u64 {

@@ -129,8 +129,11 @@ impl StateMachineStore {
     }
 }
 
-/// Builds snapshots from a consistent view: the state is encoded under the read lock,
-/// so it reflects exactly the entries up to `last_applied`.
+/// Builds snapshots from a consistent view: the state is *cloned* under the read lock,
+/// so it reflects exactly the entries up to `last_applied`, then encoded and stored on a
+/// blocking thread. Encoding under the lock (sorting and serialising the whole state)
+/// held apply back for as long as it took — hundreds of milliseconds on a busy shard,
+/// the largest part of the commit latency tail — and ran on a runtime worker.
 pub struct SnapshotBuilder {
     shard: ShardId,
     db: Arc<DB>,
@@ -140,9 +143,9 @@ pub struct SnapshotBuilder {
 
 impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     async fn build_snapshot(&mut self) -> Result<Snapshot, StorageError> {
-        let (data, last_applied, membership) = {
+        let (state, last_applied, membership) = {
             let g = self.inner.read().unwrap_or_else(|p| p.into_inner());
-            (g.state.encode(), g.last_applied, g.membership.clone())
+            (g.state.clone(), g.last_applied, g.membership.clone())
         };
         let snapshot_id = match last_applied {
             Some(l) => format!("{}-{}-{}", l.leader_id, l.index, self.seq),
@@ -153,27 +156,41 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             last_membership: membership,
             snapshot_id,
         };
-        let stored = StoredSnapshot {
-            meta: meta.clone(),
-            data,
-        };
-        // The audit rows of every entry the snapshot covers were written without a sync;
-        // make them durable before the log they derive from may be purged.
-        self.db.flush_wal(true).map_err(io_write)?;
-        save_snapshot(&self.db, self.shard, &stored)?;
+        let (db, shard, stored_meta) = (self.db.clone(), self.shard, meta.clone());
+        let data = tokio::task::spawn_blocking(move || {
+            let stored = StoredSnapshot {
+                meta: stored_meta,
+                data: state.encode(),
+            };
+            // The audit rows of every entry the snapshot covers were written without a
+            // sync; make them durable before the log they derive from may be purged.
+            db.flush_wal(true).map_err(io_write)?;
+            save_snapshot(&db, shard, &stored)?;
+            Ok::<_, StorageError>(stored.data)
+        })
+        .await
+        .map_err(io_write)??;
         Ok(Snapshot {
             meta,
-            snapshot: Box::new(Cursor::new(stored.data)),
+            snapshot: Box::new(Cursor::new(data)),
         })
     }
 }
 
+/// Stores a snapshot durably *without* the write-ahead log: the WAL is shared by every
+/// shard's log appends, and a multi-megabyte synced write in it held all of them back
+/// (the commit latency tail). The value goes to the snapshot column family's memtable and
+/// that column family is flushed to a synced SST file before returning; a crash before
+/// the flush completes leaves the previous snapshot, which the log still covers (the log
+/// is purged only after this returns).
 fn save_snapshot(db: &DB, shard: ShardId, snap: &StoredSnapshot) -> Result<(), StorageError> {
     let bytes = bincode::serialize(snap).map_err(io_write)?;
     let mut opts = WriteOptions::default();
-    opts.set_sync(true);
-    db.put_cf_opt(cf(db, CF_SNAP), snapshot_key(shard), bytes, &opts)
-        .map_err(io_write)
+    opts.disable_wal(true);
+    let snaps = cf(db, CF_SNAP);
+    db.put_cf_opt(snaps, snapshot_key(shard), bytes, &opts)
+        .map_err(io_write)?;
+    db.flush_cf(snaps).map_err(io_write)
 }
 
 impl RaftStateMachine<TypeConfig> for StateMachineStore {
