@@ -98,9 +98,17 @@ struct RunArgs {
     election_min_ms: u64,
     #[arg(long, env = "ALLOT_ELECTION_MAX_MS", default_value_t = 1200)]
     election_max_ms: u64,
-    /// Log entries between snapshots.
-    #[arg(long, env = "ALLOT_SNAPSHOT_EVERY", default_value_t = 4096)]
+    /// Log entries between snapshots (a backstop: the size rule normally comes first).
+    #[arg(long, env = "ALLOT_SNAPSHOT_EVERY", default_value_t = 1_000_000)]
     snapshot_every: u64,
+    /// Snapshot once the log appended since the last snapshot reaches this percentage of
+    /// that snapshot's size (snapshot work ≤ 100/percent bytes encoded per log byte).
+    #[arg(long, env = "ALLOT_SNAPSHOT_LOG_PERCENT", default_value_t = 100,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    snapshot_log_percent: u64,
+    /// ... and at least this many log bytes.
+    #[arg(long, env = "ALLOT_SNAPSHOT_MIN_LOG_BYTES", default_value_t = 16 << 20)]
+    snapshot_min_log_bytes: u64,
     /// Log entries kept behind the snapshot for followers slightly behind.
     #[arg(long, env = "ALLOT_KEEP_BEHIND_SNAPSHOT", default_value_t = 1024)]
     keep_behind_snapshot: u64,
@@ -279,6 +287,8 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
             election_min_ms: a.election_min_ms,
             election_max_ms: a.election_max_ms,
             snapshot_every: a.snapshot_every,
+            snapshot_log_percent: a.snapshot_log_percent,
+            snapshot_min_log_bytes: a.snapshot_min_log_bytes,
             keep_behind_snapshot: a.keep_behind_snapshot,
         },
         proposer: ProposerConfig {

@@ -22,6 +22,11 @@ pub struct Metrics {
     pub credits: GaugeVec,
     /// Calls refused at the edge, by api and reason.
     pub auth_denials: IntCounterVec,
+    /// Snapshot building per shard and stage: `clone` (under the apply lock), `encode`,
+    /// `store` (written and flushed).
+    pub snapshot: HistogramVec,
+    /// Size of the last snapshot built or installed, per shard.
+    pub snapshot_bytes: GaugeVec,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -92,8 +97,24 @@ impl Metrics {
             ),
             &["api", "reason"],
         ));
+        let snapshot = must(HistogramVec::new(
+            HistogramOpts::new(
+                "snapshot_seconds",
+                "Snapshot build time per shard and stage",
+            )
+            .buckets(vec![
+                0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+            ]),
+            &["shard", "stage"],
+        ));
+        let snapshot_bytes = must(GaugeVec::new(
+            Opts::new("snapshot_bytes", "Size of the last snapshot per shard"),
+            &["shard"],
+        ));
         for c in [
-            Box::new(auth_denials.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(snapshot.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(snapshot_bytes.clone()),
+            Box::new(auth_denials.clone()),
             Box::new(batch_size.clone()),
             Box::new(requests.clone()),
             Box::new(latency.clone()),
@@ -118,6 +139,8 @@ impl Metrics {
             gpus,
             credits,
             auth_denials,
+            snapshot,
+            snapshot_bytes,
         }
     }
 

@@ -5,7 +5,7 @@ use crate::clock::ClusterClock;
 use crate::metrics::Metrics;
 use crate::network::{Channels, Network};
 use crate::proposer::{Proposer, ProposerConfig, ProposerTask};
-use crate::store::{self, LogStore, ShardView, StateMachineStore};
+use crate::store::{self, LogStore, ShardView, SnapshotTrigger, StateMachineStore};
 use crate::types::{NodeId, Raft, ShardId};
 use allot_proto::raft_client::RaftClient;
 use allot_proto::ClockRequest;
@@ -21,8 +21,13 @@ pub struct RaftTimings {
     pub heartbeat_ms: u64,
     pub election_min_ms: u64,
     pub election_max_ms: u64,
-    /// Entries applied since the last snapshot that trigger a new one.
+    /// Entries applied since the last snapshot that trigger a new one (a backstop: the
+    /// size rule below normally comes first).
     pub snapshot_every: u64,
+    /// Size rule: snapshot once the log appended since the last snapshot is this share
+    /// (percent) of that snapshot's size, and at least `snapshot_min_log_bytes`.
+    pub snapshot_log_percent: u64,
+    pub snapshot_min_log_bytes: u64,
     /// Entries kept in the log behind the snapshot (for followers slightly behind).
     pub keep_behind_snapshot: u64,
 }
@@ -33,7 +38,9 @@ impl Default for RaftTimings {
             heartbeat_ms: 100,
             election_min_ms: 600,
             election_max_ms: 1200,
-            snapshot_every: 4096,
+            snapshot_every: 1_000_000,
+            snapshot_log_percent: 100,
+            snapshot_min_log_bytes: 16 << 20,
             keep_behind_snapshot: 1024,
         }
     }
@@ -120,9 +127,15 @@ impl Node {
         );
         let mut shards = Vec::new();
         for id in 0..config.shards {
-            let log = LogStore::new(db.clone(), id, syncer.clone());
+            let trigger = Arc::new(SnapshotTrigger::new(
+                config.raft.snapshot_log_percent,
+                config.raft.snapshot_min_log_bytes,
+            ));
+            let log = LogStore::new(db.clone(), id, syncer.clone()).with_trigger(trigger.clone());
             let sm = StateMachineStore::open(db.clone(), id, allot_statemachine::Config::default())
-                .map_err(|e| anyhow::anyhow!("opening shard {id}: {e}"))?;
+                .map_err(|e| anyhow::anyhow!("opening shard {id}: {e}"))?
+                .with_metrics(metrics.clone())
+                .with_trigger(trigger.clone());
             let view = sm.view();
             let rc = openraft::Config {
                 cluster_name: format!("allot-shard-{id}"),
@@ -160,6 +173,7 @@ impl Node {
                 metrics: metrics.clone(),
             }
             .spawn();
+            tokio::spawn(snapshot_by_size(raft.clone(), trigger));
             shards.push(Shard {
                 id,
                 raft,
@@ -278,6 +292,20 @@ async fn follow_clock_offset(node: std::sync::Weak<Node>, file: PathBuf) {
 }
 
 /// Samples every peer's wall clock twice a second (see [`crate::clock`]).
+/// Asks the shard's Raft for a snapshot whenever the size rule says one is due
+/// (`store::trigger`). openraft ignores the request while a snapshot is being built.
+/// Ends when the Raft shuts down.
+async fn snapshot_by_size(raft: Raft, trigger: Arc<SnapshotTrigger>) {
+    let mut every = tokio::time::interval(Duration::from_millis(250));
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        if trigger.due() && raft.trigger().snapshot().await.is_err() {
+            return;
+        }
+    }
+}
+
 async fn sample_clocks(node: std::sync::Weak<Node>) {
     let mut every = tokio::time::interval(Duration::from_millis(500));
     loop {

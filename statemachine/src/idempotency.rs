@@ -1,12 +1,11 @@
 //! The idempotency table: `(actor, request_id) → (fingerprint, outcome)`, written in the
 //! same apply as the command's effect, kept for a retention window of logical time.
 
-use crate::idmap::IdMap;
+use crate::idmap::{SharedMap, SharedQueue};
 use crate::ids::{Actor, RequestId};
 use crate::limits::{IDEMPOTENCY_ENTRIES_MAX, PRUNE_PER_ENTRY_MAX};
 use crate::outcome::Outcome;
 use serde::{Deserialize, Serialize};
-use std::collections::VecDeque;
 
 pub type Fingerprint = [u8; 16];
 
@@ -33,9 +32,11 @@ pub(crate) enum Lookup {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IdempotencyTable {
     pub retention_ms: u64,
-    pub records: IdMap<(Actor, RequestId), IdemRecord>,
+    /// Persistent (O(1) clone): the table grows with every command in the retention
+    /// window, and a snapshot clones the state under the apply lock.
+    pub records: SharedMap<(Actor, RequestId), IdemRecord>,
     /// Keys in insertion order (= logical time order), for pruning.
-    pub queue: VecDeque<(u64, Actor, RequestId)>,
+    pub queue: SharedQueue<(u64, Actor, RequestId)>,
 }
 
 impl IdempotencyTable {

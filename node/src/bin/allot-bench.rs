@@ -88,6 +88,11 @@ struct RunResult {
     commit_p99_ms: f64,
     /// The same for the nodes' WAL fsyncs.
     wal_p99_ms: f64,
+    /// Snapshots the nodes built during the run (every replica counts), and the bucket
+    /// bound of the longest clone (under the apply lock) and encoding among them.
+    snapshots: u64,
+    snap_clone_max_ms: f64,
+    snap_encode_max_ms: f64,
 }
 
 /// Cumulative histogram buckets (le in seconds → count) of the series of `metric` whose
@@ -140,6 +145,18 @@ async fn server_buckets(metrics: &[String], metric: &str, filter: &str) -> Vec<(
 }
 
 fn server_p99(before: &[(f64, f64)], after: &[(f64, f64)]) -> f64 {
+    server_quantile(before, after, 0.99)
+}
+
+/// Observations a histogram gained between two scrapes.
+fn server_count(before: &[(f64, f64)], after: &[(f64, f64)]) -> u64 {
+    let total = |b: &[(f64, f64)]| b.last().map_or(0.0, |x| x.1);
+    (total(after) - total(before)).max(0.0) as u64
+}
+
+/// Upper bound (ms) of the bucket holding quantile `q` of what a histogram gained
+/// between two scrapes; NaN when it gained nothing.
+fn server_quantile(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> f64 {
     let delta: Vec<(f64, f64)> = after
         .iter()
         .map(|(le, c)| {
@@ -152,8 +169,17 @@ fn server_p99(before: &[(f64, f64)], after: &[(f64, f64)]) -> f64 {
     let total = delta.last().map_or(0.0, |d| d.1);
     delta
         .iter()
-        .find(|(_, c)| *c >= 0.99 * total && total > 0.0)
+        .find(|(_, c)| *c >= q * total && total > 0.0)
         .map_or(f64::NAN, |(le, _)| le * 1e3)
+}
+
+/// A figure as a JSON number, `null` when there is none (NaN).
+fn json_num(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:.1}")
+    } else {
+        "null".into()
+    }
 }
 
 fn pct(sorted: &[Duration], p: f64) -> f64 {
@@ -180,12 +206,19 @@ async fn run(
     let queue = ("allot_proposal_stage_seconds", "stage=\"queue\"");
     let commit = ("allot_proposal_stage_seconds", "stage=\"commit\"");
     let wal = ("allot_wal_sync_seconds", "le=");
-    let before = [
-        server_buckets(metrics, exec.0, exec.1).await,
-        server_buckets(metrics, queue.0, queue.1).await,
-        server_buckets(metrics, commit.0, commit.1).await,
-        server_buckets(metrics, wal.0, wal.1).await,
-    ];
+    let clone = ("allot_snapshot_seconds", "stage=\"clone\"");
+    let encode = ("allot_snapshot_seconds", "stage=\"encode\"");
+    let scrape = || async {
+        [
+            server_buckets(metrics, exec.0, exec.1).await,
+            server_buckets(metrics, queue.0, queue.1).await,
+            server_buckets(metrics, commit.0, commit.1).await,
+            server_buckets(metrics, wal.0, wal.1).await,
+            server_buckets(metrics, clone.0, clone.1).await,
+            server_buckets(metrics, encode.0, encode.1).await,
+        ]
+    };
+    let before = scrape().await;
     let started = Instant::now();
     // One connection pool per 32 clients, as separate client processes would have: a
     // single HTTP/2 connection for 512 callers serialises them in its driver task.
@@ -247,13 +280,11 @@ async fn run(
         eprintln!();
     }
     lat.sort_unstable();
-    let after = [
-        server_buckets(metrics, exec.0, exec.1).await,
-        server_buckets(metrics, queue.0, queue.1).await,
-        server_buckets(metrics, commit.0, commit.1).await,
-        server_buckets(metrics, wal.0, wal.1).await,
-    ];
+    let after = scrape().await;
     Ok(RunResult {
+        snapshots: server_count(&before[4], &after[4]),
+        snap_clone_max_ms: server_quantile(&before[4], &after[4], 1.0),
+        snap_encode_max_ms: server_quantile(&before[5], &after[5], 1.0),
         wal_p99_ms: server_p99(&before[3], &after[3]),
         server_p99_ms: server_p99(&before[0], &after[0]),
         queue_p99_ms: server_p99(&before[1], &after[1]),
@@ -337,8 +368,8 @@ async fn main() -> anyhow::Result<()> {
             .iter()
             .map(|r| {
                 format!(
-                    "{{\"run\":\"{}\",\"clients\":{},\"per_call\":{},\"commands\":{},\"seconds\":{:.2},\"commands_per_s\":{:.0},\"p50_ms\":{:.3},\"p99_ms\":{:.3},\"max_ms\":{:.3},\"server_p99_ms_le\":{:.1},\"queue_p99_ms_le\":{:.1},\"commit_p99_ms_le\":{:.1},\"wal_sync_p99_ms_le\":{:.1}}}",
-                    r.label, r.clients, o.per_call, r.commands, r.seconds, r.commands as f64 / r.seconds, r.p50_ms, r.p99_ms, r.max_ms, r.server_p99_ms, r.queue_p99_ms, r.commit_p99_ms, r.wal_p99_ms
+                    "{{\"run\":\"{}\",\"clients\":{},\"per_call\":{},\"commands\":{},\"seconds\":{:.2},\"commands_per_s\":{:.0},\"p50_ms\":{:.3},\"p99_ms\":{:.3},\"max_ms\":{:.3},\"server_p99_ms_le\":{},\"queue_p99_ms_le\":{},\"commit_p99_ms_le\":{},\"wal_sync_p99_ms_le\":{},\"snapshots\":{},\"snapshot_clone_max_ms_le\":{},\"snapshot_encode_max_ms_le\":{}}}",
+                    r.label, r.clients, o.per_call, r.commands, r.seconds, r.commands as f64 / r.seconds, r.p50_ms, r.p99_ms, r.max_ms, json_num(r.server_p99_ms), json_num(r.queue_p99_ms), json_num(r.commit_p99_ms), json_num(r.wal_p99_ms), r.snapshots, json_num(r.snap_clone_max_ms), json_num(r.snap_encode_max_ms)
                 )
             })
             .collect();
@@ -351,7 +382,7 @@ async fn main() -> anyhow::Result<()> {
     } else {
         println!("allot replicated benchmark: {} nodes, {} shards, fsync on, loopback, {} command(s) per call", o.nodes, o.shards, o.per_call);
         println!(
-            "{:<14} {:>8} {:>12} {:>10} {:>10} {:>10} {:>16} {:>10} {:>10} {:>10}",
+            "{:<14} {:>8} {:>12} {:>10} {:>10} {:>10} {:>16} {:>10} {:>10} {:>10} {:>6} {:>9} {:>10}",
             "run",
             "clients",
             "commands/s",
@@ -361,11 +392,14 @@ async fn main() -> anyhow::Result<()> {
             "server p99 ≤ ms",
             "queue ≤",
             "commit ≤",
-            "fsync ≤"
+            "fsync ≤",
+            "snaps",
+            "clone ≤",
+            "encode ≤"
         );
         for r in &results {
             println!(
-                "{:<14} {:>8} {:>12.0} {:>10.2} {:>10.2} {:>10.2} {:>16} {:>10} {:>10} {:>10}",
+                "{:<14} {:>8} {:>12.0} {:>10.2} {:>10.2} {:>10.2} {:>16} {:>10} {:>10} {:>10} {:>6} {:>9} {:>10}",
                 r.label,
                 r.clients,
                 r.commands as f64 / r.seconds,
@@ -375,7 +409,10 @@ async fn main() -> anyhow::Result<()> {
                 r.server_p99_ms,
                 r.queue_p99_ms,
                 r.commit_p99_ms,
-                r.wal_p99_ms
+                r.wal_p99_ms,
+                r.snapshots,
+                r.snap_clone_max_ms,
+                r.snap_encode_max_ms
             );
         }
     }

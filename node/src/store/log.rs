@@ -5,7 +5,9 @@
 //! fsynced. Appends of all shards go through one [`Syncer`] thread, so concurrent appends
 //! share an fsync (group commit across shards).
 
-use super::{cf, index_key, index_of_key, io_read, io_write, shard_key, CF_LOG, CF_META};
+use super::{
+    cf, index_key, index_of_key, io_read, io_write, shard_key, SnapshotTrigger, CF_LOG, CF_META,
+};
 use crate::types::{LogEntry, LogId, ShardId, StorageError, TypeConfig, Vote};
 use openraft::storage::{LogFlushed, RaftLogStorage};
 use openraft::{LogState, RaftLogReader};
@@ -95,6 +97,7 @@ pub struct LogStore {
     db: Arc<DB>,
     shard: ShardId,
     syncer: Arc<Syncer>,
+    trigger: Option<Arc<SnapshotTrigger>>,
 }
 
 fn sync_opts() -> WriteOptions {
@@ -105,7 +108,18 @@ fn sync_opts() -> WriteOptions {
 
 impl LogStore {
     pub fn new(db: Arc<DB>, shard: ShardId, syncer: Arc<Syncer>) -> LogStore {
-        LogStore { db, shard, syncer }
+        LogStore {
+            db,
+            shard,
+            syncer,
+            trigger: None,
+        }
+    }
+
+    /// Counts the bytes appended towards the size-based snapshot rule.
+    pub fn with_trigger(mut self, trigger: Arc<SnapshotTrigger>) -> LogStore {
+        self.trigger = Some(trigger);
+        self
     }
 
     fn get_meta<T: serde::de::DeserializeOwned>(
@@ -246,9 +260,14 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     {
         let mut batch = WriteBatch::default();
         let log = cf(&self.db, CF_LOG);
+        let mut appended = 0;
         for e in entries {
             let bytes = bincode::serialize(&e).map_err(io_write)?;
+            appended += bytes.len() as u64;
             batch.put_cf(log, index_key(self.shard, e.log_id.index), bytes);
+        }
+        if let Some(t) = &self.trigger {
+            t.appended(appended);
         }
         // Written in call order (so the log never has a hole), made durable by the syncer.
         self.db.write(batch).map_err(io_write)?;

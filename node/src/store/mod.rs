@@ -16,9 +16,11 @@
 pub mod log;
 #[allow(clippy::result_large_err)]
 mod sm;
+pub mod trigger;
 
 pub use log::LogStore;
 pub use sm::{read_audit, AppliedState, AuditReadError, ShardView, StateMachineStore};
+pub use trigger::SnapshotTrigger;
 
 use crate::types::{ShardId, StorageError};
 use openraft::{AnyError, StorageIOError};

@@ -3,7 +3,9 @@
 //! log id). Applying persists each entry's audit events and its batch (the commands the
 //! events bind by digest) in the `audit` column family.
 
+use super::SnapshotTrigger;
 use super::{cf, io_read, io_write, shard_key, CF_AUDIT, CF_SNAP};
+use crate::metrics::Metrics;
 use crate::types::{
     Applied, LogEntry, LogId, ShardId, Snapshot, SnapshotMeta, StorageError, StoredMembership,
     TypeConfig,
@@ -15,6 +17,7 @@ use rocksdb::{WriteBatch, WriteOptions, DB};
 use serde::{Deserialize, Serialize};
 use std::io::Cursor;
 use std::sync::{Arc, RwLock, RwLockReadGuard};
+use std::time::Instant;
 use tokio::sync::watch;
 
 /// Audit key spaces inside a shard's range of the `audit` column family.
@@ -68,6 +71,10 @@ pub struct StateMachineStore {
     applied_rx: watch::Receiver<u64>,
     out: ApplyOutput,
     snapshot_seq: u64,
+    metrics: Option<Arc<Metrics>>,
+    trigger: Option<Arc<SnapshotTrigger>>,
+    /// Size of the snapshot loaded at start (for the trigger).
+    loaded_bytes: u64,
 }
 
 fn snapshot_key(shard: ShardId) -> Vec<u8> {
@@ -92,9 +99,13 @@ impl StateMachineStore {
         shard: ShardId,
         config: Config,
     ) -> Result<StateMachineStore, StorageError> {
+        let mut loaded_bytes = 0;
         let applied = match load_snapshot(&db, shard)? {
             Some(snap) => AppliedState {
-                state: State::decode(&snap.data).map_err(io_read)?,
+                state: {
+                    loaded_bytes = snap.data.len() as u64;
+                    State::decode(&snap.data).map_err(io_read)?
+                },
                 last_applied: snap.meta.last_log_id,
                 membership: snap.meta.last_membership,
             },
@@ -114,7 +125,23 @@ impl StateMachineStore {
             applied_rx,
             out: ApplyOutput::default(),
             snapshot_seq: 0,
+            metrics: None,
+            trigger: None,
+            loaded_bytes,
         })
+    }
+
+    /// Reports every snapshot built, installed or loaded to the size-based rule.
+    pub fn with_trigger(mut self, trigger: Arc<SnapshotTrigger>) -> StateMachineStore {
+        trigger.taken(0, self.loaded_bytes);
+        self.trigger = Some(trigger);
+        self
+    }
+
+    /// Records snapshot build times (per stage) and sizes in `metrics`.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> StateMachineStore {
+        self.metrics = Some(metrics);
+        self
     }
 
     pub fn view(&self) -> ShardView {
@@ -139,14 +166,29 @@ pub struct SnapshotBuilder {
     db: Arc<DB>,
     inner: Arc<RwLock<AppliedState>>,
     seq: u64,
+    metrics: Option<Arc<Metrics>>,
+    trigger: Option<Arc<SnapshotTrigger>>,
+}
+
+impl SnapshotBuilder {
+    fn observe(&self, stage: &str, since: Instant) {
+        if let Some(m) = &self.metrics {
+            m.snapshot
+                .with_label_values(&[&self.shard.to_string(), stage])
+                .observe(since.elapsed().as_secs_f64());
+        }
+    }
 }
 
 impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     async fn build_snapshot(&mut self) -> Result<Snapshot, StorageError> {
+        let started = Instant::now();
+        let mark = self.trigger.as_ref().map_or(0, |t| t.mark());
         let (state, last_applied, membership) = {
             let g = self.inner.read().unwrap_or_else(|p| p.into_inner());
             (g.state.clone(), g.last_applied, g.membership.clone())
         };
+        self.observe("clone", started);
         let snapshot_id = match last_applied {
             Some(l) => format!("{}-{}-{}", l.leader_id, l.index, self.seq),
             None => format!("none-{}", self.seq),
@@ -157,24 +199,61 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             snapshot_id,
         };
         let (db, shard, stored_meta) = (self.db.clone(), self.shard, meta.clone());
-        let data = tokio::task::spawn_blocking(move || {
+        let (data, encoded, stored) = in_background(move || {
+            let started = Instant::now();
             let stored = StoredSnapshot {
                 meta: stored_meta,
                 data: state.encode(),
             };
+            let encoded = started.elapsed();
             // The audit rows of every entry the snapshot covers were written without a
             // sync; make them durable before the log they derive from may be purged.
             db.flush_wal(true).map_err(io_write)?;
             save_snapshot(&db, shard, &stored)?;
-            Ok::<_, StorageError>(stored.data)
+            Ok::<_, StorageError>((stored.data, encoded, started.elapsed() - encoded))
         })
-        .await
-        .map_err(io_write)??;
+        .await??;
+        if let Some(t) = &self.trigger {
+            t.taken(mark, data.len() as u64);
+        }
+        if let Some(m) = &self.metrics {
+            let s = self.shard.to_string();
+            m.snapshot
+                .with_label_values(&[&s, "encode"])
+                .observe(encoded.as_secs_f64());
+            m.snapshot
+                .with_label_values(&[&s, "store"])
+                .observe(stored.as_secs_f64());
+            m.snapshot_bytes
+                .with_label_values(&[&s])
+                .set(data.len() as f64);
+        }
         Ok(Snapshot {
             meta,
             snapshot: Box::new(Cursor::new(data)),
         })
     }
+}
+
+/// Runs `work` on a new thread at the lowest CPU priority (nice 19) and returns its
+/// result. Snapshot encoding is seconds of CPU for a large state; on a machine whose cores
+/// also serve requests it must only use what they leave idle, or it shows up as request
+/// latency. (A thread of its own: a pooled blocking thread would keep the priority.)
+async fn in_background<T: Send + 'static>(
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, StorageError> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("allot-snapshot".into())
+        .spawn(move || {
+            // Linux: the nice value is per thread; 0 names the calling thread. Failure
+            // only leaves the default priority.
+            // SAFETY: setpriority has no memory-safety preconditions.
+            let _ = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) };
+            let _ = tx.send(work());
+        })
+        .map_err(io_write)?;
+    rx.await.map_err(io_write)
 }
 
 /// Stores a snapshot durably *without* the write-ahead log: the WAL is shared by every
@@ -280,6 +359,8 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             db: self.db.clone(),
             inner: self.inner.clone(),
             seq: self.snapshot_seq,
+            metrics: self.metrics.clone(),
+            trigger: self.trigger.clone(),
         }
     }
 
@@ -293,7 +374,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError> {
         let data = snapshot.into_inner();
+        let mark = self.trigger.as_ref().map_or(0, |t| t.mark());
         let state = State::decode(&data).map_err(io_read)?;
+        let bytes = data.len() as u64;
         save_snapshot(
             &self.db,
             self.shard,
@@ -310,6 +393,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         }
         self.applied_tx
             .send_replace(meta.last_log_id.map(|l| l.index).unwrap_or(0));
+        if let Some(t) = &self.trigger {
+            t.taken(mark, bytes);
+        }
         Ok(())
     }
 

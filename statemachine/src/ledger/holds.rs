@@ -7,10 +7,10 @@ use super::tenancy::check_gpu_types;
 use super::{Books, Bucket, Ctx, Draw, Hold, HoldTable, Ledger};
 use crate::audit::EventBody;
 use crate::command::HoldSpec;
+use crate::idmap::SharedQueue;
 use crate::ids::{Account, BucketId, HoldId};
 use crate::limits::*;
 use crate::outcome::{CommandError, DrawReport, Limit, Settlement};
-use std::collections::VecDeque;
 
 impl Hold {
     pub(crate) fn path(&self) -> SpendPath {
@@ -39,7 +39,7 @@ pub(crate) struct HoldCtx<'a> {
     pub books: &'a mut Books,
     pub hold: &'a mut Hold,
     open: &'a mut usize,
-    settled_queue: &'a mut VecDeque<(u64, HoldId)>,
+    settled_queue: &'a mut SharedQueue<(u64, HoldId)>,
 }
 
 impl HoldCtx<'_> {

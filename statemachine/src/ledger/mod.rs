@@ -20,11 +20,11 @@ pub(crate) use tenancy::check_gpu_types;
 
 use crate::audit::{EventBody, PendingEvent};
 use crate::command::{BucketKind, BucketPolicy};
-use crate::idmap::IdMap;
+use crate::idmap::{IdMap, SharedMap, SharedQueue};
 use crate::ids::{Account, BucketId, GpuType, HoldId, OrgId, ProjectId, Tier, UserId};
 use crate::outcome::Settlement;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Ledger settings, fixed at shard creation (replicated with the state).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -233,14 +233,16 @@ pub struct Books {
 /// Open holds and settled tombstones.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HoldTable {
-    pub map: IdMap<HoldId, Hold>,
+    /// Persistent (O(1) clone): settled tombstones stay for the retention window, so
+    /// the table grows with history, and a snapshot clones the state under the apply lock.
+    pub map: SharedMap<HoldId, Hold>,
     pub open: usize,
     /// Settled holds in settlement order, pruned after `settled_retention_ms`.
-    pub settled_queue: VecDeque<(u64, HoldId)>,
+    pub settled_queue: SharedQueue<(u64, HoldId)>,
 }
 
 impl std::ops::Deref for HoldTable {
-    type Target = IdMap<HoldId, Hold>;
+    type Target = SharedMap<HoldId, Hold>;
     fn deref(&self) -> &Self::Target {
         &self.map
     }
