@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building allot needs on a fresh Debian 12 machine, and nothing twice.
 # - clang + libclang-dev: bindgen for RocksDB's C++ build (used by allot-node).
+# - with --test: cargo-nextest (from crates.io), which runs the suite with the test
+#   groups that keep the real-cluster tests one at a time (.config/nextest.toml).
 # - the Rust toolchain pinned in rust-toolchain.toml must already be present (rustup).
 # .proto files are compiled with protox (pure Rust): no system protoc.
 set -euo pipefail
@@ -17,4 +19,12 @@ if ((${#need[@]})); then
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
-command -v cargo >/dev/null || { echo "setup: cargo not found; install Rust (rustup) first" >&2; exit 1; }
+command -v cargo >/dev/null || {
+  echo "setup: cargo not found: install the Rust toolchain first (https://rustup.rs), then re-run" >&2
+  exit 1
+}
+
+if [ "${1:-}" = "--test" ] && ! cargo nextest --version >/dev/null 2>&1; then
+  echo "setup: installing cargo-nextest (cargo install, a few minutes)" >&2
+  cargo install --locked cargo-nextest
+fi

@@ -7,8 +7,8 @@ source scripts/env.sh
 
 step() { printf '\n== %s\n' "$*" >&2; }
 
-step "setup (apt packages if missing)"
-scripts/setup.sh
+step "setup (apt packages and cargo-nextest if missing)"
+scripts/setup.sh --test
 
 step "format"
 cargo fmt --all -- --check
@@ -24,8 +24,4 @@ cargo test --workspace --locked --doc
 
 # Last, so its summary is the closing line.
 step "tests (nextest)"
-if cargo nextest --version >/dev/null 2>&1; then
-  cargo nextest run --workspace --locked --no-fail-fast
-else
-  cargo test --workspace --locked --no-fail-fast
-fi
+cargo nextest run --workspace --locked --no-fail-fast

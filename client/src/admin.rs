@@ -1,10 +1,13 @@
-//! Cluster administration through the `Admin` service: initialising a new cluster.
+//! Cluster administration through the `Admin` service: initialising a new cluster, and
+//! backups of shards.
 
 use crate::error::{Error, Result};
 use crate::transport::Client;
-use allot_proto::{InitRequest, Member};
+use allot_proto::{InitRequest, Member, ShardRequest};
+use allot_statemachine::backup::ShardBackup;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
+use tokio_stream::StreamExt;
 
 impl Client {
     /// A request for a raw gRPC call (e.g. on [`Client::admin_at`]) carrying this
@@ -76,5 +79,56 @@ impl Client {
                 Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
             }
         }
+    }
+
+    /// A consistent copy of one shard (state at an applied index, Raft position, voters,
+    /// audit rows), verified here before it is returned. Asked of each endpoint in turn:
+    /// a replica that caught up from a snapshot lacks part of the audit trail and
+    /// declines, and an unreachable one is skipped. The deadline is per endpoint and
+    /// grows with the state (`timeout` × 10: the copy is encoded whole).
+    pub async fn backup(&self, shard: u32) -> Result<ShardBackup> {
+        let mut last = String::from("no endpoints");
+        for addr in self.endpoints().to_vec() {
+            let req = self.request(ShardRequest { shard }, self.attempt_timeout() * 10);
+            let stream = match self.admin_at(&addr)?.backup(req).await {
+                Ok(s) => s.into_inner(),
+                Err(s) => {
+                    let e = Error::from_status(&s);
+                    match s.code() {
+                        tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => {
+                            last = format!("{addr}: {e}");
+                            continue;
+                        }
+                        _ => return Err(e),
+                    }
+                }
+            };
+            let mut bytes = Vec::new();
+            let mut chunks = stream;
+            let mut broken = None;
+            while let Some(chunk) = chunks.next().await {
+                match chunk {
+                    Ok(c) => bytes.extend_from_slice(&c.data),
+                    Err(s) => {
+                        broken = Some(format!("{addr}: {}", Error::from_status(&s)));
+                        break;
+                    }
+                }
+            }
+            if let Some(b) = broken {
+                last = b;
+                continue;
+            }
+            let backup = ShardBackup::decode(&bytes).map_err(|e| Error::Decode(e.to_string()))?;
+            backup
+                .verify()
+                .map_err(|e| Error::Decode(format!("backup of shard {shard} from {addr}: {e}")))?;
+            return Ok(backup);
+        }
+        Err(Error::Unavailable {
+            attempts: self.endpoints().len() as u32,
+            elapsed: Duration::ZERO,
+            last,
+        })
     }
 }

@@ -6,7 +6,9 @@ use crate::error::{Error, Result};
 use crate::transport::Client;
 use allot_proto::{AuditRequest, WatchRequest};
 use allot_statemachine::ledger::{Balance, PriceTable, Totals};
-use allot_statemachine::query::{Answer, BudgetView, JobFilter, JobsPage, Query, TierQueue};
+use allot_statemachine::query::{
+    Answer, BudgetView, JobFilter, JobsPage, Query, TierQueue, UsageQuery, UsageRow,
+};
 use allot_statemachine::scheduler::{GpuNode, Job, JobState, SchedulerSettings};
 use allot_statemachine::{
     codec, Account, AuditEvent, BucketId, BudgetScope, BudgetSpec, Command, GpuType, Grant, HoldId,
@@ -266,6 +268,40 @@ impl Client {
         self.run_for_org(org, Command::SetQuota { org, quota })
             .await
             .map(drop)
+    }
+
+    /// The fair-share weight of an org (admin), or of a project or user of `org` (its
+    /// org token may set those); `None` returns it to the default (100).
+    pub async fn set_share_weight(
+        &self,
+        org: OrgId,
+        scope: BudgetScope,
+        weight: Option<u32>,
+    ) -> Result<()> {
+        self.run_for_org(org, Command::SetShareWeight { scope, weight })
+            .await
+            .map(drop)
+    }
+
+    /// The top consumers at `q.level` by credits used in `q.period`, largest first. With
+    /// `q.org` set, from that org's home shard; otherwise from every shard, merged.
+    pub async fn usage(&self, q: UsageQuery) -> Result<Vec<UsageRow>> {
+        let shards = match q.org {
+            Some(org) => vec![self.shard_of_org(org).await?],
+            None => (0..self.shards().await?).collect(),
+        };
+        let mut rows = Vec::new();
+        for shard in shards {
+            match self.query(shard, &Query::Usage(q)).await? {
+                Answer::Usage(r) => rows.extend(r),
+                other => return unexpected("usage", other),
+            }
+        }
+        rows.sort_by(|a, b| b.used_micro.cmp(&a.used_micro).then(a.scope.cmp(&b.scope)));
+        if q.limit > 0 {
+            rows.truncate(q.limit as usize);
+        }
+        Ok(rows)
     }
 
     /// Per tier of a shard: queued jobs, the oldest one's wait, GPUs running.

@@ -335,6 +335,49 @@ fn budgets_quotas_scheduler(eps: &str) {
         ],
     );
     assert_eq!(u(&v[0]["settings"]["grace_ms"]), 2_000);
+    let v = json(
+        eps,
+        &[
+            "scheduler",
+            "configure",
+            "--shard",
+            SHARD,
+            "--node-failure-requeues",
+            "1",
+        ],
+    );
+    assert_eq!(u(&v[0]["settings"]["node_failure_requeues_max"]), 1);
+    // Fair-share weights: a project of org 1 weighs 250, then back to the default.
+    let v = json(
+        eps,
+        &[
+            "share",
+            "set",
+            "--org",
+            "1",
+            "--scope",
+            "project:11",
+            "--weight",
+            "250",
+        ],
+    );
+    assert_eq!(
+        (v["scope"]["Project"].as_u64(), u(&v["weight"])),
+        (Some(11), 250)
+    );
+    let v = json(
+        eps,
+        &[
+            "share",
+            "set",
+            "--org",
+            "1",
+            "--scope",
+            "project:11",
+            "--clear",
+        ],
+    );
+    assert_eq!(u(&v["weight"]), 100);
     let v = json(eps, &["scheduler", "show", "--shard", SHARD]);
     assert_eq!(u(&v[0]["settings"]["node_lease_ms"]), 600_000);
     assert_eq!(u(&v[0]["settings"]["grace_ms"]), 2_000);
@@ -402,6 +445,19 @@ fn jobs_and_nodes(eps: &str) {
     );
     let b = json(eps, &["balance", "--org", "1", "--project", "11"]);
     assert_eq!(u(&b["held_micro"]), 4 * C);
+    // The usage ranking counts the held credit against project 11 this month.
+    let top = json(
+        eps,
+        &["usage", "--level", "project", "--org", "1", "--limit", "5"],
+    );
+    let row = top
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["scope"]["Project"].as_u64() == Some(11))
+        .unwrap_or_else(|| panic!("project 11 not ranked: {top}"));
+    assert!(u(&row["held_micro"]) >= 4 * C, "{row}");
+    assert!(u(&row["used_micro"]) >= u(&row["held_micro"]), "{row}");
     assert_eq!(
         u(&b["available_micro"]),
         u(&before["available_micro"]) - 4 * C

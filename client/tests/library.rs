@@ -115,7 +115,7 @@ async fn a_submit_retried_after_a_client_timeout_charges_once() {
     let leader = cluster.leader_of(shard).await.unwrap();
     let proxy = mute_proxy(cluster.node(leader).addr.clone()).await;
     let impatient = Client::builder()
-        .endpoints([proxy])
+        .endpoints([proxy.clone()])
         .shards(c.shards().await.unwrap())
         .attempt_timeout(Duration::from_millis(500))
         .retries(0)
@@ -171,6 +171,63 @@ async fn a_submit_retried_after_a_client_timeout_charges_once() {
         .filter(|e| matches!(e.body, EventBody::HoldDrawn { .. }))
         .count();
     assert_eq!(holds_drawn, 1, "one draw in the audit trail");
+
+    // The library retries by itself: its first attempt goes to the mute proxy (the
+    // first endpoint it tries for this shard) and times out; the retry goes to the next
+    // endpoint with the same request id (generated once by `submit_job`) and is answered
+    // with the first outcome.
+    let leader_addr = cluster.node(leader).addr.clone();
+    let eps = if shard % 2 == 0 {
+        [proxy.clone(), leader_addr]
+    } else {
+        [leader_addr, proxy.clone()]
+    };
+    let retrying = Client::builder()
+        .endpoints(eps)
+        .shards(c.shards().await.unwrap())
+        .attempt_timeout(Duration::from_millis(500))
+        .retries(4)
+        .build()
+        .unwrap();
+    let mut spec78 = Harness::job_spec(78, Tier::PAID, vec![a100()], 2);
+    spec78.max_duration_ms = 3_600_000;
+    let reply = retrying.submit_job(ORG, spec78).await.unwrap();
+    assert!(
+        matches!(reply, Reply::JobSubmitted { hold_micro, .. } if hold_micro == 4 * CREDITS),
+        "{reply:?}"
+    );
+    assert_eq!(held(&c).await, 8 * CREDITS, "job 78 held once");
+    let events = c
+        .audit(
+            shard,
+            AuditFilter {
+                hold: Some(HoldId(78)),
+                ..AuditFilter::default()
+            },
+            0,
+            1_000,
+        )
+        .await
+        .unwrap()
+        .events;
+    let submits = |replayed: bool| {
+        events
+            .iter()
+            .filter(|e| matches!(e.body, EventBody::Command { replayed: r, .. } if r == replayed))
+            .count()
+    };
+    assert_eq!(submits(false), 1, "applied once: {events:?}");
+    assert!(
+        submits(true) >= 1,
+        "the library's retry reached the shard and was answered from the idempotency table"
+    );
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| matches!(e.body, EventBody::HoldDrawn { .. }))
+            .count(),
+        1
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

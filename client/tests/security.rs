@@ -70,13 +70,28 @@ async fn tenant_isolation_revocation_and_agent_scope_on_a_real_cluster() {
     for n in &c.nodes {
         init.extend(["--member".into(), format!("{}={}", n.id, n.addr)]);
     }
-    let v = json(&eps, &init.iter().map(String::as_str).collect::<Vec<_>>());
+    let mut init_json: Vec<&str> = init.iter().map(String::as_str).collect();
+    init_json.extend(["-o", "json"]);
+    let o = ctl(&eps, &init_json);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    let v: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
     assert_eq!(v["secured"], true);
     let admin_token = std::fs::read_to_string(&token_file)
         .unwrap()
         .trim()
         .to_string();
     assert_eq!(v["admin_token"].as_str(), Some(admin_token.as_str()));
+    // Init says how to use the token (on stderr, so stdout stays one JSON document).
+    assert!(
+        o.stderr.contains("export ALLOTCTL_TOKEN") && o.stderr.contains(&admin_token),
+        "{}",
+        o.stderr
+    );
+    // These nodes run without --insecure-dev-mode: none of them logged the dev-mode
+    // warning (the dev-mode clusters' nodes do: node/tests/api.rs).
+    for n in &c.nodes {
+        assert!(!c.log_tail(n.id, 500).contains("INSECURE DEV MODE"));
+    }
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(
         std::fs::metadata(&token_file).unwrap().permissions().mode() & 0o777,

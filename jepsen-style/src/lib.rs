@@ -25,7 +25,13 @@ pub mod workloads;
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Verdict {
     pub checker: String,
+    /// No violation found (true also for `unknown`).
     pub ok: bool,
+    /// The checker could not decide (e.g. its search budget ran out): no violation was
+    /// found, but none was ruled out either. Like Jepsen's `:valid? :unknown`, it does
+    /// not fail the run, and it is never printed as a pass.
+    #[serde(default)]
+    pub unknown: bool,
     /// What was checked (counts), or the first counter-example.
     pub detail: String,
 }
@@ -35,6 +41,7 @@ impl Verdict {
         Verdict {
             checker: checker.to_string(),
             ok: true,
+            unknown: false,
             detail: detail.into(),
         }
     }
@@ -43,7 +50,26 @@ impl Verdict {
         Verdict {
             checker: checker.to_string(),
             ok: false,
+            unknown: false,
             detail: detail.into(),
+        }
+    }
+
+    pub fn unknown(checker: &str, detail: impl Into<String>) -> Verdict {
+        Verdict {
+            checker: checker.to_string(),
+            ok: true,
+            unknown: true,
+            detail: detail.into(),
+        }
+    }
+
+    /// How a report marks it: `ok`, `??` (unknown) or `FAIL`.
+    pub fn mark(&self) -> &'static str {
+        match (self.ok, self.unknown) {
+            (false, _) => "FAIL",
+            (true, true) => "??  ",
+            (true, false) => "ok  ",
         }
     }
 

@@ -66,15 +66,14 @@ impl RunReport {
             self.fail,
             self.info,
             self.nemesis_events,
-            if self.passed() { "PASS" } else { "FAIL" }
+            match (self.passed(), self.verdicts.iter().any(|v| v.unknown)) {
+                (false, _) => "FAIL",
+                (true, true) => "PASS (some checker could not decide: ??)",
+                (true, false) => "PASS",
+            }
         );
         for v in &self.verdicts {
-            println!(
-                "   {} {:<48} {}",
-                if v.ok { "ok  " } else { "FAIL" },
-                v.checker,
-                v.detail
-            );
+            println!("   {} {:<48} {}", v.mark(), v.checker, v.detail);
         }
         println!("   faults: {:?}", self.nemesis_kinds);
         for n in &self.notes {

@@ -281,6 +281,28 @@ fn bank_conservation_break_at_a_read_fails() {
 }
 
 #[test]
+fn bank_read_that_is_not_a_balance_fails() {
+    // An unexpected answer (recorded as text) must not pass as 0 = 0.
+    let ops = bank_history(json!("Balance(None)"), good_final());
+    let v = verdict(
+        &ops,
+        Workload::LedgerBank,
+        "bank/conservation-at-every-read",
+    );
+    assert!(!v.ok, "{v:?}");
+    // Nor a read missing one figure.
+    let mut partial = bal(I + 5, 0, 0, I, 5, 0);
+    partial.as_object_mut().unwrap().remove("moved_out");
+    let ops = bank_history(partial, good_final());
+    let v = verdict(
+        &ops,
+        Workload::LedgerBank,
+        "bank/conservation-at-every-read",
+    );
+    assert!(!v.ok, "{v:?}");
+}
+
+#[test]
 fn bank_transfer_applied_twice_fails() {
     let fin = bank_final(
         [

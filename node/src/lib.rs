@@ -7,6 +7,7 @@
 //! [`auth`] (credentials at the edge), [`ratelimit`] (edge protection), [`metrics`], [`serve`].
 
 pub mod auth;
+pub mod backup;
 #[cfg(feature = "chaos")]
 pub mod chaos;
 pub mod clock;

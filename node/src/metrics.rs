@@ -35,6 +35,14 @@ fn must<T>(r: prometheus::Result<T>) -> T {
     r.unwrap_or_else(|e| panic!("metric definition: {e}"))
 }
 
+/// Latency buckets (seconds) fine enough to tell a 10 ms target from its neighbours.
+fn latency_buckets() -> Vec<f64> {
+    vec![
+        0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+        0.075, 0.1, 0.25, 0.5, 1.0, 2.5,
+    ]
+}
+
 impl Metrics {
     pub fn new() -> Metrics {
         let registry = Registry::new_custom(Some("allot".into()), None).unwrap_or_default();
@@ -49,9 +57,8 @@ impl Metrics {
             &["method", "result"],
         ));
         let latency = must(HistogramVec::new(
-            HistogramOpts::new("request_seconds", "gRPC request latency by method").buckets(vec![
-                0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-            ]),
+            HistogramOpts::new("request_seconds", "gRPC request latency by method")
+                .buckets(latency_buckets()),
             &["method"],
         ));
         let stage = must(HistogramVec::new(
@@ -59,17 +66,12 @@ impl Metrics {
                 "proposal_stage_seconds",
                 "Proposal time per stage and shard",
             )
-            .buckets(vec![
-                0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-            ]),
+            .buckets(latency_buckets()),
             &["shard", "stage"],
         ));
         let wal_sync = must(prometheus::Histogram::with_opts(
-            HistogramOpts::new("wal_sync_seconds", "WAL fsync duration (group commit)").buckets(
-                vec![
-                    0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5,
-                ],
-            ),
+            HistogramOpts::new("wal_sync_seconds", "WAL fsync duration (group commit)")
+                .buckets(latency_buckets()),
         ));
         let raft = must(GaugeVec::new(
             Opts::new(

@@ -254,7 +254,7 @@ impl Node {
     }
 }
 
-fn check_shard_count(db: &rocksdb::DB, shards: u32) -> anyhow::Result<()> {
+pub(crate) fn check_shard_count(db: &rocksdb::DB, shards: u32) -> anyhow::Result<()> {
     let meta = store::cf(db, store::CF_META);
     let key = store::shard_key(u32::MAX, SHARD_COUNT_KEY);
     match db.get_cf(meta, &key)? {

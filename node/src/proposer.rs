@@ -34,6 +34,8 @@ pub struct ProposerConfig {
     pub tick: Duration,
     /// Slew bound of logical time, parts per million of elapsed time.
     pub slew_ppm: u64,
+    /// Proposals slower than this end to end are logged with their stage times.
+    pub slow: Option<Duration>,
 }
 
 impl Default for ProposerConfig {
@@ -45,6 +47,7 @@ impl Default for ProposerConfig {
             queue: 65_536,
             tick: Duration::from_millis(1000),
             slew_ppm: 200_000,
+            slow: Some(Duration::from_secs(1)),
         }
     }
 }
@@ -215,12 +218,16 @@ impl ProposerTask {
                 .with_label_values(&[&shard_label, "queue"]);
             let mut requests = Vec::with_capacity(count);
             let mut spans = Vec::with_capacity(group.len());
+            let mut longest_wait = Duration::ZERO;
             for p in group {
                 let start = requests.len();
                 requests.extend(p.requests);
-                queue_wait.observe(p.enqueued.elapsed().as_secs_f64());
+                let waited = p.enqueued.elapsed();
+                longest_wait = longest_wait.max(waited);
+                queue_wait.observe(waited.as_secs_f64());
                 spans.push((start, requests.len(), p.reply));
             }
+            let n_requests = requests.len();
             self.metrics
                 .batch_size
                 .with_label_values(&[&self.shard.to_string()])
@@ -246,6 +253,7 @@ impl ProposerTask {
                 }
             };
             let raft = self.raft.clone();
+            let (shard, slow) = (self.shard, self.config.slow);
             tokio::spawn(async move {
                 let _permit = permit;
                 let rx_write = rx_write;
@@ -256,7 +264,20 @@ impl ProposerTask {
                         Ok(Err(ClientWriteError::ForwardToLeader(_))) => Err(not_leader(&raft)),
                         Ok(Err(e)) => Err(ProposeError::Raft(e.to_string())),
                     };
-                commit.observe(proposed.elapsed().as_secs_f64());
+                let committed = proposed.elapsed();
+                commit.observe(committed.as_secs_f64());
+                if slow.is_some_and(|s| longest_wait + committed >= s) {
+                    // The stage times of a tail request, for whoever investigates it (the
+                    // histograms say how often; this says when and where).
+                    tracing::warn!(
+                        shard,
+                        requests = n_requests,
+                        log_index = result.as_ref().map(|r| r.data.log_index).unwrap_or(0),
+                        queue_wait_ms = longest_wait.as_millis() as u64,
+                        commit_apply_ms = committed.as_millis() as u64,
+                        "slow proposal"
+                    );
+                }
                 match result {
                     Ok(resp) => {
                         let Applied {

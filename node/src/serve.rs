@@ -109,10 +109,20 @@ pub fn refresh_and_encode(node: &Node) -> String {
             .with_label_values(&[&shard, "used"])
             .set(g.state.scheduler.used_gpus as f64);
         let t = g.state.ledger.totals;
+        // Credits reserved by open holds: every hold's path ends at its org, so the
+        // orgs' usage counters add up to the shard's held total (one pass per scrape).
+        let held: u128 = g
+            .state
+            .ledger
+            .orgs
+            .values()
+            .map(|o| o.account.usage.held as u128)
+            .sum();
         for (kind, v) in [
             ("issued", t.issued),
             ("consumed", t.consumed),
             ("expired", t.expired),
+            ("held", held),
         ] {
             m.credits.with_label_values(&[&shard, kind]).set(v as f64);
         }

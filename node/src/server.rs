@@ -326,6 +326,9 @@ impl Allot for Services {
 }
 
 type AssignmentStream = Pin<Box<dyn Stream<Item = Result<Assignments, Status>> + Send>>;
+type BackupStream = Pin<Box<dyn Stream<Item = Result<BackupChunk, Status>> + Send>>;
+/// Backup chunks stay well under every gRPC message bound.
+const BACKUP_CHUNK_BYTES: usize = 1 << 20;
 
 #[tonic::async_trait]
 impl Agent for Services {
@@ -604,6 +607,32 @@ impl Admin for Services {
                 .map(|s| shard_status(&self.node, s))
                 .collect(),
         }))
+    }
+
+    type BackupStream = BackupStream;
+
+    async fn backup(
+        &self,
+        req: tonic::Request<ShardRequest>,
+    ) -> Result<tonic::Response<BackupStream>, Status> {
+        auth::require_admin(&self.node, req.metadata(), "admin:backup", false)?;
+        let id = shard_of(&self.node, req.into_inner().shard)?.id;
+        let node = self.node.clone();
+        // Encoding a large state takes a while: off the runtime's workers.
+        let bytes = tokio::task::spawn_blocking(move || {
+            crate::backup::take(&node, &node.shards[id as usize]).map(|b| b.encode())
+        })
+        .await
+        .map_err(|e| Status::internal(format!("backup task: {e}")))?
+        .map_err(|e| match e {
+            crate::backup::BackupError::AuditGap(_) => Status::unavailable(e.to_string()),
+            e => Status::internal(e.to_string()),
+        })?;
+        let chunks: Vec<Result<BackupChunk, Status>> = bytes
+            .chunks(BACKUP_CHUNK_BYTES)
+            .map(|c| Ok(BackupChunk { data: c.to_vec() }))
+            .collect();
+        Ok(tonic::Response::new(Box::pin(tokio_stream::iter(chunks))))
     }
 
     async fn shard_hash(

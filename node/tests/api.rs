@@ -213,6 +213,16 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
         "{metrics}"
     );
     assert!(metrics.contains("allot_proposal_batch_size"), "{metrics}");
+    // A dev-mode node says so loudly at start (three warnings).
+    let log = c.log_tail(leader, 10_000);
+    assert_eq!(log.matches("INSECURE DEV MODE").count(), 3, "{log}");
+    // The placed job's hold is counted in the shard's held credits.
+    let held: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("allot_credits_micro{kind=\"held\",shard=\"0\"} "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no held credits gauge in {metrics}"));
+    assert!(held > 0.0, "held credits {held}");
 
     // ---- bad input: typed errors, nothing applied, the node keeps serving.
     let mut l = raw(&leader_addr).await;

@@ -24,17 +24,9 @@ fn target(
             (Some(*org), CommandError::UnknownOrg)
         }
         Command::IssueGrant(g) => (ledger.org_of(g.owner), unknown_account(g.owner)),
-        Command::SetBudget { scope, .. } => match scope {
-            BudgetScope::Org(o) => (ledger.org_of(Account::Org(*o)), CommandError::UnknownOrg),
-            BudgetScope::Project(p) => (
-                ledger.org_of(Account::Project(*p)),
-                CommandError::UnknownProject,
-            ),
-            BudgetScope::User(u) => (
-                ledger.users.get(u).map(|r| r.org),
-                CommandError::UnknownUser,
-            ),
-        },
+        Command::SetBudget { scope, .. } | Command::SetShareWeight { scope, .. } => {
+            scope_org(ledger, *scope)
+        }
         Command::CreateHold(spec) => (
             ledger.org_of(Account::Project(spec.project)),
             CommandError::UnknownProject,
@@ -68,6 +60,21 @@ fn target(
     })
 }
 
+/// The org an org, project or user belongs to, and the error naming a missing one.
+pub(crate) fn scope_org(ledger: &Ledger, scope: BudgetScope) -> (Option<OrgId>, CommandError) {
+    match scope {
+        BudgetScope::Org(o) => (ledger.org_of(Account::Org(o)), CommandError::UnknownOrg),
+        BudgetScope::Project(p) => (
+            ledger.org_of(Account::Project(p)),
+            CommandError::UnknownProject,
+        ),
+        BudgetScope::User(u) => (
+            ledger.users.get(&u).map(|r| r.org),
+            CommandError::UnknownUser,
+        ),
+    }
+}
+
 /// Commands only an admin may issue.
 fn admin_only(command: &Command) -> bool {
     matches!(
@@ -80,6 +87,10 @@ fn admin_only(command: &Command) -> bool {
             | Command::RegisterNode(_)
             | Command::SetNodeDraining { .. }
             | Command::SetQuota { .. }
+            | Command::SetShareWeight {
+                scope: BudgetScope::Org(_),
+                ..
+            }
     )
 }
 

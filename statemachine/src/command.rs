@@ -284,6 +284,16 @@ pub enum Command {
         node: u64,
         denials: Vec<Denial>,
     },
+    // -- appended (the encoding is positional) --
+    /// The fair-share weight of an org, project or user (None: back to the default,
+    /// `SHARE_WEIGHT_DEFAULT`). Inside a tier the scheduler divides each one's decayed
+    /// GPU usage by its weight: twice the weight, twice the share under contention.
+    /// Org weights are the operator's (admin); an org may weigh its own projects and
+    /// users.
+    SetShareWeight {
+        scope: BudgetScope,
+        weight: Option<u32>,
+    },
 }
 
 /// One refused call at a node's edge.
@@ -379,6 +389,7 @@ impl Command {
             Command::RotateToken { .. } => "rotate_token",
             Command::RevokeToken { .. } => "revoke_token",
             Command::RecordDenials { .. } => "record_denials",
+            Command::SetShareWeight { .. } => "set_share_weight",
         }
     }
 
@@ -394,6 +405,7 @@ impl Command {
                 | Command::JobHeartbeat(_)
                 | Command::FinishJob { .. }
                 | Command::SetQuota { .. }
+                | Command::SetShareWeight { .. }
         )
     }
 

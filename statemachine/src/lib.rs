@@ -36,6 +36,7 @@
 
 pub mod audit;
 mod authz;
+pub mod backup;
 pub mod calendar;
 pub mod codec;
 pub mod command;

@@ -2,6 +2,11 @@
 //! Each bound is checked with a typed error (or a bounded loop) where it applies, and
 //! tested at the bound.
 
+/// Fair-share weights (`Command::SetShareWeight`): the default, and the largest.
+pub const SHARE_WEIGHT_DEFAULT: u32 = 100;
+pub const SHARE_WEIGHT_MAX: u32 = 10_000;
+/// Rows one usage ranking (`Query::Usage`) returns at most.
+pub const USAGE_ROWS_MAX: u32 = 1_000;
 /// Commands one log entry may carry; the node's batching proposer stays below it.
 pub const COMMANDS_PER_ENTRY_MAX: usize = 8_192;
 /// Organisations per shard.

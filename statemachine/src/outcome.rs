@@ -140,6 +140,13 @@ pub enum CommandError {
     AlreadyBootstrapped,
     #[error("unknown principal")]
     UnknownPrincipal,
+    // -- appended (the encoding is positional) --
+    /// A well-formed GPU type that the shard has neither a price nor a node for (a typo,
+    /// or a type this pool does not have).
+    #[error("unknown GPU type {0}: no price and no node of this type")]
+    UnknownGpuType(GpuType),
+    #[error("a share weight must be between 1 and 10,000")]
+    InvalidShareWeight,
 }
 
 /// Which scheduler setting is out of bounds (`scheduler::settings_bounds`).
@@ -160,6 +167,8 @@ pub enum ConfigProblem {
     /// floor ≤ ceiling ≤ 100 per tier, and floors add up to at most 100.
     TierShare,
     TierWait,
+    // Appended (the encoding is positional).
+    NodeFailureRequeues,
 }
 
 /// What is wrong with a node registration.
@@ -272,4 +281,6 @@ pub enum Reply {
     DenialsRecorded {
         count: u32,
     },
+    // Appended (the encoding is positional).
+    ShareWeightSet,
 }

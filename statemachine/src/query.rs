@@ -8,6 +8,7 @@
 use crate::command::{BudgetScope, BudgetSpec};
 use crate::ids::{Account, Actor, JobId, NodeId, OrgId, ProjectId, Tier, UserId};
 use crate::ledger::{Balance, PriceTable, Totals, Usage};
+use crate::limits::USAGE_ROWS_MAX;
 use crate::scheduler::{GpuNode, Job, JobState, SchedulerSettings};
 use crate::{check_invariants, State};
 use serde::{Deserialize, Serialize};
@@ -46,6 +47,43 @@ pub enum Query {
     Budget(BudgetScope),
     /// The scheduler's current settings.
     SchedulerSettings,
+    // -- appended (the encoding is positional) --
+    /// The top consumers at one level (orgs, projects or users), by credits used (held
+    /// plus spent) in a budget period, largest first; with their decayed GPU usage,
+    /// running GPUs and fair-share weight.
+    Usage(UsageQuery),
+}
+
+/// Which level a usage ranking ranks, over what.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum UsageLevel {
+    Org,
+    Project,
+    User,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UsageQuery {
+    pub level: UsageLevel,
+    /// Only accounts of this org (tenants are confined to their own).
+    pub org: Option<OrgId>,
+    pub period: crate::command::BudgetPeriod,
+    /// Rows wanted, 1..=`USAGE_ROWS_MAX` (0 means the maximum).
+    pub limit: u32,
+}
+
+/// One ranked org, project or user.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UsageRow {
+    pub scope: BudgetScope,
+    pub org: OrgId,
+    /// Held now plus spent in the period (what budgets count); the ranking key.
+    pub used_micro: u64,
+    pub held_micro: u64,
+    /// GPU-milliseconds of decayed usage behind fair share (half-life in logical time).
+    pub gpu_ms_decayed: u64,
+    pub running_gpus: u32,
+    pub share_weight: u32,
 }
 
 /// Which jobs a `Jobs` query returns. Every set field must match.
@@ -105,6 +143,8 @@ pub enum Answer {
     /// `None`: unknown org, project or user.
     Budget(Option<BudgetView>),
     SchedulerSettings(SchedulerSettings),
+    /// Largest first; ties by id.
+    Usage(Vec<UsageRow>),
 }
 
 /// Why a query was refused (the node answers PERMISSION_DENIED / UNAUTHENTICATED).
@@ -134,6 +174,7 @@ impl Query {
             Query::Prices => "prices",
             Query::Budget(_) => "budget",
             Query::SchedulerSettings => "scheduler_settings",
+            Query::Usage(_) => "usage",
         }
     }
 }
@@ -213,6 +254,27 @@ pub fn answer_as(state: &State, caller: Actor, q: &Query) -> Result<Answer, Quer
                 Answer::Budget(None)
             }
         }
+        Query::Usage(u) => {
+            let foreign = u.org.is_some_and(|o| o != org);
+            match (project, u.level) {
+                _ if foreign => Answer::Usage(Vec::new()),
+                (Some(_), UsageLevel::Org | UsageLevel::User) => {
+                    return Err(QueryDenied::PermissionDenied)
+                }
+                (p, _) => {
+                    let mut rows = usage(
+                        state,
+                        &UsageQuery {
+                            org: Some(org),
+                            ..*u
+                        },
+                        p,
+                    );
+                    rows.truncate(usage_limit(u.limit));
+                    Answer::Usage(rows)
+                }
+            }
+        }
         Query::Balance { .. }
         | Query::Job(_)
         | Query::QueueDepth
@@ -255,7 +317,116 @@ pub fn answer(state: &State, q: &Query) -> Answer {
         Query::Prices => Answer::Prices(state.ledger.prices.clone()),
         Query::Budget(scope) => Answer::Budget(budget(state, *scope)),
         Query::SchedulerSettings => Answer::SchedulerSettings(state.config.scheduler.settings()),
+        Query::Usage(u) => Answer::Usage(usage(state, u, None)),
     }
+}
+
+fn usage_limit(limit: u32) -> usize {
+    let n = match limit {
+        0 => USAGE_ROWS_MAX,
+        n => n.min(USAGE_ROWS_MAX),
+    };
+    n as usize
+}
+
+/// Top-k selection over every account of the level (O(n log k), off the apply path, on
+/// any replica): a bounded min-heap keyed by (used, reverse id), so the answer is the
+/// same whatever order the hash tables iterate in. `only_project` confines it to one
+/// project (a project token).
+fn usage(state: &State, u: &UsageQuery, only_project: Option<ProjectId>) -> Vec<UsageRow> {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let (books, sched, now) = (&state.ledger.books, &state.scheduler, state.time_ms);
+    let h = state.config.scheduler.usage_half_life_ms;
+    let k = usage_limit(u.limit);
+    let used = |usage: &crate::ledger::Usage| usage.used(u.period, now);
+    let decayed =
+        |d: Option<&crate::scheduler::usage::DecayedUsage>| d.map_or(0, |d| d.value_at(now, h));
+    // (used, Reverse(id)) ascending = worst kept at the heap's top, as Reverse.
+    let mut heap: BinaryHeap<Reverse<(u64, Reverse<u64>)>> = BinaryHeap::new();
+    let mut offer = |used: u64, id: u64| {
+        heap.push(Reverse((used, Reverse(id))));
+        if heap.len() > k {
+            heap.pop();
+        }
+    };
+    let in_org = |o: OrgId| u.org.is_none_or(|want| want == o);
+    match u.level {
+        UsageLevel::Org => {
+            for (o, r) in books.orgs.iter() {
+                if in_org(*o) {
+                    offer(used(&r.account.usage), o.0);
+                }
+            }
+        }
+        UsageLevel::Project => {
+            for (p, r) in books.projects.iter() {
+                if in_org(r.org) && only_project.is_none_or(|only| only == *p) {
+                    offer(used(&r.account.usage), p.0);
+                }
+            }
+        }
+        UsageLevel::User => {
+            for (id, r) in books.users.iter() {
+                if in_org(r.org) {
+                    offer(used(&r.usage), id.0);
+                }
+            }
+        }
+    }
+    let mut ranked: Vec<(u64, u64)> = heap
+        .into_iter()
+        .map(|Reverse((used, Reverse(id)))| (used, id))
+        .collect();
+    ranked.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    ranked
+        .into_iter()
+        .filter_map(|(used_micro, id)| {
+            let (scope, org, held, gpu_ms, running) = match u.level {
+                UsageLevel::Org => {
+                    let o = OrgId(id);
+                    (
+                        BudgetScope::Org(o),
+                        o,
+                        books.orgs.get(&o)?.account.usage.held,
+                        decayed(sched.usage_org.get(&o)),
+                        sched.running_org.get(&o).copied(),
+                    )
+                }
+                UsageLevel::Project => {
+                    let p = ProjectId(id);
+                    let r = books.projects.get(&p)?;
+                    (
+                        BudgetScope::Project(p),
+                        r.org,
+                        r.account.usage.held,
+                        decayed(sched.usage_project.get(&p)),
+                        sched.running_project.get(&p).copied(),
+                    )
+                }
+                UsageLevel::User => {
+                    let user = UserId(id);
+                    let r = books.users.get(&user)?;
+                    (
+                        BudgetScope::User(user),
+                        r.org,
+                        r.usage.held,
+                        decayed(sched.usage_user.get(&user)),
+                        sched.running_user.get(&user).copied(),
+                    )
+                }
+            };
+            Some(UsageRow {
+                scope,
+                org,
+                used_micro,
+                held_micro: held,
+                gpu_ms_decayed: gpu_ms,
+                running_gpus: running.unwrap_or(0),
+                share_weight: sched.share_weight(scope),
+            })
+        })
+        .collect()
 }
 
 fn jobs_page(state: &State, f: &JobFilter) -> JobsPage {

@@ -5,7 +5,7 @@ use crate::audit::{
 };
 use crate::authz::authorize;
 use crate::codec;
-use crate::command::{Command, Entry, Request};
+use crate::command::{BudgetScope, Command, Entry, Request};
 use crate::idempotency::{fingerprint, IdempotencyTable, Lookup};
 use crate::ids::Actor;
 use crate::ids::{Account, HoldId};
@@ -422,6 +422,9 @@ fn dispatch_scheduler(
             success,
         } => sched.finish(ctx, ledger, cfg, actor, (*job, *attempt, *success)),
         Command::SetQuota { org, quota } => sched.set_quota(ledger, *org, *quota),
+        Command::SetShareWeight { scope, weight } => {
+            sched.set_share_weight(ledger, *scope, *weight)
+        }
         _ => Err(CommandError::Unauthorized),
     }
 }
@@ -554,6 +557,15 @@ fn refs_of(state: &State, command: &Command, mut ev: PendingEvent) -> PendingEve
         Command::CancelJob { job } | Command::FinishJob { job, .. } => hold_refs(HoldId(job.0)),
         Command::JobHeartbeat(hb) => hold_refs(HoldId(hb.job.0)),
         Command::SetQuota { org, .. } => (Some(*org), Some(Account::Org(*org)), None),
+        Command::SetShareWeight { scope, .. } => {
+            let org = crate::authz::scope_org(ledger, *scope).0;
+            let account = match scope {
+                BudgetScope::Org(o) => Some(Account::Org(*o)),
+                BudgetScope::Project(p) => Some(Account::Project(*p)),
+                BudgetScope::User(_) => org.map(Account::Org),
+            };
+            (org, account, None)
+        }
         Command::SetBudget { .. }
         | Command::SetPrices { .. }
         | Command::ConfigureScheduler(_)

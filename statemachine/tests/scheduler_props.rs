@@ -71,8 +71,16 @@ fn placed(h: &Harness) -> Vec<u64> {
         .collect()
 }
 
+/// One requeue after a node failure, so both the requeue and the final platform failure
+/// are reached.
+fn props_config() -> Config {
+    let mut config = Config::default();
+    config.scheduler.node_failure_requeues_max = 1;
+    config
+}
+
 fn run(ops: &[Op]) -> Harness {
-    let mut h = Harness::world();
+    let mut h = Harness::world_with(props_config());
     h.grant(1, Account::Org(ORG), BucketKind::Paid, credits(2_000), None);
     h.grant(
         2,
@@ -192,7 +200,7 @@ proptest! {
     fn scheduling_is_deterministic(ops in proptest::collection::vec(op(), 1..80), cut in any::<prop::sample::Index>()) {
         let h = run(&ops);
         let cut = cut.index(h.entries.len() + 1);
-        let mut replica = State::default();
+        let mut replica = State::new(props_config());
         for e in &h.entries[..cut] {
             apply(&mut replica, e).unwrap();
         }
@@ -242,6 +250,7 @@ fn generator_reaches_every_lifecycle_path() {
         "Failed/Failed",
         "Cancelled/Cancelled",
         "Lost/LeaseExpired",
+        "Queued/NodeDown",
         "Failed/NodeDown",
         "Failed/MaxDuration",
         "node Down",

@@ -72,16 +72,24 @@ fn gpu_type_preference_order_and_price_of_the_placed_type() {
 #[test]
 fn memory_floor_and_gang_all_on_one_node() {
     let mut h = world();
-    h.fleet(&[(1, a100(), 8, 40), (2, a100(), 2, 80), (3, a100(), 2, 80)]);
+    h.fleet(&[(1, a100(), 8, 40), (2, a100(), 2, 80), (3, a100(), 4, 80)]);
     let mut big_mem = Harness::job_spec(10, Tier::PAID, vec![a100()], 2);
     big_mem.mem_floor_gb = 80;
-    submit(&mut h, big_mem);
+    submit(&mut h, big_mem.clone());
     assert_eq!(node_of(&h, 10), Some(2), "node 1 has too little memory");
+    big_mem.job = JobId(12);
+    submit(&mut h, big_mem);
+    assert_eq!(node_of(&h, 12), Some(3));
     let mut gang = Harness::job_spec(11, Tier::PAID, vec![a100()], 4);
     gang.mem_floor_gb = 80;
     submit(&mut h, gang);
-    // 2 free on node 3 and 0 on node 2: 4 GPUs with 80 GB exist only split: stays queued.
+    // 2 free on node 3, 0 on node 2, 8 of 40 GB on node 1: 4 GPUs with 80 GB exist only
+    // split, so the gang job stays queued rather than taking part of them.
     assert_eq!(h.job(11).state, JobState::Queued);
+    // Node 3's other job ends: now the gang fits there, whole.
+    h.job_heartbeat(12, 1, 0).unwrap();
+    h.finish_job(12, true).unwrap();
+    assert_eq!(node_of(&h, 11), Some(3));
 }
 
 #[test]
@@ -226,37 +234,119 @@ fn job_lease_expiry_ends_a_job_as_lost_billed_to_its_last_heartbeat() {
     assert_eq!(late, Err(CommandError::UnknownJob));
 }
 
-#[test]
-fn node_lease_expiry_fails_its_jobs_as_platform_faults() {
-    let mut h = world_default_leases();
+/// Job 10 (4 A100s) runs on node 1, checkpoints at 30 s, heartbeats at 55 s; then the
+/// node goes silent past its lease.
+fn run_job_10_then_lose_its_node(h: &mut Harness) {
     h.fleet(&[(1, a100(), 8, 80)]);
-    submit(&mut h, Harness::job_spec(10, Tier::PAID, vec![a100()], 4));
+    submit(h, Harness::job_spec(10, Tier::PAID, vec![a100()], 4));
     h.advance(30_000);
     h.job_heartbeat(10, 1, 1).unwrap(); // checkpoint at 30 s
     h.advance(25_000);
     h.job_heartbeat(10, 2, 1).unwrap();
     h.advance(10 * 60_000);
     h.tick();
+}
+
+/// A node that misses its lease is down: its jobs go back to the queue billed only to
+/// their last checkpoint (a platform fault), and run again as a new attempt when a node
+/// is available; the dead node's reports of the old attempt are fenced.
+#[test]
+fn node_lease_expiry_requeues_its_jobs_billed_to_the_checkpoint() {
+    let mut h = world_default_leases();
+    run_job_10_then_lose_its_node(&mut h);
     assert_eq!(
         h.state.scheduler.node(NodeId(1)).unwrap().state,
         NodeState::Down
     );
+    let j = h.job(10);
     assert_eq!(
-        (h.job(10).state, h.job(10).last_reason),
-        (JobState::Failed, Reason::NodeDown)
+        (j.state, j.last_reason, j.node_failures, j.attempt),
+        (JobState::Queued, Reason::NodeDown, 1, 1)
     );
-    // Billed only to the checkpoint (30 s of 4 A100s), the rest refunded.
+    // Billed only to the checkpoint (30 s of 4 A100s); the hold stays open for the rerun.
     assert_eq!(
         h.hold(10).captured,
         ledger::cost_micro(30_000, A100_PRICE, 4)
     );
+    assert!(h.hold(10).settled.is_none(), "the hold stays reserved");
     assert_eq!(h.state.scheduler.fleet_gpus, 0);
-    // The node comes back empty and takes work again.
+    // The node comes back empty, and the job runs again as attempt 2.
     h.nodes_alive();
     assert_eq!(
         h.state.scheduler.node(NodeId(1)).unwrap().state,
         NodeState::Ready
     );
+    assert_eq!((h.job(10).state, h.job(10).attempt), (JobState::Placed, 2));
+    // The old attempt's late reports are refused and change nothing.
+    let captured = h.hold(10).captured;
+    let late = h.run_as(
+        Actor::Agent(NodeId(1)),
+        Command::JobHeartbeat(JobHeartbeat {
+            job: JobId(10),
+            attempt: 1,
+            seq: 3,
+            progress_ppm: 0,
+            checkpoint: 0,
+        }),
+    );
+    assert_eq!(
+        late,
+        Err(CommandError::StaleAttempt {
+            given: 1,
+            current: 2
+        })
+    );
+    let late_finish = h.run_as(
+        Actor::Agent(NodeId(1)),
+        Command::FinishJob {
+            job: JobId(10),
+            attempt: 1,
+            success: true,
+        },
+    );
+    assert_eq!(
+        late_finish,
+        Err(CommandError::StaleAttempt {
+            given: 1,
+            current: 2
+        })
+    );
+    assert_eq!(h.job(10).state, JobState::Placed);
+    assert_eq!(h.hold(10).captured, captured);
+    // The new attempt runs to completion and is settled once.
+    h.job_heartbeat(10, 1, 0).unwrap();
+    for seq in 2..=3 {
+        h.advance(30_000);
+        h.nodes_alive();
+        h.job_heartbeat(10, seq, 0).unwrap();
+    }
+    h.finish_job(10, true).unwrap();
+    assert_eq!(h.job(10).state, JobState::Succeeded);
+    assert_eq!(
+        h.hold(10).captured,
+        ledger::cost_micro(30_000, A100_PRICE, 4) + ledger::cost_micro(60_000, A100_PRICE, 4),
+        "each attempt billed on its own: 30 s to the checkpoint, then 60 s"
+    );
+}
+
+/// A job that has used up its node-failure requeues fails as a platform fault when its
+/// node goes down again (billed to its checkpoint, the rest refunded).
+#[test]
+fn a_job_out_of_node_failure_requeues_fails_as_a_platform_fault() {
+    let mut config = Config::default();
+    config.scheduler.node_failure_requeues_max = 0;
+    let mut h = Harness::world_with(config);
+    h.grant(1, P, BucketKind::Paid, credits(100_000), None);
+    run_job_10_then_lose_its_node(&mut h);
+    assert_eq!(
+        (h.job(10).state, h.job(10).last_reason),
+        (JobState::Failed, Reason::NodeDown)
+    );
+    let hold = h.hold(10);
+    assert_eq!(hold.captured, ledger::cost_micro(30_000, A100_PRICE, 4));
+    assert!(hold.settled.is_some(), "settled: the rest is refunded");
+    h.nodes_alive();
+    assert!(h.state.scheduler.assignments(NodeId(1)).is_empty());
 }
 
 /// Preemption: an enterprise job preempts a preemptible lower-tier job after its
@@ -801,6 +891,10 @@ fn bad_job_and_node_input_changes_nothing() {
             CommandError::InvalidGpuType(GpuType::new("b200")),
         ),
         (
+            spec(|s| s.gpu_types = vec![a100(), GpuType::new("B200")]),
+            CommandError::UnknownGpuType(GpuType::new("B200")),
+        ),
+        (
             spec(|s| s.gpu_types = vec![h100()]),
             CommandError::Unsatisfiable,
         ),
@@ -859,6 +953,37 @@ fn bad_job_and_node_input_changes_nothing() {
     }
 }
 
+/// Admission checks count and memory on one node shape: a type with an 8 × 40 GB node
+/// and a 1 × 80 GB node cannot run an 8-GPU job that needs 80 GB per GPU, which would
+/// otherwise wait forever holding its credits.
+#[test]
+fn admission_needs_one_node_shape_that_fits_the_whole_job() {
+    let mut h = world();
+    h.fleet(&[(1, a100(), 8, 40), (2, a100(), 1, 80)]);
+    let mut big = Harness::job_spec(50, Tier::PAID, vec![a100()], 8);
+    big.mem_floor_gb = 80;
+    let before = (h.state.ledger.clone(), h.state.scheduler.clone());
+    assert_eq!(
+        h.run(Command::SubmitJob(big.clone())),
+        Err(CommandError::Unsatisfiable)
+    );
+    assert_eq!(
+        (&h.state.ledger, &h.state.scheduler),
+        (&before.0, &before.1)
+    );
+    // Each half of it fits a shape: 8 GPUs of 40 GB, or one GPU of 80 GB.
+    let mut wide = big.clone();
+    wide.job = JobId(51);
+    wide.mem_floor_gb = 40;
+    submit(&mut h, wide);
+    assert_eq!(node_of(&h, 51), Some(1));
+    let mut deep = big;
+    deep.job = JobId(52);
+    deep.gpus = 1;
+    submit(&mut h, deep);
+    assert_eq!(node_of(&h, 52), Some(2));
+}
+
 #[test]
 fn draining_node_takes_no_new_work() {
     let mut h = world();
@@ -903,4 +1028,270 @@ fn running_quota_holds_jobs_in_the_queue() {
     h.job_heartbeat(10, 1, 0).unwrap();
     h.finish_job(10, true).unwrap();
     assert_eq!(h.job(12).state, JobState::Placed);
+}
+
+/// Queues `n` one-GPU jobs for each of the given (project, user) pairs while the only
+/// node drains, then lets one pass place them all: what each pair got shows the
+/// weighted fair share (ties go to the lower id).
+fn one_pass_split(h: &mut Harness, gpus: u32, groups: &[(ProjectId, UserId)]) -> Vec<u32> {
+    h.fleet(&[(1, a100(), gpus, 80)]);
+    let drain = |draining| Command::SetNodeDraining {
+        node: NodeId(1),
+        draining,
+    };
+    h.ok(drain(true));
+    let mut ids = Vec::new();
+    for (g, (project, user)) in groups.iter().enumerate() {
+        let mut mine = Vec::new();
+        for j in 0..gpus as u64 {
+            let mut s = Harness::job_spec(1_000 * (g as u64 + 1) + j, Tier::PAID, vec![a100()], 1);
+            s.project = *project;
+            s.user = *user;
+            mine.push(s.job.0);
+            submit(h, s);
+        }
+        ids.push(mine);
+    }
+    h.ok(drain(false));
+    ids.iter()
+        .map(|mine| {
+            mine.iter()
+                .filter(|j| h.job(**j).state.holds_gpus())
+                .count() as u32
+        })
+        .collect()
+}
+
+/// Share weights divide decayed usage at every level: weight 200 against the default
+/// 100 gets twice the GPUs between orgs; 300 gets three times between projects of one
+/// org and between users of one project.
+#[test]
+fn share_weights_divide_fair_share_at_every_level() {
+    let weight = |scope, w| Command::SetShareWeight {
+        scope,
+        weight: Some(w),
+    };
+    // A world whose `project` can pay for its jobs too.
+    let funded = |project| {
+        let mut h = world();
+        h.grant(
+            2,
+            Account::Project(project),
+            BucketKind::Paid,
+            credits(100_000),
+            None,
+        );
+        h
+    };
+    let orgs = [(PROJECT, USER), (OTHER_PROJECT, OTHER_USER)];
+    // Orgs: org 1 at 200, org 2 at the default.
+    let mut h = funded(OTHER_PROJECT);
+    h.ok(weight(BudgetScope::Org(ORG), 200));
+    assert_eq!(
+        one_pass_split(&mut h, 6, &orgs),
+        vec![4, 2],
+        "2:1 between orgs"
+    );
+    // Without the weight, the same queue splits evenly.
+    let mut h = funded(OTHER_PROJECT);
+    assert_eq!(
+        one_pass_split(&mut h, 6, &orgs),
+        vec![3, 3],
+        "even without weights"
+    );
+    // Projects of one org: project 12 at 300.
+    let mut h = funded(PROJECT_B);
+    h.ok(weight(BudgetScope::Project(PROJECT_B), 300));
+    let split = one_pass_split(&mut h, 8, &[(PROJECT, USER), (PROJECT_B, USER_B)]);
+    assert_eq!(split, vec![2, 6], "3:1 between projects");
+    // Users of one project: user 21 at 300.
+    let mut h = world();
+    h.ok(weight(BudgetScope::User(USER), 300));
+    let split = one_pass_split(&mut h, 8, &[(PROJECT, USER), (PROJECT, USER_B)]);
+    assert_eq!(split, vec![6, 2], "3:1 between users");
+    // Resetting a weight restores the default; bad weights change nothing.
+    let before = h.state.scheduler.clone();
+    for bad in [0, 10_001] {
+        assert_eq!(
+            h.run(weight(BudgetScope::User(USER), bad)),
+            Err(CommandError::InvalidShareWeight)
+        );
+    }
+    assert_eq!(
+        h.run(weight(BudgetScope::User(UserId(99)), 200)),
+        Err(CommandError::UnknownUser)
+    );
+    assert_eq!(h.state.scheduler, before);
+    h.ok(Command::SetShareWeight {
+        scope: BudgetScope::User(USER),
+        weight: None,
+    });
+    assert_eq!(h.state.scheduler.share_weight(BudgetScope::User(USER)), 100);
+}
+
+/// Who may weigh whom: org weights are the operator's; an org weighs its own projects
+/// and users (another org's answer as unknown); a project token weighs nothing.
+#[test]
+fn share_weights_are_scoped() {
+    let mut h = world();
+    let set = |scope| Command::SetShareWeight {
+        scope,
+        weight: Some(200),
+    };
+    assert_eq!(
+        h.run_as(tenant(ORG), set(BudgetScope::Org(ORG))),
+        Err(CommandError::Unauthorized)
+    );
+    assert_eq!(
+        h.run_as(tenant(ORG), set(BudgetScope::Project(PROJECT_B))),
+        Ok(Reply::ShareWeightSet)
+    );
+    assert_eq!(
+        h.run_as(tenant(ORG), set(BudgetScope::User(USER_B))),
+        Ok(Reply::ShareWeightSet)
+    );
+    let before = h.state.scheduler.clone();
+    assert_eq!(
+        h.run_as(tenant(ORG), set(BudgetScope::Project(OTHER_PROJECT))),
+        Err(CommandError::UnknownProject)
+    );
+    assert_eq!(
+        h.run_as(tenant(ORG), set(BudgetScope::User(OTHER_USER))),
+        Err(CommandError::UnknownUser)
+    );
+    let project_token = Actor::Project {
+        org: ORG,
+        project: PROJECT,
+        principal: PrincipalId(500),
+    };
+    assert_eq!(
+        h.run_as(project_token, set(BudgetScope::Project(PROJECT))),
+        Err(CommandError::Unauthorized)
+    );
+    assert_eq!(h.state.scheduler, before);
+    // And an org token may not issue grants (paid credit is the operator's).
+    let grant = Command::IssueGrant(Grant {
+        bucket: BucketId(77),
+        owner: Account::Org(ORG),
+        kind: BucketKind::Paid,
+        amount_micro: credits(10),
+        expires_at_ms: None,
+        priority: 0,
+        policy: None,
+        source_ref: None,
+    });
+    let ledger = h.state.ledger.clone();
+    assert_eq!(
+        h.run_as(tenant(ORG), grant),
+        Err(CommandError::Unauthorized)
+    );
+    assert_eq!(h.state.ledger, ledger);
+}
+
+/// A tier at its burst ceiling waits while another tier has demand, which gets the
+/// rest; below the ceilings, GPUs split by tier weight (enterprise 8 : free 1).
+#[test]
+fn tier_ceilings_and_weights() {
+    let flood = |h: &mut Harness| {
+        h.fleet(&[(1, a100(), 10, 80), (2, a100(), 10, 80)]);
+        for n in [1, 2] {
+            h.ok(Command::SetNodeDraining {
+                node: NodeId(n),
+                draining: true,
+            });
+        }
+        for j in 0..20 {
+            submit(
+                h,
+                Harness::job_spec(100 + j, Tier::ENTERPRISE, vec![a100()], 1),
+            );
+            submit(h, Harness::job_spec(200 + j, Tier::FREE, vec![a100()], 1));
+        }
+        h.apply(
+            [1, 2]
+                .into_iter()
+                .map(|n| Request {
+                    actor: ADMIN,
+                    request_id: 900 + n as u128,
+                    command: Command::SetNodeDraining {
+                        node: NodeId(n),
+                        draining: false,
+                    },
+                })
+                .collect(),
+        );
+        let tier = |t| h.state.scheduler.tier_gpus.get(&t).copied().unwrap_or(0);
+        (tier(Tier::ENTERPRISE), tier(Tier::FREE))
+    };
+    // Enterprise's ceiling (70% of 20 GPUs) binds: 14; the free tier gets the other 6.
+    let mut h = world_default_leases();
+    assert_eq!(flood(&mut h), (14, 6));
+    // With the ceiling lifted, floors first (enterprise 30% = 6, free 5% = 1), then
+    // least GPUs per weight, ties to the higher tier: 17 : 3.
+    let mut h = world_default_leases();
+    let mut s = h.state.config.scheduler.settings();
+    s.tiers[Tier::ENTERPRISE.0 as usize].ceiling_pct = 100;
+    h.ok(Command::ConfigureScheduler(s));
+    assert_eq!(flood(&mut h), (17, 3));
+}
+
+/// The victim set is the cheapest, not the greedy one: two 1-GPU jobs that would lose
+/// 3 GPU-minutes each are spared for one 2-GPU job that loses 5 in all.
+#[test]
+fn preemption_picks_the_victim_set_that_loses_least() {
+    let mut h = world();
+    h.fleet(&[(1, a100(), 4, 80)]);
+    for (j, gpus) in [(10, 1), (11, 1), (12, 2)] {
+        submit(&mut h, Harness::job_spec(j, Tier::FREE, vec![a100()], gpus));
+        h.job_heartbeat(j, 1, 0).unwrap();
+    }
+    h.advance(17 * 60_000);
+    h.job_heartbeat(10, 2, 1).unwrap(); // checkpoints at 17 min
+    h.job_heartbeat(11, 2, 1).unwrap();
+    h.advance(30_000);
+    h.job_heartbeat(12, 2, 1).unwrap(); // checkpoint at 17.5 min
+    h.advance(150_000); // 20 min: losses 1×3, 1×3 and 2×2.5 GPU-minutes
+    submit(
+        &mut h,
+        Harness::job_spec(20, Tier::ENTERPRISE, vec![a100()], 2),
+    );
+    let states: Vec<JobState> = [10, 11, 12].iter().map(|j| h.job(*j).state).collect();
+    assert_eq!(
+        states,
+        vec![JobState::Running, JobState::Running, JobState::Preempting]
+    );
+}
+
+/// A gang job that reserved a node to drain (no victim was eligible yet) still preempts
+/// once victims become eligible, instead of waiting for the node to drain by itself.
+#[test]
+fn a_reserved_gang_job_preempts_once_victims_are_eligible() {
+    let mut h = world();
+    h.fleet(&[(1, a100(), 8, 80)]);
+    for j in 0..8 {
+        submit(
+            &mut h,
+            Harness::job_spec(10 + j, Tier::FREE, vec![a100()], 1),
+        );
+        h.job_heartbeat(10 + j, 1, 0).unwrap();
+    }
+    h.advance(10_000);
+    submit(
+        &mut h,
+        Harness::job_spec(30, Tier::ENTERPRISE, vec![a100()], 8),
+    );
+    // The victims are younger than the minimum runtime: the job reserves the node.
+    assert_eq!(h.job(30).reserved_node, Some(NodeId(1)));
+    assert!((10..18).all(|j| h.job(j).state == JobState::Running));
+    h.advance(h.state.config.scheduler.min_runtime_ms);
+    h.tick();
+    assert!(
+        (10..18).all(|j| h.job(j).state == JobState::Preempting),
+        "every victim is being preempted for the reserved job"
+    );
+    assert_eq!(h.job(30).reserved_node, Some(NodeId(1)));
+    // After the grace period the GPUs go to the waiting job.
+    h.advance(h.state.config.scheduler.grace_ms);
+    h.tick();
+    assert_eq!(node_of(&h, 30), Some(1));
 }

@@ -1,7 +1,9 @@
 //! Scheduler settings changed through the log (`ConfigureScheduler`), and the read
 //! queries the client and CLI use (`query::answer`), through `apply` only.
 
-use allot_statemachine::query::{answer, Answer, JobFilter, Query};
+use allot_statemachine::query::{
+    answer, answer_as, Answer, JobFilter, Query, QueryDenied, UsageLevel, UsageQuery, UsageRow,
+};
 use allot_statemachine::scheduler::{JobState, SchedulerSettings};
 use allot_statemachine::testkit::*;
 use allot_statemachine::*;
@@ -220,4 +222,113 @@ fn budget_and_price_queries() {
         panic!()
     };
     assert_eq!(p.prices.get(&a100()), Some(&A100_PRICE));
+}
+
+/// Top-k consumers: orgs, projects or users ranked by credits used in the period (held
+/// plus spent), largest first, ties by id; a tenant sees only its own org's rows, a
+/// project token only its project.
+#[test]
+fn usage_ranking_top_k_and_its_scope() {
+    let mut h = world();
+    h.grant(
+        2,
+        Account::Project(PROJECT_B),
+        BucketKind::Paid,
+        credits(1_000),
+        None,
+    );
+    h.grant(
+        3,
+        Account::Project(OTHER_PROJECT),
+        BucketKind::Paid,
+        credits(1_000),
+        None,
+    );
+    let hold = |h: &mut Harness, id, project, user, amount| {
+        let mut spec = Harness::hold_spec(id, credits(amount));
+        spec.project = project;
+        spec.user = user;
+        h.ok(Command::CreateHold(spec));
+    };
+    hold(&mut h, 1, PROJECT, USER, 50);
+    hold(&mut h, 2, PROJECT_B, USER_B, 30);
+    hold(&mut h, 3, OTHER_PROJECT, OTHER_USER, 70);
+    h.ok(Command::Capture {
+        hold: HoldId(2),
+        amount_micro: credits(10),
+    });
+    let q = |level, org, limit| {
+        Query::Usage(UsageQuery {
+            level,
+            org,
+            period: BudgetPeriod::Month,
+            limit,
+        })
+    };
+    let rows = |a: Answer| match a {
+        Answer::Usage(r) => r
+            .iter()
+            .map(|r: &UsageRow| (r.scope, r.used_micro / 1_000_000))
+            .collect::<Vec<_>>(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        rows(answer(&h.state, &q(UsageLevel::Project, None, 2))),
+        vec![
+            (BudgetScope::Project(OTHER_PROJECT), 70),
+            (BudgetScope::Project(PROJECT), 50)
+        ],
+        "top 2 projects across the shard"
+    );
+    assert_eq!(
+        rows(answer(&h.state, &q(UsageLevel::Org, None, 0))),
+        vec![
+            (BudgetScope::Org(ORG), 80),
+            (BudgetScope::Org(OTHER_ORG), 70)
+        ],
+        "an org counts all its projects (a capture moves held to spent: 30 stays 30)"
+    );
+    assert_eq!(
+        rows(answer(&h.state, &q(UsageLevel::User, Some(ORG), 0))),
+        vec![
+            (BudgetScope::User(USER), 50),
+            (BudgetScope::User(USER_B), 30)
+        ]
+    );
+    // Tenants: their own org only, whatever filter they send.
+    let t = tenant(ORG);
+    assert_eq!(
+        rows(answer_as(&h.state, t, &q(UsageLevel::Project, None, 0)).unwrap()),
+        vec![
+            (BudgetScope::Project(PROJECT), 50),
+            (BudgetScope::Project(PROJECT_B), 30)
+        ]
+    );
+    assert_eq!(
+        rows(answer_as(&h.state, t, &q(UsageLevel::Org, Some(OTHER_ORG), 0)).unwrap()),
+        vec![],
+        "another org's filter matches nothing"
+    );
+    let p = Actor::Project {
+        org: ORG,
+        project: PROJECT_B,
+        principal: PrincipalId(500),
+    };
+    assert_eq!(
+        rows(answer_as(&h.state, p, &q(UsageLevel::Project, None, 0)).unwrap()),
+        vec![(BudgetScope::Project(PROJECT_B), 30)]
+    );
+    assert_eq!(
+        answer_as(&h.state, p, &q(UsageLevel::User, None, 0)),
+        Err(QueryDenied::PermissionDenied)
+    );
+    // Weights and running GPUs travel with the rows.
+    h.ok(Command::SetShareWeight {
+        scope: BudgetScope::Project(PROJECT),
+        weight: Some(250),
+    });
+    match answer(&h.state, &q(UsageLevel::Project, Some(ORG), 1)) {
+        Answer::Usage(r) => assert_eq!((r.len(), r[0].share_weight), (1, 250)),
+        other => panic!("{other:?}"),
+    }
 }

@@ -109,12 +109,7 @@ fn real_main(cli: Cli) -> anyhow::Result<bool> {
                 read_jsonl(&history).with_context(|| format!("reading {}", history.display()))?;
             let verdicts = check(workload, &ops);
             for v in &verdicts {
-                println!(
-                    "{} {:<48} {}",
-                    if v.ok { "ok  " } else { "FAIL" },
-                    v.checker,
-                    v.detail
-                );
+                println!("{} {:<48} {}", v.mark(), v.checker, v.detail);
             }
             Ok(verdicts.iter().all(|v| v.ok))
         }
@@ -225,7 +220,17 @@ async fn run_all(runs: Vec<(Workload, Vec<Nemesis>, u64)>, c: Common) -> anyhow:
             r.info,
             r.nemesis_events,
             if failed.is_empty() {
-                "PASS".to_string()
+                let unknown: Vec<&str> = r
+                    .verdicts
+                    .iter()
+                    .filter(|v| v.unknown)
+                    .map(|v| v.checker.as_str())
+                    .collect();
+                if unknown.is_empty() {
+                    "PASS".to_string()
+                } else {
+                    format!("PASS, UNKNOWN: {}", unknown.join(", "))
+                }
             } else {
                 format!("FAIL: {}", failed.join(", "))
             }

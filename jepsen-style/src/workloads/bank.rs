@@ -287,7 +287,25 @@ pub fn late_spends(events: &[AuditEvent], expiry: &mut BTreeMap<u64, u64>) -> Ve
     late
 }
 
+const BALANCE_FIELDS: [&str; 7] = [
+    "available",
+    "held",
+    "consumed",
+    "expired",
+    "moved_out",
+    "issued",
+    "moved_in",
+];
+
+/// The account's equation holds — and the read carries every figure: a read that is not
+/// a balance (an unexpected answer recorded as text) must not pass as 0 = 0.
 fn conserved(b: &Value) -> bool {
+    if !BALANCE_FIELDS
+        .iter()
+        .all(|k| b.get(*k).is_some_and(Value::is_u64))
+    {
+        return false;
+    }
     let lhs = u(b, "available") as u128
         + u(b, "held") as u128
         + u(b, "consumed") as u128
@@ -378,6 +396,11 @@ pub fn check(ops: &[Op]) -> Vec<Verdict> {
         .unwrap_or_default();
     let sum = |k: &str| balances.iter().map(|b| u(b, k) as u128).sum::<u128>();
     let mut problems = Vec::new();
+    for k in ["issued", "consumed", "expired", "moved"] {
+        if !t.get(k).is_some_and(Value::is_u64) {
+            problems.push(format!("the final totals lack {k}: {t}"));
+        }
+    }
     for b in &balances {
         if !conserved(b) {
             problems.push(format!(

@@ -133,9 +133,9 @@ pub fn check(ops: &[Op]) -> Vec<Verdict> {
     }
     if bad.is_none() {
         if let Some(u) = unknown {
-            out.push(Verdict::pass(
+            out.push(Verdict::unknown(
                 "register/linearizable",
-                format!("UNKNOWN (not refuted): {u}"),
+                format!("not refuted, not proven: {u}"),
             ));
             return out;
         }

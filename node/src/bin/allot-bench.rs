@@ -86,8 +86,11 @@ struct RunResult {
     /// The same for a proposal's wait in the shard's queue, and for its commit + apply.
     queue_p99_ms: f64,
     commit_p99_ms: f64,
-    /// The same for the nodes' WAL fsyncs.
+    /// The same for the nodes' WAL fsyncs, and the bucket of the slowest fsync and of
+    /// the slowest commit.
     wal_p99_ms: f64,
+    wal_max_ms: f64,
+    commit_max_ms: f64,
     /// Snapshots the nodes built during the run (every replica counts), and the bucket
     /// bound of the longest clone (under the apply lock) and encoding among them.
     snapshots: u64,
@@ -286,6 +289,8 @@ async fn run(
         snap_clone_max_ms: server_quantile(&before[4], &after[4], 1.0),
         snap_encode_max_ms: server_quantile(&before[5], &after[5], 1.0),
         wal_p99_ms: server_p99(&before[3], &after[3]),
+        wal_max_ms: server_quantile(&before[3], &after[3], 1.0),
+        commit_max_ms: server_quantile(&before[2], &after[2], 1.0),
         server_p99_ms: server_p99(&before[0], &after[0]),
         queue_p99_ms: server_p99(&before[1], &after[1]),
         commit_p99_ms: server_p99(&before[2], &after[2]),
@@ -368,8 +373,8 @@ async fn main() -> anyhow::Result<()> {
             .iter()
             .map(|r| {
                 format!(
-                    "{{\"run\":\"{}\",\"clients\":{},\"per_call\":{},\"commands\":{},\"seconds\":{:.2},\"commands_per_s\":{:.0},\"p50_ms\":{:.3},\"p99_ms\":{:.3},\"max_ms\":{:.3},\"server_p99_ms_le\":{},\"queue_p99_ms_le\":{},\"commit_p99_ms_le\":{},\"wal_sync_p99_ms_le\":{},\"snapshots\":{},\"snapshot_clone_max_ms_le\":{},\"snapshot_encode_max_ms_le\":{}}}",
-                    r.label, r.clients, o.per_call, r.commands, r.seconds, r.commands as f64 / r.seconds, r.p50_ms, r.p99_ms, r.max_ms, json_num(r.server_p99_ms), json_num(r.queue_p99_ms), json_num(r.commit_p99_ms), json_num(r.wal_p99_ms), r.snapshots, json_num(r.snap_clone_max_ms), json_num(r.snap_encode_max_ms)
+                    "{{\"run\":\"{}\",\"clients\":{},\"per_call\":{},\"commands\":{},\"seconds\":{:.2},\"commands_per_s\":{:.0},\"p50_ms\":{:.3},\"p99_ms\":{:.3},\"max_ms\":{:.3},\"server_p99_ms_le\":{},\"queue_p99_ms_le\":{},\"commit_p99_ms_le\":{},\"wal_sync_p99_ms_le\":{},\"wal_sync_max_ms_le\":{},\"commit_max_ms_le\":{},\"snapshots\":{},\"snapshot_clone_max_ms_le\":{},\"snapshot_encode_max_ms_le\":{}}}",
+                    r.label, r.clients, o.per_call, r.commands, r.seconds, r.commands as f64 / r.seconds, r.p50_ms, r.p99_ms, r.max_ms, json_num(r.server_p99_ms), json_num(r.queue_p99_ms), json_num(r.commit_p99_ms), json_num(r.wal_p99_ms), json_num(r.wal_max_ms), json_num(r.commit_max_ms), r.snapshots, json_num(r.snap_clone_max_ms), json_num(r.snap_encode_max_ms)
                 )
             })
             .collect();
@@ -382,7 +387,7 @@ async fn main() -> anyhow::Result<()> {
     } else {
         println!("allot replicated benchmark: {} nodes, {} shards, fsync on, loopback, {} command(s) per call", o.nodes, o.shards, o.per_call);
         println!(
-            "{:<14} {:>8} {:>12} {:>10} {:>10} {:>10} {:>16} {:>10} {:>10} {:>10} {:>6} {:>9} {:>10}",
+            "{:<14} {:>8} {:>12} {:>10} {:>10} {:>10} {:>16} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6} {:>9} {:>10}",
             "run",
             "clients",
             "commands/s",
@@ -392,14 +397,16 @@ async fn main() -> anyhow::Result<()> {
             "server p99 ≤ ms",
             "queue ≤",
             "commit ≤",
+            "max ≤",
             "fsync ≤",
+            "max ≤",
             "snaps",
             "clone ≤",
             "encode ≤"
         );
         for r in &results {
             println!(
-                "{:<14} {:>8} {:>12.0} {:>10.2} {:>10.2} {:>10.2} {:>16} {:>10} {:>10} {:>10} {:>6} {:>9} {:>10}",
+                "{:<14} {:>8} {:>12.0} {:>10.2} {:>10.2} {:>10.2} {:>16} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6} {:>9} {:>10}",
                 r.label,
                 r.clients,
                 r.commands as f64 / r.seconds,
@@ -409,7 +416,9 @@ async fn main() -> anyhow::Result<()> {
                 r.server_p99_ms,
                 r.queue_p99_ms,
                 r.commit_p99_ms,
+                r.commit_max_ms,
                 r.wal_p99_ms,
+                r.wal_max_ms,
                 r.snapshots,
                 r.snap_clone_max_ms,
                 r.snap_encode_max_ms

@@ -574,18 +574,21 @@ async fn summary(
     println!("\n== invariant check on every replica (conservation, holds, scheduler) and replica agreement");
     let mut failures = 0;
     for s in 0..shards {
+        let mut bad_replicas = 0;
         for ep in endpoints {
             match client.query_replica(ep, s, &Query::Invariants).await {
                 Ok(Answer::Invariants(Ok(()))) => {}
                 other => {
-                    failures += 1;
+                    bad_replicas += 1;
                     println!("shard {s} on {ep}: {other:?}");
                 }
             }
         }
-        // Ticks keep every shard moving: compare the replicas at one applied index.
+        failures += bad_replicas;
+        // Ticks keep every shard moving: compare the replicas at one applied index
+        // (polled for up to 10 s; a replica that never catches up is a failure).
         let mut hashes = Vec::new();
-        for _ in 0..200 {
+        for _ in 0..400 {
             hashes.clear();
             for ep in endpoints {
                 if let Ok(mut a) = admin(ep).await {
@@ -598,22 +601,32 @@ async fn summary(
             if hashes.len() == endpoints.len() && hashes.windows(2).all(|w| w[0].0 == w[1].0) {
                 break;
             }
-            tokio::time::sleep(Duration::from_millis(15)).await;
+            tokio::time::sleep(Duration::from_millis(25)).await;
         }
-        let same_index = hashes.windows(2).all(|w| w[0].0 == w[1].0);
+        let all = hashes.len() == endpoints.len();
+        let same_index = all && hashes.windows(2).all(|w| w[0].0 == w[1].0);
         let agree = same_index && hashes.windows(2).all(|w| w[0].1 == w[1].1);
-        println!(
-            "shard {s}: invariants ok on {} replicas; state hash {}",
-            endpoints.len(),
-            if agree {
-                format!("equal on all replicas at index {}", hashes[0].0)
+        let hash = if agree {
+            format!("equal on all replicas at index {}", hashes[0].0)
+        } else {
+            failures += 1;
+            if !all {
+                format!(
+                    "answered by {} of {} replicas",
+                    hashes.len(),
+                    endpoints.len()
+                )
             } else if same_index {
-                failures += 1;
                 "DIFFERS".to_string()
             } else {
-                "not compared (replicas at different indexes this instant)".to_string()
+                "not compared: the replicas did not reach one applied index in 10 s".to_string()
             }
-        );
+        };
+        let invariants = match bad_replicas {
+            0 => format!("invariants ok on {} replicas", endpoints.len()),
+            n => format!("invariants FAILED on {n} of {} replicas", endpoints.len()),
+        };
+        println!("shard {s}: {invariants}; state hash {hash}");
     }
     if failures > 0 {
         bail!("{failures} check(s) failed");

@@ -92,6 +92,49 @@ impl Syncer {
     }
 }
 
+/// Whether a shard's log holds nothing at all: no entry, no purge point, no vote.
+pub(crate) fn is_pristine(db: &DB, shard: ShardId) -> Result<bool, StorageError> {
+    let meta = cf(db, CF_META);
+    for tag in [META_VOTE, META_PURGED, META_COMMITTED] {
+        if db
+            .get_cf(meta, shard_key(shard, tag))
+            .map_err(io_read)?
+            .is_some()
+        {
+            return Ok(false);
+        }
+    }
+    let mut it = db.iterator_cf_opt(
+        cf(db, CF_LOG),
+        bounded(shard, index_key(shard, 0), None),
+        IteratorMode::Start,
+    );
+    Ok(it.next().is_none())
+}
+
+/// Seeds a restored shard's log metadata: the log starts after `last` (as if purged up
+/// to it, the entries being inside the restored snapshot), `last` is committed, and the
+/// node has seen `vote` — the term of `last` — so its first election is in a later term
+/// than every restored entry. Synced.
+pub(crate) fn seed_restored(
+    db: &DB,
+    shard: ShardId,
+    last: LogId,
+    vote: Vote,
+) -> Result<(), StorageError> {
+    let meta = cf(db, CF_META);
+    let mut batch = WriteBatch::default();
+    let put = |batch: &mut WriteBatch, tag: &[u8], bytes: Result<Vec<u8>, bincode::Error>| {
+        bytes
+            .map(|b| batch.put_cf(meta, shard_key(shard, tag), b))
+            .map_err(io_write)
+    };
+    put(&mut batch, META_PURGED, bincode::serialize(&last))?;
+    put(&mut batch, META_COMMITTED, bincode::serialize(&Some(last)))?;
+    put(&mut batch, META_VOTE, bincode::serialize(&vote))?;
+    db.write_opt(batch, &sync_opts()).map_err(io_write)
+}
+
 #[derive(Clone)]
 pub struct LogStore {
     db: Arc<DB>,

@@ -272,6 +272,22 @@ fn save_snapshot(db: &DB, shard: ShardId, snap: &StoredSnapshot) -> Result<(), S
     db.flush_cf(snaps).map_err(io_write)
 }
 
+/// Installs `data` (a state encoding) as the shard's stored snapshot at `meta`: what a
+/// restore seeds a new data dir with. The node loads it at start like any snapshot.
+pub(crate) fn store_snapshot(
+    db: &DB,
+    shard: ShardId,
+    meta: SnapshotMeta,
+    data: Vec<u8>,
+) -> Result<(), StorageError> {
+    save_snapshot(db, shard, &StoredSnapshot { meta, data })
+}
+
+/// Whether the shard has a stored snapshot.
+pub(crate) fn has_snapshot(db: &DB, shard: ShardId) -> Result<bool, StorageError> {
+    Ok(load_snapshot(db, shard)?.is_some())
+}
+
 impl RaftStateMachine<TypeConfig> for StateMachineStore {
     type SnapshotBuilder = SnapshotBuilder;
 
@@ -342,9 +358,11 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                     }
                 }
             }
-        }
-        if !batch.is_empty() {
-            self.db.write(batch).map_err(io_write)?;
+            // Written before the state lock is released: whoever sees the state at an
+            // index (a query, a backup) finds the audit rows up to it in the store.
+            if !batch.is_empty() {
+                self.db.write(batch).map_err(io_write)?;
+            }
         }
         if let Some(i) = last_index {
             self.applied_tx.send_replace(i);

@@ -125,11 +125,10 @@ impl Scheduler {
             .entry(spec.gpu_type.clone())
             .or_default()
             .insert(spec.node);
-        let caps = self
-            .type_caps
+        self.type_shapes
             .entry(spec.gpu_type.clone())
-            .or_insert((0, 0));
-        *caps = (caps.0.max(spec.gpu_count), caps.1.max(spec.gpu_mem_gb));
+            .or_default()
+            .insert((spec.gpu_count, spec.gpu_mem_gb));
         self.fleet_gpus += spec.gpu_count;
         self.index(spec.node);
         self.node_event(effects, spec.node, NodeState::Ready);
@@ -204,13 +203,21 @@ impl Scheduler {
         self.node_event(effects, id, state);
     }
 
-    /// Could any registered node ever run `gpus` GPUs with `mem_floor_gb` of one of
-    /// these types?
+    /// Could one registered node ever run `gpus` GPUs with `mem_floor_gb` of one of
+    /// these types? Count and memory are checked on the same node shape: an 8 × 40 GB
+    /// node and a 1 × 80 GB node of one type cannot run an 8-GPU, 80 GB job.
     pub(crate) fn satisfiable(&self, types: &[GpuType], gpus: u32, mem_floor_gb: u32) -> bool {
         types.iter().any(|t| {
-            self.type_caps
-                .get(t)
-                .is_some_and(|&(count, mem)| count >= gpus && mem >= mem_floor_gb)
+            self.type_shapes.get(t).is_some_and(|shapes| {
+                shapes
+                    .iter()
+                    .any(|&(count, mem)| count >= gpus && mem >= mem_floor_gb)
+            })
         })
+    }
+
+    /// Whether any node of this type was ever registered.
+    pub(crate) fn knows_type(&self, t: &GpuType) -> bool {
+        self.type_shapes.contains_key(t)
     }
 }

@@ -227,6 +227,13 @@ impl Scheduler {
         if user.org != org {
             return Err(CommandError::WrongOrg);
         }
+        if let Some(t) = spec
+            .gpu_types
+            .iter()
+            .find(|t| !self.knows_type(t) && ledger.price_of(t).is_none())
+        {
+            return Err(CommandError::UnknownGpuType(t.clone()));
+        }
         if !self.satisfiable(&spec.gpu_types, spec.gpus, spec.mem_floor_gb) {
             return Err(CommandError::Unsatisfiable);
         }
@@ -277,6 +284,7 @@ impl Scheduler {
                 grace_at: None,
                 reserved_node: None,
                 waits_ms: Vec::new(),
+                node_failures: 0,
             },
         );
         self.enqueue(spec.job);
@@ -395,7 +403,7 @@ impl Scheduler {
         settlement
     }
 
-    fn clear_reservation(&mut self, id: JobId) {
+    pub(crate) fn clear_reservation(&mut self, id: JobId) {
         let Some(node) = self.jobs.get_mut(&id).and_then(|j| j.reserved_node.take()) else {
             return;
         };
@@ -406,25 +414,28 @@ impl Scheduler {
         }
     }
 
-    /// A preempted job goes back to the queue: its attempt is billed only to its last
-    /// checkpoint (the rest returns to its hold, which stays reserved for the next run).
+    /// A job whose attempt ended for a platform reason goes back to the queue: a
+    /// preempted job after its grace period or its agent's hand-back (`Preempted`), or a
+    /// job whose node missed its lease (`NodeFailure`). Its attempt is billed only to its
+    /// last checkpoint (the rest returns to its hold, which stays reserved for the next
+    /// run); the next placement is a new attempt, so reports of the old one are fenced.
     pub(crate) fn requeue(
         &mut self,
         ctx: &mut Ctx,
         ledger: &mut Ledger,
         cfg: &SchedulerConfig,
         id: JobId,
+        why: SettleReason,
+        reason: Reason,
     ) {
         let Some(j) = self.jobs.get(&id) else { return };
         let attempt = j.attempt;
         let billed_ms = ledger
             .hold(HoldId(id.0))
             .and_then(|h| h.meter.as_ref())
-            .map_or(0, |m| m.billable_ms(SettleReason::Preempted, ctx.now));
+            .map_or(0, |m| m.billable_ms(why, ctx.now));
         if let Some(hc) = ledger.open_hold_ctx(HoldId(id.0)) {
-            let _ = hc
-                .books
-                .end_attempt(ctx, hc.hold, attempt, SettleReason::Preempted);
+            let _ = hc.books.end_attempt(ctx, hc.hold, attempt, why);
         }
         self.release_gpus(ctx.now, cfg, id);
         self.set_timer(id, Timer::JobLease, None);
@@ -434,9 +445,12 @@ impl Scheduler {
             j.run_ms += billed_ms;
             j.queued_since_ms = ctx.now;
             j.placement = None;
+            if why == SettleReason::NodeFailure {
+                j.node_failures += 1;
+            }
         }
         self.enqueue(id);
-        self.transition(ctx, id, JobState::Queued, Reason::Requeued);
+        self.transition(ctx, id, JobState::Queued, reason);
     }
 
     pub(crate) fn cancel(
@@ -519,7 +533,14 @@ impl Scheduler {
         Self::check_attempt(j, attempt)?;
         if j.state == JobState::Preempting && !success {
             // The agent stopped the job for preemption (after checkpointing).
-            self.requeue(ctx, ledger, cfg, id);
+            self.requeue(
+                ctx,
+                ledger,
+                cfg,
+                id,
+                SettleReason::Preempted,
+                Reason::Requeued,
+            );
             return Ok(Reply::JobFinished(None));
         }
         let (settle, to, reason) = if success {
@@ -554,6 +575,34 @@ impl Scheduler {
             None => self.quotas.remove(&org),
         };
         Ok(Reply::QuotaSet)
+    }
+
+    pub(crate) fn set_share_weight(
+        &mut self,
+        ledger: &Ledger,
+        scope: crate::command::BudgetScope,
+        weight: Option<u32>,
+    ) -> Result<Reply, CommandError> {
+        use crate::command::BudgetScope;
+        if weight.is_some_and(|w| w == 0 || w > SHARE_WEIGHT_MAX) {
+            return Err(CommandError::InvalidShareWeight);
+        }
+        let (org, unknown) = crate::authz::scope_org(ledger, scope);
+        if org.is_none() {
+            return Err(unknown);
+        }
+        fn set<K: Ord>(map: &mut std::collections::BTreeMap<K, u32>, k: K, w: Option<u32>) {
+            match w {
+                Some(w) if w != SHARE_WEIGHT_DEFAULT => map.insert(k, w),
+                _ => map.remove(&k),
+            };
+        }
+        match scope {
+            BudgetScope::Org(o) => set(&mut self.weight_org, o, weight),
+            BudgetScope::Project(p) => set(&mut self.weight_project, p, weight),
+            BudgetScope::User(u) => set(&mut self.weight_user, u, weight),
+        }
+        Ok(Reply::ShareWeightSet)
     }
 
     /// Drops finished jobs after the retention window (bounded per entry).

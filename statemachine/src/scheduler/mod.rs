@@ -63,6 +63,9 @@ pub struct SchedulerConfig {
     /// time since its last checkpoint, or since it started) is at most this many GPU-ms.
     pub preemption_loss_max_gpu_ms: u64,
     pub usage_half_life_ms: u64,
+    /// A job whose node misses its lease is requeued (billed to its last checkpoint) at
+    /// most this many times; after that it fails as a platform fault. 0: never requeued.
+    pub node_failure_requeues_max: u32,
     pub default_quota: Quota,
     /// Bounds on one scheduling pass.
     pub placements_per_pass_max: u32,
@@ -96,6 +99,7 @@ impl Default for SchedulerConfig {
             preemptions_per_job_max: 3,
             preemption_loss_max_gpu_ms: 8 * 60_000,
             usage_half_life_ms: 3_600_000,
+            node_failure_requeues_max: 3,
             default_quota: Quota {
                 queued_max: 10_000,
                 running_max: 2_000,
@@ -120,6 +124,7 @@ pub struct SchedulerSettings {
     pub preemptions_per_job_max: u32,
     pub preemption_loss_max_gpu_ms: u64,
     pub usage_half_life_ms: u64,
+    pub node_failure_requeues_max: u32,
     pub tiers: Vec<TierConfig>,
 }
 
@@ -132,6 +137,7 @@ pub mod settings_bounds {
     pub const HALF_LIFE_MS_MIN: u64 = 60_000;
     pub const HALF_LIFE_MS_MAX: u64 = 30 * 86_400_000;
     pub const PREEMPTIONS_PER_JOB_MAX: u32 = 100;
+    pub const NODE_FAILURE_REQUEUES_MAX: u32 = 100;
     /// Eight GPUs for a day.
     pub const PREEMPTION_LOSS_GPU_MS_MAX: u64 = 8 * 86_400_000;
     pub const TIER_WEIGHT_MAX: u32 = 1_000;
@@ -150,6 +156,7 @@ impl SchedulerConfig {
             preemptions_per_job_max: self.preemptions_per_job_max,
             preemption_loss_max_gpu_ms: self.preemption_loss_max_gpu_ms,
             usage_half_life_ms: self.usage_half_life_ms,
+            node_failure_requeues_max: self.node_failure_requeues_max,
             tiers: self.tiers.clone(),
         }
     }
@@ -187,6 +194,10 @@ impl SchedulerConfig {
             (HALF_LIFE_MS_MIN..=HALF_LIFE_MS_MAX).contains(&s.usage_half_life_ms),
             P::HalfLife,
         )?;
+        check(
+            s.node_failure_requeues_max <= NODE_FAILURE_REQUEUES_MAX,
+            P::NodeFailureRequeues,
+        )?;
         check(s.tiers.len() == self.tiers.len(), P::TierCount)?;
         let mut floors = 0u32;
         for t in &s.tiers {
@@ -211,6 +222,7 @@ impl SchedulerConfig {
         self.preemptions_per_job_max = s.preemptions_per_job_max;
         self.preemption_loss_max_gpu_ms = s.preemption_loss_max_gpu_ms;
         self.usage_half_life_ms = s.usage_half_life_ms;
+        self.node_failure_requeues_max = s.node_failure_requeues_max;
         self.tiers = s.tiers.clone();
         Ok(())
     }
@@ -305,7 +317,8 @@ pub enum Reason {
     Cancelled,
     /// No heartbeat within the job lease.
     LeaseExpired,
-    /// The node missed its lease (a platform fault).
+    /// The node missed its lease (a platform fault): requeued, or failed once the job
+    /// used up its requeues.
     NodeDown,
     OutOfCredits,
     MaxDuration,
@@ -346,6 +359,8 @@ pub struct Job {
     pub reserved_node: Option<NodeId>,
     /// Queue wait of each placement (for the simulator's figures).
     pub waits_ms: Vec<u64>,
+    /// Times the job was requeued because its node went down.
+    pub node_failures: u32,
 }
 
 /// Everything that happens at a time.
@@ -377,8 +392,9 @@ pub struct Scheduler {
     pub free_index: BTreeMap<GpuType, BTreeSet<(u32, NodeId)>>,
     /// Every registered node per type.
     pub type_nodes: BTreeMap<GpuType, BTreeSet<NodeId>>,
-    /// Largest GPU count and memory ever registered per type (admission check).
-    pub type_caps: BTreeMap<GpuType, (u32, u32)>,
+    /// Every node shape (GPU count, GPU memory) ever registered, per type: a job is
+    /// admitted only if one shape can hold it whole (admission check).
+    pub type_shapes: BTreeMap<GpuType, BTreeSet<(u32, u32)>>,
     pub jobs: IdMap<JobId, Job>,
     /// Queued jobs: tier → org → project → user → oldest first.
     pub queue: BTreeMap<Tier, TierQueue>,
@@ -402,6 +418,10 @@ pub struct Scheduler {
     pub running_org: BTreeMap<OrgId, u32>,
     pub running_project: BTreeMap<ProjectId, u32>,
     pub running_user: BTreeMap<UserId, u32>,
+    /// Fair-share weights set by `SetShareWeight` (absent: `SHARE_WEIGHT_DEFAULT`).
+    pub weight_org: BTreeMap<OrgId, u32>,
+    pub weight_project: BTreeMap<ProjectId, u32>,
+    pub weight_user: BTreeMap<UserId, u32>,
 }
 
 impl Scheduler {
@@ -430,6 +450,17 @@ impl Scheduler {
             .collect();
         out.sort();
         out
+    }
+
+    /// The fair-share weight of an org, project or user.
+    pub fn share_weight(&self, scope: crate::command::BudgetScope) -> u32 {
+        use crate::command::BudgetScope;
+        let w = match scope {
+            BudgetScope::Org(o) => self.weight_org.get(&o),
+            BudgetScope::Project(p) => self.weight_project.get(&p),
+            BudgetScope::User(u) => self.weight_user.get(&u),
+        };
+        w.copied().unwrap_or(crate::limits::SHARE_WEIGHT_DEFAULT)
     }
 
     /// Queued jobs per tier.

@@ -4,6 +4,7 @@
 use super::{JobState, Policy, Reason, Scheduler, SchedulerConfig, Timer};
 use crate::ids::{HoldId, JobId, NodeId, OrgId, Tier};
 use crate::ledger::{Ctx, Ledger};
+use crate::limits::SHARE_WEIGHT_DEFAULT;
 use std::collections::{BTreeMap, VecDeque};
 
 /// What one pass reuses from candidate to candidate. Nothing outlives the pass, and each
@@ -39,16 +40,25 @@ impl PassMemo {
 }
 
 /// Fair-share score: decayed past usage plus the live allocation (running GPUs counted
-/// as one half-life of use), in GPU-milliseconds.
+/// as one half-life of use), in GPU-milliseconds, divided by the share weight relative to
+/// the default (weight 200 counts its usage half: twice the share under contention).
 fn score<K: Ord>(
     usage: &BTreeMap<K, super::usage::DecayedUsage>,
     running: &BTreeMap<K, u32>,
+    weights: &BTreeMap<K, u32>,
     k: &K,
     now: u64,
     half_life: u64,
 ) -> u64 {
     let past = usage.get(k).map_or(0, |u| u.value_at(now, half_life));
-    past.saturating_add(running.get(k).copied().unwrap_or(0) as u64 * half_life)
+    let raw = past.saturating_add(running.get(k).copied().unwrap_or(0) as u64 * half_life);
+    match weights.get(k) {
+        None => raw,
+        Some(&w) => {
+            let scaled = raw as u128 * SHARE_WEIGHT_DEFAULT as u128 / w.max(1) as u128;
+            scaled.min(u64::MAX as u128) as u64
+        }
+    }
 }
 
 impl Scheduler {
@@ -79,7 +89,7 @@ impl Scheduler {
                     placed += 1;
                     if let Some(org) = self.jobs.get(&id).map(|j| j.org) {
                         let h = cfg.usage_half_life_ms;
-                        let s = score(&self.usage_org, &self.running_org, &org, ctx.now, h);
+                        let s = self.org_score(&org, ctx.now, h);
                         memo.rescore(org, s);
                     }
                     memo.reserve_full = false;
@@ -100,6 +110,17 @@ impl Scheduler {
         for id in parked {
             self.enqueue(id);
         }
+    }
+
+    fn org_score(&self, org: &OrgId, now: u64, h: u64) -> u64 {
+        score(
+            &self.usage_org,
+            &self.running_org,
+            &self.weight_org,
+            org,
+            now,
+            h,
+        )
     }
 
     /// Whether the job's org already runs as many jobs as its quota allows.
@@ -186,7 +207,7 @@ impl Scheduler {
         let rank = memo.org_rank.entry(tier).or_insert_with(|| {
             let mut r: Vec<(u64, OrgId)> = orgs
                 .keys()
-                .map(|o| (score(&self.usage_org, &self.running_org, o, now, h), *o))
+                .map(|o| (self.org_score(o, now, h), *o))
                 .collect();
             r.sort_unstable();
             r.into()
@@ -200,20 +221,33 @@ impl Scheduler {
         debug_assert_eq!(
             Some(org),
             orgs.keys()
-                .min_by_key(|o| (score(&self.usage_org, &self.running_org, *o, now, h), **o))
+                .min_by_key(|o| (self.org_score(o, now, h), **o))
                 .copied(),
             "the pass's org ranking diverged from fair share"
         );
         let projects = orgs.get(&org)?;
         let (_, users) = projects.iter().min_by_key(|(p, _)| {
-            (
-                score(&self.usage_project, &self.running_project, *p, now, h),
-                **p,
-            )
+            let s = score(
+                &self.usage_project,
+                &self.running_project,
+                &self.weight_project,
+                *p,
+                now,
+                h,
+            );
+            (s, **p)
         })?;
-        let (_, jobs) = users
-            .iter()
-            .min_by_key(|(u, _)| (score(&self.usage_user, &self.running_user, *u, now, h), **u))?;
+        let (_, jobs) = users.iter().min_by_key(|(u, _)| {
+            let s = score(
+                &self.usage_user,
+                &self.running_user,
+                &self.weight_user,
+                *u,
+                now,
+                h,
+            );
+            (s, **u)
+        })?;
         jobs.first().map(|(_, j)| *j)
     }
 
@@ -322,14 +356,19 @@ impl Scheduler {
 
     /// Preemption for a job that does not fit: only preemptible jobs of a lower tier,
     /// past their minimum runtime, under their preemption cap and whose loss (GPUs ×
-    /// time since the last checkpoint) is within `preemption_loss_max_gpu_ms`; on one node, the
-    /// victim set that frees enough GPUs with the least work lost since checkpoint, then
-    /// the fewest victims, then the lowest node id. Not when a running job on a fitting
-    /// node ends within the hysteresis window (waiting is cheaper). Victims enter
-    /// Preempting with a grace period; the node is reserved for the waiting job.
+    /// time since the last checkpoint) is within `preemption_loss_max_gpu_ms`; on one
+    /// node, the victim set that frees enough GPUs with the least work lost since
+    /// checkpoint, then the fewest victims (exact: [`cheapest_victims`]), then the lowest
+    /// node id. Not when a running job on a fitting node ends within the hysteresis
+    /// window (waiting is cheaper). Victims enter Preempting with a grace period; the
+    /// node is reserved for the waiting job. A job whose own preemption is under way
+    /// waits for it; a job holding only an anti-fragmentation reservation (waiting for a
+    /// node to drain by itself) may still preempt, here or on another node.
     fn try_preempt(&mut self, ctx: &mut Ctx, ledger: &Ledger, cfg: &SchedulerConfig, id: JobId) {
         let Some(j) = self.jobs.get(&id) else { return };
-        if j.reserved_node.is_some() {
+        if j.reserved_node
+            .is_some_and(|node| self.preempting_for(node, id))
+        {
             return;
         }
         let (tier, gpus, floor, now) = (j.spec.tier, j.spec.gpus, j.spec.mem_floor_gb, ctx.now);
@@ -342,7 +381,7 @@ impl Scheduler {
                 if n.state != super::NodeState::Ready
                     || n.gpu_mem_gb < floor
                     || n.gpu_count < gpus
-                    || n.reserved_for.is_some()
+                    || n.reserved_for.is_some_and(|r| r != id)
                 {
                     continue;
                 }
@@ -377,19 +416,14 @@ impl Scheduler {
                         }
                     }
                 }
-                cands.sort();
-                let (mut freed, mut lost, mut victims) = (free, 0u64, Vec::new());
-                for (l, v, g) in cands {
-                    if freed >= gpus {
-                        break;
-                    }
-                    freed += g;
-                    lost += l;
-                    victims.push(v);
-                }
-                if freed < gpus || victims.is_empty() {
+                let need = gpus.saturating_sub(free);
+                if need == 0 {
                     continue;
                 }
+                cands.sort();
+                let Some((lost, victims)) = cheapest_victims(&cands, need) else {
+                    continue;
+                };
                 let key = (lost, victims.len(), node);
                 if best.as_ref().is_none_or(|(k, _)| key < *k) {
                     best = Some((key, victims));
@@ -399,6 +433,10 @@ impl Scheduler {
         let Some(((_, _, node), victims)) = best else {
             return;
         };
+        // A plain reservation elsewhere gives way to the preemption.
+        if self.jobs.get(&id).and_then(|j| j.reserved_node) != Some(node) {
+            self.clear_reservation(id);
+        }
         for v in victims {
             if let Some(vj) = self.jobs.get_mut(&v) {
                 vj.preemptions += 1;
@@ -422,4 +460,43 @@ impl Scheduler {
             j.reserved_node = Some(node);
         }
     }
+
+    /// Whether jobs on `node` are being preempted for `id` (in their grace period).
+    fn preempting_for(&self, node: NodeId, id: JobId) -> bool {
+        self.nodes.get(&node).is_some_and(|n| {
+            n.jobs().iter().any(|v| {
+                self.jobs.get(v).is_some_and(|vj| {
+                    vj.state == JobState::Preempting
+                        && vj.last_reason == Reason::Preempted { by: id }
+                })
+            })
+        })
+    }
+}
+
+/// The victim set that frees at least `need` GPUs with the least work lost, then the
+/// fewest victims, then the smallest ids (candidates come sorted by (lost, id)): an exact
+/// 0/1 knapsack over "at least g GPUs freed", O(candidates × need) — at most 16 × 16 on
+/// one node. A greedy pick by smallest loss can take two victims where one whose loss
+/// is smaller than their sum frees enough.
+fn cheapest_victims(cands: &[(u64, JobId, u32)], need: u32) -> Option<(u64, Vec<JobId>)> {
+    let need = need as usize;
+    let mut best: Vec<Option<(u64, Vec<JobId>)>> = vec![None; need + 1];
+    best[0] = Some((0, Vec::new()));
+    for &(lost, v, g) in cands {
+        for want in (1..=need).rev() {
+            let from = want.saturating_sub(g as usize);
+            let Some((l, vs)) = &best[from] else { continue };
+            let mut victims = vs.clone();
+            victims.push(v);
+            let cand = (l.saturating_add(lost), victims);
+            let better = best[want]
+                .as_ref()
+                .is_none_or(|cur| (cand.0, cand.1.len(), &cand.1) < (cur.0, cur.1.len(), &cur.1));
+            if better {
+                best[want] = Some(cand);
+            }
+        }
+    }
+    best.pop().flatten()
 }

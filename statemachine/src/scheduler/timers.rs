@@ -1,6 +1,7 @@
 //! Time-driven transitions, run first in every entry on logical time: node leases
-//! (a node that misses its lease is down and its jobs fail as platform faults), job
-//! leases (no heartbeat in time: Lost), preemption grace, and max duration.
+//! (a node that misses its lease is down; its jobs go back to the queue, billed to their
+//! last checkpoint, up to `node_failure_requeues_max` times, then fail as platform
+//! faults), job leases (no heartbeat in time: Lost), preemption grace, and max duration.
 
 use super::{Ending, JobState, NodeState, Reason, Scheduler, SchedulerConfig, Timer};
 use crate::command::SettleReason;
@@ -30,17 +31,32 @@ impl Scheduler {
                         .is_some_and(|n| n.state != NodeState::Down && n.lease_until_ms <= ctx.now);
                     if down {
                         for job in self.nodes.get(&node).map(|n| n.jobs()).unwrap_or_default() {
-                            self.end(
-                                ctx,
-                                ledger,
-                                cfg,
-                                job,
-                                Ending {
-                                    settle: SettleReason::NodeFailure,
-                                    to: JobState::Failed,
-                                    reason: Reason::NodeDown,
-                                },
-                            );
+                            let retry = self.jobs.get(&job).is_some_and(|j| {
+                                j.node_failures < cfg.node_failure_requeues_max
+                                    && j.run_ms < j.spec.max_duration_ms
+                            });
+                            if retry {
+                                self.requeue(
+                                    ctx,
+                                    ledger,
+                                    cfg,
+                                    job,
+                                    SettleReason::NodeFailure,
+                                    Reason::NodeDown,
+                                );
+                            } else {
+                                self.end(
+                                    ctx,
+                                    ledger,
+                                    cfg,
+                                    job,
+                                    Ending {
+                                        settle: SettleReason::NodeFailure,
+                                        to: JobState::Failed,
+                                        reason: Reason::NodeDown,
+                                    },
+                                );
+                            }
                         }
                         self.set_node_state(node, NodeState::Down, ctx.effects);
                     }
@@ -76,7 +92,14 @@ impl Scheduler {
                     };
                     j.grace_at = None;
                     if j.state == JobState::Preempting {
-                        self.requeue(ctx, ledger, cfg, job);
+                        self.requeue(
+                            ctx,
+                            ledger,
+                            cfg,
+                            job,
+                            SettleReason::Preempted,
+                            Reason::Requeued,
+                        );
                     }
                 }
             }

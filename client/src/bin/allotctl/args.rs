@@ -79,6 +79,9 @@ pub enum Cmd {
     /// Replica state hashes, to compare replicas.
     #[command(subcommand)]
     Shard(crate::cluster::ShardCmd),
+    /// Backups of shards (restore with `allot-node restore`).
+    #[command(subcommand)]
+    Backup(crate::backup::BackupCmd),
     /// Organisations.
     #[command(subcommand)]
     Org(crate::tenancy::OrgCmd),
@@ -91,6 +94,11 @@ pub enum Cmd {
     /// Admission quotas of an organisation.
     #[command(subcommand)]
     Quota(crate::tenancy::QuotaCmd),
+    /// Fair-share weights of orgs, projects and users.
+    #[command(subcommand)]
+    Share(crate::tenancy::ShareCmd),
+    /// Top consumers (orgs, projects or users) by credits used in a period.
+    Usage(crate::tenancy::UsageArgs),
     /// Credit grants (paid, promotional, granted buckets).
     #[command(subcommand)]
     Grant(crate::credits::GrantCmd),

@@ -6,6 +6,7 @@
 
 mod args;
 mod audit;
+mod backup;
 mod bench;
 mod cluster;
 mod connect;
@@ -53,10 +54,13 @@ async fn dispatch(ctx: &Ctx, cmd: Cmd) -> anyhow::Result<()> {
         Cmd::Token(c) => tokens::run(ctx, c).await,
         Cmd::Endpoint(c) => cluster::run_endpoint(ctx, c).await,
         Cmd::Shard(c) => cluster::run_shard(ctx, c).await,
+        Cmd::Backup(c) => backup::run(ctx, c).await,
         Cmd::Org(c) => tenancy::run_org(ctx, c).await,
         Cmd::Project(c) => tenancy::run_project(ctx, c).await,
         Cmd::User(c) => tenancy::run_user(ctx, c).await,
         Cmd::Quota(c) => tenancy::run_quota(ctx, c).await,
+        Cmd::Share(c) => tenancy::run_share(ctx, c).await,
+        Cmd::Usage(a) => tenancy::usage_top(ctx, a).await,
         Cmd::Grant(c) => credits::run_grant(ctx, c).await,
         Cmd::Balance(a) => credits::balance(ctx, a).await,
         Cmd::Budget(c) => credits::run_budget(ctx, c).await,

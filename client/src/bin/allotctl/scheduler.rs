@@ -34,9 +34,13 @@ pub struct ConfigureArgs {
     /// A placed job without a heartbeat for this long ends as Lost.
     #[arg(long, value_parser = values::duration_ms)]
     job_lease: Option<u64>,
-    /// A node without a heartbeat for this long is down (its jobs fail as platform faults).
+    /// A node without a heartbeat for this long is down (its jobs are requeued, billed to
+    /// their last checkpoint, or fail once they used up their requeues).
     #[arg(long, value_parser = values::duration_ms)]
     node_lease: Option<u64>,
+    /// Most times one job is requeued because its node went down (0: it fails at once).
+    #[arg(long)]
+    node_failure_requeues: Option<u32>,
     /// No preemption while a running job on a fitting node ends within this time.
     #[arg(long, value_parser = values::duration_ms)]
     hysteresis: Option<u64>,
@@ -77,6 +81,7 @@ async fn configure(ctx: &Ctx, a: ConfigureArgs) -> anyhow::Result<()> {
         a.hysteresis,
         a.half_life,
         a.preemptions_max.map(u64::from),
+        a.node_failure_requeues.map(u64::from),
     ];
     if changes.iter().all(Option::is_none) {
         return Err(usage("nothing to change: give at least one setting"));
@@ -109,6 +114,9 @@ fn apply_changes(s: &mut SchedulerSettings, a: &ConfigureArgs) {
     if let Some(p) = a.preemptions_max {
         s.preemptions_per_job_max = p;
     }
+    if let Some(r) = a.node_failure_requeues {
+        s.node_failure_requeues_max = r;
+    }
 }
 
 fn print_settings(ctx: &Ctx, all: &[(u32, SchedulerSettings)]) -> anyhow::Result<()> {
@@ -133,6 +141,7 @@ fn print_settings(ctx: &Ctx, all: &[(u32, SchedulerSettings)]) -> anyhow::Result
         "hysteresis",
         "preemptions max",
         "usage half-life",
+        "node-failure requeues",
     ]
     .iter()
     .map(|n| vec![n.to_string()])
@@ -148,6 +157,7 @@ fn print_settings(ctx: &Ctx, all: &[(u32, SchedulerSettings)]) -> anyhow::Result
             d(s.hysteresis_ms),
             s.preemptions_per_job_max.to_string(),
             d(s.usage_half_life_ms),
+            s.node_failure_requeues_max.to_string(),
         ];
         for (row, v) in rows.iter_mut().zip(values) {
             row.push(v);

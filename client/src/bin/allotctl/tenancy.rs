@@ -1,10 +1,13 @@
-//! Organisations, projects, users and admission quotas.
+//! Organisations, projects, users, admission quotas, fair-share weights and the usage
+//! ranking.
 
 use crate::connect::Ctx;
 use crate::failure::usage;
-use crate::output::{show, Table};
+use crate::output::{cr, show, Table};
+use crate::values::{self, Scope};
 use allot_client::Error;
-use allot_statemachine::{OrgId, ProjectId, Quota, UserId};
+use allot_statemachine::query::{UsageLevel, UsageQuery};
+use allot_statemachine::{BudgetPeriod, BudgetScope, OrgId, ProjectId, Quota, UserId};
 use anyhow::Context;
 use clap::{Args, Subcommand};
 
@@ -57,6 +60,109 @@ pub struct QuotaArgs {
     running_max: Option<u32>,
     #[arg(long, conflicts_with_all = ["queued_max", "running_max"])]
     clear: bool,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ShareCmd {
+    /// Sets the fair-share weight of an org (admin), or of one of its projects or users
+    /// (the org's own token may): twice the weight, twice the GPUs under contention.
+    Set(ShareArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ShareArgs {
+    #[arg(long)]
+    org: u64,
+    /// org, project:<id> or user:<id>.
+    #[arg(long, default_value = "org", value_parser = values::scope)]
+    scope: Scope,
+    /// 1..=10000; the default is 100.
+    #[arg(long, required_unless_present = "clear")]
+    weight: Option<u32>,
+    /// Back to the default weight.
+    #[arg(long, conflicts_with = "weight")]
+    clear: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct UsageArgs {
+    /// What to rank: org, project or user.
+    #[arg(long, default_value = "org", value_parser = level)]
+    level: UsageLevel,
+    /// Only this org's projects or users (its home shard); default: every shard.
+    #[arg(long)]
+    org: Option<u64>,
+    /// Credits used (held + spent) in this period: day, month or lifetime.
+    #[arg(long, default_value = "month", value_parser = values::period)]
+    period: BudgetPeriod,
+    /// Rows, 1..=1000.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    limit: u32,
+}
+
+fn level(s: &str) -> Result<UsageLevel, String> {
+    match s {
+        "org" => Ok(UsageLevel::Org),
+        "project" => Ok(UsageLevel::Project),
+        "user" => Ok(UsageLevel::User),
+        _ => Err(format!("level {s:?}: expected org, project or user")),
+    }
+}
+
+pub async fn run_share(ctx: &Ctx, cmd: ShareCmd) -> anyhow::Result<()> {
+    let ShareCmd::Set(a) = cmd;
+    let org = OrgId(a.org);
+    let scope = a.scope.budget_scope(org);
+    let weight = if a.clear { None } else { a.weight };
+    ctx.client
+        .set_share_weight(org, scope, weight)
+        .await
+        .with_context(|| format!("setting the share weight of {scope:?}"))?;
+    let shown = weight.unwrap_or(allot_statemachine::limits::SHARE_WEIGHT_DEFAULT);
+    let json = serde_json::json!({"org": org.0, "scope": scope, "weight": shown});
+    let t = Table::fields([
+        ("scope", format!("{scope:?}")),
+        ("weight", shown.to_string()),
+    ]);
+    show(ctx.format, &json, &[t])
+}
+
+pub async fn usage_top(ctx: &Ctx, a: UsageArgs) -> anyhow::Result<()> {
+    let q = UsageQuery {
+        level: a.level,
+        org: a.org.map(OrgId),
+        period: a.period,
+        limit: a.limit,
+    };
+    let rows = ctx.client.usage(q).await.context("usage ranking")?;
+    let mut t = Table::new(&[
+        "RANK",
+        "WHO",
+        "ORG",
+        "USED",
+        "HELD",
+        "GPU-H (DECAYED)",
+        "RUNNING GPUS",
+        "WEIGHT",
+    ]);
+    for (i, r) in rows.iter().enumerate() {
+        let who = match r.scope {
+            BudgetScope::Org(o) => o.to_string(),
+            BudgetScope::Project(p) => p.to_string(),
+            BudgetScope::User(u) => u.to_string(),
+        };
+        t.row(vec![
+            (i + 1).to_string(),
+            who,
+            r.org.to_string(),
+            cr(r.used_micro),
+            cr(r.held_micro),
+            format!("{:.2}", r.gpu_ms_decayed as f64 / 3_600_000.0),
+            r.running_gpus.to_string(),
+            r.share_weight.to_string(),
+        ]);
+    }
+    show(ctx.format, &rows, &[t])
 }
 
 pub async fn run_org(ctx: &Ctx, cmd: OrgCmd) -> anyhow::Result<()> {

@@ -1,0 +1,153 @@
+//! The backup format of one shard: its state at an applied log index (the encoding a
+//! Raft snapshot carries), where that index sits in the Raft log, the shard's membership,
+//! and its audit rows — so a restored cluster continues the same ledger *and* still
+//! serves and verifies its whole audit trail. Pure data and checks; taking a backup and
+//! restoring one (RocksDB, Raft metadata) is the node's job (`node/src/backup.rs`).
+//!
+//! A backup file is `codec::encode(&ShardBackup)`: versioned like every persisted blob.
+
+use crate::audit::{verify_chain, AuditChain, AuditEvent};
+use crate::codec::{self, CodecError};
+use crate::invariants::check_invariants;
+use crate::state::State;
+use serde::{Deserialize, Serialize};
+
+/// The Raft log position a backup's state reflects: the last applied entry's term and
+/// index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogPosition {
+    pub term: u64,
+    pub index: u64,
+}
+
+/// Which audit key space a row belongs to (the node's audit store layout).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AuditRowKind {
+    /// The events of one entry (codec of `Vec<AuditEvent>`), keyed by the first event's
+    /// sequence number.
+    Events,
+    /// The commands of one entry (codec of `Entry`), keyed by its log index.
+    Batch,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuditRow {
+    pub kind: AuditRowKind,
+    pub key: u64,
+    pub value: Vec<u8>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardBackup {
+    pub shard: u32,
+    /// The cluster's shard count (a restore must start with the same).
+    pub shards: u32,
+    /// `None`: the shard had applied nothing yet.
+    pub position: Option<LogPosition>,
+    /// The voters at that position: (node id, address).
+    pub members: Vec<(u64, String)>,
+    /// `State::encode()` at `position`.
+    pub state: Vec<u8>,
+    /// `State::state_hash()` of that state.
+    pub state_hash: [u8; 32],
+    pub logical_time_ms: u64,
+    /// Every audit row of the shard up to `position`, in key order per kind.
+    pub audit: Vec<AuditRow>,
+}
+
+/// What a verified backup holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BackupSummary {
+    pub shard: u32,
+    pub position: Option<LogPosition>,
+    pub state_hash: [u8; 32],
+    pub logical_time_ms: u64,
+    pub audit_events: u64,
+    pub audit_batches: u64,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BackupError {
+    #[error("not a backup: {0}")]
+    Codec(#[from] CodecError),
+    #[error("the state does not decode: {0}")]
+    State(String),
+    #[error("the state's hash does not match the one recorded")]
+    HashMismatch,
+    #[error("the state breaks an invariant: {0}")]
+    Invariant(String),
+    #[error("shard {shard} is out of range for {shards} shards")]
+    ShardOutOfRange { shard: u32, shards: u32 },
+    #[error("audit row {key}: {problem}")]
+    AuditRow { key: u64, problem: String },
+    #[error("the audit trail does not verify: {0}")]
+    AuditChain(String),
+    #[error("the audit trail ends at event {found}, the state's chain at {expected}")]
+    AuditIncomplete { found: u64, expected: u64 },
+}
+
+impl ShardBackup {
+    pub fn encode(&self) -> Vec<u8> {
+        codec::encode(self)
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<ShardBackup, BackupError> {
+        Ok(codec::decode(bytes)?)
+    }
+
+    /// Checks everything a restore relies on: the state decodes to the recorded hash and
+    /// passes the invariant check, and the audit rows form the shard's hash chain from
+    /// genesis up to exactly the state's chain head (no event missing, none edited).
+    /// Returns the decoded state.
+    pub fn verify(&self) -> Result<(State, BackupSummary), BackupError> {
+        if self.shard >= self.shards {
+            return Err(BackupError::ShardOutOfRange {
+                shard: self.shard,
+                shards: self.shards,
+            });
+        }
+        let state = State::decode(&self.state).map_err(|e| BackupError::State(e.to_string()))?;
+        if state.state_hash() != self.state_hash {
+            return Err(BackupError::HashMismatch);
+        }
+        check_invariants(&state).map_err(|v| BackupError::Invariant(v.to_string()))?;
+        let mut chain = AuditChain::default();
+        let (mut events, mut batches) = (0u64, 0u64);
+        for row in &self.audit {
+            match row.kind {
+                AuditRowKind::Events => {
+                    let evs: Vec<AuditEvent> =
+                        codec::decode(&row.value).map_err(|e| BackupError::AuditRow {
+                            key: row.key,
+                            problem: e.to_string(),
+                        })?;
+                    if evs.first().map(|e| e.seq) != Some(row.key) {
+                        return Err(BackupError::AuditRow {
+                            key: row.key,
+                            problem: "keyed by another event than its first".into(),
+                        });
+                    }
+                    chain = verify_chain(&chain, &evs)
+                        .map_err(|e| BackupError::AuditChain(format!("{e:?}")))?;
+                    events += evs.len() as u64;
+                }
+                AuditRowKind::Batch => batches += 1,
+            }
+        }
+        if chain != state.audit {
+            return Err(BackupError::AuditIncomplete {
+                found: chain.next_seq,
+                expected: state.audit.next_seq,
+            });
+        }
+        let summary = BackupSummary {
+            shard: self.shard,
+            position: self.position,
+            state_hash: self.state_hash,
+            logical_time_ms: self.logical_time_ms,
+            audit_events: events,
+            audit_batches: batches,
+        };
+        Ok((state, summary))
+    }
+}
