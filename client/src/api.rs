@@ -283,9 +283,10 @@ impl Client {
             .map(drop)
     }
 
-    /// The top consumers at `q.level` by credits used in `q.period`, largest first. With
-    /// `q.org` set, from that org's home shard; otherwise from every shard, merged.
-    pub async fn usage(&self, q: UsageQuery) -> Result<Vec<UsageRow>> {
+    /// The top consumers at `q.level` by credits used in `q.period`, largest first, each
+    /// with the shard it lives on. With `q.org` set, from that org's home shard;
+    /// otherwise from every shard, merged.
+    pub async fn usage(&self, q: UsageQuery) -> Result<Vec<(u32, UsageRow)>> {
         let shards = match q.org {
             Some(org) => vec![self.shard_of_org(org).await?],
             None => (0..self.shards().await?).collect(),
@@ -293,11 +294,16 @@ impl Client {
         let mut rows = Vec::new();
         for shard in shards {
             match self.query(shard, &Query::Usage(q)).await? {
-                Answer::Usage(r) => rows.extend(r),
+                Answer::Usage(r) => rows.extend(r.into_iter().map(|row| (shard, row))),
                 other => return unexpected("usage", other),
             }
         }
-        rows.sort_by(|a, b| b.used_micro.cmp(&a.used_micro).then(a.scope.cmp(&b.scope)));
+        rows.sort_by(|(sa, a), (sb, b)| {
+            b.used_micro
+                .cmp(&a.used_micro)
+                .then(a.scope.cmp(&b.scope))
+                .then(sa.cmp(sb))
+        });
         if q.limit > 0 {
             rows.truncate(q.limit as usize);
         }

@@ -137,32 +137,36 @@ pub async fn usage_top(ctx: &Ctx, a: UsageArgs) -> anyhow::Result<()> {
     let rows = ctx.client.usage(q).await.context("usage ranking")?;
     let mut t = Table::new(&[
         "RANK",
+        "SHARD",
         "WHO",
-        "ORG",
         "USED",
         "HELD",
         "GPU-H (DECAYED)",
         "RUNNING GPUS",
         "WEIGHT",
     ]);
-    for (i, r) in rows.iter().enumerate() {
+    let mut json = Vec::new();
+    for (i, (shard, r)) in rows.iter().enumerate() {
         let who = match r.scope {
             BudgetScope::Org(o) => o.to_string(),
-            BudgetScope::Project(p) => p.to_string(),
-            BudgetScope::User(u) => u.to_string(),
+            BudgetScope::Project(p) => format!("{p} ({})", r.org),
+            BudgetScope::User(u) => format!("{u} ({})", r.org),
         };
         t.row(vec![
             (i + 1).to_string(),
+            shard.to_string(),
             who,
-            r.org.to_string(),
             cr(r.used_micro),
             cr(r.held_micro),
             format!("{:.2}", r.gpu_ms_decayed as f64 / 3_600_000.0),
             r.running_gpus.to_string(),
             r.share_weight.to_string(),
         ]);
+        let mut v = serde_json::to_value(r)?;
+        v["shard"] = (*shard).into();
+        json.push(v);
     }
-    show(ctx.format, &rows, &[t])
+    show(ctx.format, &json, &[t])
 }
 
 pub async fn run_org(ctx: &Ctx, cmd: OrgCmd) -> anyhow::Result<()> {
