@@ -82,53 +82,94 @@ impl Client {
     }
 
     /// A consistent copy of one shard (state at an applied index, Raft position, voters,
-    /// audit rows), verified here before it is returned. Asked of each endpoint in turn:
-    /// a replica that caught up from a snapshot lacks part of the audit trail and
-    /// declines, and an unreachable one is skipped. The deadline is per endpoint and
-    /// grows with the state (`timeout` × 10: the copy is encoded whole).
+    /// audit rows), verified here before it is returned. Asked of the shard's leader
+    /// first (its copy is the most recent: a follower's may lag), then of each endpoint
+    /// in turn: a replica that caught up from a snapshot lacks part of the audit trail and
+    /// declines, and an unreachable one, or one whose copy does not verify, is skipped.
+    /// The deadline is per replica and grows with the state (`attempt_timeout` × 10: the
+    /// copy is encoded whole).
     pub async fn backup(&self, shard: u32) -> Result<ShardBackup> {
+        let mut order: Vec<String> = Vec::new();
+        if let Some(leader) = self.leader_addr(shard).await {
+            order.push(leader);
+        }
+        for e in self.endpoints() {
+            if !order.contains(e) {
+                order.push(e.clone());
+            }
+        }
         let mut last = String::from("no endpoints");
-        for addr in self.endpoints().to_vec() {
-            let req = self.request(ShardRequest { shard }, self.attempt_timeout() * 10);
-            let stream = match self.admin_at(&addr)?.backup(req).await {
-                Ok(s) => s.into_inner(),
-                Err(s) => {
-                    let e = Error::from_status(&s);
-                    match s.code() {
-                        tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => {
-                            last = format!("{addr}: {e}");
-                            continue;
-                        }
-                        _ => return Err(e),
-                    }
-                }
-            };
-            let mut bytes = Vec::new();
-            let mut chunks = stream;
-            let mut broken = None;
-            while let Some(chunk) = chunks.next().await {
-                match chunk {
-                    Ok(c) => bytes.extend_from_slice(&c.data),
-                    Err(s) => {
-                        broken = Some(format!("{addr}: {}", Error::from_status(&s)));
-                        break;
-                    }
-                }
+        for addr in &order {
+            match self.backup_from(addr, shard).await {
+                Ok(b) => return Ok(b),
+                Err(BackupAttempt::Final(e)) => return Err(e),
+                Err(BackupAttempt::Next(why)) => last = format!("{addr}: {why}"),
             }
-            if let Some(b) = broken {
-                last = b;
-                continue;
-            }
-            let backup = ShardBackup::decode(&bytes).map_err(|e| Error::Decode(e.to_string()))?;
-            backup
-                .verify()
-                .map_err(|e| Error::Decode(format!("backup of shard {shard} from {addr}: {e}")))?;
-            return Ok(backup);
         }
         Err(Error::Unavailable {
-            attempts: self.endpoints().len() as u32,
+            attempts: order.len() as u32,
             elapsed: Duration::ZERO,
             last,
         })
     }
+
+    /// The address of the shard's leader as the first answering endpoint sees it.
+    async fn leader_addr(&self, shard: u32) -> Option<String> {
+        for e in self.endpoints() {
+            let Ok(mut admin) = self.admin_at(e) else {
+                continue;
+            };
+            let req = self.request(allot_proto::StatusRequest {}, self.attempt_timeout());
+            if let Ok(r) = admin.status(req).await {
+                return r
+                    .into_inner()
+                    .shards
+                    .into_iter()
+                    .find(|s| s.shard == shard && s.leader != 0)
+                    .map(|s| s.leader_addr)
+                    .filter(|a| !a.is_empty());
+            }
+        }
+        None
+    }
+
+    async fn backup_from(&self, addr: &str, shard: u32) -> Result<ShardBackup, BackupAttempt> {
+        let req = self.request(ShardRequest { shard }, self.attempt_timeout() * 10);
+        let mut chunks = match self
+            .admin_at(addr)
+            .map_err(BackupAttempt::Final)?
+            .backup(req)
+            .await
+        {
+            Ok(s) => s.into_inner(),
+            Err(s) => {
+                let e = Error::from_status(&s);
+                return Err(match s.code() {
+                    tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => {
+                        BackupAttempt::Next(e.to_string())
+                    }
+                    _ => BackupAttempt::Final(e),
+                });
+            }
+        };
+        let mut bytes = Vec::new();
+        while let Some(chunk) = chunks.next().await {
+            match chunk {
+                Ok(c) => bytes.extend_from_slice(&c.data),
+                Err(s) => return Err(BackupAttempt::Next(Error::from_status(&s).to_string())),
+            }
+        }
+        let backup = ShardBackup::decode(&bytes).map_err(|e| BackupAttempt::Next(e.to_string()))?;
+        backup
+            .verify()
+            .map_err(|e| BackupAttempt::Next(format!("the copy does not verify: {e}")))?;
+        Ok(backup)
+    }
+}
+
+/// How one replica's backup attempt ended: try the next replica, or give up (refused:
+/// no admin rights, unknown shard).
+enum BackupAttempt {
+    Next(String),
+    Final(Error),
 }

@@ -304,9 +304,11 @@ impl Client {
                 .then(a.scope.cmp(&b.scope))
                 .then(sa.cmp(sb))
         });
-        if q.limit > 0 {
-            rows.truncate(q.limit as usize);
-        }
+        let limit = match q.limit {
+            0 => allot_statemachine::limits::USAGE_ROWS_MAX,
+            n => n.min(allot_statemachine::limits::USAGE_ROWS_MAX),
+        };
+        rows.truncate(limit as usize);
         Ok(rows)
     }
 

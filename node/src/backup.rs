@@ -124,8 +124,10 @@ pub fn restore(
     members: Option<&[(u64, String)]>,
 ) -> anyhow::Result<()> {
     let mut by_shard = BTreeMap::new();
+    let mut states = Vec::new();
     for b in backups {
-        b.verify()
+        let (state, _) = b
+            .verify()
             .with_context(|| format!("backup of shard {}", b.shard))?;
         if b.shards != shards {
             bail!(
@@ -137,16 +139,25 @@ pub fn restore(
         if by_shard.insert(b.shard, b).is_some() {
             bail!("two backups of shard {}", b.shard);
         }
+        states.push(state);
     }
     let missing: Vec<u32> = (0..shards).filter(|s| !by_shard.contains_key(s)).collect();
     if !missing.is_empty() {
         bail!("no backup of shard(s) {missing:?}");
     }
+    let refs: Vec<&allot_statemachine::State> = states.iter().collect();
+    let drift = allot_statemachine::backup::token_disagreements(&refs);
+    if !drift.is_empty() {
+        bail!(
+            "the shards' token tables disagree on principals {drift:?} (a token was created, \
+             rotated or revoked while the shards were copied one by one): take the backup \
+             again"
+        );
+    }
     std::fs::create_dir_all(data_dir)
         .with_context(|| format!("creating {}", data_dir.display()))?;
     let db = store::open_db(&data_dir.join("db"))
         .with_context(|| format!("opening RocksDB in {}", data_dir.display()))?;
-    crate::node::check_shard_count(&db, shards)?;
     for s in 0..shards {
         if store::has_snapshot(&db, s)? || !store::log::is_pristine(&db, s)? {
             bail!(
@@ -155,6 +166,10 @@ pub fn restore(
             );
         }
     }
+    crate::node::check_shard_count(&db, shards)?;
+    // Each shard in one synced batch — audit rows, snapshot, log metadata — so a crash
+    // leaves the shard either restored or untouched (and a rerun refused or allowed
+    // accordingly), never a snapshot without its vote and purge point.
     for (shard, b) in by_shard {
         let voters: Vec<(u64, String)> = match members {
             Some(m) => m.to_vec(),
@@ -185,12 +200,12 @@ pub fn restore(
             };
             batch.put_cf(audit, audit_key(shard, space, row.key), &row.value);
         }
-        db.write(batch)?;
-        db.flush_wal(true)?;
-        store::store_snapshot(&db, shard, meta, b.state.clone())?;
+        store::put_snapshot(&mut batch, &db, shard, meta, b.state.clone())?;
         if let Some(last) = last {
-            store::log::seed_restored(&db, shard, last, Vote::new(last.leader_id.term, node_id))?;
+            let vote = Vote::new(last.leader_id.term, node_id);
+            store::log::put_restored_meta(&mut batch, &db, shard, last, vote)?;
         }
+        store::log::write_synced(&db, batch)?;
     }
     Ok(())
 }

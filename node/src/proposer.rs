@@ -16,6 +16,7 @@ use crate::types::{Applied, Batch, NodeId, Raft, ShardId, TypeConfig};
 use allot_statemachine::{Outcome, Request};
 use openraft::error::{ClientWriteError, ForwardToLeader, RaftError};
 use openraft::raft::ClientWriteResponse;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, Semaphore};
@@ -146,6 +147,10 @@ impl ProposerTask {
 
     async fn run(self, mut rx: mpsc::Receiver<Pending>) {
         let mut stamper = Stamper::new(self.config.slew_ppm);
+        // When a slow proposal was last logged (ms since the task started): at most one
+        // log line per second per shard, so an overloaded shard does not flood its log.
+        let started = Instant::now();
+        let slow_logged = Arc::new(std::sync::atomic::AtomicU64::new(u64::MAX));
         let inflight = Arc::new(Semaphore::new(self.config.max_inflight.max(1)));
         let mut last_proposal = Instant::now();
         let mut carry: Option<Pending> = None;
@@ -254,6 +259,7 @@ impl ProposerTask {
             };
             let raft = self.raft.clone();
             let (shard, slow) = (self.shard, self.config.slow);
+            let slow_logged = slow_logged.clone();
             tokio::spawn(async move {
                 let _permit = permit;
                 let rx_write = rx_write;
@@ -266,17 +272,23 @@ impl ProposerTask {
                     };
                 let committed = proposed.elapsed();
                 commit.observe(committed.as_secs_f64());
-                if slow.is_some_and(|s| longest_wait + committed >= s) {
-                    // The stage times of a tail request, for whoever investigates it (the
-                    // histograms say how often; this says when and where).
-                    tracing::warn!(
-                        shard,
-                        requests = n_requests,
-                        log_index = result.as_ref().map(|r| r.data.log_index).unwrap_or(0),
-                        queue_wait_ms = longest_wait.as_millis() as u64,
-                        commit_apply_ms = committed.as_millis() as u64,
-                        "slow proposal"
-                    );
+                let now_ms = started.elapsed().as_millis() as u64;
+                let last = slow_logged.load(Ordering::Relaxed);
+                let due = last == u64::MAX || now_ms >= last.saturating_add(1_000);
+                if let (true, Some(s), Ok(r)) = (due, slow, &result) {
+                    if longest_wait + committed >= s {
+                        slow_logged.store(now_ms, Ordering::Relaxed);
+                        // The stage times of a tail request, for whoever investigates it
+                        // (the histograms say how often; this says when and where).
+                        tracing::warn!(
+                            shard,
+                            requests = n_requests,
+                            log_index = r.data.log_index,
+                            queue_wait_ms = longest_wait.as_millis() as u64,
+                            commit_apply_ms = committed.as_millis() as u64,
+                            "slow proposal (at most one such line per second per shard)"
+                        );
+                    }
                 }
                 match result {
                     Ok(resp) => {

@@ -264,11 +264,13 @@ pub fn verify_commands(
     entries: &[crate::command::Entry],
 ) -> Result<(), ChainError> {
     let mut scratch = Vec::new();
+    let by_index: std::collections::BTreeMap<u64, &crate::command::Entry> =
+        entries.iter().map(|e| (e.log_index, e)).collect();
     for ev in events {
         let EventBody::Command { digest, .. } = &ev.body else {
             continue;
         };
-        let entry = entries.iter().find(|e| e.log_index == ev.log_index);
+        let entry = by_index.get(&ev.log_index).copied();
         let command = entry
             .and_then(|e| command_of(ev, e))
             .ok_or(ChainError::BadHash { seq: ev.seq })?;

@@ -6,11 +6,14 @@
 //!
 //! A backup file is `codec::encode(&ShardBackup)`: versioned like every persisted blob.
 
-use crate::audit::{verify_chain, AuditChain, AuditEvent};
+use crate::audit::{verify_chain, verify_commands, AuditChain, AuditEvent};
 use crate::codec::{self, CodecError};
+use crate::command::Entry;
+use crate::ids::{PrincipalId, TokenDigest};
 use crate::invariants::check_invariants;
 use crate::state::State;
 use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
 
 /// The Raft log position a backup's state reflects: the last applied entry's term and
 /// index.
@@ -84,6 +87,8 @@ pub enum BackupError {
     AuditChain(String),
     #[error("the audit trail ends at event {found}, the state's chain at {expected}")]
     AuditIncomplete { found: u64, expected: u64 },
+    #[error("the audit trail's commands do not match their events: {0}")]
+    AuditCommands(String),
 }
 
 impl ShardBackup {
@@ -112,26 +117,36 @@ impl ShardBackup {
         }
         check_invariants(&state).map_err(|v| BackupError::Invariant(v.to_string()))?;
         let mut chain = AuditChain::default();
-        let (mut events, mut batches) = (0u64, 0u64);
+        let mut events: Vec<AuditEvent> = Vec::new();
+        let mut entries: Vec<Entry> = Vec::new();
+        let row_error = |key: u64, problem: String| BackupError::AuditRow { key, problem };
         for row in &self.audit {
             match row.kind {
                 AuditRowKind::Events => {
                     let evs: Vec<AuditEvent> =
-                        codec::decode(&row.value).map_err(|e| BackupError::AuditRow {
-                            key: row.key,
-                            problem: e.to_string(),
-                        })?;
+                        codec::decode(&row.value).map_err(|e| row_error(row.key, e.to_string()))?;
                     if evs.first().map(|e| e.seq) != Some(row.key) {
-                        return Err(BackupError::AuditRow {
-                            key: row.key,
-                            problem: "keyed by another event than its first".into(),
-                        });
+                        return Err(row_error(
+                            row.key,
+                            "keyed by another event than its first".into(),
+                        ));
                     }
                     chain = verify_chain(&chain, &evs)
                         .map_err(|e| BackupError::AuditChain(format!("{e:?}")))?;
-                    events += evs.len() as u64;
+                    events.extend(evs);
                 }
-                AuditRowKind::Batch => batches += 1,
+                AuditRowKind::Batch => {
+                    let entry: Entry =
+                        codec::decode(&row.value).map_err(|e| row_error(row.key, e.to_string()))?;
+                    let beyond = self.position.is_none_or(|p| entry.log_index > p.index);
+                    if entry.log_index != row.key || beyond {
+                        return Err(row_error(
+                            row.key,
+                            format!("holds the commands of entry {}", entry.log_index),
+                        ));
+                    }
+                    entries.push(entry);
+                }
             }
         }
         if chain != state.audit {
@@ -140,6 +155,10 @@ impl ShardBackup {
                 expected: state.audit.next_seq,
             });
         }
+        // Every command event's digest binds the command it names in its entry.
+        verify_commands(&events, &entries)
+            .map_err(|e| BackupError::AuditCommands(format!("{e:?}")))?;
+        let (events, batches) = (events.len() as u64, entries.len() as u64);
         let summary = BackupSummary {
             shard: self.shard,
             position: self.position,
@@ -150,4 +169,30 @@ impl ShardBackup {
         };
         Ok((state, summary))
     }
+}
+
+/// Who holds which tokens, as one shard's token table says (key expiry instants left out:
+/// they are stamped by each shard's own logical time).
+fn token_view(state: &State) -> BTreeMap<PrincipalId, (bool, BTreeSet<TokenDigest>)> {
+    state
+        .security
+        .principals
+        .iter()
+        .map(|(id, p)| (*id, (p.revoked, p.keys.iter().map(|k| k.digest).collect())))
+        .collect()
+}
+
+/// Tokens are created, rotated and revoked on every shard in turn, so the shards of one
+/// backup, copied one after another, can disagree if a token command ran in between —
+/// and a restore would then bring back, on some shards, a token revoked on others.
+/// Returns the principals the shards disagree on (empty: they agree).
+pub fn token_disagreements(states: &[&State]) -> Vec<PrincipalId> {
+    let views: Vec<_> = states.iter().map(|s| token_view(s)).collect();
+    let mut ids: BTreeSet<PrincipalId> = BTreeSet::new();
+    for v in &views {
+        ids.extend(v.keys().copied());
+    }
+    ids.into_iter()
+        .filter(|id| views.windows(2).any(|w| w[0].get(id) != w[1].get(id)))
+        .collect()
 }

@@ -6,7 +6,11 @@ use bincode::Options;
 use serde::{de::DeserializeOwned, Serialize};
 
 /// The current format version, written as the first byte of every persisted blob.
-pub const FORMAT_VERSION: u8 = 1;
+/// 2 (2026-11-25): the scheduler's state gained fields (node shapes, share weights,
+/// node-failure requeues), so blobs of format 1 — snapshots, logged commands, audit rows
+/// — no longer decode; they are refused by version instead of misread. There is no
+/// in-place upgrade: a format-1 cluster moves by replaying its commands or starting anew.
+pub const FORMAT_VERSION: u8 = 2;
 /// The largest blob decode accepts (guards against hostile length prefixes).
 pub const DECODE_BYTES_MAX: u64 = 4 << 30;
 

@@ -112,26 +112,30 @@ pub(crate) fn is_pristine(db: &DB, shard: ShardId) -> Result<bool, StorageError>
     Ok(it.next().is_none())
 }
 
-/// Seeds a restored shard's log metadata: the log starts after `last` (as if purged up
-/// to it, the entries being inside the restored snapshot), `last` is committed, and the
-/// node has seen `vote` — the term of `last` — so its first election is in a later term
-/// than every restored entry. Synced.
-pub(crate) fn seed_restored(
+/// Adds a restored shard's log metadata to `batch`: the log starts after `last` (as if
+/// purged up to it, the entries being inside the restored snapshot), `last` is
+/// committed, and the node has seen `vote` — the term of `last` — so its first election
+/// is in a later term than every restored entry.
+pub(crate) fn put_restored_meta(
+    batch: &mut WriteBatch,
     db: &DB,
     shard: ShardId,
     last: LogId,
     vote: Vote,
 ) -> Result<(), StorageError> {
     let meta = cf(db, CF_META);
-    let mut batch = WriteBatch::default();
-    let put = |batch: &mut WriteBatch, tag: &[u8], bytes: Result<Vec<u8>, bincode::Error>| {
+    let mut put = |tag: &[u8], bytes: Result<Vec<u8>, bincode::Error>| {
         bytes
             .map(|b| batch.put_cf(meta, shard_key(shard, tag), b))
             .map_err(io_write)
     };
-    put(&mut batch, META_PURGED, bincode::serialize(&last))?;
-    put(&mut batch, META_COMMITTED, bincode::serialize(&Some(last)))?;
-    put(&mut batch, META_VOTE, bincode::serialize(&vote))?;
+    put(META_PURGED, bincode::serialize(&last))?;
+    put(META_COMMITTED, bincode::serialize(&Some(last)))?;
+    put(META_VOTE, bincode::serialize(&vote))
+}
+
+/// A synced write (restores: everything of a shard in one batch, or nothing).
+pub(crate) fn write_synced(db: &DB, batch: WriteBatch) -> Result<(), StorageError> {
     db.write_opt(batch, &sync_opts()).map_err(io_write)
 }
 

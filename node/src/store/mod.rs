@@ -23,7 +23,7 @@ pub use sm::{
     audit_key, read_audit, AppliedState, AuditReadError, ShardView, StateMachineStore,
     AUDIT_BATCHES, AUDIT_EVENTS,
 };
-pub(crate) use sm::{has_snapshot, store_snapshot};
+pub(crate) use sm::{has_snapshot, put_snapshot};
 pub use trigger::SnapshotTrigger;
 
 use crate::types::{ShardId, StorageError};

@@ -272,15 +272,18 @@ fn save_snapshot(db: &DB, shard: ShardId, snap: &StoredSnapshot) -> Result<(), S
     db.flush_cf(snaps).map_err(io_write)
 }
 
-/// Installs `data` (a state encoding) as the shard's stored snapshot at `meta`: what a
-/// restore seeds a new data dir with. The node loads it at start like any snapshot.
-pub(crate) fn store_snapshot(
+/// Adds `data` (a state encoding) as the shard's stored snapshot at `meta` to `batch`:
+/// how a restore seeds a new data dir. The node loads it at start like any snapshot.
+pub(crate) fn put_snapshot(
+    batch: &mut WriteBatch,
     db: &DB,
     shard: ShardId,
     meta: SnapshotMeta,
     data: Vec<u8>,
 ) -> Result<(), StorageError> {
-    save_snapshot(db, shard, &StoredSnapshot { meta, data })
+    let bytes = bincode::serialize(&StoredSnapshot { meta, data }).map_err(io_write)?;
+    batch.put_cf(cf(db, CF_SNAP), snapshot_key(shard), bytes);
+    Ok(())
 }
 
 /// Whether the shard has a stored snapshot.

@@ -81,21 +81,53 @@ fn print(ctx: &Ctx, rows: &[Row]) -> anyhow::Result<()> {
     show(ctx.format, &rows, &[t])
 }
 
+async fn take_all(ctx: &Ctx, shards: &[u32]) -> anyhow::Result<Vec<ShardBackup>> {
+    let mut out = Vec::new();
+    for &shard in shards {
+        out.push(
+            ctx.client
+                .backup(shard)
+                .await
+                .with_context(|| format!("backing up shard {shard}"))?,
+        );
+    }
+    Ok(out)
+}
+
+fn token_drift(taken: &[ShardBackup]) -> anyhow::Result<Vec<allot_statemachine::PrincipalId>> {
+    let mut states = Vec::new();
+    for b in taken {
+        states.push(b.verify()?.0);
+    }
+    let refs: Vec<&allot_statemachine::State> = states.iter().collect();
+    Ok(allot_statemachine::backup::token_disagreements(&refs))
+}
+
 pub async fn run(ctx: &Ctx, cmd: BackupCmd) -> anyhow::Result<()> {
     match cmd {
         BackupCmd::Create(a) => {
             std::fs::create_dir_all(&a.out)
                 .with_context(|| format!("creating {}", a.out.display()))?;
+            let shards = ctx.shards_or_all(a.shard).await?;
+            // The shards are copied one after another; token commands run on every
+            // shard in turn, so a copy that caught one in flight has shards whose token
+            // tables disagree (a restore would refuse it): copy again, once.
+            let mut taken = take_all(ctx, &shards).await?;
+            if !token_drift(&taken)?.is_empty() {
+                taken = take_all(ctx, &shards).await?;
+                let drift = token_drift(&taken)?;
+                if !drift.is_empty() {
+                    anyhow::bail!(
+                        "token commands kept changing principals {drift:?} while the shards \
+                         were copied; try again"
+                    );
+                }
+            }
             let mut rows = Vec::new();
-            for shard in ctx.shards_or_all(a.shard).await? {
-                let b = ctx
-                    .client
-                    .backup(shard)
-                    .await
-                    .with_context(|| format!("backing up shard {shard}"))?;
+            for b in &taken {
                 let (_, summary) = b.verify()?;
                 let bytes = b.encode();
-                let file = a.out.join(format!("shard-{shard}.allot-backup"));
+                let file = a.out.join(format!("shard-{}.allot-backup", b.shard));
                 std::fs::write(&file, &bytes)
                     .with_context(|| format!("writing {}", file.display()))?;
                 rows.push(row(file.display().to_string(), &summary, bytes.len()));
