@@ -116,13 +116,8 @@ impl Client {
     /// The address of the shard's leader as the first answering endpoint sees it.
     async fn leader_addr(&self, shard: u32) -> Option<String> {
         for e in self.endpoints() {
-            let Ok(mut admin) = self.admin_at(e) else {
-                continue;
-            };
-            let req = self.request(allot_proto::StatusRequest {}, self.attempt_timeout());
-            if let Ok(r) = admin.status(req).await {
-                return r
-                    .into_inner()
+            if let Ok(status) = self.status_of(e).await {
+                return status
                     .shards
                     .into_iter()
                     .find(|s| s.shard == shard && s.leader != 0)
