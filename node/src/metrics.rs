@@ -11,9 +11,15 @@ pub struct Metrics {
     pub batch_size: HistogramVec,
     pub requests: IntCounterVec,
     pub latency: HistogramVec,
-    /// Where a proposal's time goes: `queue` (waiting for a batch and a pipeline slot)
-    /// and `commit` (handed to openraft until applied).
+    /// Where a proposal's time goes: `queue` (waiting for a batch and a pipeline slot),
+    /// `commit` (handed to openraft until answered), and `commit` split on the leader's
+    /// own timeline: `append` (until RaftCore wrote it to the log), `local_flush` (until
+    /// the leader's fsync), `replicate` (until it was committed — a follower's
+    /// acknowledgement — and handed to apply), `apply` (until the caller was answered).
     pub stage: HistogramVec,
+    /// How long this node took to answer the leader's AppendEntries, per shard (decode,
+    /// append, fsync, reply): the follower's part of the `replicate` stage.
+    pub follower_append: HistogramVec,
     /// Duration of each WAL fsync (one covers the waiting appends of every shard).
     pub wal_sync: prometheus::Histogram,
     pub raft: GaugeVec,
@@ -69,6 +75,14 @@ impl Metrics {
             .buckets(latency_buckets()),
             &["shard", "stage"],
         ));
+        let follower_append = must(HistogramVec::new(
+            HistogramOpts::new(
+                "follower_append_seconds",
+                "Time to answer an AppendEntries from the shard's leader",
+            )
+            .buckets(latency_buckets()),
+            &["shard"],
+        ));
         let wal_sync = must(prometheus::Histogram::with_opts(
             HistogramOpts::new("wal_sync_seconds", "WAL fsync duration (group commit)")
                 .buckets(latency_buckets()),
@@ -121,6 +135,7 @@ impl Metrics {
             Box::new(requests.clone()),
             Box::new(latency.clone()),
             Box::new(stage.clone()),
+            Box::new(follower_append.clone()),
             Box::new(wal_sync.clone()),
             Box::new(raft.clone()),
             Box::new(queue_depth.clone()),
@@ -135,6 +150,7 @@ impl Metrics {
             requests,
             latency,
             stage,
+            follower_append,
             wal_sync,
             raft,
             queue_depth,

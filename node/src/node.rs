@@ -131,11 +131,15 @@ impl Node {
                 config.raft.snapshot_log_percent,
                 config.raft.snapshot_min_log_bytes,
             ));
-            let log = LogStore::new(db.clone(), id, syncer.clone()).with_trigger(trigger.clone());
+            let timeline = Arc::new(store::Timeline::new());
+            let log = LogStore::new(db.clone(), id, syncer.clone())
+                .with_trigger(trigger.clone())
+                .with_timeline(timeline.clone());
             let sm = StateMachineStore::open(db.clone(), id, allot_statemachine::Config::default())
                 .map_err(|e| anyhow::anyhow!("opening shard {id}: {e}"))?
                 .with_metrics(metrics.clone())
-                .with_trigger(trigger.clone());
+                .with_trigger(trigger.clone())
+                .with_timeline(timeline.clone());
             let view = sm.view();
             let rc = openraft::Config {
                 cluster_name: format!("allot-shard-{id}"),
@@ -169,6 +173,7 @@ impl Node {
                 raft: raft.clone(),
                 view: view.clone(),
                 clock: clock.clone(),
+                timeline,
                 config: config.proposer,
                 metrics: metrics.clone(),
             }

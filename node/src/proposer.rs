@@ -11,7 +11,7 @@
 
 use crate::clock::{ClusterClock, Stamper};
 use crate::metrics::Metrics;
-use crate::store::ShardView;
+use crate::store::{ShardView, Timeline};
 use crate::types::{Applied, Batch, NodeId, Raft, ShardId, TypeConfig};
 use allot_statemachine::{Outcome, Request};
 use openraft::error::{ClientWriteError, ForwardToLeader, RaftError};
@@ -117,8 +117,34 @@ pub struct ProposerTask {
     pub raft: Raft,
     pub view: ShardView,
     pub clock: Arc<ClusterClock>,
+    /// The shard's local stage instants, to split a proposal's commit time into stages.
+    pub timeline: Arc<Timeline>,
     pub config: ProposerConfig,
     pub metrics: Arc<Metrics>,
+}
+
+/// A committed proposal's time split into the stages of the leader's timeline (see
+/// [`Timeline`]): `append`, `local_flush`, `replicate`, `apply`; a stage whose instants
+/// were not recorded (the slot was reused) is left out. `replicate` is zero when
+/// followers acknowledged before the leader's own fsync finished.
+fn commit_stages(
+    proposed: Instant,
+    answered: Instant,
+    t: Option<crate::store::timeline::EntryStages>,
+) -> Vec<(&'static str, Duration)> {
+    let Some(t) = t else {
+        return Vec::new();
+    };
+    let marks = [
+        ("append", Some(proposed), t.appended),
+        ("local_flush", t.appended, t.flushed),
+        ("replicate", t.flushed, t.applying),
+        ("apply", t.applying, Some(answered)),
+    ];
+    marks
+        .into_iter()
+        .filter_map(|(name, from, to)| Some((name, to?.saturating_duration_since(from?))))
+        .collect()
 }
 
 /// The leader of a shard as this node sees it.
@@ -258,6 +284,8 @@ impl ProposerTask {
                 }
             };
             let raft = self.raft.clone();
+            let timeline = self.timeline.clone();
+            let stage_hist = self.metrics.stage.clone();
             let (shard, slow) = (self.shard, self.config.slow);
             let slow_logged = slow_logged.clone();
             tokio::spawn(async move {
@@ -272,6 +300,19 @@ impl ProposerTask {
                     };
                 let committed = proposed.elapsed();
                 commit.observe(committed.as_secs_f64());
+                let stages = match &result {
+                    Ok(r) => commit_stages(
+                        proposed,
+                        proposed + committed,
+                        timeline.get(r.data.log_index),
+                    ),
+                    Err(_) => Vec::new(),
+                };
+                for (name, d) in &stages {
+                    stage_hist
+                        .with_label_values(&[shard_label.as_str(), name])
+                        .observe(d.as_secs_f64());
+                }
                 let now_ms = started.elapsed().as_millis() as u64;
                 let last = slow_logged.load(Ordering::Relaxed);
                 let due = last == u64::MAX || now_ms >= last.saturating_add(1_000);
@@ -280,12 +321,17 @@ impl ProposerTask {
                         slow_logged.store(now_ms, Ordering::Relaxed);
                         // The stage times of a tail request, for whoever investigates it
                         // (the histograms say how often; this says when and where).
+                        let stage_ms: Vec<String> = stages
+                            .iter()
+                            .map(|(n, d)| format!("{n}={:.1}", d.as_secs_f64() * 1e3))
+                            .collect();
                         tracing::warn!(
                             shard,
                             requests = n_requests,
                             log_index = r.data.log_index,
                             queue_wait_ms = longest_wait.as_millis() as u64,
                             commit_apply_ms = committed.as_millis() as u64,
+                            stages_ms = stage_ms.join(" "),
                             "slow proposal (at most one such line per second per shard)"
                         );
                     }

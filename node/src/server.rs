@@ -669,8 +669,15 @@ impl RaftService for Services {
         require_peer(&self.node, &req)?;
         let msg = req.into_inner();
         let shard = shard_of(&self.node, msg.shard)?;
+        let started = std::time::Instant::now();
         let r = shard.raft.append_entries(decode(&msg.payload)?).await;
-        encode(&r)
+        let reply = encode(&r);
+        self.node
+            .metrics
+            .follower_append
+            .with_label_values(&[&msg.shard.to_string()])
+            .observe(started.elapsed().as_secs_f64());
+        reply
     }
 
     async fn vote(

@@ -213,6 +213,28 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
         "{metrics}"
     );
     assert!(metrics.contains("allot_proposal_batch_size"), "{metrics}");
+    // The commit time is split into the leader's stages, and the followers time their
+    // AppendEntries answers.
+    let value = |m: &str, series: &str| -> f64 {
+        m.lines()
+            .find_map(|l| l.strip_prefix(series))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0)
+    };
+    for stage in ["append", "local_flush", "replicate", "apply"] {
+        let series =
+            format!("allot_proposal_stage_seconds_count{{shard=\"0\",stage=\"{stage}\"}} ");
+        assert!(
+            value(&metrics, &series) > 0.0,
+            "no {stage} stage in {metrics}"
+        );
+    }
+    let follower = c.nodes.iter().find(|n| n.id != leader).expect("a follower");
+    let fm = http_get(&follower.metrics_addr, "/metrics").await;
+    assert!(
+        value(&fm, "allot_follower_append_seconds_count{shard=\"0\"} ") > 0.0,
+        "{fm}"
+    );
     // A dev-mode node says so loudly at start (three warnings).
     let log = c.log_tail(leader, 10_000);
     assert_eq!(log.matches("INSECURE DEV MODE").count(), 3, "{log}");

@@ -71,6 +71,16 @@ fn parse() -> anyhow::Result<Opts> {
     Ok(o)
 }
 
+/// The stage columns of the second table and their JSON names.
+const STAGES: [&str; 6] = [
+    "queue",
+    "append",
+    "local_flush",
+    "replicate",
+    "apply",
+    "follower_append",
+];
+
 #[derive(Debug)]
 struct RunResult {
     label: String,
@@ -86,6 +96,11 @@ struct RunResult {
     /// The same for a proposal's wait in the shard's queue, and for its commit + apply.
     queue_p99_ms: f64,
     commit_p99_ms: f64,
+    /// The commit split on the leaders' timelines, (p50, p99) bucket bounds of each:
+    /// queue wait, RaftCore writing the entry, the leader's fsync, the followers'
+    /// acknowledgement, apply and answer; and the followers' own time to answer an
+    /// AppendEntries. Named as in [`STAGES`].
+    stages: Vec<(f64, f64)>,
     /// The same for the nodes' WAL fsyncs, and the bucket of the slowest fsync and of
     /// the slowest commit.
     wal_p99_ms: f64,
@@ -211,6 +226,11 @@ async fn run(
     let wal = ("allot_wal_sync_seconds", "le=");
     let clone = ("allot_snapshot_seconds", "stage=\"clone\"");
     let encode = ("allot_snapshot_seconds", "stage=\"encode\"");
+    let append = ("allot_proposal_stage_seconds", "stage=\"append\"");
+    let flush = ("allot_proposal_stage_seconds", "stage=\"local_flush\"");
+    let replicate = ("allot_proposal_stage_seconds", "stage=\"replicate\"");
+    let apply = ("allot_proposal_stage_seconds", "stage=\"apply\"");
+    let follower = ("allot_follower_append_seconds", "le=");
     let scrape = || async {
         [
             server_buckets(metrics, exec.0, exec.1).await,
@@ -219,6 +239,11 @@ async fn run(
             server_buckets(metrics, wal.0, wal.1).await,
             server_buckets(metrics, clone.0, clone.1).await,
             server_buckets(metrics, encode.0, encode.1).await,
+            server_buckets(metrics, append.0, append.1).await,
+            server_buckets(metrics, flush.0, flush.1).await,
+            server_buckets(metrics, replicate.0, replicate.1).await,
+            server_buckets(metrics, apply.0, apply.1).await,
+            server_buckets(metrics, follower.0, follower.1).await,
         ]
     };
     let before = scrape().await;
@@ -294,6 +319,15 @@ async fn run(
         server_p99_ms: server_p99(&before[0], &after[0]),
         queue_p99_ms: server_p99(&before[1], &after[1]),
         commit_p99_ms: server_p99(&before[2], &after[2]),
+        stages: [1, 6, 7, 8, 9, 10]
+            .iter()
+            .map(|&i| {
+                (
+                    server_quantile(&before[i], &after[i], 0.5),
+                    server_p99(&before[i], &after[i]),
+                )
+            })
+            .collect(),
         label: label.to_string(),
         clients,
         commands,
@@ -373,8 +407,8 @@ async fn main() -> anyhow::Result<()> {
             .iter()
             .map(|r| {
                 format!(
-                    "{{\"run\":\"{}\",\"clients\":{},\"per_call\":{},\"commands\":{},\"seconds\":{:.2},\"commands_per_s\":{:.0},\"p50_ms\":{:.3},\"p99_ms\":{:.3},\"max_ms\":{:.3},\"server_p99_ms_le\":{},\"queue_p99_ms_le\":{},\"commit_p99_ms_le\":{},\"wal_sync_p99_ms_le\":{},\"wal_sync_max_ms_le\":{},\"commit_max_ms_le\":{},\"snapshots\":{},\"snapshot_clone_max_ms_le\":{},\"snapshot_encode_max_ms_le\":{}}}",
-                    r.label, r.clients, o.per_call, r.commands, r.seconds, r.commands as f64 / r.seconds, r.p50_ms, r.p99_ms, r.max_ms, json_num(r.server_p99_ms), json_num(r.queue_p99_ms), json_num(r.commit_p99_ms), json_num(r.wal_p99_ms), json_num(r.wal_max_ms), json_num(r.commit_max_ms), r.snapshots, json_num(r.snap_clone_max_ms), json_num(r.snap_encode_max_ms)
+                    "{{\"run\":\"{}\",\"clients\":{},\"per_call\":{},\"commands\":{},\"seconds\":{:.2},\"commands_per_s\":{:.0},\"p50_ms\":{:.3},\"p99_ms\":{:.3},\"max_ms\":{:.3},\"server_p99_ms_le\":{},\"commit_p99_ms_le\":{},{}\"wal_sync_p99_ms_le\":{},\"wal_sync_max_ms_le\":{},\"commit_max_ms_le\":{},\"snapshots\":{},\"snapshot_clone_max_ms_le\":{},\"snapshot_encode_max_ms_le\":{}}}",
+                    r.label, r.clients, o.per_call, r.commands, r.seconds, r.commands as f64 / r.seconds, r.p50_ms, r.p99_ms, r.max_ms, json_num(r.server_p99_ms), json_num(r.commit_p99_ms), STAGES.iter().zip(&r.stages).map(|(n, (p50, p99))| format!("\"{n}_p50_ms_le\":{},\"{n}_p99_ms_le\":{},", json_num(*p50), json_num(*p99))).collect::<String>(), json_num(r.wal_p99_ms), json_num(r.wal_max_ms), json_num(r.commit_max_ms), r.snapshots, json_num(r.snap_clone_max_ms), json_num(r.snap_encode_max_ms)
                 )
             })
             .collect();
@@ -423,6 +457,21 @@ async fn main() -> anyhow::Result<()> {
                 r.snap_clone_max_ms,
                 r.snap_encode_max_ms
             );
+        }
+        println!(
+            "\nwhere the commit time goes (p50 / p99 of each stage, bucket upper bounds in ms; the leaders' own timelines, and the followers' answers to AppendEntries):"
+        );
+        print!("{:<14} {:>8}", "run", "clients");
+        for n in STAGES {
+            print!(" {n:>16}");
+        }
+        println!();
+        for r in &results {
+            print!("{:<14} {:>8}", r.label, r.clients);
+            for (p50, p99) in &r.stages {
+                print!(" {:>16}", format!("{p50} / {p99}"));
+            }
+            println!();
         }
     }
     drop(c);

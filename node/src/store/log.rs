@@ -6,7 +6,8 @@
 //! share an fsync (group commit across shards).
 
 use super::{
-    cf, index_key, index_of_key, io_read, io_write, shard_key, SnapshotTrigger, CF_LOG, CF_META,
+    cf, index_key, index_of_key, io_read, io_write, shard_key, SnapshotTrigger, Timeline, CF_LOG,
+    CF_META,
 };
 use crate::types::{LogEntry, LogId, ShardId, StorageError, TypeConfig, Vote};
 use openraft::storage::{LogFlushed, RaftLogStorage};
@@ -45,7 +46,14 @@ fn bounded(shard: ShardId, lower: [u8; 12], upper: Option<[u8; 12]>) -> ReadOpti
 
 /// Group commit: callbacks queued behind one `flush_wal(true)`.
 pub struct Syncer {
-    tx: mpsc::Sender<LogFlushed<TypeConfig>>,
+    tx: mpsc::Sender<Flush>,
+}
+
+/// One append waiting for the fsync: openraft's callback, and the entries to mark
+/// durable in the shard's timeline.
+struct Flush {
+    callback: LogFlushed<TypeConfig>,
+    marks: Option<(Arc<Timeline>, u64, u64)>,
 }
 
 impl Syncer {
@@ -63,7 +71,7 @@ impl Syncer {
         observe: impl Fn(std::time::Duration, usize) + Send + 'static,
         fail_if: Option<std::path::PathBuf>,
     ) -> Arc<Syncer> {
-        let (tx, rx) = mpsc::channel::<LogFlushed<TypeConfig>>();
+        let (tx, rx) = mpsc::channel::<Flush>();
         // A weak handle: the thread must not keep the database open. RocksDB aborts the
         // process at exit ("pthread lock: Invalid argument") if a DB is still open when
         // its static state is torn down, so the DB closes when its last user drops it.
@@ -82,8 +90,12 @@ impl Syncer {
                         None => Err("database closed".into()),
                     };
                     observe(t.elapsed(), pending.len());
-                    for cb in pending {
-                        cb.log_io_completed(result.clone().map_err(std::io::Error::other));
+                    for f in pending {
+                        if let (Ok(()), Some((timeline, first, last))) = (&result, &f.marks) {
+                            timeline.flushed(*first, *last);
+                        }
+                        f.callback
+                            .log_io_completed(result.clone().map_err(std::io::Error::other));
                     }
                 }
             })
@@ -145,6 +157,7 @@ pub struct LogStore {
     shard: ShardId,
     syncer: Arc<Syncer>,
     trigger: Option<Arc<SnapshotTrigger>>,
+    timeline: Option<Arc<Timeline>>,
 }
 
 fn sync_opts() -> WriteOptions {
@@ -160,7 +173,14 @@ impl LogStore {
             shard,
             syncer,
             trigger: None,
+            timeline: None,
         }
+    }
+
+    /// Records when each entry is appended and made durable.
+    pub fn with_timeline(mut self, timeline: Arc<Timeline>) -> LogStore {
+        self.timeline = Some(timeline);
+        self
     }
 
     /// Counts the bytes appended towards the size-based snapshot rule.
@@ -308,7 +328,10 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         let mut batch = WriteBatch::default();
         let log = cf(&self.db, CF_LOG);
         let mut appended = 0;
+        let mut range: Option<(u64, u64)> = None;
         for e in entries {
+            let i = e.log_id.index;
+            range = Some(range.map_or((i, i), |(a, b)| (a.min(i), b.max(i))));
             let bytes = bincode::serialize(&e).map_err(io_write)?;
             appended += bytes.len() as u64;
             batch.put_cf(log, index_key(self.shard, e.log_id.index), bytes);
@@ -318,9 +341,16 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         }
         // Written in call order (so the log never has a hole), made durable by the syncer.
         self.db.write(batch).map_err(io_write)?;
+        let marks = match (&self.timeline, range) {
+            (Some(t), Some((first, last))) => {
+                t.appended(first, last);
+                Some((t.clone(), first, last))
+            }
+            _ => None,
+        };
         self.syncer
             .tx
-            .send(callback)
+            .send(Flush { callback, marks })
             .map_err(|e| io_write(std::io::Error::other(e.to_string())))
     }
 

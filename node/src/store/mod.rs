@@ -16,6 +16,7 @@
 pub mod log;
 #[allow(clippy::result_large_err)]
 mod sm;
+pub mod timeline;
 pub mod trigger;
 
 pub use log::LogStore;
@@ -24,6 +25,7 @@ pub use sm::{
     AUDIT_BATCHES, AUDIT_EVENTS,
 };
 pub(crate) use sm::{has_snapshot, put_snapshot};
+pub use timeline::Timeline;
 pub use trigger::SnapshotTrigger;
 
 use crate::types::{ShardId, StorageError};

@@ -3,8 +3,8 @@
 //! log id). Applying persists each entry's audit events and its batch (the commands the
 //! events bind by digest) in the `audit` column family.
 
-use super::SnapshotTrigger;
 use super::{cf, io_read, io_write, shard_key, CF_AUDIT, CF_SNAP};
+use super::{SnapshotTrigger, Timeline};
 use crate::metrics::Metrics;
 use crate::types::{
     Applied, LogEntry, LogId, ShardId, Snapshot, SnapshotMeta, StorageError, StoredMembership,
@@ -73,6 +73,7 @@ pub struct StateMachineStore {
     snapshot_seq: u64,
     metrics: Option<Arc<Metrics>>,
     trigger: Option<Arc<SnapshotTrigger>>,
+    timeline: Option<Arc<Timeline>>,
     /// Size of the snapshot loaded at start (for the trigger).
     loaded_bytes: u64,
 }
@@ -127,6 +128,7 @@ impl StateMachineStore {
             snapshot_seq: 0,
             metrics: None,
             trigger: None,
+            timeline: None,
             loaded_bytes,
         })
     }
@@ -135,6 +137,12 @@ impl StateMachineStore {
     pub fn with_trigger(mut self, trigger: Arc<SnapshotTrigger>) -> StateMachineStore {
         trigger.taken(0, self.loaded_bytes);
         self.trigger = Some(trigger);
+        self
+    }
+
+    /// Records when each entry starts being applied.
+    pub fn with_timeline(mut self, timeline: Arc<Timeline>) -> StateMachineStore {
+        self.timeline = Some(timeline);
         self
     }
 
@@ -312,6 +320,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             let mut g = self.inner.write().unwrap_or_else(|p| p.into_inner());
             for entry in entries {
                 let log_id = entry.log_id;
+                if let Some(t) = &self.timeline {
+                    t.applying(log_id.index);
+                }
                 last_index = Some(log_id.index);
                 g.last_applied = Some(log_id);
                 match entry.payload {
