@@ -7,10 +7,15 @@
 //!
 //! A fixed ring of slots indexed by log index, lock-free: writers are RaftCore (append),
 //! the WAL sync thread (flush) and the state-machine worker (apply); the reader is the
-//! proposer. A slot is valid for an index only while it holds that index, so a reader
-//! that lost the race to a newer entry gets `None`, never another entry's times.
+//! proposer. A slot is valid for an index only while it holds that index: reusing a slot
+//! is a seqlock write (the index is cleared, the times written, the index set), so a
+//! reader that raced with a reuse gets `None`, not a mix of two entries' times. A flush
+//! or apply mark that races with its slot's reuse — the entry 1,024 later being appended
+//! between the mark's index check and its store — would land on the newer entry; the
+//! cost is one misattributed histogram observation, in a situation the pipeline depth
+//! (a few entries in flight) does not produce.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Entries remembered per shard: far more than are ever in flight (the proposer keeps
@@ -81,7 +86,9 @@ impl Timeline {
         // Only the newest SLOTS entries of a long range can be kept.
         for i in first.max(last.saturating_sub(SLOTS - 1))..=last {
             let s = self.slot(i);
-            s.index.store(NONE, Ordering::Release);
+            s.index.store(NONE, Ordering::Relaxed);
+            // Readers that see any of the stores below also see the index cleared.
+            fence(Ordering::Release);
             s.appended.store(now, Ordering::Relaxed);
             s.flushed.store(0, Ordering::Relaxed);
             s.applying.store(0, Ordering::Relaxed);
@@ -119,8 +126,10 @@ impl Timeline {
             flushed: self.instant(s.flushed.load(Ordering::Relaxed)),
             applying: self.instant(s.applying.load(Ordering::Relaxed)),
         };
-        // Re-checked: a newer entry may have taken the slot while it was read.
-        (s.index.load(Ordering::Acquire) == index).then_some(stages)
+        // Re-checked: a newer entry may have taken the slot while it was read (the fence
+        // orders the reads above before this one, as in a seqlock).
+        fence(Ordering::Acquire);
+        (s.index.load(Ordering::Relaxed) == index).then_some(stages)
     }
 }
 
