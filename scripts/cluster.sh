@@ -11,6 +11,8 @@
 # The nodes run in INSECURE DEV MODE (--insecure-dev-mode: calls without a token act as
 # the identity they claim): a local sandbox. A secured cluster is initialised with
 # `allotctl cluster init` (which installs an admin token); see README "Security".
+# Peers share a secret generated into DIR/peer-secret (--peer-secret-file): nothing but
+# the cluster's own nodes can send them Raft messages.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/.." && pwd)"
@@ -54,6 +56,18 @@ case "$cmd" in
     build
     mkdir -p "$dir"
     : > "$dir/endpoints"
+    # Peers authenticate to each other with a shared secret (kept with the cluster's
+    # data), unless the extra flags set up TLS or a secret of their own.
+    peer=()
+    case " ${extra[*]-} " in
+      *" --peer-secret-file "*|*" --tls-cert "*) ;;
+      *)
+        if [ ! -s "$dir/peer-secret" ]; then
+          (umask 077 && head -c 32 /dev/urandom | base64 | tr -d '\n=' > "$dir/peer-secret")
+        fi
+        peer=(--peer-secret-file "$dir/peer-secret")
+        ;;
+    esac
     members=()
     for i in $(seq 1 "$nodes"); do
       members+=(--member "$i=127.0.0.1:$((port + i - 1))")
@@ -66,7 +80,8 @@ case "$cmd" in
       else
         nohup "$bin" run --node-id "$i" --listen "127.0.0.1:$((port + i - 1))" \
           --metrics-listen "127.0.0.1:$((9100 + i))" --data-dir "$nd" --shards "$shards" \
-          --insecure-dev-mode ${extra[@]+"${extra[@]}"} >>"$nd/node.log" 2>&1 &
+          --insecure-dev-mode ${peer[@]+"${peer[@]}"} ${extra[@]+"${extra[@]}"} \
+          >>"$nd/node.log" 2>&1 &
         echo $! > "$nd/pid"
       fi
       echo "127.0.0.1:$((port + i - 1))" >> "$dir/endpoints"

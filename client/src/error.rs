@@ -51,6 +51,16 @@ impl Error {
     }
 
     pub(crate) fn from_status(s: &tonic::Status) -> Error {
+        // A request the node's edge refused with the state machine's own validation
+        // (nothing was proposed): the same typed error apply would have given.
+        if let Some(e) = s
+            .metadata()
+            .get_bin(allot_proto::meta::ERROR_BIN)
+            .and_then(|v| v.to_bytes().ok())
+            .and_then(|b| allot_statemachine::codec::decode::<CommandError>(&b).ok())
+        {
+            return Error::Rejected(e);
+        }
         let message = s.message().to_string();
         match s.code() {
             tonic::Code::InvalidArgument | tonic::Code::OutOfRange => {

@@ -262,10 +262,13 @@ pub async fn report(
         Err(crate::proposer::ProposeError::NotLeader {
             addr: Some(addr), ..
         }) if reporter == node.id => {
-            let payload = bincode::serialize(&(reporter, denials))?;
-            let mut c = allot_proto::raft_client::RaftClient::new(node.channels.get(&addr)?);
-            c.report_denials(allot_proto::RaftMessage { shard, payload })
-                .await?;
+            let payload = allot_statemachine::codec::encode(&(reporter, denials));
+            let mut c = node.channels.raft_client(&addr)?;
+            c.report_denials(
+                node.channels
+                    .peer_request(allot_proto::RaftMessage { shard, payload }),
+            )
+            .await?;
             Ok(())
         }
         Err(e) => anyhow::bail!("{e:?}"),

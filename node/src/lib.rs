@@ -11,10 +11,13 @@ pub mod backup;
 #[cfg(feature = "chaos")]
 pub mod chaos;
 pub mod clock;
+pub mod edge;
+pub mod limits;
 pub mod local_cluster;
 pub mod metrics;
 pub mod network;
 pub mod node;
+pub mod peer;
 pub mod proposer;
 pub mod ratelimit;
 pub mod serve;

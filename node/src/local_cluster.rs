@@ -35,7 +35,22 @@ pub struct LocalCluster {
     /// A directory of `allot-node dev-certs` output: nodes serve TLS with it and the
     /// cluster's own calls (init, status) trust its CA.
     pub tls_dir: Option<PathBuf>,
+    /// The peer secret every node is started with (`--peer-secret-file`, written into
+    /// `dir`); `None` leaves peers unauthenticated (tests of that mode).
+    pub peer_secret: Option<String>,
     bin: PathBuf,
+}
+
+/// A fresh random secret for a test cluster's peers.
+pub fn random_secret() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut out = String::from("peer-");
+    for i in 0..4u64 {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(i);
+        out.push_str(&format!("{:016x}", h.finish()));
+    }
+    out
 }
 
 /// A loopback port nobody listens on now, for a node started later.
@@ -121,6 +136,7 @@ impl LocalCluster {
             dev_mode: true,
             admin_token: None,
             tls_dir: None,
+            peer_secret: Some(random_secret()),
             bin,
         })
     }
@@ -155,6 +171,14 @@ impl LocalCluster {
             None => Vec::new(),
         };
         let log_path = self.log_path(id);
+        let peer: Vec<String> = match &self.peer_secret {
+            Some(secret) => {
+                let f = self.dir.join("peer-secret");
+                write_private(&f, secret)?;
+                vec!["--peer-secret-file".into(), f.display().to_string()]
+            }
+            None => Vec::new(),
+        };
         let n = self.node_mut(id);
         std::fs::create_dir_all(&dir)?;
         let log = std::fs::OpenOptions::new()
@@ -175,6 +199,7 @@ impl LocalCluster {
             .arg(shards.to_string())
             .args(dev_mode.then_some("--insecure-dev-mode"))
             .args(&tls)
+            .args(&peer)
             .args(&n.extra_args)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
@@ -440,6 +465,28 @@ pub fn client(endpoints: Vec<String>) -> Client {
         .attempt_timeout(Duration::from_secs(5))
         .build()
         .expect("loopback endpoints are valid")
+}
+
+/// Writes `text` to `path`, readable by its owner only, atomically (a node starting
+/// meanwhile reads the old file or the new one, never a half-written one); a file
+/// that already holds `text` is left alone.
+fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    if std::fs::read_to_string(path).is_ok_and(|t| t == text) {
+        return Ok(());
+    }
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    f.write_all(text.as_bytes())?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
 }
 
 #[cfg(test)]

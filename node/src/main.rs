@@ -150,11 +150,31 @@ struct RunArgs {
     /// parts per million of elapsed time.
     #[arg(long, env = "ALLOT_CLOCK_SLEW_PPM", default_value_t = 200_000)]
     clock_slew_ppm: u64,
-    /// Requests per second per tenant at the edge (0 disables).
-    #[arg(long, env = "ALLOT_RATE_LIMIT", default_value_t = 0)]
+    /// Write requests per second per tenant (an org, whichever of its tokens it uses;
+    /// an agent's node) at this node's edge (0 disables).
+    #[arg(long, env = "ALLOT_RATE_LIMIT", default_value_t = 2_000)]
     rate_limit: u32,
-    #[arg(long, env = "ALLOT_RATE_BURST", default_value_t = 10_000)]
+    /// Writes a tenant may send at once above its rate.
+    #[arg(long, env = "ALLOT_RATE_BURST", default_value_t = 20_000)]
     rate_burst: u32,
+    /// Reads (queries, audit pages, stream opens, status) per second per tenant (0
+    /// disables).
+    #[arg(long, env = "ALLOT_READ_RATE_LIMIT", default_value_t = 1_000)]
+    read_rate_limit: u32,
+    #[arg(long, env = "ALLOT_READ_RATE_BURST", default_value_t = 5_000)]
+    read_rate_burst: u32,
+    /// Calls per second of each admin principal (0: not limited).
+    #[arg(long, env = "ALLOT_ADMIN_RATE_LIMIT", default_value_t = 0)]
+    admin_rate_limit: u32,
+    /// Calls per second, all together, whose credentials do not resolve here (0
+    /// disables).
+    #[arg(long, env = "ALLOT_UNAUTHENTICATED_RATE_LIMIT", default_value_t = 200)]
+    unauthenticated_rate_limit: u32,
+    /// A secret every node of the cluster presents to its peers (a file holding at least
+    /// 22 printable characters, the same on every node). Peers are then authenticated
+    /// before their messages are read, also without TLS.
+    #[arg(long, env = "ALLOT_PEER_SECRET_FILE")]
+    peer_secret_file: Option<PathBuf>,
     /// Async worker threads (0: one per CPU). Several nodes sharing a small machine
     /// contend less with fewer.
     #[arg(long, env = "ALLOT_WORKER_THREADS", default_value_t = 0)]
@@ -335,6 +355,15 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         peer_routes,
         insecure_dev_mode: a.insecure_dev_mode,
         test_fsync_fail_file: a.test_fsync_fail_file.clone(),
+        peer_secret: match &a.peer_secret_file {
+            Some(f) => Some(
+                std::fs::read_to_string(f)
+                    .with_context(|| format!("reading the peer secret {}", f.display()))?
+                    .trim()
+                    .to_string(),
+            ),
+            None => None,
+        },
         tls: match (&a.tls_cert, &a.tls_key, &a.tls_ca) {
             (Some(cert), Some(key), Some(ca)) => Some(allot_node::tls::TlsFiles {
                 cert: cert.clone(),
@@ -343,6 +372,16 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
             }),
             _ => None,
         },
+    };
+    let rate = |per_sec: u32, burst: u32| allot_node::ratelimit::Rate { per_sec, burst };
+    let limits = allot_node::ratelimit::Limits {
+        write: rate(a.rate_limit, a.rate_burst),
+        read: rate(a.read_rate_limit, a.read_rate_burst),
+        admin: rate(a.admin_rate_limit, a.admin_rate_limit.saturating_mul(5)),
+        unresolved: rate(
+            a.unauthenticated_rate_limit,
+            a.unauthenticated_rate_limit.saturating_mul(5),
+        ),
     };
     let node = Node::start(config).await?;
     tracing::info!(
@@ -359,7 +398,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
             node,
             listener,
             metrics,
-            RateLimiter::new(a.rate_limit, a.rate_burst),
+            RateLimiter::new(limits),
             shutdown_signal(),
         ) => r,
         (shard, error) = async move { watched.fatal().await } => {

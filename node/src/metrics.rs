@@ -9,6 +9,13 @@ use prometheus::{
 pub struct Metrics {
     pub registry: Registry,
     pub batch_size: HistogramVec,
+    /// Encoded request bytes per proposed log entry.
+    pub batch_bytes: HistogramVec,
+    /// Calls refused at the edge before anything was proposed, by api and reason
+    /// (`invalid`, `too_large`, `rate_limited`, `streams`, `peer`, ...).
+    pub refusals: IntCounterVec,
+    /// Server streams open now (`WatchAssignments`).
+    pub streams: prometheus::IntGauge,
     pub requests: IntCounterVec,
     pub latency: HistogramVec,
     /// Where a proposal's time goes: `queue` (waiting for a batch and a pipeline slot),
@@ -57,6 +64,27 @@ impl Metrics {
                 vec![0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 8192.0],
             ),
             &["shard"],
+        ));
+        let batch_bytes = must(HistogramVec::new(
+            HistogramOpts::new(
+                "proposal_batch_bytes",
+                "Encoded request bytes per proposed log entry",
+            )
+            .buckets(vec![
+                0.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0, 2097152.0,
+            ]),
+            &["shard"],
+        ));
+        let refusals = must(IntCounterVec::new(
+            Opts::new(
+                "edge_refusals_total",
+                "Calls refused at the edge before proposing, by api and reason",
+            ),
+            &["api", "reason"],
+        ));
+        let streams = must(prometheus::IntGauge::new(
+            "open_streams",
+            "Server streams (WatchAssignments) open now",
         ));
         let requests = must(IntCounterVec::new(
             Opts::new("requests_total", "gRPC requests by method and result"),
@@ -132,6 +160,9 @@ impl Metrics {
             Box::new(snapshot_bytes.clone()),
             Box::new(auth_denials.clone()),
             Box::new(batch_size.clone()),
+            Box::new(batch_bytes.clone()),
+            Box::new(refusals.clone()),
+            Box::new(streams.clone()),
             Box::new(requests.clone()),
             Box::new(latency.clone()),
             Box::new(stage.clone()),
@@ -147,6 +178,9 @@ impl Metrics {
         Metrics {
             registry,
             batch_size,
+            batch_bytes,
+            refusals,
+            streams,
             requests,
             latency,
             stage,
@@ -166,6 +200,29 @@ impl Metrics {
         let mut buf = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
         String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+/// At most one event a second (log lines an attacker could otherwise multiply).
+#[derive(Default)]
+pub struct Throttle {
+    last_s: std::sync::atomic::AtomicU64,
+}
+
+impl Throttle {
+    /// Whether the event may happen now (true at most once per wall-clock second).
+    pub fn due(&self) -> bool {
+        use std::sync::atomic::Ordering;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs())
+            + 1;
+        let last = self.last_s.load(Ordering::Relaxed);
+        last != now
+            && self
+                .last_s
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
     }
 }
 

@@ -1,28 +1,36 @@
 //! The Raft transport: openraft's RPCs over the node's gRPC `Raft` service. One HTTP/2
 //! channel per peer address is shared by every shard; each message names its shard.
-//! Payloads are bincode of openraft's own request and `Result<response, error>` types.
+//!
+//! Payloads are the state machine's versioned codec (a format-version byte, then varint
+//! bincode: an empty string costs one byte, not eight), of allot's own wire forms of
+//! openraft's messages ([`AppendWire`], [`SnapshotChunk`]) and of openraft's vote and
+//! result types. What a peer sends is bounded before and while it is decoded and checked
+//! by [`crate::peer`] before openraft sees it; what a peer answers is checked the same
+//! way before it is returned to openraft.
 
-use crate::types::{NodeId, ShardId, TypeConfig};
+use crate::limits::{APPEND_BYTES_MAX, APPEND_ENTRIES_MAX, RAFT_MESSAGE_MAX, SNAPSHOT_CHUNK_BYTES};
+use crate::peer::{self, PeerCredential};
+use crate::types::{LogEntry, LogId, NodeId, ShardId, SnapshotMeta, TypeConfig, Vote};
 use allot_proto::raft_client::RaftClient;
 use allot_proto::RaftMessage;
+use allot_statemachine::codec;
 use openraft::error::{
-    InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
+    Fatal, InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, ReplicationClosed,
+    StreamingError, Unreachable,
 };
 use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
-    VoteRequest, VoteResponse,
+    SnapshotResponse, VoteRequest, VoteResponse,
 };
-use openraft::BasicNode;
-use serde::de::DeserializeOwned;
-use serde::Serialize;
+use openraft::{BasicNode, Snapshot};
+use serde::de::{DeserializeOwned, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize};
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
-
-/// Largest gRPC message the Raft service sends or accepts (append batches, snapshot chunks).
-pub const RAFT_MESSAGE_MAX: usize = 256 << 20;
 
 /// Lazily connected channels, one per peer address.
 #[derive(Default)]
@@ -34,14 +42,21 @@ pub struct Channels {
     routes: HashMap<String, String>,
     /// Dial peers over TLS (presenting this node's certificate) when set.
     tls: Option<ClientTlsConfig>,
+    /// What this node presents to its peers (the peer secret, when configured).
+    pub credential: PeerCredential,
 }
 
 impl Channels {
-    pub fn new(routes: HashMap<String, String>, tls: Option<ClientTlsConfig>) -> Channels {
+    pub fn new(
+        routes: HashMap<String, String>,
+        tls: Option<ClientTlsConfig>,
+        credential: PeerCredential,
+    ) -> Channels {
         Channels {
             map: Mutex::default(),
             routes,
             tls,
+            credential,
         }
     }
 
@@ -70,36 +85,123 @@ impl Channels {
         map.insert(addr.to_string(), ch.clone());
         Ok(ch)
     }
+
+    /// A Raft-service client for `addr` with the Raft message bounds.
+    pub fn raft_client(&self, addr: &str) -> Result<RaftClient<Channel>, tonic::transport::Error> {
+        Ok(RaftClient::new(self.get(addr)?)
+            .max_decoding_message_size(RAFT_MESSAGE_MAX)
+            .max_encoding_message_size(RAFT_MESSAGE_MAX))
+    }
+
+    /// A request to a peer, carrying this node's peer credential.
+    pub fn peer_request<T>(&self, msg: T) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(msg);
+        self.credential.attach(r.metadata_mut());
+        r
+    }
+}
+
+/// openraft's `AppendEntriesRequest` on the wire. The entries' count is bounded while
+/// they are decoded ([`APPEND_ENTRIES_MAX`]): a message of many tiny entries is refused
+/// before they are all allocated.
+#[derive(Serialize, Deserialize)]
+pub struct AppendWire {
+    pub vote: Vote,
+    pub prev_log_id: Option<LogId>,
+    pub leader_commit: Option<LogId>,
+    #[serde(deserialize_with = "bounded_entries")]
+    pub entries: Vec<LogEntry>,
+}
+
+impl From<AppendWire> for AppendEntriesRequest<TypeConfig> {
+    fn from(w: AppendWire) -> Self {
+        AppendEntriesRequest {
+            vote: w.vote,
+            prev_log_id: w.prev_log_id,
+            entries: w.entries,
+            leader_commit: w.leader_commit,
+        }
+    }
+}
+
+fn bounded_entries<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<LogEntry>, D::Error> {
+    struct Bounded;
+    impl<'de> Visitor<'de> for Bounded {
+        type Value = Vec<LogEntry>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            write!(f, "at most {APPEND_ENTRIES_MAX} log entries")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            if seq.size_hint().is_some_and(|n| n > APPEND_ENTRIES_MAX) {
+                return Err(serde::de::Error::custom(format!(
+                    "more than {APPEND_ENTRIES_MAX} entries in one AppendEntries"
+                )));
+            }
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+            while let Some(e) = seq.next_element()? {
+                if out.len() == APPEND_ENTRIES_MAX {
+                    return Err(serde::de::Error::custom("too many entries"));
+                }
+                out.push(e);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_seq(Bounded)
+}
+
+/// One chunk of a snapshot on the wire. Unlike openraft's chunk it declares the
+/// snapshot's whole size, so the receiver checks every chunk against it (and a bound)
+/// before it keeps any of it.
+#[derive(Serialize, Deserialize)]
+pub struct SnapshotChunk {
+    pub vote: Vote,
+    pub meta: SnapshotMeta,
+    pub total_bytes: u64,
+    pub offset: u64,
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+}
+
+impl SnapshotChunk {
+    pub fn done(&self) -> bool {
+        self.offset + self.data.len() as u64 == self.total_bytes
+    }
 }
 
 /// The network of one shard.
 #[derive(Clone)]
 pub struct Network {
     pub shard: ShardId,
+    /// This node (answers are checked against it: no peer may vote in its name).
+    pub me: NodeId,
     pub channels: Arc<Channels>,
 }
 
 pub struct Peer {
     shard: ShardId,
+    me: NodeId,
     target: NodeId,
     client: Option<RaftClient<Channel>>,
     addr: String,
+    channels: Arc<Channels>,
+    /// The highest log id the peer acknowledged, and under which vote (a peer that
+    /// later reports a conflict at or below it is lying or broken).
+    acked: Option<(Vote, LogId)>,
 }
 
 impl RaftNetworkFactory<TypeConfig> for Network {
     type Network = Peer;
 
     async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> Peer {
-        let client = self.channels.get(&node.addr).ok().map(|c| {
-            RaftClient::new(c)
-                .max_decoding_message_size(RAFT_MESSAGE_MAX)
-                .max_encoding_message_size(RAFT_MESSAGE_MAX)
-        });
         Peer {
             shard: self.shard,
+            me: self.me,
             target,
-            client,
+            client: self.channels.raft_client(&node.addr).ok(),
             addr: node.addr.clone(),
+            channels: self.channels.clone(),
+            acked: None,
         }
     }
 }
@@ -108,11 +210,11 @@ impl RaftNetworkFactory<TypeConfig> for Network {
 #[error("{0}")]
 struct TransportError(String);
 
-fn unreachable<E: std::error::Error>(e: &str) -> RPCError<NodeId, BasicNode, E> {
+fn unreachable<E: std::error::Error>(e: &str) -> RPCError<NodeId, openraft::BasicNode, E> {
     RPCError::Unreachable(Unreachable::new(&TransportError(e.to_string())))
 }
 
-fn network<E: std::error::Error>(e: &str) -> RPCError<NodeId, BasicNode, E> {
+fn network<E: std::error::Error>(e: &str) -> RPCError<NodeId, openraft::BasicNode, E> {
     RPCError::Network(NetworkError::new(&TransportError(e.to_string())))
 }
 
@@ -122,27 +224,45 @@ enum Rpc {
     Snapshot,
 }
 
+/// A failed call to a peer, before it is typed for the openraft method that made it.
+enum CallError {
+    Unreachable(String),
+    Network(String),
+}
+
+impl CallError {
+    fn rpc<E: std::error::Error>(self) -> RPCError<NodeId, openraft::BasicNode, E> {
+        match self {
+            CallError::Unreachable(m) => unreachable(&m),
+            CallError::Network(m) => network(&m),
+        }
+    }
+}
+
 impl Peer {
+    /// Sends one message and decodes the peer's `Result<Resp, RaftError<E>>`.
     async fn call<Req, Resp, E>(
         &mut self,
         rpc: Rpc,
         req: &Req,
-        option: &RPCOption,
-    ) -> Result<Resp, RPCError<NodeId, BasicNode, RaftError<NodeId, E>>>
+        timeout: Duration,
+    ) -> Result<Result<Resp, RaftError<NodeId, E>>, CallError>
     where
         Req: Serialize,
         Resp: DeserializeOwned,
         E: std::error::Error + DeserializeOwned,
     {
         let Some(client) = self.client.as_mut() else {
-            return Err(unreachable(&format!("bad peer address {}", self.addr)));
+            return Err(CallError::Unreachable(format!(
+                "bad peer address {}",
+                self.addr
+            )));
         };
-        let payload = bincode::serialize(req).map_err(|e| network(&e.to_string()))?;
-        let mut request = tonic::Request::new(RaftMessage {
+        let mut request = self.channels.peer_request(RaftMessage {
             shard: self.shard,
-            payload,
+            payload: codec::encode(req),
         });
-        request.set_timeout(option.hard_ttl());
+        request.set_timeout(timeout);
         let reply = match rpc {
             Rpc::Append => client.append(request).await,
             Rpc::Vote => client.vote(request).await,
@@ -153,16 +273,34 @@ impl Peer {
             Err(status) => {
                 return Err(match status.code() {
                     tonic::Code::Unavailable | tonic::Code::Unknown => {
-                        unreachable(status.message())
+                        CallError::Unreachable(status.message().to_string())
                     }
-                    _ => network(&format!("{}: {}", self.target, status.message())),
+                    _ => CallError::Network(format!("{}: {}", self.target, status.message())),
                 })
             }
         };
-        let result: Result<Resp, RaftError<NodeId, E>> =
-            bincode::deserialize(&reply.payload).map_err(|e| network(&e.to_string()))?;
-        result.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
+        codec::decode(&reply.payload).map_err(|e| CallError::Network(e.to_string()))
     }
+
+    fn remote<E: std::error::Error>(
+        &self,
+        e: RaftError<NodeId, E>,
+    ) -> RPCError<NodeId, openraft::BasicNode, RaftError<NodeId, E>> {
+        RPCError::RemoteError(RemoteError::new(self.target, e))
+    }
+}
+
+/// How many of `entries` to send in one AppendEntries: as many as fit in
+/// [`APPEND_BYTES_MAX`] and [`APPEND_ENTRIES_MAX`], and always at least one.
+pub fn append_prefix(entries: &[LogEntry]) -> usize {
+    let mut bytes = 0u64;
+    for (i, e) in entries.iter().enumerate() {
+        bytes += codec::encoded_len(e);
+        if i > 0 && (bytes > APPEND_BYTES_MAX as u64 || i >= APPEND_ENTRIES_MAX) {
+            return i;
+        }
+    }
+    entries.len()
 }
 
 impl RaftNetwork<TypeConfig> for Peer {
@@ -171,18 +309,120 @@ impl RaftNetwork<TypeConfig> for Peer {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
-        self.call(Rpc::Append, &rpc, &option).await
+        let mut entries = rpc.entries;
+        let n = append_prefix(&entries);
+        let truncated = n < entries.len();
+        entries.truncate(n);
+        let sent: Vec<LogId> = entries.iter().map(|e| e.log_id).collect();
+        let sent_last = sent.last().copied().or(rpc.prev_log_id);
+        let wire = AppendWire {
+            vote: rpc.vote,
+            prev_log_id: rpc.prev_log_id,
+            leader_commit: rpc.leader_commit,
+            entries,
+        };
+        let resp: AppendEntriesResponse<NodeId> = self
+            .call(Rpc::Append, &wire, option.hard_ttl())
+            .await
+            .map_err(CallError::rpc)?
+            .map_err(|e| self.remote(e))?;
+        let acked = self.acked.filter(|(v, _)| *v == rpc.vote).map(|(_, l)| l);
+        peer::check_append_response(&resp, &rpc.vote, self.me, rpc.prev_log_id, &sent, acked)
+            .map_err(|e| network(&e))?;
+        let matched = match &resp {
+            AppendEntriesResponse::Success => sent_last,
+            AppendEntriesResponse::PartialSuccess(m) => *m,
+            _ => None,
+        };
+        if let Some(m) = matched.filter(|m| acked.is_none_or(|a| *m > a)) {
+            self.acked = Some((rpc.vote, m));
+        }
+        Ok(match resp {
+            // The entries not sent go in the next message; openraft continues from the
+            // last one the follower now has.
+            AppendEntriesResponse::Success if truncated => {
+                AppendEntriesResponse::PartialSuccess(sent_last)
+            }
+            other => other,
+        })
     }
 
     async fn install_snapshot(
         &mut self,
-        rpc: InstallSnapshotRequest<TypeConfig>,
-        option: RPCOption,
+        _rpc: InstallSnapshotRequest<TypeConfig>,
+        _option: RPCOption,
     ) -> Result<
         InstallSnapshotResponse<NodeId>,
         RPCError<NodeId, BasicNode, RaftError<NodeId, InstallSnapshotError>>,
     > {
-        self.call(Rpc::Snapshot, &rpc, &option).await
+        // Snapshots go through `full_snapshot` (allot's own chunks, which declare the
+        // snapshot's size); openraft 0.9 calls this only from the default
+        // `full_snapshot`, which is overridden.
+        Err(network(
+            "chunked InstallSnapshot is not used: see full_snapshot",
+        ))
+    }
+
+    async fn full_snapshot(
+        &mut self,
+        vote: Vote,
+        snapshot: Snapshot<TypeConfig>,
+        cancel: impl Future<Output = ReplicationClosed> + Send + 'static,
+        option: RPCOption,
+    ) -> Result<SnapshotResponse<NodeId>, StreamingError<TypeConfig, Fatal<NodeId>>> {
+        let meta = snapshot.meta;
+        let data = snapshot.snapshot.into_inner();
+        let total = data.len() as u64;
+        tokio::pin!(cancel);
+        let mut offset = 0usize;
+        loop {
+            let end = (offset + SNAPSHOT_CHUNK_BYTES).min(data.len());
+            let chunk = SnapshotChunk {
+                vote,
+                meta: meta.clone(),
+                total_bytes: total,
+                offset: offset as u64,
+                data: data[offset..end].to_vec(),
+            };
+            // The last chunk's answer waits for the follower to install the snapshot
+            // (decode the state, write it): minutes for a large shard, not a chunk's time.
+            let timeout = if chunk.done() {
+                option.hard_ttl().max(peer::SNAPSHOT_INSTALL_TIMEOUT)
+            } else {
+                option.hard_ttl()
+            };
+            let call = self.call::<_, SnapshotResponse<NodeId>, openraft::error::Infallible>(
+                Rpc::Snapshot,
+                &chunk,
+                timeout,
+            );
+            let resp = tokio::select! {
+                closed = &mut cancel => return Err(StreamingError::Closed(closed)),
+                r = call => r,
+            };
+            let resp = match resp {
+                Err(CallError::Unreachable(m)) => {
+                    return Err(Unreachable::new(&TransportError(m)).into())
+                }
+                Err(CallError::Network(m)) => {
+                    return Err(NetworkError::new(&TransportError(m)).into())
+                }
+                Ok(Err(e)) => {
+                    return Err(NetworkError::new(&TransportError(format!(
+                        "{}: snapshot refused: {e}",
+                        self.target
+                    )))
+                    .into())
+                }
+                Ok(Ok(r)) => r,
+            };
+            peer::check_snapshot_response(&resp.vote, &vote, self.me)
+                .map_err(|e| NetworkError::new(&TransportError(e)))?;
+            if resp.vote > vote || end == data.len() {
+                return Ok(resp);
+            }
+            offset = end;
+        }
     }
 
     async fn vote(
@@ -190,6 +430,17 @@ impl RaftNetwork<TypeConfig> for Peer {
         rpc: VoteRequest<NodeId>,
         option: RPCOption,
     ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
-        self.call(Rpc::Vote, &rpc, &option).await
+        let resp: VoteResponse<NodeId> = self
+            .call(Rpc::Vote, &rpc, option.hard_ttl())
+            .await
+            .map_err(CallError::rpc)?
+            .map_err(|e| self.remote(e))?;
+        peer::check_vote_response(&resp, &rpc, self.me).map_err(|e| network(&e))?;
+        Ok(resp)
     }
+}
+
+/// Deserializes `Result<T, E>` of a peer's answer (used by tests of the wire forms).
+pub fn decode_payload<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, String> {
+    codec::decode(bytes).map_err(|e| e.to_string())
 }

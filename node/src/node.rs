@@ -7,7 +7,6 @@ use crate::network::{Channels, Network};
 use crate::proposer::{Proposer, ProposerConfig, ProposerTask};
 use crate::store::{self, LogStore, ShardView, SnapshotTrigger, StateMachineStore};
 use crate::types::{NodeId, Raft, ShardId};
-use allot_proto::raft_client::RaftClient;
 use allot_proto::ClockRequest;
 use anyhow::{bail, Context};
 use std::collections::BTreeMap;
@@ -70,6 +69,8 @@ pub struct NodeConfig {
     pub test_fsync_fail_file: Option<PathBuf>,
     /// TLS for clients and peers (`--tls-cert/--tls-key/--tls-ca`).
     pub tls: Option<crate::tls::TlsFiles>,
+    /// The secret peers present to each other (`--peer-secret-file`), if any.
+    pub peer_secret: Option<String>,
 }
 
 pub struct Shard {
@@ -77,6 +78,11 @@ pub struct Shard {
     pub raft: Raft,
     pub view: ShardView,
     pub proposer: Proposer,
+    /// Inbound AppendEntries and snapshot chunks are handled one at a time per shard
+    /// (their guards compare with the committed log id); the snapshot being received.
+    pub inbound: tokio::sync::Mutex<crate::peer::SnapshotReceiver>,
+    /// A received snapshot's state, decoded (checked) before openraft installs it.
+    pub preloaded: store::sm::Preloaded,
 }
 
 pub struct Node {
@@ -92,6 +98,12 @@ pub struct Node {
     pub denials: crate::auth::Denials,
     /// Loaded TLS configuration, if the node serves TLS.
     pub tls: Option<crate::tls::Tls>,
+    /// How peers authenticate to this node.
+    pub peer_auth: crate::peer::PeerAuth,
+    /// Raft messages being decoded and handled now (`RAFT_MESSAGES_IN_FLIGHT_MAX`).
+    raft_in_flight: Arc<tokio::sync::Semaphore>,
+    /// Rate of warnings about refused peer messages.
+    pub log_throttle: crate::metrics::Throttle,
 }
 
 const SHARD_COUNT_KEY: &[u8] = b"cluster/shards";
@@ -117,7 +129,16 @@ impl Node {
         let channels = Arc::new(Channels::new(
             config.peer_routes.iter().cloned().collect(),
             tls.as_ref().map(|t| t.client.clone()),
+            crate::peer::PeerCredential::new(config.peer_secret.as_deref())?,
         ));
+        let peer_auth = crate::peer::PeerAuth::new(tls.is_some(), config.peer_secret.as_deref());
+        if !peer_auth.configured() {
+            tracing::warn!(
+                "peers are not authenticated (no TLS, no --peer-secret-file): anyone who can \
+                 reach this node's port can send it Raft messages; use only where nothing but \
+                 the cluster's nodes can connect"
+            );
+        }
         let metrics = Arc::new(Metrics::new());
         let wal = metrics.wal_sync.clone();
         let syncer = store::log::Syncer::start_observed(
@@ -135,11 +156,13 @@ impl Node {
             let log = LogStore::new(db.clone(), id, syncer.clone())
                 .with_trigger(trigger.clone())
                 .with_timeline(timeline.clone());
+            let preloaded = store::sm::Preloaded::default();
             let sm = StateMachineStore::open(db.clone(), id, allot_statemachine::Config::default())
                 .map_err(|e| anyhow::anyhow!("opening shard {id}: {e}"))?
                 .with_metrics(metrics.clone())
                 .with_trigger(trigger.clone())
-                .with_timeline(timeline.clone());
+                .with_timeline(timeline.clone())
+                .with_preloaded(preloaded.clone());
             let view = sm.view();
             let rc = openraft::Config {
                 cluster_name: format!("allot-shard-{id}"),
@@ -160,6 +183,7 @@ impl Node {
                 Arc::new(rc),
                 Network {
                     shard: id,
+                    me: config.id,
                     channels: channels.clone(),
                 },
                 log,
@@ -184,6 +208,8 @@ impl Node {
                 raft,
                 view,
                 proposer,
+                inbound: Default::default(),
+                preloaded,
             });
         }
         let node = Arc::new(Node {
@@ -197,6 +223,11 @@ impl Node {
             config,
             denials: Default::default(),
             tls,
+            peer_auth,
+            raft_in_flight: Arc::new(tokio::sync::Semaphore::new(
+                crate::limits::RAFT_MESSAGES_IN_FLIGHT_MAX,
+            )),
+            log_throttle: Default::default(),
         });
         tokio::spawn(sample_clocks(Arc::downgrade(&node)));
         tokio::spawn(crate::auth::flush_denials(Arc::downgrade(&node)));
@@ -208,6 +239,16 @@ impl Node {
 
     pub fn shard(&self, id: ShardId) -> Option<&Shard> {
         self.shards.get(id as usize)
+    }
+
+    /// A place among the Raft messages decoded and handled at once.
+    #[allow(clippy::result_large_err)]
+    pub async fn raft_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, tonic::Status> {
+        self.raft_in_flight
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| tonic::Status::unavailable("node shutting down"))
     }
 
     /// Every other node any shard knows of (voters and learners), id → address.
@@ -319,14 +360,13 @@ async fn sample_clocks(node: std::sync::Weak<Node>) {
         let peers = node.peers();
         let mut calls = Vec::new();
         for (id, addr) in peers {
-            let Ok(ch) = node.channels.get(&addr) else {
+            let Ok(mut client) = node.channels.raft_client(&addr) else {
                 continue;
             };
             let clock = node.clock.clone();
+            let mut req = node.channels.peer_request(ClockRequest {});
             calls.push(async move {
-                let mut client = RaftClient::new(ch);
                 let sent = clock.wall_ms();
-                let mut req = tonic::Request::new(ClockRequest {});
                 req.set_timeout(Duration::from_millis(300));
                 match client.clock(req).await {
                     Ok(r) => clock.record(id, sent, r.into_inner().wall_ms, clock.wall_ms()),

@@ -25,6 +25,8 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 pub struct ProposerConfig {
     /// Most requests in one log entry (≤ the state machine's COMMANDS_PER_ENTRY_MAX).
     pub max_batch: usize,
+    /// Most encoded request bytes in one log entry (a single larger call goes alone).
+    pub max_batch_bytes: usize,
     /// How long to wait for more requests once one arrived (zero: take what is queued).
     pub window: Duration,
     /// Entries proposed but not yet applied.
@@ -43,6 +45,7 @@ impl Default for ProposerConfig {
     fn default() -> Self {
         ProposerConfig {
             max_batch: 2048,
+            max_batch_bytes: crate::limits::BATCH_BYTES_MAX,
             window: Duration::ZERO,
             max_inflight: 8,
             queue: 65_536,
@@ -85,6 +88,8 @@ pub struct Committed {
 
 struct Pending {
     requests: Vec<Request>,
+    /// The requests' encoded size (what they add to the entry).
+    bytes: usize,
     reply: oneshot::Sender<Result<Committed, ProposeError>>,
     enqueued: Instant,
 }
@@ -97,9 +102,14 @@ pub struct Proposer {
 impl Proposer {
     pub async fn propose(&self, requests: Vec<Request>) -> Result<Committed, ProposeError> {
         let (reply, rx) = oneshot::channel();
+        let bytes = requests
+            .iter()
+            .map(|r| allot_statemachine::codec::encoded_len(r) as usize)
+            .sum();
         self.tx
             .try_send(Pending {
                 requests,
+                bytes,
                 reply,
                 enqueued: Instant::now(),
             })
@@ -195,20 +205,26 @@ impl ProposerTask {
             };
             let mut group = Vec::new();
             let mut count = 0usize;
+            let mut bytes = 0usize;
+            let (max_count, max_bytes) = (self.config.max_batch, self.config.max_batch_bytes);
             if let Some(p) = first {
                 count += p.requests.len();
+                bytes += p.bytes;
                 group.push(p);
-                if !self.config.window.is_zero() && count < self.config.max_batch {
+                if !self.config.window.is_zero() && count < max_count {
                     tokio::time::sleep(self.config.window).await;
                 }
-                while count < self.config.max_batch {
+                // A batch closes by count or by bytes, whichever comes first; a call
+                // that does not fit starts the next batch.
+                while count < max_count && bytes < max_bytes {
                     match rx.try_recv() {
                         Ok(p) => {
-                            if count + p.requests.len() > self.config.max_batch {
+                            if count + p.requests.len() > max_count || bytes + p.bytes > max_bytes {
                                 carry = Some(p);
                                 break;
                             }
                             count += p.requests.len();
+                            bytes += p.bytes;
                             group.push(p);
                         }
                         Err(_) => break,
@@ -263,10 +279,12 @@ impl ProposerTask {
                 .batch_size
                 .with_label_values(&[&self.shard.to_string()])
                 .observe(requests.len() as f64);
-            let batch = Batch {
-                logical_time_ms: stamp,
-                requests,
-            };
+            self.metrics
+                .batch_bytes
+                .with_label_values(&[&self.shard.to_string()])
+                .observe(bytes as f64);
+            let batch = Batch::new(stamp, &requests);
+            drop(requests);
             last_proposal = Instant::now();
             let proposed = Instant::now();
             let commit = self

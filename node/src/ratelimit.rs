@@ -1,38 +1,94 @@
-//! Per-tenant token buckets at the gRPC edge. A tenant (an org; an agent's node; an
-//! admin principal) that sends faster than `rate` requests/s beyond a `burst` gets
-//! RESOURCE_EXHAUSTED with `retry-after-ms`, before anything is proposed.
+//! Per-tenant limits at the gRPC edge, on by default: token buckets for writes
+//! (`Execute` requests) and for reads (queries, audit pages, stream opens, status), and a
+//! bound on concurrent streams. A tenant is an org — whichever of its tokens (org,
+//! project) it uses —, an agent's node, or an admin principal; callers whose token does
+//! not resolve on this replica share one bucket. Over its limit a caller gets
+//! `RESOURCE_EXHAUSTED` with `retry-after-ms` and reason `RATE_LIMITED`, before
+//! anything is proposed or read. Limits are per node (each node limits the calls it
+//! receives; a call forwarded by an authenticated peer was limited there).
 
+use crate::edge::with_reason;
+use crate::limits::{STREAMS_PER_NODE_MAX, STREAMS_PER_PRINCIPAL_MAX};
 use crate::server::RETRY_AFTER_MS;
-use allot_statemachine::{Actor, Request};
+use allot_statemachine::Actor;
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tonic::metadata::MetadataValue;
 use tonic::Status;
 
+/// Who a limit applies to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum Key {
+pub enum Key {
     Org(u64),
     Agent(u64),
     Admin(u64),
-    System,
-    /// A bearer token (resolved to its principal only inside apply): keyed by digest.
-    Token([u8; 8]),
-    Anonymous,
+    /// Every caller whose credentials did not resolve on this replica, together.
+    Unresolved,
 }
 
-fn key_of(a: &Actor) -> Key {
-    match a {
-        Actor::Tenant { org, .. } | Actor::Project { org, .. } => Key::Org(org.0),
-        Actor::Bearer(d) => {
-            let mut k = [0; 8];
-            k.copy_from_slice(&d.0[..8]);
-            Key::Token(k)
+/// The limit key of a resolved actor (`None`: unresolved). The node's own `System`
+/// requests are never limited.
+pub fn key_of(actor: Option<Actor>) -> Option<Key> {
+    Some(match actor {
+        Some(Actor::Tenant { org, .. } | Actor::Project { org, .. }) => Key::Org(org.0),
+        Some(Actor::Agent(n)) => Key::Agent(n.0),
+        Some(Actor::Admin(p)) => Key::Admin(p.0),
+        Some(Actor::System) => return None,
+        Some(Actor::Anonymous | Actor::Bearer(_)) | None => Key::Unresolved,
+    })
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Class {
+    Write,
+    Read,
+}
+
+/// A rate: tokens per second and a burst; 0 per second disables it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rate {
+    pub per_sec: u32,
+    pub burst: u32,
+}
+
+/// The node's limits (`allot-node run --rate-limit ...`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Write requests per tenant (org, agent node).
+    pub write: Rate,
+    /// Reads (queries, audit pages, stream opens, status) per tenant.
+    pub read: Rate,
+    /// Writes and reads of admin principals.
+    pub admin: Rate,
+    /// Calls whose credentials do not resolve here, all together.
+    pub unresolved: Rate,
+}
+
+impl Default for Limits {
+    /// Sized for the seed's load: tens of thousands of accounts, one heartbeat per
+    /// running job every 30–60 s, an enterprise that submits 10,000 jobs at once (the
+    /// write burst takes them in one go; the sustained rate is ~100× the heartbeats of
+    /// a tenant running 10,000 jobs). Admins are not limited by default.
+    fn default() -> Self {
+        Limits {
+            write: Rate {
+                per_sec: 2_000,
+                burst: 20_000,
+            },
+            read: Rate {
+                per_sec: 1_000,
+                burst: 5_000,
+            },
+            admin: Rate {
+                per_sec: 0,
+                burst: 0,
+            },
+            unresolved: Rate {
+                per_sec: 200,
+                burst: 1_000,
+            },
         }
-        Actor::Anonymous => Key::Anonymous,
-        Actor::Agent(n) => Key::Agent(n.0),
-        Actor::Admin(p) => Key::Admin(p.0),
-        Actor::System => Key::System,
     }
 }
 
@@ -42,95 +98,219 @@ struct Bucket {
 }
 
 pub struct RateLimiter {
-    /// Requests per second per tenant; 0 disables the limiter.
-    rate: f64,
-    burst: f64,
-    buckets: Mutex<HashMap<Key, Bucket>>,
+    limits: Limits,
+    buckets: Mutex<HashMap<(Class, Key), Bucket>>,
+    streams: Arc<Mutex<StreamCounts>>,
 }
 
-/// Buckets kept before idle ones are dropped (bounded memory under id churn).
+/// Buckets kept before full ones are dropped (bounded memory under id churn: a full
+/// bucket is what a new one would be).
 const BUCKETS_MAX: usize = 100_000;
 
+#[derive(Default, Debug)]
+struct StreamCounts {
+    total: usize,
+    by_key: HashMap<Key, usize>,
+}
+
+/// An open stream's place; released when dropped (the stream ended or its client left).
+#[derive(Debug)]
+pub struct StreamSlot {
+    key: Key,
+    counts: Arc<Mutex<StreamCounts>>,
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        let mut c = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        c.total = c.total.saturating_sub(1);
+        if let Some(n) = c.by_key.get_mut(&self.key) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                c.by_key.remove(&self.key);
+            }
+        }
+    }
+}
+
+fn exhausted(what: &str, retry_after_ms: u64) -> Status {
+    let mut s = with_reason(Status::resource_exhausted(what.to_string()), "RATE_LIMITED");
+    if let Ok(v) = MetadataValue::try_from(retry_after_ms.to_string()) {
+        s.metadata_mut().insert(RETRY_AFTER_MS, v);
+    }
+    s
+}
+
 impl RateLimiter {
-    pub fn new(rate: u32, burst: u32) -> RateLimiter {
+    pub fn new(limits: Limits) -> RateLimiter {
         RateLimiter {
-            rate: rate as f64,
-            burst: burst.max(1) as f64,
+            limits,
             buckets: Mutex::new(HashMap::new()),
+            streams: Arc::default(),
         }
     }
 
-    /// Takes one token per request of the call from each tenant's bucket, all or none.
-    pub fn admit(&self, requests: &[Request]) -> Result<(), Status> {
-        if self.rate <= 0.0 {
-            return Ok(());
+    /// No limits at all (benchmarks that measure the core, tests).
+    pub fn unlimited() -> RateLimiter {
+        let off = Rate {
+            per_sec: 0,
+            burst: 0,
+        };
+        RateLimiter::new(Limits {
+            write: off,
+            read: off,
+            admin: off,
+            unresolved: off,
+        })
+    }
+
+    fn rate(&self, class: Class, key: Key) -> Rate {
+        match (key, class) {
+            (Key::Admin(_), _) => self.limits.admin,
+            (Key::Unresolved, _) => self.limits.unresolved,
+            (_, Class::Write) => self.limits.write,
+            (_, Class::Read) => self.limits.read,
         }
-        let mut need: HashMap<Key, f64> = HashMap::new();
-        for r in requests {
-            *need.entry(key_of(&r.actor)).or_default() += 1.0;
+    }
+
+    /// Takes `n` tokens from each key's bucket of `class`, all or none.
+    #[allow(clippy::result_large_err)]
+    pub fn admit(&self, class: Class, need: &[(Key, u32)]) -> Result<(), Status> {
+        // One entry per key: a call's requests of one tenant draw together.
+        let mut need_by_key: Vec<(Key, u32)> = Vec::with_capacity(need.len());
+        for &(key, n) in need {
+            match need_by_key.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, total)) => *total = total.saturating_add(n),
+                None => need_by_key.push((key, n)),
+            }
         }
+        let need = &need_by_key[..];
         let now = Instant::now();
         let mut b = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
         if b.len() > BUCKETS_MAX {
-            let (rate, burst) = (self.rate, self.burst);
-            b.retain(|_, v| v.tokens + now.duration_since(v.at).as_secs_f64() * rate < burst);
+            b.retain(|(c, k), v| {
+                let r = self.rate(*c, *k);
+                let refilled = v.tokens + now.duration_since(v.at).as_secs_f64() * r.per_sec as f64;
+                refilled < r.burst as f64
+            });
         }
         let mut wait_ms = 0f64;
-        for (k, n) in &need {
-            let e = b.entry(*k).or_insert(Bucket {
-                tokens: self.burst,
+        for &(key, n) in need {
+            let r = self.rate(class, key);
+            if r.per_sec == 0 {
+                continue;
+            }
+            let (rate, burst) = (r.per_sec as f64, r.burst.max(1) as f64);
+            let e = b.entry((class, key)).or_insert(Bucket {
+                tokens: burst,
                 at: now,
             });
-            e.tokens =
-                (e.tokens + now.duration_since(e.at).as_secs_f64() * self.rate).min(self.burst);
+            e.tokens = (e.tokens + now.duration_since(e.at).as_secs_f64() * rate).min(burst);
             e.at = now;
-            if e.tokens < *n {
-                wait_ms = wait_ms.max((*n - e.tokens) / self.rate * 1000.0);
+            if e.tokens < n as f64 {
+                wait_ms = wait_ms.max((n as f64 - e.tokens) / rate * 1000.0);
             }
         }
         if wait_ms > 0.0 {
-            let mut s = Status::resource_exhausted("tenant rate limit");
-            if let Ok(v) = MetadataValue::try_from(format!("{}", wait_ms.ceil() as u64)) {
-                s.metadata_mut().insert(RETRY_AFTER_MS, v);
-            }
-            return Err(s);
+            return Err(exhausted("tenant rate limit", wait_ms.ceil() as u64));
         }
-        for (k, n) in need {
-            if let Some(e) = b.get_mut(&k) {
-                e.tokens -= n;
+        for &(key, n) in need {
+            if self.rate(class, key).per_sec == 0 {
+                continue;
+            }
+            if let Some(e) = b.get_mut(&(class, key)) {
+                e.tokens -= n as f64;
             }
         }
         Ok(())
+    }
+
+    /// A place for one more open stream of `key`, within [`STREAMS_PER_PRINCIPAL_MAX`]
+    /// and [`STREAMS_PER_NODE_MAX`].
+    #[allow(clippy::result_large_err)]
+    pub fn open_stream(&self, key: Key) -> Result<StreamSlot, Status> {
+        let mut c = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+        let mine = c.by_key.get(&key).copied().unwrap_or(0);
+        if mine >= STREAMS_PER_PRINCIPAL_MAX || c.total >= STREAMS_PER_NODE_MAX {
+            return Err(exhausted("too many open streams", 1_000));
+        }
+        c.total += 1;
+        *c.by_key.entry(key).or_insert(0) += 1;
+        Ok(StreamSlot {
+            key,
+            counts: self.streams.clone(),
+        })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use allot_statemachine::{Command, OrgId, PrincipalId};
 
-    fn req(org: u64) -> Request {
-        Request {
-            actor: Actor::Tenant {
-                org: OrgId(org),
-                principal: PrincipalId(1),
+    fn limiter(per_sec: u32, burst: u32) -> RateLimiter {
+        let r = Rate { per_sec, burst };
+        RateLimiter::new(Limits {
+            write: r,
+            read: r,
+            admin: Rate {
+                per_sec: 0,
+                burst: 0,
             },
-            request_id: 1,
-            command: Command::Tick,
-        }
+            unresolved: r,
+        })
     }
 
     #[test]
     fn a_tenant_over_its_burst_is_refused_and_others_are_not() {
-        let l = RateLimiter::new(1, 3);
-        assert!(l.admit(&[req(1), req(1), req(1)]).is_ok());
-        let e = l.admit(&[req(1)]).unwrap_err();
+        let l = limiter(1, 3);
+        // A call's requests of one tenant draw together.
+        assert!(l.admit(Class::Write, &[(Key::Org(1), 1); 4]).is_err());
+        assert!(l.admit(Class::Write, &[(Key::Org(1), 3)]).is_ok());
+        let e = l.admit(Class::Write, &[(Key::Org(1), 1)]).unwrap_err();
         assert_eq!(e.code(), tonic::Code::ResourceExhausted);
         assert!(e.metadata().get(RETRY_AFTER_MS).is_some());
-        assert!(l.admit(&[req(2)]).is_ok());
+        assert_eq!(e.metadata().get("allot-reason").unwrap(), "RATE_LIMITED");
+        assert!(l.admit(Class::Write, &[(Key::Org(2), 1)]).is_ok());
+        // Reads have their own bucket; admins are not limited by default.
+        assert!(l.admit(Class::Read, &[(Key::Org(1), 1)]).is_ok());
+        assert!(l.admit(Class::Write, &[(Key::Admin(1), 1_000)]).is_ok());
         // All or none: a call that would overdraw takes nothing.
-        let l = RateLimiter::new(1, 2);
-        assert!(l.admit(&[req(1), req(2), req(2), req(2)]).is_err());
-        assert!(l.admit(&[req(1), req(1)]).is_ok());
+        let l = limiter(1, 2);
+        assert!(l
+            .admit(Class::Write, &[(Key::Org(1), 1), (Key::Org(2), 3)])
+            .is_err());
+        assert!(l.admit(Class::Write, &[(Key::Org(1), 2)]).is_ok());
+    }
+
+    #[test]
+    fn an_org_is_one_tenant_whatever_token_it_uses() {
+        use allot_statemachine::{OrgId, PrincipalId, ProjectId};
+        let org = Actor::Tenant {
+            org: OrgId(7),
+            principal: PrincipalId(1),
+        };
+        let project = Actor::Project {
+            org: OrgId(7),
+            project: ProjectId(70),
+            principal: PrincipalId(2),
+        };
+        assert_eq!(key_of(Some(org)), key_of(Some(project)));
+        assert_eq!(key_of(None), Some(Key::Unresolved));
+        assert_eq!(key_of(Some(Actor::System)), None);
+    }
+
+    #[test]
+    fn streams_are_bounded_per_principal_and_released_on_drop() {
+        let l = limiter(0, 0);
+        let slots: Vec<_> = (0..STREAMS_PER_PRINCIPAL_MAX)
+            .map(|_| l.open_stream(Key::Agent(1)).unwrap())
+            .collect();
+        assert_eq!(
+            l.open_stream(Key::Agent(1)).unwrap_err().code(),
+            tonic::Code::ResourceExhausted
+        );
+        assert!(l.open_stream(Key::Agent(2)).is_ok());
+        drop(slots);
+        assert!(l.open_stream(Key::Agent(1)).is_ok());
     }
 }

@@ -1,10 +1,13 @@
 //! Running a node: the gRPC listener (client, agent, admin, Raft, health) and the
 //! Prometheus listener, until a shutdown signal.
 
-use crate::network::RAFT_MESSAGE_MAX;
+use crate::limits::{
+    CLIENT_MESSAGE_MAX, CONCURRENT_STREAMS_PER_CONNECTION_MAX, HEADER_LIST_BYTES_MAX,
+    RAFT_MESSAGE_MAX, REPLY_MESSAGE_MAX,
+};
 use crate::node::Node;
 use crate::ratelimit::RateLimiter;
-use crate::server::{Services, CLIENT_MESSAGE_MAX};
+use crate::server::Services;
 use allot_proto::admin_server::AdminServer;
 use allot_proto::agent_server::AgentServer;
 use allot_proto::allot_server::AllotServer;
@@ -54,22 +57,38 @@ pub async fn serve(
     if let Some(tls) = &node.tls {
         builder = builder.tls_config(tls.server.clone())?;
     }
+    // The internal Raft service authenticates its caller from the request's headers,
+    // before the body is read (`crate::peer`).
+    let peer_auth = node.peer_auth.clone();
+    let raft = tonic::service::interceptor::InterceptedService::new(
+        RaftServer::new(services.clone())
+            .max_decoding_message_size(RAFT_MESSAGE_MAX)
+            .max_encoding_message_size(RAFT_MESSAGE_MAX),
+        move |r| peer_auth.intercept(r),
+    );
     builder
         .timeout(Duration::from_secs(30))
         .tcp_nodelay(true)
+        .max_concurrent_streams(CONCURRENT_STREAMS_PER_CONNECTION_MAX)
+        .http2_max_header_list_size(HEADER_LIST_BYTES_MAX)
+        .http2_max_pending_accept_reset_streams(Some(64))
         .add_service(health)
         .add_service(
             AllotServer::new(services.clone())
                 .max_decoding_message_size(CLIENT_MESSAGE_MAX)
-                .max_encoding_message_size(CLIENT_MESSAGE_MAX),
+                .max_encoding_message_size(REPLY_MESSAGE_MAX),
         )
-        .add_service(AgentServer::new(services.clone()))
-        .add_service(AdminServer::new(services.clone()))
         .add_service(
-            RaftServer::new(services)
-                .max_decoding_message_size(RAFT_MESSAGE_MAX)
-                .max_encoding_message_size(RAFT_MESSAGE_MAX),
+            AgentServer::new(services.clone())
+                .max_decoding_message_size(CLIENT_MESSAGE_MAX)
+                .max_encoding_message_size(REPLY_MESSAGE_MAX),
         )
+        .add_service(
+            AdminServer::new(services)
+                .max_decoding_message_size(CLIENT_MESSAGE_MAX)
+                .max_encoding_message_size(REPLY_MESSAGE_MAX),
+        )
+        .add_service(raft)
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await?;
     tracing::info!("gRPC server stopped; shutting the shards down");

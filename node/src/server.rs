@@ -2,11 +2,22 @@
 //! transport, all on one listener; `/metrics` on another.
 
 use crate::auth;
+use crate::edge;
+use crate::network::{AppendWire, SnapshotChunk};
 use crate::node::{Node, Shard};
+use crate::peer;
 use crate::proposer::{leader_of, ProposeError};
 use crate::ratelimit::RateLimiter;
+use crate::ratelimit::{key_of, Class, Key};
 use crate::store;
 use crate::types::{NodeId, ShardId};
+
+fn class_label(c: Class) -> &'static str {
+    match c {
+        Class::Write => "write",
+        Class::Read => "read",
+    }
+}
 use allot_proto::admin_client::AdminClient;
 use allot_proto::admin_server::Admin;
 use allot_proto::agent_server::Agent;
@@ -15,7 +26,8 @@ use allot_proto::allot_server::Allot;
 use allot_proto::raft_server::Raft as RaftService;
 use allot_proto::*;
 use allot_statemachine::query::{self, Query};
-use allot_statemachine::{codec, Actor, DenialReason, HoldId, ProjectId, Request};
+use allot_statemachine::{codec, Actor, DenialReason, HoldId, ProjectId};
+use openraft::raft::SnapshotResponse;
 use openraft::BasicNode;
 use std::collections::{BTreeMap, BTreeSet};
 use std::pin::Pin;
@@ -25,14 +37,10 @@ use tokio_stream::Stream;
 use tonic::metadata::MetadataValue;
 use tonic::Status;
 
+pub use crate::limits::{
+    AUDIT_PAGE_MAX, AUDIT_SCAN_MAX, CLIENT_MESSAGE_MAX, REPLY_MESSAGE_MAX, REQUESTS_PER_CALL_MAX,
+};
 pub use allot_proto::meta::{FORWARDED, LEADER_ADDR, LEADER_ID, RETRY_AFTER_MS};
-/// Most events in one audit page, and most events one audit call looks at.
-pub const AUDIT_PAGE_MAX: usize = 10_000;
-pub const AUDIT_SCAN_MAX: usize = 100_000;
-/// Most requests in one `Execute` call.
-pub const REQUESTS_PER_CALL_MAX: usize = 4096;
-/// Largest client message (bytes); Raft messages have their own larger bound.
-pub const CLIENT_MESSAGE_MAX: usize = 8 << 20;
 
 #[derive(Clone)]
 pub struct Services {
@@ -79,33 +87,24 @@ pub fn status_of(e: ProposeError) -> Status {
     }
 }
 
-/// Whether the request was forwarded by a peer. With TLS, only a caller presenting a
-/// certificate of the cluster CA (a peer) may say so; without TLS the marker only
-/// skips a second forward and the edge rate limit (credentials are checked anyway).
-fn forwarded<T>(node: &Node, req: &tonic::Request<T>) -> bool {
-    req.metadata().get(FORWARDED).is_some() && (node.tls.is_none() || from_peer(req))
+/// Whether the call carries the forwarded marker: it is not forwarded a second time
+/// (whoever sent it; a client that sets it only gets NotLeader sooner).
+fn forwarded<T>(req: &tonic::Request<T>) -> bool {
+    req.metadata().get(FORWARDED).is_some()
 }
 
-/// The caller presented a client certificate that chains to the cluster CA (rustls
-/// verified it during the handshake).
-fn from_peer<T>(req: &tonic::Request<T>) -> bool {
-    req.peer_certs().is_some_and(|c| !c.is_empty())
-}
-
-/// Peer-only services (Raft, clock, denial reports) under TLS: mutual TLS required.
-fn require_peer<T>(node: &Node, req: &tonic::Request<T>) -> Result<(), Status> {
-    if node.tls.is_some() && !from_peer(req) {
-        return Err(Status::permission_denied(
-            "peer service: a cluster certificate is required",
-        ));
-    }
-    Ok(())
+/// A forwarded call from an authenticated peer (`crate::peer`): the peer already
+/// applied its rate limit, so this node does not count it again. Without peer
+/// authentication nobody is known to be a peer, and every call is counted.
+fn from_peer<T>(node: &Node, req: &tonic::Request<T>) -> bool {
+    forwarded(req) && node.peer_auth.is_peer(req)
 }
 
 /// A request to forward to the leader: marked as forwarded (so it is not forwarded
-/// again) and carrying the caller's credentials, which the leader checks itself.
-fn forward_with<T>(msg: T, meta: &tonic::metadata::MetadataMap) -> tonic::Request<T> {
-    let mut r = tonic::Request::new(msg);
+/// again), carrying the caller's credentials, which the leader checks itself, and this
+/// node's peer credential.
+fn forward_with<T>(node: &Node, msg: T, meta: &tonic::metadata::MetadataMap) -> tonic::Request<T> {
+    let mut r = node.channels.peer_request(msg);
     r.metadata_mut()
         .insert(FORWARDED, MetadataValue::from_static("1"));
     if let Some(a) = meta.get("authorization") {
@@ -138,38 +137,57 @@ impl Services {
             .get(addr)
             .map_err(|e| Status::unavailable(format!("leader address {addr}: {e}")))?;
         Ok(AllotClient::new(ch)
-            .max_decoding_message_size(CLIENT_MESSAGE_MAX)
+            .max_decoding_message_size(REPLY_MESSAGE_MAX)
             .max_encoding_message_size(CLIENT_MESSAGE_MAX))
+    }
+
+    /// Takes `n` tokens of `class` from the tenant of `actor` (resolved on `shard`'s
+    /// replica), unless the call was forwarded by an authenticated peer.
+    #[allow(clippy::result_large_err)]
+    fn limit<T>(
+        &self,
+        req: &tonic::Request<T>,
+        class: Class,
+        need: &[(Option<Actor>, u32)],
+    ) -> Result<(), Status> {
+        if from_peer(&self.node, req) {
+            return Ok(());
+        }
+        let keys: Vec<(Key, u32)> = need
+            .iter()
+            .filter_map(|(a, n)| key_of(*a).map(|k| (k, *n)))
+            .collect();
+        self.limiter.admit(class, &keys).inspect_err(|_| {
+            self.node
+                .metrics
+                .refusals
+                .with_label_values(&[class_label(class), "rate_limited"])
+                .inc();
+        })
+    }
+
+    /// Whom a reader runs as on `shard`'s replica (`None`: its token does not resolve).
+    fn reader(&self, shard: u32, caller: Actor) -> Option<Actor> {
+        auth::resolve(&self.node, shard, caller).ok()
     }
 
     async fn execute_inner(
         &self,
         req: tonic::Request<ExecuteRequest>,
     ) -> Result<ExecuteReply, Status> {
-        let was_forwarded = forwarded(&self.node, &req);
+        let was_forwarded = forwarded(&req);
         let meta = req.metadata().clone();
         let bearer = auth::bearer(&meta)?;
+        let shard = shard_of(&self.node, req.get_ref().shard)?;
+        #[allow(unused_mut)]
+        let mut requests =
+            edge::decode_requests(&self.node, shard.id, bearer, &req.get_ref().requests)
+                .inspect_err(|s| self.refused("execute", s))?;
+        let leader = shard.raft.metrics().borrow().current_leader == Some(self.node.id);
+        let actors = edge::credentials(&self.node, shard, &requests, leader).await?;
+        let need: Vec<(Option<Actor>, u32)> = actors.into_iter().map(|a| (a, 1)).collect();
+        self.limit(&req, Class::Write, &need)?;
         let msg = req.into_inner();
-        let shard = shard_of(&self.node, msg.shard)?;
-        if msg.requests.is_empty() {
-            return Err(Status::invalid_argument("no requests"));
-        }
-        if msg.requests.len() > REQUESTS_PER_CALL_MAX {
-            return Err(Status::invalid_argument(format!(
-                "{} requests in one call; at most {REQUESTS_PER_CALL_MAX}",
-                msg.requests.len()
-            )));
-        }
-        let mut requests = Vec::with_capacity(msg.requests.len());
-        for (i, b) in msg.requests.iter().enumerate() {
-            let mut r: Request = codec::decode(b)
-                .map_err(|e| Status::invalid_argument(format!("request {i}: {e}")))?;
-            auth::stamp(&self.node, shard.id, bearer, &mut r)?;
-            requests.push(r);
-        }
-        if !was_forwarded {
-            self.limiter.admit(&requests)?;
-        }
         #[cfg(feature = "chaos")]
         crate::chaos::rewrite_request_ids(&mut requests);
         match shard.proposer.propose(requests).await {
@@ -184,7 +202,7 @@ impl Services {
                 // Forward once; the leader answers (or says who leads now).
                 let mut client = self.leader_client(&addr).await?;
                 client
-                    .execute(forward_with(msg, &meta))
+                    .execute(forward_with(&self.node, msg, &meta))
                     .await
                     .map(|r| r.into_inner())
             }
@@ -193,11 +211,12 @@ impl Services {
     }
 
     async fn query_inner(&self, req: tonic::Request<QueryRequest>) -> Result<QueryReply, Status> {
-        let was_forwarded = forwarded(&self.node, &req);
+        let was_forwarded = forwarded(&req);
         let meta = req.metadata().clone();
         let caller = auth::caller(&self.node, auth::bearer(&meta)?);
+        let shard = shard_of(&self.node, req.get_ref().shard)?;
+        self.limit(&req, Class::Read, &[(self.reader(shard.id, caller), 1)])?;
         let msg = req.into_inner();
-        let shard = shard_of(&self.node, msg.shard)?;
         let q: Query = codec::decode(&msg.query)
             .map_err(|e| Status::invalid_argument(format!("query: {e}")))?;
         if msg.consistency() == Consistency::Linearizable {
@@ -209,7 +228,7 @@ impl Services {
                     } if !was_forwarded => {
                         let mut client = self.leader_client(&addr).await?;
                         client
-                            .query(forward_with(msg, &meta))
+                            .query(forward_with(&self.node, msg, &meta))
                             .await
                             .map(|r| r.into_inner())
                     }
@@ -271,8 +290,9 @@ impl Allot for Services {
         req: tonic::Request<AuditRequest>,
     ) -> Result<tonic::Response<AuditReply>, Status> {
         let caller = auth::caller(&self.node, auth::bearer(req.metadata())?);
+        let shard = shard_of(&self.node, req.get_ref().shard)?;
+        self.limit(&req, Class::Read, &[(self.reader(shard.id, caller), 1)])?;
         let mut msg = req.into_inner();
-        let shard = shard_of(&self.node, msg.shard)?;
         // A tenant reads only its own org's events (a project token its project's);
         // filters naming another org or project match nothing, like unknown ids.
         let (org_only, project_only) =
@@ -325,6 +345,19 @@ impl Allot for Services {
     }
 }
 
+/// Runs `f` when dropped.
+fn scopeguard(f: impl FnOnce()) -> impl Drop {
+    struct Guard<F: FnOnce()>(Option<F>);
+    impl<F: FnOnce()> Drop for Guard<F> {
+        fn drop(&mut self) {
+            if let Some(f) = self.0.take() {
+                f()
+            }
+        }
+    }
+    Guard(Some(f))
+}
+
 type AssignmentStream = Pin<Box<dyn Stream<Item = Result<Assignments, Status>> + Send>>;
 type BackupStream = Pin<Box<dyn Stream<Item = Result<BackupChunk, Status>> + Send>>;
 /// Backup chunks stay well under every gRPC message bound.
@@ -339,14 +372,17 @@ impl Agent for Services {
         req: tonic::Request<WatchRequest>,
     ) -> Result<tonic::Response<AssignmentStream>, Status> {
         let caller = auth::caller(&self.node, auth::bearer(req.metadata())?);
+        let shard = shard_of(&self.node, req.get_ref().shard)?;
+        let reader = self.reader(shard.id, caller);
+        self.limit(&req, Class::Read, &[(reader, 1)])?;
         let msg = req.into_inner();
-        let shard = shard_of(&self.node, msg.shard)?;
         let node_id: u64 = msg
             .node_id
             .parse()
             .map_err(|_| Status::invalid_argument("node_id must be a number"))?;
         // Only the node's own agent (or an admin) may watch its assignments.
-        match auth::authenticate(&self.node, shard.id, caller, "watch_assignments")? {
+        let who = auth::authenticate(&self.node, shard.id, caller, "watch_assignments")?;
+        match who {
             Actor::Admin(_) => {}
             Actor::Agent(n) if n.0 == node_id => {}
             other => {
@@ -358,10 +394,26 @@ impl Agent for Services {
                 ))
             }
         }
+        // A bounded number of open streams per principal; the slot is released when
+        // the stream's task ends, which it does as soon as the client goes away.
+        let slot = key_of(Some(who))
+            .map(|k| self.limiter.open_stream(k))
+            .transpose()
+            .inspect_err(|_| {
+                self.node
+                    .metrics
+                    .refusals
+                    .with_label_values(&["watch_assignments", "streams"])
+                    .inc()
+            })?;
         let view = shard.view.clone();
         let mut applied = view.applied_watch();
         let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let open = self.node.metrics.streams.clone();
+        open.inc();
         tokio::spawn(async move {
+            let _slot = slot;
+            let _open = scopeguard(move || open.dec());
             let mut last: Option<Vec<u8>> = None;
             loop {
                 let (bytes, idx) = {
@@ -385,8 +437,11 @@ impl Agent for Services {
                         return;
                     }
                 }
-                if applied.changed().await.is_err() {
-                    return;
+                tokio::select! {
+                    changed = applied.changed() => if changed.is_err() { return },
+                    // The client went away (cancelled, disconnected): stop now, not at
+                    // the next change of this node's assignments.
+                    _ = tx.closed() => return,
                 }
             }
         });
@@ -518,7 +573,7 @@ impl Admin for Services {
         req: tonic::Request<MemberRequest>,
     ) -> Result<tonic::Response<MembershipReply>, Status> {
         let req_meta = req.metadata().clone();
-        let was_forwarded = forwarded(&self.node, &req);
+        let was_forwarded = forwarded(&req);
         auth::require_admin(&self.node, &req_meta, "admin:add_learner", false)?;
         let msg = req.into_inner();
         let member = msg
@@ -545,7 +600,7 @@ impl Admin for Services {
                                 all_shards: false,
                                 member: Some(member.clone()),
                             };
-                            let r = forward_with(m, &req_meta);
+                            let r = forward_with(&self.node, m, &req_meta);
                             async move { c.add_learner(r).await }
                         })
                         .await?;
@@ -561,7 +616,7 @@ impl Admin for Services {
         req: tonic::Request<ChangeMembershipRequest>,
     ) -> Result<tonic::Response<MembershipReply>, Status> {
         let req_meta = req.metadata().clone();
-        let was_forwarded = forwarded(&self.node, &req);
+        let was_forwarded = forwarded(&req);
         auth::require_admin(&self.node, &req_meta, "admin:change_membership", false)?;
         let msg = req.into_inner();
         let voters: BTreeSet<NodeId> = msg.voters.iter().copied().collect();
@@ -582,7 +637,7 @@ impl Admin for Services {
                                 all_shards: false,
                                 voters: voters.iter().copied().collect(),
                             };
-                            let r = forward_with(m, &req_meta);
+                            let r = forward_with(&self.node, m, &req_meta);
                             async move { c.change_membership(r).await }
                         })
                         .await?;
@@ -598,6 +653,8 @@ impl Admin for Services {
         req: tonic::Request<StatusRequest>,
     ) -> Result<tonic::Response<StatusReply>, Status> {
         auth::require_authenticated(&self.node, req.metadata(), "admin:status")?;
+        let caller = auth::caller(&self.node, auth::bearer(req.metadata())?);
+        self.limit(&req, Class::Read, &[(self.reader(0, caller), 1)])?;
         Ok(tonic::Response::new(StatusReply {
             node_id: self.node.id,
             shards: self
@@ -651,13 +708,67 @@ impl Admin for Services {
     }
 }
 
-fn decode<T: serde::de::DeserializeOwned>(b: &[u8]) -> Result<T, Status> {
-    bincode::deserialize(b).map_err(|e| Status::invalid_argument(format!("raft payload: {e}")))
+/// A peer's message, decoded (the Raft service's interceptor has authenticated it
+/// when peer authentication is configured; its bytes are within `RAFT_MESSAGE_MAX`).
+#[allow(clippy::result_large_err)]
+fn decode_peer<T: serde::de::DeserializeOwned>(b: &[u8]) -> Result<T, Status> {
+    codec::decode(b).map_err(|e| {
+        edge::with_reason(
+            Status::invalid_argument(format!("raft payload: {e}")),
+            "MALFORMED",
+        )
+    })
 }
 
-fn encode<T: serde::Serialize>(v: &T) -> Result<tonic::Response<RaftMessage>, Status> {
-    let payload = bincode::serialize(v).map_err(|e| Status::internal(e.to_string()))?;
-    Ok(tonic::Response::new(RaftMessage { shard: 0, payload }))
+#[allow(clippy::result_large_err)]
+fn encode_peer<T: serde::Serialize>(v: &T) -> Result<tonic::Response<RaftMessage>, Status> {
+    Ok(tonic::Response::new(RaftMessage {
+        shard: 0,
+        payload: codec::encode(v),
+    }))
+}
+
+impl Services {
+    /// A peer message refused by a guard (`crate::peer`): counted, logged at most once a
+    /// second, answered INVALID_ARGUMENT with reason `PEER_MESSAGE_REFUSED`.
+    fn peer_refused(&self, api: &str, why: String) -> Status {
+        self.node
+            .metrics
+            .refusals
+            .with_label_values(&[api, "peer"])
+            .inc();
+        if self.node.log_throttle.due() {
+            tracing::warn!(api, reason = %why, "peer message refused (at most one line a second)");
+        }
+        edge::with_reason(
+            Status::invalid_argument(format!("peer message refused: {why}")),
+            "PEER_MESSAGE_REFUSED",
+        )
+    }
+
+    /// A refusal at the edge, counted by reason.
+    fn refused(&self, api: &str, s: &Status) {
+        let reason = s
+            .metadata()
+            .get(allot_proto::meta::REASON)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("other")
+            .to_ascii_lowercase();
+        self.node
+            .metrics
+            .refusals
+            .with_label_values(&[api, &reason])
+            .inc();
+    }
+
+    /// This replica's committed log id of `shard` (guards compare peer log ids with it).
+    async fn committed(&self, shard: &Shard) -> Result<Option<crate::types::LogId>, Status> {
+        shard
+            .raft
+            .with_raft_state(|s| s.committed)
+            .await
+            .map_err(|e| Status::unavailable(format!("raft: {e}")))
+    }
 }
 
 #[tonic::async_trait]
@@ -666,16 +777,24 @@ impl RaftService for Services {
         &self,
         req: tonic::Request<RaftMessage>,
     ) -> Result<tonic::Response<RaftMessage>, Status> {
-        require_peer(&self.node, &req)?;
         let msg = req.into_inner();
         let shard = shard_of(&self.node, msg.shard)?;
         let started = std::time::Instant::now();
-        let r = shard.raft.append_entries(decode(&msg.payload)?).await;
-        let reply = encode(&r);
+        let _permit = self.node.raft_permit().await?;
+        let wire: AppendWire = decode_peer(&msg.payload)?;
+        drop(msg);
+        // One inbound message per shard at a time: the committed log id the guard
+        // compares with cannot move between the check and openraft's handling.
+        let _inbound = shard.inbound.lock().await;
+        let committed = self.committed(shard).await?;
+        peer::check_append(&wire, self.node.id, committed.as_ref())
+            .map_err(|e| self.peer_refused("raft:append", e))?;
+        let r = shard.raft.append_entries(wire.into()).await;
+        let reply = encode_peer(&r);
         self.node
             .metrics
             .follower_append
-            .with_label_values(&[&msg.shard.to_string()])
+            .with_label_values(&[&shard.id.to_string()])
             .observe(started.elapsed().as_secs_f64());
         reply
     }
@@ -684,43 +803,90 @@ impl RaftService for Services {
         &self,
         req: tonic::Request<RaftMessage>,
     ) -> Result<tonic::Response<RaftMessage>, Status> {
-        require_peer(&self.node, &req)?;
         let msg = req.into_inner();
         let shard = shard_of(&self.node, msg.shard)?;
-        let r = shard.raft.vote(decode(&msg.payload)?).await;
-        encode(&r)
+        let _permit = self.node.raft_permit().await?;
+        let vote: openraft::raft::VoteRequest<NodeId> = decode_peer(&msg.payload)?;
+        peer::check_vote_request(&vote, self.node.id)
+            .map_err(|e| self.peer_refused("raft:vote", e))?;
+        let r = shard.raft.vote(vote).await;
+        encode_peer(&r)
     }
 
     async fn snapshot(
         &self,
         req: tonic::Request<RaftMessage>,
     ) -> Result<tonic::Response<RaftMessage>, Status> {
-        require_peer(&self.node, &req)?;
         let msg = req.into_inner();
         let shard = shard_of(&self.node, msg.shard)?;
-        let r = shard.raft.install_snapshot(decode(&msg.payload)?).await;
-        encode(&r)
+        let permit = self.node.raft_permit().await?;
+        let chunk: SnapshotChunk = decode_peer(&msg.payload)?;
+        drop(msg);
+        let mut inbound = shard.inbound.lock().await;
+        let committed = self.committed(shard).await?;
+        peer::check_snapshot_chunk(&chunk, self.node.id, committed.as_ref())
+            .map_err(|e| self.peer_refused("raft:snapshot", e))?;
+        let mine = shard.raft.metrics().borrow().vote;
+        if chunk.vote < mine {
+            // A stale leader: tell it our vote (it steps down), keep nothing.
+            let r: Result<SnapshotResponse<NodeId>, openraft::error::RaftError<NodeId>> =
+                Ok(SnapshotResponse { vote: mine });
+            return encode_peer(&r);
+        }
+        let (vote, meta) = (chunk.vote, chunk.meta.clone());
+        let data = inbound.receive(chunk).map_err(|e| {
+            edge::with_reason(Status::failed_precondition(e.to_string()), "SNAPSHOT_CHUNK")
+        })?;
+        drop(permit);
+        let r: Result<SnapshotResponse<NodeId>, openraft::error::RaftError<NodeId>> = match data {
+            None => Ok(SnapshotResponse { vote: mine }),
+            Some(data) => {
+                // Decode it here (off the runtime's workers): a snapshot that is not a
+                // state is refused, where openraft would stop the shard on it.
+                let (state, data) = tokio::task::spawn_blocking(move || {
+                    (allot_statemachine::State::decode(&data), data)
+                })
+                .await
+                .map_err(|e| Status::internal(format!("snapshot decode task: {e}")))?;
+                let state = state.map_err(|e| {
+                    self.peer_refused("raft:snapshot", format!("snapshot does not decode: {e}"))
+                })?;
+                *shard.preloaded.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some((meta.snapshot_id.clone(), Box::new(state)));
+                shard
+                    .raft
+                    .install_full_snapshot(
+                        vote,
+                        openraft::Snapshot {
+                            meta,
+                            snapshot: Box::new(std::io::Cursor::new(data)),
+                        },
+                    )
+                    .await
+                    .map_err(openraft::error::RaftError::Fatal)
+            }
+        };
+        encode_peer(&r)
     }
 
     async fn report_denials(
         &self,
         req: tonic::Request<RaftMessage>,
     ) -> Result<tonic::Response<RaftMessage>, Status> {
-        require_peer(&self.node, &req)?;
         let msg = req.into_inner();
         shard_of(&self.node, msg.shard)?;
-        let (reporter, denials): (u64, Vec<allot_statemachine::Denial>) = decode(&msg.payload)?;
+        let (reporter, denials): (u64, Vec<allot_statemachine::Denial>) =
+            decode_peer(&msg.payload)?;
         auth::report(&self.node, msg.shard, reporter, denials)
             .await
             .map_err(|e| Status::unavailable(e.to_string()))?;
-        encode(&())
+        encode_peer(&())
     }
 
     async fn clock(
         &self,
-        req: tonic::Request<ClockRequest>,
+        _req: tonic::Request<ClockRequest>,
     ) -> Result<tonic::Response<ClockReply>, Status> {
-        require_peer(&self.node, &req)?;
         Ok(tonic::Response::new(ClockReply {
             wall_ms: self.node.clock.wall_ms(),
             node_id: self.node.id,

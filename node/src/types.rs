@@ -8,10 +8,32 @@ use std::io::Cursor;
 /// The application payload of one Raft log entry: a batch of client requests stamped by
 /// the leader with the logical time. An empty batch is a tick (time advances, expiry and
 /// leases fire, nothing else).
+///
+/// The requests travel and are stored as the state machine's codec bytes of
+/// `Vec<Request>` (versioned), encoded once by the leader's proposer and decoded only by
+/// apply: the log store and the Raft transport copy bytes instead of re-encoding every
+/// request (and a peer's message costs memory in proportion to its bytes, not to how
+/// many small objects they decode into).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Batch {
     pub logical_time_ms: u64,
-    pub requests: Vec<Request>,
+    #[serde(with = "serde_bytes")]
+    pub requests: Vec<u8>,
+}
+
+impl Batch {
+    pub fn new(logical_time_ms: u64, requests: &[Request]) -> Batch {
+        Batch {
+            logical_time_ms,
+            requests: allot_statemachine::codec::encode(requests),
+        }
+    }
+
+    /// The batch's requests. Every replica decodes the same bytes, so a batch that does
+    /// not decode (only a faulty leader could propose one) is refused alike everywhere.
+    pub fn decode(&self) -> Result<Vec<Request>, allot_statemachine::codec::CodecError> {
+        allot_statemachine::codec::decode(&self.requests)
+    }
 }
 
 /// What applying one entry answered: one outcome per request of the batch, in order.

@@ -300,19 +300,26 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
-    let e = allot_proto::raft_client::RaftClient::new(
+    let mut raft = allot_proto::raft_client::RaftClient::new(
         tonic::transport::Endpoint::from_shared(format!("http://{leader_addr}"))
             .unwrap()
             .connect()
             .await
             .unwrap(),
-    )
-    .append(RaftMessage {
+    );
+    let not_raft = || RaftMessage {
         shard: 0,
         payload: b"not raft".to_vec(),
-    })
-    .await
-    .unwrap_err();
+    };
+    // Without the peer secret the Raft service does not read the message at all.
+    let e = raft.append(not_raft()).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    // A peer's malformed message is refused as such.
+    let secret = c.peer_secret.clone().unwrap();
+    let mut req = tonic::Request::new(not_raft());
+    req.metadata_mut()
+        .insert(allot_node::peer::PEER_SECRET, secret.parse().unwrap());
+    let e = raft.append(req).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     let e = admin(&leader_addr)
         .await

@@ -21,6 +21,14 @@ pub mod meta {
     pub const RETRY_AFTER_MS: &str = "retry-after-ms";
     /// The caller's API token: `authorization: Bearer <token>`.
     pub const AUTHORIZATION: &str = "authorization";
+    /// On a refusal: its machine-readable reason (`INVALID_GPU_TYPE`, `RATE_LIMITED`,
+    /// `UNAUTHENTICATED`, ...): the state machine's `CommandError::reason` names, or an
+    /// edge reason.
+    pub const REASON: &str = "allot-reason";
+    /// On a request refused by the state machine's validation at the edge: the codec
+    /// bytes of its `CommandError`, and the index of the request in the call.
+    pub const ERROR_BIN: &str = "allot-error-bin";
+    pub const REQUEST_INDEX: &str = "allot-request-index";
 }
 
 /// The shard directory: an organisation's home shard. Tenants' commands and queries go

@@ -48,6 +48,12 @@ pub fn encode_into<T: Serialize + ?Sized>(buf: &mut Vec<u8>, value: &T) {
     }
 }
 
+/// The length of `value`'s encoding (without version byte), computed without encoding
+/// it. Saturates at `u64::MAX` for a value the encoder could not size.
+pub fn encoded_len<T: Serialize + ?Sized>(value: &T) -> u64 {
+    encode_options().serialized_size(value).unwrap_or(u64::MAX)
+}
+
 /// Versioned encoding: `[FORMAT_VERSION] ++ bincode(value)`.
 pub fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
     let mut buf = vec![FORMAT_VERSION];

@@ -29,6 +29,9 @@ pub enum Limit {
     Tokens,
     TokenKeysPerPrincipal,
     Denials,
+    // Appended (the encoding is positional).
+    /// One command's encoded size (`COMMAND_BYTES_MAX`).
+    CommandBytes,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
@@ -147,6 +150,65 @@ pub enum CommandError {
     UnknownGpuType(GpuType),
     #[error("a share weight must be between 1 and 10,000")]
     InvalidShareWeight,
+}
+
+impl CommandError {
+    /// A stable, machine-readable name of the error kind (`INSUFFICIENT_CREDITS`), for
+    /// gRPC status metadata, logs and other languages' clients. Never renamed: a new kind
+    /// gets a new name.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            CommandError::MissingRequestId => "MISSING_REQUEST_ID",
+            CommandError::RequestIdReused => "REQUEST_ID_REUSED",
+            CommandError::AmountZero => "AMOUNT_ZERO",
+            CommandError::AmountTooLarge => "AMOUNT_TOO_LARGE",
+            CommandError::InvalidGpuType(_) => "INVALID_GPU_TYPE",
+            CommandError::InvalidGpuCount => "INVALID_GPU_COUNT",
+            CommandError::InvalidPrice => "INVALID_PRICE",
+            CommandError::DuplicateEntry => "DUPLICATE_ENTRY",
+            CommandError::SourceRefTooLong => "SOURCE_REF_TOO_LONG",
+            CommandError::ExpiryInPast => "EXPIRY_IN_PAST",
+            CommandError::IdOutOfRange => "ID_OUT_OF_RANGE",
+            CommandError::Unauthorized => "UNAUTHORIZED",
+            CommandError::InvalidTransfer => "INVALID_TRANSFER",
+            CommandError::InvalidProgress => "INVALID_PROGRESS",
+            CommandError::UnknownOrg => "UNKNOWN_ORG",
+            CommandError::UnknownProject => "UNKNOWN_PROJECT",
+            CommandError::UnknownUser => "UNKNOWN_USER",
+            CommandError::UnknownHold => "UNKNOWN_HOLD",
+            CommandError::UnknownPrice(_) => "UNKNOWN_PRICE",
+            CommandError::AlreadyExists => "ALREADY_EXISTS",
+            CommandError::WrongOrg => "WRONG_ORG",
+            CommandError::HoldSettled => "HOLD_SETTLED",
+            CommandError::HoldMetered => "HOLD_METERED",
+            CommandError::HoldOwnedByJob => "HOLD_OWNED_BY_JOB",
+            CommandError::UnknownNode => "UNKNOWN_NODE",
+            CommandError::NodeDown => "NODE_DOWN",
+            CommandError::InvalidNode(_) => "INVALID_NODE",
+            CommandError::UnknownJob => "UNKNOWN_JOB",
+            CommandError::NodeShapeConflict => "NODE_SHAPE_CONFLICT",
+            CommandError::Unsatisfiable => "UNSATISFIABLE",
+            CommandError::InvalidJob(_) => "INVALID_JOB",
+            CommandError::UnknownTier => "UNKNOWN_TIER",
+            CommandError::JobFinished => "JOB_FINISHED",
+            CommandError::JobNotPlaced => "JOB_NOT_PLACED",
+            CommandError::QuotaExceeded(_) => "QUOTA_EXCEEDED",
+            CommandError::HoldNotMetered => "HOLD_NOT_METERED",
+            CommandError::StaleAttempt { .. } => "STALE_ATTEMPT",
+            CommandError::CaptureExceedsHold { .. } => "CAPTURE_EXCEEDS_HOLD",
+            CommandError::InsufficientCredits { .. } => "INSUFFICIENT_CREDITS",
+            CommandError::BudgetExceeded { .. } => "BUDGET_EXCEEDED",
+            CommandError::Overflow => "OVERFLOW",
+            CommandError::LimitReached(_) => "LIMIT_REACHED",
+            CommandError::InvalidConfig(_) => "INVALID_CONFIG",
+            CommandError::Unauthenticated => "UNAUTHENTICATED",
+            CommandError::InvalidToken => "INVALID_TOKEN",
+            CommandError::AlreadyBootstrapped => "ALREADY_BOOTSTRAPPED",
+            CommandError::UnknownPrincipal => "UNKNOWN_PRINCIPAL",
+            CommandError::UnknownGpuType(_) => "UNKNOWN_GPU_TYPE",
+            CommandError::InvalidShareWeight => "INVALID_SHARE_WEIGHT",
+        }
+    }
 }
 
 /// Which scheduler setting is out of bounds (`scheduler::settings_bounds`).

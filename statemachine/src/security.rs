@@ -131,9 +131,7 @@ impl Security {
     }
 
     fn check_new_digest(&self, digest: TokenDigest) -> Result<(), CommandError> {
-        if digest.0 == [0; 32] {
-            return Err(CommandError::InvalidToken);
-        }
+        // A zero digest is refused by `crate::validate`.
         if self.digests.contains_key(&digest) {
             return Err(CommandError::AlreadyExists);
         }
@@ -141,6 +139,30 @@ impl Security {
             return Err(CommandError::LimitReached(Limit::Tokens));
         }
         Ok(())
+    }
+
+    /// What `Bootstrap` answers once the shard is secured (`None` while it is not):
+    /// idempotent for the token it was bootstrapped with (a re-run init), refused
+    /// otherwise. The node's edge asks too, so that an anonymous `Bootstrap` that can
+    /// only be refused is refused before it is proposed.
+    pub fn bootstrap_when_secured(
+        &self,
+        principal: PrincipalId,
+        digest: TokenDigest,
+    ) -> Option<Result<(), CommandError>> {
+        if !self.secured {
+            return None;
+        }
+        let same = self.digests.get(&digest) == Some(&principal)
+            && self
+                .principals
+                .get(&principal)
+                .is_some_and(|p| p.scope == Scope::Admin && !p.revoked);
+        Some(if same {
+            Ok(())
+        } else {
+            Err(CommandError::AlreadyBootstrapped)
+        })
     }
 
     /// Installs the first admin token and secures the shard. Refused once secured
@@ -151,18 +173,8 @@ impl Security {
         principal: PrincipalId,
         digest: TokenDigest,
     ) -> Result<(), CommandError> {
-        if self.secured {
-            // Idempotent for the token it was bootstrapped with (a re-run init).
-            let same = self.digests.get(&digest) == Some(&principal)
-                && self
-                    .principals
-                    .get(&principal)
-                    .is_some_and(|p| p.scope == Scope::Admin && !p.revoked);
-            return if same {
-                Ok(())
-            } else {
-                Err(CommandError::AlreadyBootstrapped)
-            };
+        if let Some(outcome) = self.bootstrap_when_secured(principal, digest) {
+            return outcome;
         }
         self.create(now, principal, digest, Scope::Admin, None)?;
         self.secured = true;
@@ -177,9 +189,6 @@ impl Security {
         scope: Scope,
         expires_at_ms: Option<u64>,
     ) -> Result<(), CommandError> {
-        if principal.0 == 0 || principal.0 >= crate::limits::INTERNAL_ID_BASE {
-            return Err(CommandError::IdOutOfRange);
-        }
         if expires_at_ms.is_some_and(|e| e <= now) {
             return Err(CommandError::ExpiryInPast);
         }

@@ -10,7 +10,7 @@ use crate::idempotency::{fingerprint, IdempotencyTable, Lookup};
 use crate::ids::Actor;
 use crate::ids::{Account, HoldId};
 use crate::ledger::{Ctx, Ledger, LedgerConfig};
-use crate::limits::{COMMANDS_PER_ENTRY_MAX, DENIALS_PER_RECORD_MAX, DENIAL_API_LEN_MAX};
+use crate::limits::COMMANDS_PER_ENTRY_MAX;
 use crate::outcome::{CommandError, Limit, Outcome, Reply};
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::security::Scope;
@@ -240,11 +240,13 @@ fn apply_request(
     now: u64,
     effects: &mut Vec<PendingEvent>,
 ) -> (Outcome, bool) {
+    // The request's own fields first (the same check the edge ran before proposing):
+    // an invalid request is refused before it takes an idempotency record.
+    if let Err(e) = crate::validate::validate(req) {
+        return (Err(e), false);
+    }
     if !req.command.uses_idempotency_table() {
         return (execute(state, actor, &req.command, now, effects), false);
-    }
-    if req.request_id == 0 {
-        return (Err(CommandError::MissingRequestId), false);
     }
     let fp = fingerprint(digest);
     match state.idempotency.lookup(actor, req.request_id, &fp) {
@@ -360,12 +362,6 @@ fn dispatch_security(state: &mut State, command: &Command, ctx: &mut Ctx) -> Out
             .map(|()| Reply::TokenSet),
         Command::RevokeToken { principal } => sec.revoke(*principal).map(|()| Reply::TokenSet),
         Command::RecordDenials { node, denials } => {
-            if denials.len() > DENIALS_PER_RECORD_MAX {
-                return Err(CommandError::LimitReached(Limit::Denials));
-            }
-            if denials.iter().any(|d| d.api.len() > DENIAL_API_LEN_MAX) {
-                return Err(CommandError::LimitReached(Limit::Denials));
-            }
             for d in denials {
                 let org = match d.actor {
                     Actor::Tenant { org, .. } | Actor::Project { org, .. } => Some(org),
@@ -461,7 +457,6 @@ fn dispatch(ledger: &mut Ledger, command: &Command, ctx: &mut Ctx) -> Outcome {
             if hc.hold.meter.is_some() {
                 return Err(CommandError::HoldMetered);
             }
-            crate::ledger::check_amount(*amount_micro)?;
             hc.books.capture(ctx, hc.hold, *amount_micro)?;
             Ok(Reply::Captured {
                 captured_micro: hc.hold.captured,
@@ -470,7 +465,6 @@ fn dispatch(ledger: &mut Ledger, command: &Command, ctx: &mut Ctx) -> Outcome {
         }
         Command::TopUp { hold, amount_micro } => {
             let hc = ledger.open_hold(*hold)?;
-            crate::ledger::check_amount(*amount_micro)?;
             hc.books.draw(ctx, hc.hold, *amount_micro)?;
             Ok(Reply::ToppedUp {
                 added_micro: *amount_micro,

@@ -343,6 +343,9 @@ fn run_sequence(ops: &[Op]) -> Harness {
     // Every request sent, and the first outcome for each request id.
     let mut sent: Vec<Request> = Vec::new();
     let mut first: BTreeMap<RequestId, Outcome> = BTreeMap::new();
+    let remembered = |r: &Request| {
+        r.command.uses_idempotency_table() && allot_statemachine::validate::validate(r).is_ok()
+    };
     for op in ops {
         let request = match op {
             Op::Advance { ms } => {
@@ -351,14 +354,10 @@ fn run_sequence(ops: &[Op]) -> Harness {
                 continue;
             }
             Op::Retry { pick } if !sent.is_empty() => sent[pick % sent.len()].clone(),
-            Op::RetryDifferent { pick }
-                if sent.iter().any(|r| r.command.uses_idempotency_table()) =>
-            {
-                // Only ids the table remembers can conflict (heartbeats are keyed by seq).
-                let keyed: Vec<&Request> = sent
-                    .iter()
-                    .filter(|r| r.command.uses_idempotency_table())
-                    .collect();
+            Op::RetryDifferent { pick } if sent.iter().any(remembered) => {
+                // Only ids the table remembers can conflict: heartbeats are keyed by
+                // seq, and a request that failed static validation took no record.
+                let keyed: Vec<&Request> = sent.iter().filter(|r| remembered(r)).collect();
                 let mut r = keyed[pick % keyed.len()].clone();
                 r.command = Command::CreateOrg {
                     org: OrgId(1_000 + r.request_id as u64),

@@ -349,8 +349,14 @@ async fn main() -> anyhow::Result<()> {
         }
     };
     let mut c = LocalCluster::new(node_binary()?, dir.clone(), o.nodes, o.shards)?;
+    // The benchmark measures the replicated core with one tenant far above a tenant's
+    // default rate limit: the per-tenant write limit is off unless a --node-arg sets it.
+    let mut node_args = o.node_args.clone();
+    if !node_args.iter().any(|a| a == "--rate-limit") {
+        node_args.extend(["--rate-limit".to_string(), "0".to_string()]);
+    }
     for n in &mut c.nodes {
-        n.extra_args = o.node_args.clone();
+        n.extra_args = node_args.clone();
     }
     if !o.json {
         eprintln!(

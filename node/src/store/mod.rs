@@ -15,7 +15,7 @@
 #[allow(clippy::result_large_err)]
 pub mod log;
 #[allow(clippy::result_large_err)]
-mod sm;
+pub mod sm;
 pub mod timeline;
 pub mod trigger;
 

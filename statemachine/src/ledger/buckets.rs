@@ -1,41 +1,11 @@
 //! Buckets: issuance, the spend-order index, expiry, and transfers.
 
-use super::tenancy::check_gpu_types;
 use super::{unknown_account, AccountRec, Books, Bucket, BucketRef, Ctx};
 use crate::audit::EventBody;
-use crate::command::{BucketPolicy, Grant};
+use crate::command::Grant;
 use crate::ids::{Account, BucketId};
 use crate::limits::*;
 use crate::outcome::{CommandError, Limit};
-
-/// Checks a command amount: non-zero and within the per-command maximum.
-pub(crate) fn check_amount(amount: u64) -> Result<(), CommandError> {
-    if amount == 0 {
-        return Err(CommandError::AmountZero);
-    }
-    if amount > AMOUNT_MICRO_MAX {
-        return Err(CommandError::AmountTooLarge);
-    }
-    Ok(())
-}
-
-fn check_policy(policy: &BucketPolicy) -> Result<(), CommandError> {
-    check_gpu_types(
-        policy.gpu_types.iter(),
-        GPU_TYPES_PER_LIST_MAX,
-        Limit::GpuTypesPerList,
-    )?;
-    if policy.tiers.len() > TIERS_PER_POLICY_MAX {
-        return Err(CommandError::LimitReached(Limit::TiersPerPolicy));
-    }
-    let mut tiers = policy.tiers.clone();
-    tiers.sort();
-    tiers.dedup();
-    if tiers.len() != policy.tiers.len() {
-        return Err(CommandError::DuplicateEntry);
-    }
-    Ok(())
-}
 
 impl AccountRec {
     pub(crate) fn live_insert(&mut self, bucket: BucketRef) {
@@ -94,19 +64,7 @@ impl Books {
 
     pub(crate) fn issue_grant(&mut self, ctx: &mut Ctx, g: &Grant) -> Result<(), CommandError> {
         let now = ctx.now;
-        check_amount(g.amount_micro)?;
-        if g.bucket.0 >= INTERNAL_ID_BASE {
-            return Err(CommandError::IdOutOfRange);
-        }
-        if g.source_ref
-            .as_ref()
-            .is_some_and(|s| s.len() > SOURCE_REF_LEN_MAX)
-        {
-            return Err(CommandError::SourceRefTooLong);
-        }
-        if let Some(p) = &g.policy {
-            check_policy(p)?;
-        }
+        // Amount, id, source reference and policy: `crate::validate`.
         if g.expires_at_ms.is_some_and(|at| at <= now) {
             return Err(CommandError::ExpiryInPast);
         }
@@ -190,10 +148,10 @@ impl Books {
         to: Account,
         amount: u64,
     ) -> Result<Vec<BucketId>, CommandError> {
-        check_amount(amount)?;
         let from_org = self.org_of(from).ok_or(unknown_account(from))?;
         let to_org = self.org_of(to).ok_or(unknown_account(to))?;
-        if from == to || from_org != to_org {
+        // Distinct accounts and the amount: `crate::validate`.
+        if from_org != to_org {
             return Err(CommandError::InvalidTransfer);
         }
         let plan = self.plan_from_live(ctx.now, &[from], amount, |_| true)?;

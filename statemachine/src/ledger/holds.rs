@@ -1,9 +1,7 @@
 //! Holds: reservation in spend order with per-bucket draws, partial captures, capture
 //! reversal, top-ups, and release to the exact source buckets.
 
-use super::buckets::check_amount;
 use super::budget::{SpendPath, UsageMove};
-use super::tenancy::check_gpu_types;
 use super::{Books, Bucket, Ctx, Draw, Hold, HoldTable, Ledger};
 use crate::audit::EventBody;
 use crate::command::HoldSpec;
@@ -77,12 +75,7 @@ impl Ledger {
         ctx: &mut Ctx,
         spec: &HoldSpec,
     ) -> Result<Vec<DrawReport>, CommandError> {
-        check_amount(spec.amount_micro)?;
-        check_gpu_types(
-            spec.gpu_types.iter(),
-            GPU_TYPES_PER_LIST_MAX,
-            Limit::GpuTypesPerList,
-        )?;
+        // Amount and GPU types: `crate::validate` (commands) or the job's own checks.
         let project = self
             .projects
             .get(&spec.project)

@@ -6,7 +6,6 @@ use super::holds::HoldCtx;
 use super::{Books, Ctx, Hold, Ledger};
 use crate::command::{Heartbeat, SettleReason};
 use crate::ids::{GpuType, HoldId};
-use crate::limits::GPUS_PER_HOLD_MAX;
 use crate::outcome::{CommandError, HeartbeatReply, Settlement};
 use serde::{Deserialize, Serialize};
 
@@ -69,12 +68,7 @@ impl Ledger {
         gpus: u32,
         now: u64,
     ) -> Result<(u64, u32), CommandError> {
-        if !gpu_type.is_valid() {
-            return Err(CommandError::InvalidGpuType(gpu_type.clone()));
-        }
-        if gpus == 0 || gpus > GPUS_PER_HOLD_MAX {
-            return Err(CommandError::InvalidGpuCount);
-        }
+        // The type's name and the GPU count: `crate::validate` (or the placement).
         let hc = self.open_hold(hold_id)?;
         let price = hc
             .books
@@ -115,9 +109,6 @@ impl Ledger {
         ctx: &mut Ctx,
         hb: &Heartbeat,
     ) -> Result<HeartbeatReply, CommandError> {
-        if hb.progress_ppm > 1_000_000 {
-            return Err(CommandError::InvalidProgress);
-        }
         let mut hc = self.open_hold(hb.hold)?;
         let meter = current_meter(hc.hold, hb.attempt)?;
         if hb.seq <= meter.last_seq {

@@ -12,11 +12,10 @@ mod holds;
 mod meter;
 mod tenancy;
 
+pub(crate) use crate::validate::check_amount;
 pub use balance::{Balance, UpcomingExpiry};
-pub(crate) use buckets::check_amount;
 pub use budget::{Budget, Usage};
 pub use meter::{cost_micro, Meter};
-pub(crate) use tenancy::check_gpu_types;
 
 use crate::audit::{EventBody, PendingEvent};
 use crate::command::{BucketKind, BucketPolicy};

@@ -6,38 +6,11 @@ use crate::limits::*;
 use crate::outcome::{CommandError, Limit};
 use std::collections::BTreeMap;
 
-fn check_id(id: u64) -> Result<(), CommandError> {
-    if id >= INTERNAL_ID_BASE {
-        return Err(CommandError::IdOutOfRange);
-    }
-    Ok(())
-}
-
-/// Validates a list of GPU types: each well-formed, no duplicates, within the bound.
-pub(crate) fn check_gpu_types<'a>(
-    types: impl ExactSizeIterator<Item = &'a GpuType>,
-    max: usize,
-    limit: Limit,
-) -> Result<(), CommandError> {
-    if types.len() > max {
-        return Err(CommandError::LimitReached(limit));
-    }
-    let mut seen: Vec<&GpuType> = Vec::with_capacity(types.len());
-    for t in types {
-        if !t.is_valid() {
-            return Err(CommandError::InvalidGpuType(t.clone()));
-        }
-        if seen.contains(&t) {
-            return Err(CommandError::DuplicateEntry);
-        }
-        seen.push(t);
-    }
-    Ok(())
-}
+// Ids, GPU type names and prices are checked by `crate::validate` before apply
+// dispatches a command here.
 
 impl Books {
     pub(crate) fn create_org(&mut self, org: OrgId) -> Result<(), CommandError> {
-        check_id(org.0)?;
         if self.orgs.contains_key(&org) {
             return Err(CommandError::AlreadyExists);
         }
@@ -53,7 +26,6 @@ impl Books {
         project: ProjectId,
         org: OrgId,
     ) -> Result<(), CommandError> {
-        check_id(project.0)?;
         if !self.orgs.contains_key(&org) {
             return Err(CommandError::UnknownOrg);
         }
@@ -74,7 +46,6 @@ impl Books {
     }
 
     pub(crate) fn create_user(&mut self, user: UserId, org: OrgId) -> Result<(), CommandError> {
-        check_id(user.0)?;
         if !self.orgs.contains_key(&org) {
             return Err(CommandError::UnknownOrg);
         }
@@ -102,17 +73,6 @@ impl Books {
         now: u64,
         prices: &[(GpuType, u64)],
     ) -> Result<u32, CommandError> {
-        check_gpu_types(
-            prices.iter().map(|(t, _)| t),
-            PRICE_TABLE_TYPES_MAX,
-            Limit::PriceTableTypes,
-        )?;
-        if prices
-            .iter()
-            .any(|&(_, p)| p == 0 || p > PRICE_MICRO_PER_GPU_HOUR_MAX)
-        {
-            return Err(CommandError::InvalidPrice);
-        }
         let version = self
             .prices
             .version

@@ -5,30 +5,7 @@ use crate::audit::{EventBody, PendingEvent};
 use crate::command::NodeSpec;
 use crate::ids::{GpuType, NodeId};
 use crate::limits::*;
-use crate::outcome::{CommandError, Limit, NodeProblem, Reply};
-
-fn check_spec(spec: &NodeSpec) -> Result<(), CommandError> {
-    if !spec.gpu_type.is_valid() {
-        return Err(CommandError::InvalidGpuType(spec.gpu_type.clone()));
-    }
-    if spec.gpu_count == 0 || spec.gpu_count > GPUS_PER_NODE_MAX {
-        return Err(CommandError::InvalidNode(NodeProblem::GpuCount));
-    }
-    if spec.gpu_mem_gb == 0 || spec.gpu_mem_gb > GPU_MEM_GB_MAX {
-        return Err(CommandError::InvalidNode(NodeProblem::Memory));
-    }
-    if spec.labels.len() > LABELS_PER_NODE_MAX {
-        return Err(CommandError::LimitReached(Limit::Labels));
-    }
-    if spec
-        .labels
-        .iter()
-        .any(|(k, v)| k.is_empty() || k.len() > LABEL_LEN_MAX || v.len() > LABEL_LEN_MAX)
-    {
-        return Err(CommandError::InvalidNode(NodeProblem::Label));
-    }
-    Ok(())
-}
+use crate::outcome::{CommandError, Limit, Reply};
 
 impl Scheduler {
     /// Removes a node from the free index (call before changing its slots or state).
@@ -83,7 +60,7 @@ impl Scheduler {
         spec: &NodeSpec,
         effects: &mut Vec<PendingEvent>,
     ) -> Result<Reply, CommandError> {
-        check_spec(spec)?;
+        // The spec itself (type name, counts, labels): `crate::validate`.
         if let Some(n) = self.nodes.get(&spec.node) {
             if (&n.gpu_type, n.gpu_count, n.gpu_mem_gb)
                 != (&spec.gpu_type, spec.gpu_count, spec.gpu_mem_gb)

@@ -143,6 +143,8 @@ pub mod settings_bounds {
     pub const TIER_WEIGHT_MAX: u32 = 1_000;
     pub const TIER_NAME_LEN_MAX: usize = 32;
     pub const TIER_WAIT_MS_MAX: u64 = 30 * 86_400_000;
+    /// Tiers one settings command may list (a shard has as many as it was created with).
+    pub const TIERS_MAX: usize = 16;
 }
 
 impl SchedulerConfig {
@@ -168,7 +170,6 @@ impl SchedulerConfig {
         s: &SchedulerSettings,
     ) -> Result<(), crate::outcome::CommandError> {
         use crate::outcome::{CommandError, ConfigProblem as P};
-        use settings_bounds::*;
         let check = |ok: bool, p: P| {
             if ok {
                 Ok(())
@@ -176,44 +177,9 @@ impl SchedulerConfig {
                 Err(CommandError::InvalidConfig(p))
             }
         };
-        let lease = LEASE_MS_MIN..=LEASE_MS_MAX;
-        check(lease.contains(&s.node_lease_ms), P::NodeLease)?;
-        check(lease.contains(&s.job_lease_ms), P::JobLease)?;
-        check(s.grace_ms <= GRACE_MS_MAX, P::Grace)?;
-        check(s.min_runtime_ms <= RUNTIME_MS_MAX, P::MinRuntime)?;
-        check(s.hysteresis_ms <= RUNTIME_MS_MAX, P::Hysteresis)?;
-        check(
-            s.preemptions_per_job_max <= PREEMPTIONS_PER_JOB_MAX,
-            P::PreemptionCap,
-        )?;
-        check(
-            s.preemption_loss_max_gpu_ms <= PREEMPTION_LOSS_GPU_MS_MAX,
-            P::PreemptionLoss,
-        )?;
-        check(
-            (HALF_LIFE_MS_MIN..=HALF_LIFE_MS_MAX).contains(&s.usage_half_life_ms),
-            P::HalfLife,
-        )?;
-        check(
-            s.node_failure_requeues_max <= NODE_FAILURE_REQUEUES_MAX,
-            P::NodeFailureRequeues,
-        )?;
+        // Every field's bounds: `crate::validate`. Tiers can be retuned, not added or
+        // removed (queued jobs are indexed by tier): that needs this configuration.
         check(s.tiers.len() == self.tiers.len(), P::TierCount)?;
-        let mut floors = 0u32;
-        for t in &s.tiers {
-            check(
-                !t.name.is_empty() && t.name.len() <= TIER_NAME_LEN_MAX,
-                P::TierName,
-            )?;
-            check((1..=TIER_WEIGHT_MAX).contains(&t.weight), P::TierWeight)?;
-            check(
-                t.floor_pct <= t.ceiling_pct && t.ceiling_pct <= 100,
-                P::TierShare,
-            )?;
-            check(t.max_wait_ms <= TIER_WAIT_MS_MAX, P::TierWait)?;
-            floors += t.floor_pct;
-        }
-        check(floors <= 100, P::TierShare)?;
         self.node_lease_ms = s.node_lease_ms;
         self.job_lease_ms = s.job_lease_ms;
         self.grace_ms = s.grace_ms;

@@ -1,0 +1,149 @@
+//! What a client's `Execute` call must pass at a node before anything is proposed: its
+//! bytes, each request's validity (the state machine's own `validate`: the rule lives
+//! there, not here), its credentials against this replica's token table, and its
+//! tenant's rate limit. Every refusal is a typed gRPC status with a machine-readable
+//! reason in the `allot-reason` metadata; nothing refused is proposed.
+
+use crate::auth;
+use crate::limits::{REQUESTS_PER_CALL_MAX, REQUEST_BYTES_MAX};
+use crate::node::{Node, Shard};
+use allot_proto::meta;
+use allot_statemachine::{
+    codec, validate, Actor, Command, CommandError, Limit, Request, TokenDigest,
+};
+use std::time::Duration;
+use tonic::metadata::{BinaryMetadataValue, MetadataValue};
+use tonic::Status;
+
+/// How long a leader waits for its replica to apply what its log already holds before
+/// it refuses a token its table does not know (a token created by the entry before).
+pub const TOKEN_CATCH_UP_MAX: Duration = Duration::from_secs(1);
+
+/// A status carrying a machine-readable reason.
+pub fn with_reason(mut s: Status, reason: &str) -> Status {
+    if let Ok(v) = MetadataValue::try_from(reason) {
+        s.metadata_mut().insert(meta::REASON, v);
+    }
+    s
+}
+
+/// The state machine refused request `index` of the call before it was proposed
+/// (`INVALID_ARGUMENT`). The typed error travels in `allot-error-bin` (codec bytes of
+/// the `CommandError`) and its name in `allot-reason`, so a client reports it exactly as
+/// it would the same refusal from apply.
+pub fn rejected(index: usize, e: &CommandError) -> Status {
+    let mut s = with_reason(
+        Status::invalid_argument(format!("request {index}: {e}")),
+        e.reason(),
+    );
+    s.metadata_mut().insert_bin(
+        meta::ERROR_BIN,
+        BinaryMetadataValue::from_bytes(&codec::encode(e)),
+    );
+    if let Ok(v) = MetadataValue::try_from(index.to_string()) {
+        s.metadata_mut().insert(meta::REQUEST_INDEX, v);
+    }
+    s
+}
+
+/// Decodes the call's requests, sets whom each runs as (`auth::stamp`) and validates
+/// each (`allot_statemachine::validate`). A request's bytes are checked against
+/// [`REQUEST_BYTES_MAX`] before it is decoded.
+pub fn decode_requests(
+    node: &Node,
+    shard: u32,
+    bearer: Option<TokenDigest>,
+    raw: &[Vec<u8>],
+) -> Result<Vec<Request>, Status> {
+    if raw.is_empty() {
+        return Err(with_reason(
+            Status::invalid_argument("no requests"),
+            "NO_REQUESTS",
+        ));
+    }
+    if raw.len() > REQUESTS_PER_CALL_MAX {
+        return Err(with_reason(
+            Status::invalid_argument(format!(
+                "{} requests in one call; at most {REQUESTS_PER_CALL_MAX}",
+                raw.len()
+            )),
+            "TOO_MANY_REQUESTS",
+        ));
+    }
+    let mut requests = Vec::with_capacity(raw.len());
+    for (i, b) in raw.iter().enumerate() {
+        if b.len() > REQUEST_BYTES_MAX {
+            return Err(rejected(
+                i,
+                &CommandError::LimitReached(Limit::CommandBytes),
+            ));
+        }
+        let mut r: Request = codec::decode(b).map_err(|e| {
+            with_reason(
+                Status::invalid_argument(format!("request {i}: {e}")),
+                "MALFORMED",
+            )
+        })?;
+        auth::stamp(node, shard, bearer, &mut r)?;
+        validate::validate(&r).map_err(|e| rejected(i, &e))?;
+        requests.push(r);
+    }
+    Ok(requests)
+}
+
+/// Whom each request runs as on this replica's token table (`None`: its token does
+/// not resolve here). On the shard's leader — the replica that would propose — a
+/// request whose token does not resolve is refused `UNAUTHENTICATED` and recorded as a
+/// denial, after the replica has applied everything its log held when the call came
+/// (so a token created just before is known). A follower forwards it: the leader
+/// decides.
+pub async fn credentials(
+    node: &Node,
+    shard: &Shard,
+    requests: &[Request],
+    leader: bool,
+) -> Result<Vec<Option<Actor>>, Status> {
+    let resolve = || {
+        let g = shard.view.read();
+        requests
+            .iter()
+            .map(|r| g.state.security.resolve(r.actor, g.state.time_ms).ok())
+            .collect::<Vec<_>>()
+    };
+    // The one command an anonymous caller may send: once the shard is secured, it can
+    // only be refused (unless it repeats the bootstrap itself), so it is refused here.
+    {
+        let g = shard.view.read();
+        for (i, r) in requests.iter().enumerate() {
+            if let Command::Bootstrap { principal, digest } = r.command {
+                if let Some(Err(e)) = g.state.security.bootstrap_when_secured(principal, digest) {
+                    return Err(rejected(i, &e));
+                }
+            }
+        }
+    }
+    let mut actors = resolve();
+    if !leader || actors.iter().all(Option::is_some) {
+        return Ok(actors);
+    }
+    let logged = shard.raft.metrics().borrow().last_log_index.unwrap_or(0);
+    let mut applied = shard.view.applied_watch();
+    let caught_up = tokio::time::timeout(TOKEN_CATCH_UP_MAX, applied.wait_for(|i| *i >= logged));
+    if caught_up.await.is_ok() {
+        actors = resolve();
+    }
+    if let Some(i) = actors.iter().position(Option::is_none) {
+        let r = &requests[i];
+        return Err(with_reason(
+            auth::refuse(
+                node,
+                shard.id,
+                r.actor,
+                &format!("execute:{}", r.command.name()),
+                allot_statemachine::DenialReason::Unauthenticated,
+            ),
+            "UNAUTHENTICATED",
+        ));
+    }
+    Ok(actors)
+}

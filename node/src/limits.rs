@@ -1,0 +1,55 @@
+//! Every bound the node enforces on what arrives from the network, by name. The state
+//! machine's own bounds (tables, lists, one command's size) are in
+//! `allot_statemachine::limits`; these bound what one call, one log entry and one peer
+//! message may cost before anything is decoded or proposed. docs/DESIGN.md §43 has the
+//! table: each limit, where it is checked, what the caller gets, what it costs at most.
+
+use allot_statemachine::limits::COMMAND_BYTES_MAX;
+
+/// One encoded request (codec bytes: version, actor, request id, command). Checked on
+/// the bytes before the request is decoded.
+pub const REQUEST_BYTES_MAX: usize = COMMAND_BYTES_MAX + 128;
+/// Requests in one `Execute` call.
+pub const REQUESTS_PER_CALL_MAX: usize = 4096;
+/// One client message (`Execute`, `Query`, `Audit`, agent and admin calls): gRPC refuses
+/// a larger message from its length prefix, before buffering it.
+pub const CLIENT_MESSAGE_MAX: usize = 1 << 20;
+/// One reply (a page of jobs or audit events, the node list): what the node encodes and
+/// the client accepts.
+pub const REPLY_MESSAGE_MAX: usize = 64 << 20;
+/// A log entry's requests, encoded: the proposer closes a batch before it would pass
+/// this (a single call larger than it — at most `CLIENT_MESSAGE_MAX` plus the actors the
+/// edge stamps — goes alone).
+pub const BATCH_BYTES_MAX: usize = 1 << 20;
+/// Entries' bytes in one AppendEntries: the transport sends a prefix of the entries
+/// openraft hands it and reports a partial success, so that one message always
+/// completes well within the replication timeout (at least one entry is always sent).
+pub const APPEND_BYTES_MAX: usize = 2 << 20;
+/// Entries in one AppendEntries (openraft's `max_payload_entries`; a peer message with
+/// more is refused while it is decoded, before the rest is allocated).
+pub const APPEND_ENTRIES_MAX: usize = 64;
+/// One Raft message on the wire (an AppendEntries of `APPEND_BYTES_MAX` plus one entry,
+/// or a snapshot chunk); gRPC refuses a larger one from its length prefix.
+pub const RAFT_MESSAGE_MAX: usize = 4 << 20;
+/// One snapshot chunk's data.
+pub const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
+/// A snapshot's declared size. Chunks arrive in order (each at the offset already
+/// received) and memory grows only with bytes received, never with a declared offset.
+pub const SNAPSHOT_BYTES_MAX: u64 = 16 << 30;
+/// Terms and log indexes a peer may name. A real cluster never comes near (2^62 is an
+/// election a millisecond for a hundred million years); a larger one is refused before
+/// openraft sees it (openraft computes `term + 1` and `index + 1` without checking).
+pub const TERM_MAX: u64 = 1 << 62;
+pub const INDEX_MAX: u64 = 1 << 62;
+/// Raft messages a node decodes and handles at once (all shards); more wait. Bounds the
+/// memory of a burst of large peer messages to this many `RAFT_MESSAGE_MAX`.
+pub const RAFT_MESSAGES_IN_FLIGHT_MAX: usize = 16;
+/// Most events in one audit page, and most events one audit call looks at.
+pub const AUDIT_PAGE_MAX: usize = 10_000;
+pub const AUDIT_SCAN_MAX: usize = 100_000;
+/// Concurrent server streams (`WatchAssignments`) per principal, and per node.
+pub const STREAMS_PER_PRINCIPAL_MAX: usize = 16;
+pub const STREAMS_PER_NODE_MAX: usize = 4096;
+/// gRPC/HTTP2: concurrent calls per connection, and header bytes per request.
+pub const CONCURRENT_STREAMS_PER_CONNECTION_MAX: u32 = 256;
+pub const HEADER_LIST_BYTES_MAX: u32 = 16 << 10;

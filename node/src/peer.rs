@@ -1,0 +1,492 @@
+//! Peers: who may speak for one (authentication before anything is decoded), and what a
+//! peer's message may say before openraft sees it.
+//!
+//! **Authentication.** A peer proves it is one by mutual TLS (a certificate of the
+//! cluster CA) and/or a shared peer secret (`--peer-secret-file`, sent as metadata and
+//! compared by digest in constant time). The internal `Raft` service refuses an
+//! unauthenticated caller in an interceptor, before the message body is read; a
+//! forwarded client call is trusted as forwarded (exempt from the second rate limit)
+//! only from an authenticated peer. A node with neither TLS nor a secret cannot tell a
+//! peer from anyone (development, or a network only the nodes reach): it says so at
+//! start, and every peer message still has the bounded cost of `crate::limits`.
+//!
+//! **Guards.** openraft 0.9 trusts its peers: a term of `u64::MAX` overflows its
+//! `term + 1`, entries that do not follow `prev_log_id` or a commit index that
+//! contradicts this node's committed log trip its assertions or stop the group. Every
+//! check below is on the decoded message (and this node's committed log id) and refuses
+//! it with a typed error before openraft is called; answers from peers are checked the
+//! same way before they are handed back to openraft.
+
+use crate::limits::{INDEX_MAX, SNAPSHOT_BYTES_MAX, TERM_MAX};
+use crate::network::{AppendWire, SnapshotChunk};
+use crate::types::{LogEntry, LogId, NodeId, SnapshotMeta, Vote};
+use openraft::raft::{AppendEntriesResponse, VoteRequest, VoteResponse};
+use openraft::{EntryPayload, Membership};
+use sha2::{Digest, Sha256};
+use std::time::Duration;
+use tonic::metadata::{MetadataMap, MetadataValue};
+
+/// Metadata key of the peer secret.
+pub const PEER_SECRET: &str = "allot-peer-secret";
+/// Shortest peer secret accepted (128 bits of base64).
+pub const PEER_SECRET_LEN_MIN: usize = 22;
+/// How long a follower may take to install a snapshot once its last chunk arrived
+/// (decode and store the whole state).
+pub const SNAPSHOT_INSTALL_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// What this node presents to its peers.
+#[derive(Clone, Default)]
+pub struct PeerCredential {
+    secret: Option<MetadataValue<tonic::metadata::Ascii>>,
+}
+
+impl PeerCredential {
+    pub fn new(secret: Option<&str>) -> anyhow::Result<PeerCredential> {
+        let secret = match secret {
+            None => None,
+            Some(s) => {
+                let s = s.trim();
+                if s.len() < PEER_SECRET_LEN_MIN || !s.bytes().all(|b| b.is_ascii_graphic()) {
+                    anyhow::bail!(
+                        "the peer secret must be at least {PEER_SECRET_LEN_MIN} printable \
+                         characters"
+                    );
+                }
+                Some(MetadataValue::try_from(s)?)
+            }
+        };
+        Ok(PeerCredential { secret })
+    }
+
+    pub fn attach(&self, meta: &mut MetadataMap) {
+        if let Some(s) = &self.secret {
+            meta.insert(PEER_SECRET, s.clone());
+        }
+    }
+}
+
+/// What this node accepts from its peers.
+#[derive(Clone, Default)]
+pub struct PeerAuth {
+    /// Require a client certificate of the cluster CA (the node serves TLS).
+    pub tls: bool,
+    /// SHA-256 of the peer secret, when one is configured.
+    pub secret_digest: Option<[u8; 32]>,
+}
+
+impl PeerAuth {
+    pub fn new(tls: bool, secret: Option<&str>) -> PeerAuth {
+        PeerAuth {
+            tls,
+            secret_digest: secret.map(|s| Sha256::digest(s.trim().as_bytes()).into()),
+        }
+    }
+
+    /// Whether peers are authenticated at all (TLS or a secret).
+    pub fn configured(&self) -> bool {
+        self.tls || self.secret_digest.is_some()
+    }
+
+    /// Positive evidence that the caller is a peer: every configured credential was
+    /// presented. Without any configured, nobody is known to be a peer.
+    pub fn is_peer<T>(&self, req: &tonic::Request<T>) -> bool {
+        self.configured() && self.credentials_ok(req.metadata(), has_peer_cert(req))
+    }
+
+    fn credentials_ok(&self, meta: &MetadataMap, peer_cert: bool) -> bool {
+        if self.tls && !peer_cert {
+            return false;
+        }
+        match &self.secret_digest {
+            None => true,
+            Some(want) => meta.get(PEER_SECRET).is_some_and(|v| {
+                let got: [u8; 32] = Sha256::digest(v.as_bytes()).into();
+                constant_time_eq(&got, want)
+            }),
+        }
+    }
+
+    /// The interceptor of the internal Raft service: runs on the request's headers,
+    /// before its body is read or decoded. Open when no peer authentication is set up.
+    #[allow(clippy::result_large_err)]
+    pub fn intercept(&self, req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if !self.configured() || self.credentials_ok(req.metadata(), has_peer_cert(&req)) {
+            return Ok(req);
+        }
+        Err(tonic::Status::permission_denied(
+            "peer service: a cluster certificate or the peer secret is required",
+        ))
+    }
+}
+
+fn has_peer_cert<T>(req: &tonic::Request<T>) -> bool {
+    req.peer_certs().is_some_and(|c| !c.is_empty())
+}
+
+fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+// ---------------------------------------------------------------- guards
+
+fn check_log_id(what: &str, l: &LogId) -> Result<(), String> {
+    if l.leader_id.term > TERM_MAX || l.index > INDEX_MAX {
+        return Err(format!("{what}: term or index out of range ({l})"));
+    }
+    Ok(())
+}
+
+/// A vote's term is within range.
+pub fn check_vote(v: &Vote) -> Result<(), String> {
+    if v.leader_id().term > TERM_MAX {
+        return Err(format!("term out of range ({v})"));
+    }
+    Ok(())
+}
+
+/// A vote that claims leadership (AppendEntries, snapshots): committed, in range, not
+/// this node's own.
+fn check_leader_vote(v: &Vote, me: NodeId) -> Result<(), String> {
+    check_vote(v)?;
+    if !v.is_committed() {
+        return Err(format!("a leader's message with an uncommitted vote ({v})"));
+    }
+    if v.leader_id().voted_for() == Some(me) {
+        return Err(format!(
+            "a message claiming this node's own leadership ({v})"
+        ));
+    }
+    Ok(())
+}
+
+/// `l` was written by a leader no later than the sender's vote.
+fn not_after_vote(what: &str, l: &LogId, vote: &Vote) -> Result<(), String> {
+    check_log_id(what, l)?;
+    if l.leader_id > *vote.leader_id() {
+        return Err(format!("{what} {l} is newer than the sender's vote {vote}"));
+    }
+    Ok(())
+}
+
+/// A log id at or below this node's committed index must be the committed log's own
+/// (a leader never contradicts what a majority committed).
+fn agrees_with_committed(what: &str, l: &LogId, committed: Option<&LogId>) -> Result<(), String> {
+    match committed {
+        Some(c) if l.index <= c.index && l > c => Err(format!(
+            "{what} {l} contradicts this node's committed log ({c})"
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn check_membership(m: &Membership<NodeId, openraft::BasicNode>) -> Result<(), String> {
+    let configs = m.get_joint_config();
+    if configs.is_empty() || configs.len() > 2 || configs.iter().any(|c| c.is_empty()) {
+        return Err("a membership with no, more than two, or an empty configuration".into());
+    }
+    if let Some(v) = m.voter_ids().find(|v| m.get_node(v).is_none()) {
+        return Err(format!("voter {v} has no node address in the membership"));
+    }
+    Ok(())
+}
+
+fn check_entry(e: &LogEntry) -> Result<(), String> {
+    match &e.payload {
+        EntryPayload::Membership(m) => check_membership(m),
+        EntryPayload::Blank | EntryPayload::Normal(_) => Ok(()),
+    }
+}
+
+/// An AppendEntries from a peer, against this node's id and committed log id.
+pub fn check_append(req: &AppendWire, me: NodeId, committed: Option<&LogId>) -> Result<(), String> {
+    let vote = &req.vote;
+    check_leader_vote(vote, me)?;
+    if let Some(p) = &req.prev_log_id {
+        not_after_vote("prev_log_id", p, vote)?;
+        agrees_with_committed("prev_log_id", p, committed)?;
+    }
+    let first = req.prev_log_id.map_or(0, |p| p.index + 1);
+    let mut last = req.prev_log_id;
+    for (i, e) in req.entries.iter().enumerate() {
+        let l = &e.log_id;
+        not_after_vote("entry", l, vote)?;
+        if l.index != first + i as u64 {
+            return Err(format!(
+                "entry {l} does not follow the previous one (expected index {})",
+                first + i as u64
+            ));
+        }
+        if last.is_some_and(|p| l.leader_id < p.leader_id) {
+            return Err(format!(
+                "entry {l} has an older leader than the one before it"
+            ));
+        }
+        agrees_with_committed("entry", l, committed)?;
+        check_entry(e)?;
+        last = Some(*l);
+    }
+    if let Some(lc) = &req.leader_commit {
+        not_after_vote("leader_commit", lc, vote)?;
+        agrees_with_committed("leader_commit", lc, committed)?;
+        check_leader_commit(lc, req.prev_log_id.as_ref(), &req.entries, last.as_ref())?;
+    }
+    // A leader proposes a membership only once the one before it is committed: of the
+    // membership entries in one message, all but the last are within its commit index.
+    let memberships: Vec<&LogId> = req
+        .entries
+        .iter()
+        .filter(|e| matches!(e.payload, EntryPayload::Membership(_)))
+        .map(|e| &e.log_id)
+        .collect();
+    if let Some((_, earlier)) = memberships.split_last() {
+        if earlier
+            .iter()
+            .any(|m| req.leader_commit.as_ref().is_none_or(|lc| *m > lc))
+        {
+            return Err("a membership entry after one that is not committed".into());
+        }
+    }
+    Ok(())
+}
+
+/// The leader's commit index is consistent with the log the message describes.
+fn check_leader_commit(
+    lc: &LogId,
+    prev: Option<&LogId>,
+    entries: &[LogEntry],
+    last: Option<&LogId>,
+) -> Result<(), String> {
+    let bad = || Err(format!("leader_commit {lc} contradicts the entries sent"));
+    let prev_index = prev.map(|p| p.index);
+    if let Some(e) = entries.iter().find(|e| e.log_id.index == lc.index) {
+        return if e.log_id == *lc { Ok(()) } else { bad() };
+    }
+    match (prev, last) {
+        (Some(p), _) if lc.index == p.index => {
+            if lc == p {
+                Ok(())
+            } else {
+                bad()
+            }
+        }
+        (Some(p), _) if lc.index < p.index => {
+            if lc.leader_id <= p.leader_id {
+                Ok(())
+            } else {
+                bad()
+            }
+        }
+        (_, Some(l)) if Some(lc.index) > Some(l.index).max(prev_index) => {
+            if lc.leader_id >= l.leader_id {
+                Ok(())
+            } else {
+                bad()
+            }
+        }
+        (None, None) => Ok(()),
+        _ => Ok(()),
+    }
+}
+
+/// A RequestVote from a peer.
+pub fn check_vote_request(req: &VoteRequest<NodeId>, me: NodeId) -> Result<(), String> {
+    check_vote(&req.vote)?;
+    if req.vote.is_committed() {
+        return Err(format!(
+            "a vote request with a committed vote ({})",
+            req.vote
+        ));
+    }
+    if req.vote.leader_id().voted_for() == Some(me) {
+        return Err(format!("a vote request in this node's name ({})", req.vote));
+    }
+    if let Some(l) = &req.last_log_id {
+        check_log_id("last_log_id", l)?;
+    }
+    Ok(())
+}
+
+/// A snapshot chunk from a peer: the vote and metadata, and the chunk within the
+/// snapshot's declared size and the bound.
+pub fn check_snapshot_chunk(
+    c: &SnapshotChunk,
+    me: NodeId,
+    committed: Option<&LogId>,
+) -> Result<(), String> {
+    check_leader_vote(&c.vote, me)?;
+    check_snapshot_meta(&c.meta, &c.vote, committed)?;
+    if c.total_bytes > SNAPSHOT_BYTES_MAX {
+        return Err(format!(
+            "snapshot of {} bytes declared; at most {SNAPSHOT_BYTES_MAX}",
+            c.total_bytes
+        ));
+    }
+    match c.offset.checked_add(c.data.len() as u64) {
+        Some(end) if end <= c.total_bytes => Ok(()),
+        _ => Err(format!(
+            "chunk at {} of {} bytes passes the declared size {}",
+            c.offset,
+            c.data.len(),
+            c.total_bytes
+        )),
+    }
+}
+
+fn check_snapshot_meta(
+    m: &SnapshotMeta,
+    vote: &Vote,
+    committed: Option<&LogId>,
+) -> Result<(), String> {
+    let Some(last) = &m.last_log_id else {
+        return Err("a snapshot without a last log id".into());
+    };
+    not_after_vote("snapshot last_log_id", last, vote)?;
+    agrees_with_committed("snapshot last_log_id", last, committed)?;
+    if let Some(ml) = m.last_membership.log_id() {
+        check_log_id("snapshot membership", ml)?;
+        if ml > last || ml.index > last.index {
+            return Err(format!(
+                "snapshot membership at {ml} is after the snapshot's last log id {last}"
+            ));
+        }
+    }
+    check_membership(m.last_membership.membership())
+}
+
+/// A peer's answer to our AppendEntries (`vote`, `prev` and the log ids we sent;
+/// `acked`: the highest log id the peer acknowledged under this vote).
+pub fn check_append_response(
+    resp: &AppendEntriesResponse<NodeId>,
+    vote: &Vote,
+    me: NodeId,
+    prev: Option<LogId>,
+    sent: &[LogId],
+    acked: Option<LogId>,
+) -> Result<(), String> {
+    match resp {
+        AppendEntriesResponse::Success => Ok(()),
+        AppendEntriesResponse::PartialSuccess(m) => {
+            if *m == prev || m.is_some_and(|m| sent.contains(&m)) {
+                Ok(())
+            } else {
+                Err(format!("partial success at a log id not sent ({m:?})"))
+            }
+        }
+        AppendEntriesResponse::Conflict if prev.is_none() => {
+            Err("a conflict reported on an empty prefix".into())
+        }
+        AppendEntriesResponse::Conflict if prev.is_some() && prev <= acked => Err(format!(
+            "a conflict at {prev:?}, at or below what the peer acknowledged ({acked:?})"
+        )),
+        AppendEntriesResponse::Conflict => Ok(()),
+        AppendEntriesResponse::HigherVote(v) => check_higher_vote(v, vote, me),
+    }
+}
+
+/// A vote a peer says is higher than ours must be, and must not be in our name.
+pub fn check_higher_vote(v: &Vote, ours: &Vote, me: NodeId) -> Result<(), String> {
+    check_vote(v)?;
+    if v <= ours {
+        return Err(format!("a 'higher' vote {v} that is not above ours {ours}"));
+    }
+    if v.leader_id().voted_for() == Some(me) {
+        return Err(format!("a higher vote in this node's name ({v})"));
+    }
+    Ok(())
+}
+
+/// A peer's answer to our RequestVote.
+pub fn check_vote_response(
+    resp: &VoteResponse<NodeId>,
+    req: &VoteRequest<NodeId>,
+    me: NodeId,
+) -> Result<(), String> {
+    check_vote(&resp.vote)?;
+    if resp.vote.leader_id().voted_for() == Some(me) && resp.vote != req.vote {
+        return Err(format!(
+            "a vote in this node's name that it did not ask for ({})",
+            resp.vote
+        ));
+    }
+    if let Some(l) = &resp.last_log_id {
+        check_log_id("last_log_id", l)?;
+    }
+    Ok(())
+}
+
+/// A peer's answer to a snapshot chunk.
+pub fn check_snapshot_response(v: &Vote, ours: &Vote, me: NodeId) -> Result<(), String> {
+    check_vote(v)?;
+    if v.leader_id().voted_for() == Some(me) && v != ours {
+        return Err(format!(
+            "a vote in this node's name that it did not send ({v})"
+        ));
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- snapshot receiving
+
+/// A snapshot arriving in chunks on one shard. Chunks must come in order (each at the
+/// offset already received) within the size the first chunk declared; memory grows
+/// only with the bytes received.
+#[derive(Default)]
+pub struct SnapshotReceiver {
+    receiving: Option<Receiving>,
+}
+
+struct Receiving {
+    snapshot_id: String,
+    vote: Vote,
+    total: u64,
+    data: Vec<u8>,
+}
+
+/// Why a chunk was not taken.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ChunkError {
+    #[error("chunk out of order: at {got}, expected {expected} (start again at 0)")]
+    OutOfOrder { got: u64, expected: u64 },
+    #[error("out of memory for a snapshot of {0} bytes")]
+    NoMemory(u64),
+}
+
+impl SnapshotReceiver {
+    /// Takes a checked chunk; returns the whole snapshot's bytes once the last arrived.
+    pub fn receive(&mut self, c: SnapshotChunk) -> Result<Option<Vec<u8>>, ChunkError> {
+        let done = c.done();
+        if c.offset == 0 {
+            self.receiving = Some(Receiving {
+                snapshot_id: c.meta.snapshot_id.clone(),
+                vote: c.vote,
+                total: c.total_bytes,
+                data: Vec::new(),
+            });
+        }
+        let expected = match &self.receiving {
+            Some(r)
+                if r.snapshot_id == c.meta.snapshot_id
+                    && r.vote == c.vote
+                    && r.total == c.total_bytes =>
+            {
+                r.data.len() as u64
+            }
+            _ => 0,
+        };
+        let Some(r) = self.receiving.as_mut().filter(|_| c.offset == expected) else {
+            return Err(ChunkError::OutOfOrder {
+                got: c.offset,
+                expected,
+            });
+        };
+        if r.data.try_reserve(c.data.len()).is_err() {
+            self.receiving = None;
+            return Err(ChunkError::NoMemory(c.total_bytes));
+        }
+        r.data.extend_from_slice(&c.data);
+        if done {
+            return Ok(self.receiving.take().map(|r| r.data));
+        }
+        Ok(None)
+    }
+}

@@ -1,0 +1,1288 @@
+//! Hostile input against real 3-node clusters (issue 19): each defect found by trying
+//! the public gRPC surface as an attacker, reproduced, and the properties that must hold
+//! under any sequence of messages within the limits — no node exits, memory stays
+//! bounded, nothing refused is applied, every shard commits afterwards.
+//!
+//! `fuzz_every_service` runs a short quick mode in the suite; set `ALLOT_FUZZ_SECS`
+//! (and `ALLOT_FUZZ_SEED`) for a soak run.
+
+use allot_node::limits::{RAFT_MESSAGE_MAX, SNAPSHOT_BYTES_MAX, TERM_MAX};
+use allot_node::local_cluster::{node_binary, LocalCluster};
+use allot_node::network::{AppendWire, SnapshotChunk};
+use allot_node::peer::PEER_SECRET;
+use allot_node::types::{Batch, LogEntry, LogId, SnapshotMeta, Vote};
+use allot_proto::admin_client::AdminClient;
+use allot_proto::agent_client::AgentClient;
+use allot_proto::allot_client::AllotClient;
+use allot_proto::raft_client::RaftClient;
+use allot_proto::*;
+use allot_statemachine::limits::COMMAND_BYTES_MAX;
+use allot_statemachine::*;
+use std::time::{Duration, Instant};
+use tonic::transport::Channel;
+use tonic::Code;
+
+// ---------------------------------------------------------------- harness
+
+struct Hostile {
+    _dir: tempfile::TempDir,
+    c: LocalCluster,
+    admin: ::allot_client::Client,
+    token: String,
+}
+
+/// A secured 3-node cluster (admin token bootstrapped, peers sharing a secret).
+async fn secured(shards: u32) -> Hostile {
+    let dir = tempfile::Builder::new()
+        .prefix("allot-hostile-")
+        .tempdir()
+        .unwrap();
+    let mut c = LocalCluster::new(node_binary().unwrap(), dir.path().into(), 3, shards).unwrap();
+    c.dev_mode = false;
+    c.start_all().unwrap();
+    c.init().await.unwrap();
+    c.wait_leaders(Duration::from_secs(30)).await.unwrap();
+    let token = ::allot_client::security::generate_token().unwrap();
+    c.admin_client()
+        .unwrap()
+        .bootstrap(PrincipalId(1), &token)
+        .await
+        .unwrap();
+    c.admin_token = Some(token.clone());
+    let admin = c.admin_client().unwrap();
+    Hostile {
+        _dir: dir,
+        c,
+        admin,
+        token,
+    }
+}
+
+async fn channel(addr: &str) -> Channel {
+    tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(2))
+        .connect()
+        .await
+        .unwrap()
+}
+
+fn allot(ch: Channel) -> AllotClient<Channel> {
+    AllotClient::new(ch)
+        .max_encoding_message_size(usize::MAX)
+        .max_decoding_message_size(64 << 20)
+}
+
+fn raft(ch: Channel) -> RaftClient<Channel> {
+    RaftClient::new(ch)
+        .max_encoding_message_size(usize::MAX)
+        .max_decoding_message_size(64 << 20)
+}
+
+fn bearer<T>(msg: T, token: Option<&str>) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    // A token that is not even a valid header value cannot be sent.
+    if let Some(Ok(v)) = token.map(|t| format!("Bearer {t}").parse()) {
+        r.metadata_mut().insert("authorization", v);
+    }
+    r
+}
+
+fn as_peer<T>(msg: T, secret: &str) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.metadata_mut()
+        .insert(PEER_SECRET, secret.parse().unwrap());
+    r
+}
+
+fn reason(s: &tonic::Status) -> &str {
+    s.metadata()
+        .get("allot-reason")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+}
+
+fn exec(shard: u32, reqs: &[Request]) -> ExecuteRequest {
+    ExecuteRequest {
+        shard,
+        requests: reqs.iter().map(codec::encode).collect(),
+    }
+}
+
+fn req(id: u128, command: Command) -> Request {
+    Request {
+        actor: Actor::Anonymous,
+        request_id: id,
+        command,
+    }
+}
+
+/// Kilobytes of resident memory now, and the peak so far, of a process.
+fn rss_kib(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+impl Hostile {
+    fn secret(&self) -> String {
+        self.c.peer_secret.clone().unwrap()
+    }
+
+    fn addr(&self, id: u64) -> String {
+        self.c.node(id).addr.clone()
+    }
+
+    fn pids(&self) -> Vec<u32> {
+        (1..=3).filter_map(|id| self.c.pid(id)).collect()
+    }
+
+    /// Every node's resident memory now (KiB), by node.
+    fn rss_now(&self) -> Vec<u64> {
+        self.pids().into_iter().map(|p| rss_kib(p).0).collect()
+    }
+
+    fn assert_all_running(&mut self) {
+        for id in 1..=3 {
+            assert!(
+                self.c.exited(id).is_none(),
+                "node {id} exited: {}",
+                self.c.log_tail(id, 30)
+            );
+        }
+    }
+
+    /// The peak resident memory of every node stayed below its idle figure plus
+    /// `budget_mib`; returns the largest growth seen (MiB).
+    fn assert_memory_within(&self, idle_kib: &[u64], budget_mib: u64) -> u64 {
+        let mut worst = 0;
+        for (i, pid) in self.pids().into_iter().enumerate() {
+            let (_, peak) = rss_kib(pid);
+            let grew = peak.saturating_sub(idle_kib[i]) / 1024;
+            worst = worst.max(grew);
+            assert!(
+                grew < budget_mib,
+                "node {} peaked at {} MiB, {grew} MiB over idle",
+                i + 1,
+                peak / 1024
+            );
+        }
+        worst
+    }
+
+    /// The shard's audit chain length as its leader sees it.
+    async fn head_seq(&self, shard: u32) -> u64 {
+        self.admin
+            .audit_page(
+                shard,
+                AuditRequest {
+                    shard,
+                    from_seq: u64::MAX,
+                    limit: 1,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap()
+            .head_seq
+    }
+
+    /// Since `from`, the shard's trail holds nothing but edge denials (the node's own
+    /// `RecordDenials` commands and their `Denied` events) — and the commands of
+    /// `probe_org`, the write that checks the shard still commits: nothing a hostile
+    /// caller sent was applied.
+    async fn only_denials_since(&self, shard: u32, from: u64, probe_org: Option<u64>) {
+        let mut bad = Vec::new();
+        self.admin
+            .audit_export(shard, ::allot_client::AuditFilter::default(), from, |ev| {
+                let ok = match &ev.body {
+                    EventBody::Denied { .. } => true,
+                    EventBody::Command { outcome, .. } => {
+                        (ev.actor == Actor::System
+                            && matches!(outcome, Ok(Reply::DenialsRecorded { .. })))
+                            || (probe_org.is_some() && ev.org == probe_org.map(OrgId))
+                    }
+                    _ => false,
+                };
+                if !ok {
+                    bad.push(format!("{ev:?}"));
+                }
+                Ok(())
+            })
+            .await
+            .unwrap();
+        assert!(bad.is_empty(), "applied after the hostile phase: {bad:?}");
+    }
+
+    /// A normal write commits on every shard, each within `within`.
+    async fn every_shard_commits(&self, within: Duration, org_base: u64) -> Duration {
+        let mut slowest = Duration::ZERO;
+        for shard in 0..self.c.shards {
+            let org = OrgId(org_base + shard as u64);
+            assert_eq!(
+                allot_proto::shard_of_org(org.0, self.c.shards),
+                shard,
+                "org {org:?} is homed on shard {shard}"
+            );
+            let started = Instant::now();
+            tokio::time::timeout(within, self.admin.create_org(org))
+                .await
+                .unwrap_or_else(|_| panic!("shard {shard} did not commit within {within:?}"))
+                .unwrap();
+            slowest = slowest.max(started.elapsed());
+        }
+        slowest
+    }
+
+    /// Every replica of every shard reaches the same state hash.
+    async fn replicas_agree(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        'retry: loop {
+            for shard in 0..self.c.shards {
+                let mut seen = Vec::new();
+                for id in 1..=3 {
+                    let mut a = AdminClient::new(channel(&self.addr(id)).await);
+                    let r = a
+                        .shard_hash(bearer(ShardRequest { shard }, Some(&self.token)))
+                        .await
+                        .unwrap()
+                        .into_inner();
+                    seen.push((r.applied_index, r.state_hash));
+                }
+                let same = seen.iter().all(|s| s == &seen[0]);
+                if !same {
+                    assert!(Instant::now() < deadline, "shard {shard}: {seen:?}");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue 'retry;
+                }
+            }
+            return;
+        }
+    }
+
+    async fn metric(&self, id: u64, name: &str) -> f64 {
+        let addr = &self.c.node(id).metrics_addr;
+        let body = http_get(addr, "/metrics").await;
+        body.lines()
+            .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+}
+
+async fn http_get(addr: &str, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+fn labels(n: usize) -> NodeSpec {
+    NodeSpec {
+        node: NodeId(1),
+        gpu_type: GpuType::new("H100"),
+        gpu_count: 8,
+        gpu_mem_gb: 80,
+        labels: vec![(String::new(), String::new()); n],
+    }
+}
+
+// ---------------------------------------------------------------- the defects
+
+/// Defect 1: a well-formed ~8 MiB `RegisterNode` of 4 million empty labels passed the
+/// edge, became a ~64 MiB AppendEntries and wedged its shard for good. Now: refused at
+/// the edge by size and by the state machine's own validation, never proposed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_1_a_huge_register_node_never_reaches_the_log() {
+    let mut h = secured(1).await;
+    let leader = h.c.leader_of(0).await.unwrap();
+    let mut l = allot(channel(&h.addr(leader)).await);
+    let before = h.head_seq(0).await;
+    let idle = h.rss_now();
+    let tok = Some(h.token.as_str());
+
+    // The original: ~8 MiB in one request; gRPC refuses the message by its length.
+    let huge = req(1, Command::RegisterNode(labels(4_000_000)));
+    let e = l.execute(bearer(exec(0, &[huge]), tok)).await.unwrap_err();
+    assert!(
+        matches!(e.code(), Code::OutOfRange | Code::ResourceExhausted),
+        "{e:?}"
+    );
+    // Within the message bound but above one command's bound: refused by size.
+    let big = req(2, Command::RegisterNode(labels(300_000)));
+    let e = l.execute(bearer(exec(0, &[big]), tok)).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert_eq!(reason(&e), "LIMIT_REACHED");
+    // Small, but 17 labels: the state machine's own rule, answered at the edge with the
+    // typed error the client reports as the state machine's.
+    let seventeen = req(3, Command::RegisterNode(labels(17)));
+    let e = h
+        .admin
+        .execute(0, std::slice::from_ref(&seventeen))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.command_error(),
+        Some(&CommandError::LimitReached(Limit::Labels)),
+        "{e:?}"
+    );
+    // Nothing reached the log; the shard commits at once; memory did not move.
+    assert_eq!(h.head_seq(0).await, before, "nothing was applied");
+    let t = h.every_shard_commits(Duration::from_secs(5), 100).await;
+    eprintln!("defect 1: a write committed {t:?} after the hostile requests");
+    let grew = h.assert_memory_within(&idle, 64);
+    eprintln!("defect 1: peak RSS growth {grew} MiB");
+    h.assert_all_running();
+}
+
+/// Defect 2: forty concurrent ~7.9 MiB grants (unknown org, 8 MB source reference) took
+/// the leader to ~3 GiB and wedged the shard. Now each is refused by its length before
+/// it is buffered, and a batch is closed by bytes as well as by count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_2_forty_huge_grants_cost_nothing() {
+    let mut h = secured(1).await;
+    let leader = h.c.leader_of(0).await.unwrap();
+    let before = h.head_seq(0).await;
+    let idle = h.rss_now();
+    let grant = |i: u128, len: usize| {
+        req(
+            i,
+            Command::IssueGrant(Grant {
+                bucket: BucketId(i as u64),
+                owner: Account::Org(OrgId(999_999)),
+                kind: BucketKind::Paid,
+                amount_micro: 1,
+                expires_at_ms: None,
+                priority: 0,
+                policy: None,
+                source_ref: Some("x".repeat(len)),
+            }),
+        )
+    };
+    let mut calls = Vec::new();
+    for i in 0..40u128 {
+        let ch = channel(&h.addr(leader)).await;
+        let token = h.token.clone();
+        calls.push(tokio::spawn(async move {
+            // 38 of them ~7.9 MiB, two within the message bound but over a command's.
+            let len = if i < 38 { 7_900_000 } else { 600_000 };
+            allot(ch)
+                .execute(bearer(exec(0, &[grant(i + 1, len)]), Some(&token)))
+                .await
+                .unwrap_err()
+        }));
+    }
+    let started = Instant::now();
+    for c in calls {
+        let e = c.await.unwrap();
+        assert!(
+            matches!(
+                e.code(),
+                Code::OutOfRange | Code::ResourceExhausted | Code::InvalidArgument
+            ),
+            "{e:?}"
+        );
+    }
+    eprintln!("defect 2: 40 refusals in {:?}", started.elapsed());
+    assert_eq!(h.head_seq(0).await, before, "nothing was applied");
+    h.every_shard_commits(Duration::from_secs(5), 100).await;
+    let grew = h.assert_memory_within(&idle, 256);
+    eprintln!("defect 2: peak RSS growth {grew} MiB (budget 256)");
+    h.assert_all_running();
+}
+
+fn blank_entries(prev: u64, n: usize, term: u64) -> Vec<LogEntry> {
+    (0..n)
+        .map(|i| LogEntry {
+            log_id: LogId::new(
+                openraft::CommittedLeaderId::new(term, 2),
+                prev + 1 + i as u64,
+            ),
+            payload: openraft::EntryPayload::Blank,
+        })
+        .collect()
+}
+
+fn append_msg(shard: u32, w: &AppendWire) -> RaftMessage {
+    RaftMessage {
+        shard,
+        payload: codec::encode(w),
+    }
+}
+
+/// Defect 3: near-limit Raft messages cost far more memory than they carry, and were
+/// decoded before the peer was authenticated. Now the Raft service refuses an
+/// unauthenticated caller from its headers, a message above `RAFT_MESSAGE_MAX` by its
+/// length, and an AppendEntries of more than `APPEND_ENTRIES_MAX` entries while it is
+/// decoded; memory stays bounded by message size × the messages handled at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_3_raft_messages_cost_what_they_carry_and_need_a_peer() {
+    let mut h = secured(1).await;
+    let target = h.addr(1);
+    let idle = h.rss_now();
+    let secret = h.secret();
+    // ~256 MiB of blank entries (four at once in the report). Without the secret the
+    // body is never read.
+    let wire = AppendWire {
+        vote: Vote::new_committed(1, 2),
+        prev_log_id: None,
+        leader_commit: None,
+        entries: blank_entries(0, 3_000_000, 1),
+    };
+    let big = append_msg(0, &wire);
+    eprintln!("defect 3: {} MiB AppendEntries", big.payload.len() >> 20);
+    let mut calls = Vec::new();
+    for with_secret in [false, false, true, true] {
+        let ch = channel(&target).await;
+        let msg = big.clone();
+        let secret = secret.clone();
+        calls.push(tokio::spawn(async move {
+            let r = if with_secret {
+                as_peer(msg, &secret)
+            } else {
+                tonic::Request::new(msg)
+            };
+            (with_secret, raft(ch).append(r).await.unwrap_err())
+        }));
+    }
+    for c in calls {
+        let (with_secret, e) = c.await.unwrap();
+        if with_secret {
+            assert!(
+                matches!(e.code(), Code::OutOfRange | Code::ResourceExhausted),
+                "{e:?}"
+            );
+        } else {
+            assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+        }
+    }
+    // Just under the bound, from a peer: 16 at once, each refused while decoding (more
+    // entries than one AppendEntries may carry).
+    let per_entry = codec::encoded_len(&blank_entries(1 << 20, 1, 1)) as usize;
+    let n = (RAFT_MESSAGE_MAX - 4096) / per_entry;
+    let near = append_msg(
+        0,
+        &AppendWire {
+            vote: Vote::new_committed(1, 2),
+            prev_log_id: None,
+            leader_commit: None,
+            entries: blank_entries(0, n, 1),
+        },
+    );
+    assert!(
+        near.payload.len() < RAFT_MESSAGE_MAX,
+        "{}",
+        near.payload.len()
+    );
+    let mut calls = Vec::new();
+    for _ in 0..16 {
+        let ch = channel(&target).await;
+        let msg = as_peer(near.clone(), &secret);
+        calls.push(tokio::spawn(async move {
+            raft(ch).append(msg).await.unwrap_err()
+        }));
+    }
+    for c in calls {
+        let e = c.await.unwrap();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    }
+    h.every_shard_commits(Duration::from_secs(5), 100).await;
+    let grew = h.assert_memory_within(&idle, 256);
+    eprintln!("defect 3: peak RSS growth {grew} MiB (budget 256)");
+    h.assert_all_running();
+}
+
+/// Defect 4: a forged `Raft.Vote` with term u64::MAX killed the replica (openraft's
+/// `term + 1` overflows). Now refused before openraft sees it, like every term or index
+/// above 2^62 and every vote in the receiver's own name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_4_a_forged_vote_of_the_largest_term_is_refused() {
+    let mut h = secured(1).await;
+    let secret = h.secret();
+    for id in 1..=3u64 {
+        let mut r = raft(channel(&h.addr(id)).await);
+        for (term, node, last) in [
+            (u64::MAX, 99, None),
+            (TERM_MAX + 1, 2, None),
+            (5, id, None),
+            (
+                5,
+                99,
+                Some(LogId::new(openraft::CommittedLeaderId::new(1, 1), u64::MAX)),
+            ),
+        ] {
+            let vote = openraft::raft::VoteRequest {
+                vote: Vote::new(term, node),
+                last_log_id: last,
+            };
+            let e = r
+                .vote(as_peer(
+                    RaftMessage {
+                        shard: 0,
+                        payload: codec::encode(&vote),
+                    },
+                    &secret,
+                ))
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+            assert_eq!(reason(&e), "PEER_MESSAGE_REFUSED");
+        }
+    }
+    // Every replica is alive and the shard commits.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    h.assert_all_running();
+    h.every_shard_commits(Duration::from_secs(5), 100).await;
+}
+
+fn forged_meta(term: u64, index: u64) -> SnapshotMeta {
+    let last = LogId::new(openraft::CommittedLeaderId::new(term, 99), index);
+    let nodes = std::collections::BTreeMap::from([(2u64, openraft::BasicNode::new("x:1"))]);
+    SnapshotMeta {
+        last_log_id: Some(last),
+        last_membership: openraft::StoredMembership::new(
+            Some(last),
+            openraft::Membership::new(vec![std::collections::BTreeSet::from([2u64])], nodes),
+        ),
+        snapshot_id: "forged".into(),
+    }
+}
+
+/// Defect 5: a forged snapshot chunk at offset 3 GiB made a follower allocate and zero
+/// 3 GiB (2^40: until the machine ran out). Now chunks must arrive in order within the
+/// size the first declared and `SNAPSHOT_BYTES_MAX`; memory grows only with bytes
+/// received; a snapshot that does not decode is refused before openraft installs it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_5_a_forged_snapshot_chunk_allocates_nothing() {
+    let mut h = secured(1).await;
+    let secret = h.secret();
+    let idle = h.rss_now();
+    let term = 1_000;
+    let chunk = |offset: u64, total: u64, data: Vec<u8>| SnapshotChunk {
+        vote: Vote::new_committed(term, 99),
+        meta: forged_meta(term, 1 << 40),
+        total_bytes: total,
+        offset,
+        data,
+    };
+    for id in 1..=3u64 {
+        let mut r = raft(channel(&h.addr(id)).await);
+        for (c, code) in [
+            (
+                chunk(3 << 30, 4 << 30, vec![1; 1024]),
+                Code::FailedPrecondition,
+            ),
+            (
+                chunk(1 << 40, (1 << 40) + 1024, vec![1; 1024]),
+                Code::InvalidArgument,
+            ),
+            (
+                chunk(0, SNAPSHOT_BYTES_MAX + 1, vec![1; 16]),
+                Code::InvalidArgument,
+            ),
+            (chunk(10, 20, vec![1; 16]), Code::InvalidArgument),
+            // Complete, in order, but not a state: refused, not installed.
+            (chunk(0, 64, vec![7; 64]), Code::InvalidArgument),
+        ] {
+            let e = r
+                .snapshot(as_peer(
+                    RaftMessage {
+                        shard: 0,
+                        payload: codec::encode(&c),
+                    },
+                    &secret,
+                ))
+                .await
+                .unwrap_err();
+            assert_eq!(
+                e.code(),
+                code,
+                "offset {} of {}: {e:?}",
+                c.offset,
+                c.total_bytes
+            );
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    h.assert_all_running();
+    let grew = h.assert_memory_within(&idle, 64);
+    eprintln!("defect 5: peak RSS growth {grew} MiB");
+    h.every_shard_commits(Duration::from_secs(5), 100).await;
+}
+
+/// Defect 6: cancelled `WatchAssignments` streams were released only when the node's
+/// assignments next changed. Now a stream ends as soon as its client goes away (the
+/// open-streams gauge falls back at once, with no assignment change), and streams per
+/// principal are bounded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_6_cancelled_streams_are_released_at_once() {
+    let mut h = secured(1).await;
+    let id = 1;
+    let mut agent = AgentClient::new(channel(&h.addr(id)).await);
+    let watch = || {
+        bearer(
+            WatchRequest {
+                shard: 0,
+                node_id: "5".into(),
+            },
+            Some(&h.token),
+        )
+    };
+    // 200 rounds of the principal's whole allowance, each cancelled: none is refused,
+    // so each was released before the next round.
+    let per = allot_node::limits::STREAMS_PER_PRINCIPAL_MAX;
+    for round in 0..200 {
+        let mut open = Vec::new();
+        for _ in 0..per {
+            let mut s = agent.watch_assignments(watch()).await.unwrap().into_inner();
+            // The first message (the current assignments) arrives.
+            s.message().await.unwrap().unwrap();
+            open.push(s);
+        }
+        if round == 0 {
+            let e = agent.watch_assignments(watch()).await.unwrap_err();
+            assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+        }
+        drop(open);
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while h.metric(id, "allot_open_streams").await > 0.0 {
+            assert!(
+                Instant::now() < deadline,
+                "round {round}: cancelled streams still open"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    h.assert_all_running();
+}
+
+// ---------------------------------------------------------------- also seen
+
+/// Commands carrying a well-formed but unknown, revoked or expired token were
+/// replicated, fsynced and audited before apply refused them. Now the leader refuses
+/// them at its edge (UNAUTHENTICATED), records the denial, and proposes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_tokens_are_refused_at_the_edge_and_never_proposed() {
+    let mut h = secured(1).await;
+    h.admin.create_org(OrgId(7)).await.unwrap();
+    let revoked = h
+        .admin
+        .create_token(PrincipalId(50), Scope::Org(OrgId(7)), None)
+        .await
+        .unwrap();
+    h.admin.revoke_token(PrincipalId(50)).await.unwrap();
+    let before = h.head_seq(0).await;
+    let unknown = ::allot_client::security::generate_token().unwrap();
+    for id in 1..=3 {
+        let mut a = allot(channel(&h.addr(id)).await);
+        for t in [&unknown, &revoked] {
+            let r = req(77, Command::CreateOrg { org: OrgId(8) });
+            let e = a.execute(bearer(exec(0, &[r]), Some(t))).await.unwrap_err();
+            assert_eq!(e.code(), Code::Unauthenticated, "node {id}: {e:?}");
+        }
+    }
+    // Denials reach the trail (the nodes report them about once a second); no command
+    // of the callers was applied.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    h.only_denials_since(0, before, None).await;
+    assert!(h.head_seq(0).await > before, "the denials were audited");
+    h.assert_all_running();
+}
+
+/// The largest legal command of every kind fits `COMMAND_BYTES_MAX`; the largest ones
+/// a caller can send commit within a second, alone and as calls that fill whole batches
+/// — several at once — and the shard keeps committing afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_largest_legal_commands_commit_within_a_second() {
+    let mut h = secured(1).await;
+    let label = "k".repeat(limits::LABEL_LEN_MAX);
+    let largest_node = |n: u64| NodeSpec {
+        node: NodeId(n),
+        gpu_type: GpuType::new(&"H".repeat(limits::GPU_TYPE_LEN_MAX)),
+        gpu_count: limits::GPUS_PER_NODE_MAX,
+        gpu_mem_gb: limits::GPU_MEM_GB_MAX,
+        labels: (0..limits::LABELS_PER_NODE_MAX)
+            .map(|i| (format!("{i:0>64}"), label.clone()))
+            .collect(),
+    };
+    let one = Command::RegisterNode(largest_node(1));
+    let size = codec::encoded_len(&one) as usize;
+    assert!(size <= COMMAND_BYTES_MAX, "{size}");
+    eprintln!("largest RegisterNode: {size} bytes (bound {COMMAND_BYTES_MAX})");
+    let started = Instant::now();
+    h.admin.register_node(0, largest_node(1)).await.unwrap();
+    let alone = started.elapsed();
+    assert!(alone < Duration::from_secs(1), "{alone:?}");
+    // Calls of ~1 MiB of them (a whole batch each), four at once.
+    let per_call = (allot_node::limits::CLIENT_MESSAGE_MAX - 64 * 1024) / (size + 64);
+    let mut calls = Vec::new();
+    for c in 0..4u64 {
+        let admin = h.c.admin_client().unwrap();
+        let reqs: Vec<Request> = (0..per_call as u64)
+            .map(|i| {
+                req(
+                    (c as u128) << 32 | (i as u128 + 1),
+                    Command::RegisterNode(largest_node(1_000 + c * 10_000 + i)),
+                )
+            })
+            .collect();
+        calls.push(tokio::spawn(async move {
+            let started = Instant::now();
+            let (outs, _) = admin.execute(0, &reqs).await.unwrap();
+            (started.elapsed(), outs)
+        }));
+    }
+    let mut slowest = Duration::ZERO;
+    for c in calls {
+        let (took, outs) = c.await.unwrap();
+        assert!(
+            outs.iter().all(|o| o.is_ok()),
+            "{:?}",
+            outs.iter().find(|o| o.is_err())
+        );
+        slowest = slowest.max(took);
+    }
+    eprintln!(
+        "largest command alone: {alone:?}; four calls of {per_call} at once, slowest {slowest:?}"
+    );
+    assert!(slowest < Duration::from_secs(1), "{slowest:?}");
+    h.every_shard_commits(Duration::from_secs(5), 100).await;
+    h.replicas_agree().await;
+    h.assert_all_running();
+}
+
+// ---------------------------------------------------------------- fuzz
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn bytes(&mut self, max: usize) -> Vec<u8> {
+        let n = self.below(max as u64 + 1) as usize;
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
+        &xs[self.below(xs.len() as u64) as usize]
+    }
+    fn big(&mut self) -> u64 {
+        let any = self.next();
+        *self.pick(&[0, 1, 7, u64::MAX, u64::MAX / 2, 1 << 62, 1 << 63, any])
+    }
+    fn string(&mut self, max: usize) -> String {
+        let n = self.below(max as u64 + 1) as usize;
+        (0..n)
+            .map(|_| (b'A' + (self.next() % 26) as u8) as char)
+            .collect()
+    }
+}
+
+/// A random command, often out of bounds (long lists and strings, zero and huge
+/// numbers, reserved ids).
+fn random_command(r: &mut Rng) -> Command {
+    let gpu = |r: &mut Rng| GpuType(r.string(24));
+    let list = |r: &mut Rng, max: usize| -> usize { r.below(max as u64) as usize };
+    match r.below(14) {
+        0 => Command::CreateOrg {
+            org: OrgId(r.big()),
+        },
+        1 => Command::SetPrices {
+            prices: (0..list(r, 100)).map(|_| (gpu(r), r.big())).collect(),
+        },
+        2 => Command::IssueGrant(Grant {
+            bucket: BucketId(r.big()),
+            owner: Account::Org(OrgId(r.big())),
+            kind: BucketKind::Promotional,
+            amount_micro: r.big(),
+            expires_at_ms: Some(r.big()),
+            priority: r.next() as u8,
+            policy: Some(BucketPolicy {
+                gpu_types: (0..list(r, 40)).map(|_| gpu(r)).collect(),
+                tiers: (0..list(r, 40)).map(|_| Tier(r.next() as u8)).collect(),
+            }),
+            source_ref: Some(r.string(400)),
+        }),
+        3 => Command::RegisterNode(NodeSpec {
+            node: NodeId(r.big()),
+            gpu_type: gpu(r),
+            gpu_count: r.next() as u32,
+            gpu_mem_gb: r.next() as u32,
+            labels: (0..list(r, 300))
+                .map(|_| (r.string(100), r.string(100)))
+                .collect(),
+        }),
+        4 => Command::SubmitJob(JobSpec {
+            job: JobId(r.big()),
+            project: ProjectId(r.big()),
+            user: UserId(r.big()),
+            tier: Tier(r.next() as u8),
+            gpu_types: (0..list(r, 40)).map(|_| gpu(r)).collect(),
+            gpus: r.next() as u32,
+            mem_floor_gb: r.next() as u32,
+            preemptible: true,
+            checkpointable: false,
+            max_duration_ms: r.big(),
+        }),
+        5 => Command::Transfer {
+            from: Account::Org(OrgId(r.big())),
+            to: Account::Project(ProjectId(r.big())),
+            amount_micro: r.big(),
+        },
+        6 => Command::JobHeartbeat(JobHeartbeat {
+            job: JobId(r.big()),
+            attempt: r.next() as u32,
+            seq: r.big(),
+            progress_ppm: r.next() as u32,
+            checkpoint: r.big(),
+        }),
+        7 => Command::CreateToken {
+            principal: PrincipalId(r.big()),
+            digest: TokenDigest([r.next() as u8; 32]),
+            scope: Scope::Admin,
+            expires_at_ms: None,
+        },
+        8 => Command::RecordDenials {
+            node: r.big(),
+            denials: (0..list(r, 400))
+                .map(|_| Denial {
+                    actor: Actor::Anonymous,
+                    api: r.string(100),
+                    reason: DenialReason::Unauthenticated,
+                })
+                .collect(),
+        },
+        9 => Command::Bootstrap {
+            principal: PrincipalId(r.big()),
+            digest: TokenDigest([r.next() as u8; 32]),
+        },
+        10 => Command::SetShareWeight {
+            scope: BudgetScope::Org(OrgId(r.big())),
+            weight: Some(r.next() as u32),
+        },
+        11 => Command::CreateHold(HoldSpec {
+            hold: HoldId(r.big()),
+            project: ProjectId(r.big()),
+            user: UserId(r.big()),
+            tier: Tier(r.next() as u8),
+            gpu_types: (0..list(r, 40)).map(|_| gpu(r)).collect(),
+            amount_micro: r.big(),
+        }),
+        12 => Command::Tick,
+        _ => Command::FinishJob {
+            job: JobId(r.big()),
+            attempt: r.next() as u32,
+            success: true,
+        },
+    }
+}
+
+/// A random actor a client might claim (the edge overwrites or refuses it).
+fn random_actor(r: &mut Rng) -> Actor {
+    match r.below(5) {
+        0 => Actor::Admin(PrincipalId(r.big())),
+        1 => Actor::System,
+        2 => Actor::Bearer(TokenDigest([r.next() as u8; 32])),
+        3 => Actor::Tenant {
+            org: OrgId(r.big()),
+            principal: PrincipalId(1),
+        },
+        _ => Actor::Anonymous,
+    }
+}
+
+/// A token that resolves to nobody: missing, malformed, unknown, or revoked.
+fn hostile_token(r: &mut Rng, revoked: &str) -> Option<String> {
+    match r.below(5) {
+        0 => None,
+        1 => Some(r.string(8)),
+        2 => Some(format!("alt_{}", r.string(43))),
+        3 => Some(revoked.to_string()),
+        _ => Some(String::from_utf8_lossy(&r.bytes(60)).into_owned()),
+    }
+}
+
+/// A Raft message a peer could send that a guard must refuse (each breaks one rule).
+fn hostile_append(r: &mut Rng, me: u64) -> AppendWire {
+    let lid = |t: u64, n: u64, i: u64| LogId::new(openraft::CommittedLeaderId::new(t, n), i);
+    let term = 2 + r.below(1_000);
+    let base = AppendWire {
+        vote: Vote::new_committed(term, 2 + r.below(2)),
+        prev_log_id: Some(lid(1, 1, 1 << 40)),
+        leader_commit: None,
+        entries: Vec::new(),
+    };
+    match r.below(7) {
+        0 => AppendWire {
+            vote: Vote::new_committed(u64::MAX - r.below(3), 2),
+            ..base
+        },
+        1 => AppendWire {
+            vote: Vote::new(term, 2),
+            ..base
+        },
+        2 => AppendWire {
+            vote: Vote::new_committed(term, me),
+            ..base
+        },
+        3 => AppendWire {
+            entries: vec![LogEntry {
+                log_id: lid(term, 2, (1 << 40) + 5),
+                payload: openraft::EntryPayload::Blank,
+            }],
+            ..base
+        },
+        4 => AppendWire {
+            entries: vec![LogEntry {
+                log_id: lid(term + 1, 2, (1 << 40) + 1),
+                payload: openraft::EntryPayload::Normal(Batch {
+                    logical_time_ms: 0,
+                    requests: r.bytes(64),
+                }),
+            }],
+            ..base
+        },
+        5 => AppendWire {
+            leader_commit: Some(lid(term, 2, u64::MAX)),
+            ..base
+        },
+        _ => AppendWire {
+            entries: vec![LogEntry {
+                log_id: lid(term, 2, (1 << 40) + 1),
+                // Three configurations (a joint has at most two), one of them empty.
+                payload: openraft::EntryPayload::Membership(openraft::Membership::new(
+                    vec![
+                        std::collections::BTreeSet::from([9u64]),
+                        std::collections::BTreeSet::new(),
+                        std::collections::BTreeSet::from([8u64]),
+                    ],
+                    std::collections::BTreeMap::<u64, openraft::BasicNode>::new(),
+                )),
+            }],
+            ..base
+        },
+    }
+}
+
+/// Sends one random hostile message to `addr`; any answer is fine as long as the
+/// cluster survives and applies nothing. Returns the gRPC code (None: a raw socket).
+async fn one_hostile_message(r: &mut Rng, addr: &str, me: u64, secret: &str, revoked: &str) {
+    let ch = match tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(5))
+        .connect()
+        .await
+    {
+        Ok(c) => c,
+        Err(_) => return,
+    };
+    let tok = hostile_token(r, revoked);
+    let tok = tok.as_deref();
+    let shard = *r.pick(&[0u32, 0, 1, 7, u32::MAX]);
+    match r.below(13) {
+        0 | 1 => {
+            let n = 1 + r.below(6) as usize;
+            let reqs: Vec<Vec<u8>> = (0..n)
+                .map(|_| {
+                    if r.below(3) == 0 {
+                        r.bytes(200)
+                    } else {
+                        codec::encode(&Request {
+                            actor: random_actor(r),
+                            request_id: r.next() as u128,
+                            command: random_command(r),
+                        })
+                    }
+                })
+                .collect();
+            let _ = allot(ch)
+                .execute(bearer(
+                    ExecuteRequest {
+                        shard,
+                        requests: reqs,
+                    },
+                    tok,
+                ))
+                .await;
+        }
+        2 => {
+            let query = if r.below(2) == 0 {
+                r.bytes(100)
+            } else {
+                codec::encode(&query::Query::Jobs(query::JobFilter {
+                    org: Some(OrgId(r.big())),
+                    limit: r.next() as u32,
+                    ..Default::default()
+                }))
+            };
+            let _ = allot(ch)
+                .query(bearer(
+                    QueryRequest {
+                        shard,
+                        consistency: r.below(4) as i32,
+                        query,
+                    },
+                    tok,
+                ))
+                .await;
+        }
+        3 => {
+            let _ = allot(ch)
+                .audit(bearer(
+                    AuditRequest {
+                        shard,
+                        from_seq: r.big(),
+                        limit: r.next() as u32,
+                        org: Some(r.big()),
+                        from_ms: r.big(),
+                        ..Default::default()
+                    },
+                    tok,
+                ))
+                .await;
+        }
+        4 => {
+            let mut a = AgentClient::new(ch);
+            if let Ok(s) = a
+                .watch_assignments(bearer(
+                    WatchRequest {
+                        shard,
+                        node_id: r.string(30),
+                    },
+                    tok,
+                ))
+                .await
+            {
+                drop(s);
+            }
+        }
+        5 => {
+            let mut a = AdminClient::new(ch);
+            let member = Member {
+                node_id: r.big(),
+                addr: r.string(30),
+            };
+            let _ = match r.below(6) {
+                0 => a
+                    .init(bearer(
+                        InitRequest {
+                            members: vec![member],
+                            shards: vec![shard],
+                        },
+                        tok,
+                    ))
+                    .await
+                    .map(|_| ()),
+                1 => a
+                    .add_learner(bearer(
+                        MemberRequest {
+                            shard,
+                            all_shards: r.below(2) == 0,
+                            member: Some(member),
+                        },
+                        tok,
+                    ))
+                    .await
+                    .map(|_| ()),
+                2 => a
+                    .change_membership(bearer(
+                        ChangeMembershipRequest {
+                            shard,
+                            all_shards: true,
+                            voters: vec![r.big()],
+                        },
+                        tok,
+                    ))
+                    .await
+                    .map(|_| ()),
+                3 => a
+                    .shard_hash(bearer(ShardRequest { shard }, tok))
+                    .await
+                    .map(|_| ()),
+                4 => a
+                    .backup(bearer(ShardRequest { shard }, tok))
+                    .await
+                    .map(|_| ()),
+                _ => a.status(bearer(StatusRequest {}, tok)).await.map(|_| ()),
+            };
+        }
+        6 | 7 => {
+            // Peer messages without the secret, random bytes or structured.
+            let payload = if r.below(2) == 0 {
+                r.bytes(300)
+            } else {
+                codec::encode(&hostile_append(r, me))
+            };
+            let msg = RaftMessage { shard, payload };
+            let mut c = raft(ch);
+            let _ = match r.below(4) {
+                0 => c.append(msg).await.map(|_| ()),
+                1 => c.vote(msg).await.map(|_| ()),
+                2 => c.snapshot(msg).await.map(|_| ()),
+                _ => c.report_denials(msg).await.map(|_| ()),
+            };
+        }
+        8 | 9 => {
+            // From a peer (the secret): every such message breaks a guard.
+            let shard = 0;
+            let mut c = raft(ch);
+            let which = r.below(3);
+            let append = hostile_append(r, me);
+            let what = format!("{which}: {:?}", append.vote);
+            let e = match which {
+                0 => c
+                    .append(as_peer(
+                        RaftMessage {
+                            shard,
+                            payload: codec::encode(&append),
+                        },
+                        secret,
+                    ))
+                    .await
+                    .err(),
+                1 => c
+                    .vote(as_peer(
+                        RaftMessage {
+                            shard,
+                            payload: codec::encode(&openraft::raft::VoteRequest {
+                                vote: Vote::new(TERM_MAX + 1 + r.below(1 << 20), 2),
+                                last_log_id: None,
+                            }),
+                        },
+                        secret,
+                    ))
+                    .await
+                    .err(),
+                _ => c
+                    .snapshot(as_peer(
+                        RaftMessage {
+                            shard,
+                            payload: codec::encode(&SnapshotChunk {
+                                vote: Vote::new_committed(5, 99),
+                                meta: forged_meta(5, 1 << 40),
+                                total_bytes: r.big(),
+                                offset: 1 + r.below(u64::MAX - 1),
+                                data: r.bytes(64),
+                            }),
+                        },
+                        secret,
+                    ))
+                    .await
+                    .err(),
+            };
+            let e = e.unwrap_or_else(|| {
+                panic!("a guard-breaking peer message was accepted by node {me}: {what}")
+            });
+            assert!(
+                matches!(e.code(), Code::InvalidArgument | Code::FailedPrecondition),
+                "{e:?}"
+            );
+        }
+        10 | 11 => {
+            // Raw bytes on the socket: garbage, or an HTTP/2 preface and garbage frames.
+            use tokio::io::AsyncWriteExt;
+            if let Ok(mut s) = tokio::net::TcpStream::connect(addr).await {
+                if r.below(2) == 0 {
+                    let _ = s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await;
+                }
+                let _ = s.write_all(&r.bytes(4096)).await;
+                let _ = s.shutdown().await;
+            }
+        }
+        _ => {
+            // A message over every bound.
+            let _ = allot(ch)
+                .execute(bearer(
+                    ExecuteRequest {
+                        shard: 0,
+                        requests: vec![vec![1; 2 << 20]],
+                    },
+                    tok,
+                ))
+                .await;
+        }
+    }
+}
+
+/// Random and structure-aware hostile messages at every service and method of a
+/// secured 3-node cluster (2 shards), 4 senders at once: no node exits, no node's peak
+/// memory passes idle + 512 MiB, nothing is applied, every shard commits within 5 s of
+/// the end, and the replicas agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fuzz_every_service() {
+    let secs: u64 = std::env::var("ALLOT_FUZZ_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(15);
+    let seed: u64 = std::env::var("ALLOT_FUZZ_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x9E37_79B9_7F4A_7C15);
+    eprintln!("fuzz: {secs} s, seed {seed}");
+    let mut h = secured(2).await;
+    for o in [4u64, 5] {
+        h.admin.create_org(OrgId(o)).await.unwrap();
+    }
+    let revoked = h
+        .admin
+        .create_token(PrincipalId(60), Scope::Agent(NodeId(9)), None)
+        .await
+        .unwrap();
+    h.admin.revoke_token(PrincipalId(60)).await.unwrap();
+    // Let the cluster settle, then take the idle figures and the trail's heads.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let idle = h.rss_now();
+    let heads = [h.head_seq(0).await, h.head_seq(1).await];
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    let mut senders = Vec::new();
+    for s in 0..4u64 {
+        let addrs: Vec<(u64, String)> = (1..=3).map(|id| (id, h.addr(id))).collect();
+        let (secret, revoked) = (h.secret(), revoked.clone());
+        senders.push(tokio::spawn(async move {
+            let mut r = Rng(seed ^ (s + 1).wrapping_mul(0x2545_F491_4F6C_DD1D));
+            let mut sent = 0u64;
+            while Instant::now() < deadline {
+                let (me, addr) = r.pick(&addrs).clone();
+                one_hostile_message(&mut r, &addr, me, &secret, &revoked).await;
+                sent += 1;
+            }
+            sent
+        }));
+    }
+    let mut sent = 0;
+    for s in senders {
+        sent += s.await.unwrap();
+    }
+    h.assert_all_running();
+    let grew = h.assert_memory_within(&idle, 512);
+    let t = h.every_shard_commits(Duration::from_secs(5), 1_000).await;
+    // The denials of the last second reach the trail, then nothing else did.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    for (shard, head) in heads.iter().enumerate() {
+        h.only_denials_since(shard as u32, *head, Some(1_000 + shard as u64))
+            .await;
+    }
+    h.replicas_agree().await;
+    let idle_mib: Vec<u64> = idle.iter().map(|k| k / 1024).collect();
+    eprintln!(
+        "fuzz: {sent} hostile messages in {secs} s; idle RSS {idle_mib:?} MiB, peak growth \
+         {grew} MiB (budget 512); every shard committed within {t:?} after"
+    );
+}
