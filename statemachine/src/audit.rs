@@ -94,6 +94,13 @@ pub enum EventBody {
         api: String,
         reason: crate::command::DenialReason,
     },
+    // -- appended (the encoding is positional) --
+    /// A closed bucket (nothing remaining, nothing held, no open hold drawn on it) left
+    /// its account's list and the bucket table; its figures stay in the account's and
+    /// the shard's archived totals.
+    BucketArchived {
+        bucket: BucketId,
+    },
 }
 
 /// An event before it is numbered and chained.

@@ -1,7 +1,18 @@
-//! `IdMap`: the state's point-lookup tables. A hash map (fewer cache misses than a
-//! B-tree on the hot path) with a fixed, seedless hasher, whose encoding is the entries
+//! `IdMap`: the state's point-lookup tables. A hash map whose encoding is the entries
 //! *sorted by key* — so snapshots and `state_hash` stay canonical however the map was
 //! built (log replay or snapshot restore).
+//!
+//! **Keyed hashing.** Most keys are chosen by callers (request ids, hold and job ids,
+//! token digests), so an unkeyed hash lets a caller pick ids that collide and make
+//! every insert and lookup O(n) on every replica at once. Each map therefore hashes
+//! with its own random SipHash-1-3 keys (`std`'s `RandomState`): a caller cannot know
+//! which ids collide. The keys differ between maps and between replicas, which is safe
+//! because nothing observable depends on a hash table's layout — apply never iterates a
+//! map in hash order where the order matters, and the encoding is sorted. The
+//! determinism tests hold replicas whose maps hash differently, so they would catch a
+//! use of hash order. (Rejected: a per-shard secret seed replicated through the log —
+//! needed only if replicas had to hash alike, and a secret in every snapshot and
+//! backup; ordered maps — O(log n) lookups on the hottest tables.)
 //!
 //! [`SharedMap`] and [`SharedQueue`] are the persistent (structurally shared) variants
 //! for the tables that grow with traffic history — the idempotency table and its
@@ -16,47 +27,24 @@
 
 use serde::de::{Deserialize, Deserializer};
 use serde::ser::{Serialize, Serializer};
+use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hash, Hasher};
+use std::hash::Hash;
 use std::ops::{Deref, DerefMut};
 
-/// FxHash-style multiplicative hasher: fast for integer ids, identical on every replica.
-#[derive(Default, Clone, Copy)]
-pub struct IdHasher(u64);
+/// The hasher of every state table: SipHash-1-3 with random keys per map.
+pub type Keyed = RandomState;
 
-const K: u64 = 0x517c_c1b7_2722_0a95;
+#[derive(Clone, Debug)]
+pub struct IdMap<K: Hash + Eq, V>(HashMap<K, V, Keyed>);
 
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut b = [0u8; 8];
-            b[..chunk.len()].copy_from_slice(chunk);
-            self.write_u64(u64::from_le_bytes(b));
-        }
-    }
-    fn write_u8(&mut self, i: u8) {
-        self.write_u64(i as u64);
-    }
-    fn write_u32(&mut self, i: u32) {
-        self.write_u64(i as u64);
-    }
-    fn write_u64(&mut self, i: u64) {
-        self.0 = (self.0.rotate_left(5) ^ i).wrapping_mul(K);
-    }
-    fn write_u128(&mut self, i: u128) {
-        self.write_u64(i as u64);
-        self.write_u64((i >> 64) as u64);
-    }
-    fn write_usize(&mut self, i: usize) {
-        self.write_u64(i as u64);
+impl<K: Hash + Eq, V: PartialEq> PartialEq for IdMap<K, V> {
+    fn eq(&self, other: &Self) -> bool {
+        self.0 == other.0
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct IdMap<K: Hash + Eq, V>(HashMap<K, V, BuildHasherDefault<IdHasher>>);
+impl<K: Hash + Eq, V: Eq> Eq for IdMap<K, V> {}
 
 impl<K: Hash + Eq, V> Default for IdMap<K, V> {
     fn default() -> Self {
@@ -65,7 +53,7 @@ impl<K: Hash + Eq, V> Default for IdMap<K, V> {
 }
 
 impl<K: Hash + Eq, V> Deref for IdMap<K, V> {
-    type Target = HashMap<K, V, BuildHasherDefault<IdHasher>>;
+    type Target = HashMap<K, V, Keyed>;
     fn deref(&self) -> &Self::Target {
         &self.0
     }
@@ -124,14 +112,20 @@ impl<'de, K: Hash + Eq + Deserialize<'de>, V: Deserialize<'de>> Deserialize<'de>
 
 type Shared = imbl::shared_ptr::DefaultSharedPtr;
 
-/// A persistent hash map with [`IdMap`]'s hasher and encoding: a clone shares every node
+/// A persistent hash map with [`IdMap`]'s kind of hasher and encoding: a clone shares every node
 /// with the original (O(1)); a write after a clone copies only the path to the entry it
 /// changes. Lookups cost about twice an `IdMap`'s, so it is used only where a table
 /// grows with history and is mostly written once (see the module docs).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SharedMap<K: Hash + Eq + Clone, V: Clone>(
-    imbl::GenericHashMap<K, V, BuildHasherDefault<IdHasher>, Shared>,
-);
+#[derive(Clone, Debug)]
+pub struct SharedMap<K: Hash + Eq + Clone, V: Clone>(imbl::GenericHashMap<K, V, Keyed, Shared>);
+
+impl<K: Hash + Eq + Clone, V: Clone + PartialEq> PartialEq for SharedMap<K, V> {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.len() == other.0.len() && self.0.iter().all(|(k, v)| other.0.get(k) == Some(v))
+    }
+}
+
+impl<K: Hash + Eq + Clone, V: Clone + Eq> Eq for SharedMap<K, V> {}
 
 impl<K: Hash + Eq + Clone, V: Clone> Default for SharedMap<K, V> {
     fn default() -> Self {
@@ -140,7 +134,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Default for SharedMap<K, V> {
 }
 
 impl<K: Hash + Eq + Clone, V: Clone> Deref for SharedMap<K, V> {
-    type Target = imbl::GenericHashMap<K, V, BuildHasherDefault<IdHasher>, Shared>;
+    type Target = imbl::GenericHashMap<K, V, Keyed, Shared>;
     fn deref(&self) -> &Self::Target {
         &self.0
     }
@@ -228,6 +222,105 @@ impl<K: Hash + Eq, V> FromIterator<(K, V)> for IdMap<K, V> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::cell::Cell;
+    use std::hash::Hasher;
+
+    thread_local! {
+        /// Key comparisons made by the maps under test: the work a lookup or insert does
+        /// beyond hashing (a long collision chain is many comparisons).
+        static COMPARISONS: Cell<u64> = const { Cell::new(0) };
+    }
+
+    /// A u64 key that hashes like one and counts its comparisons.
+    #[derive(Clone, Copy, Debug, PartialOrd, Ord)]
+    struct Counted(u64);
+
+    impl PartialEq for Counted {
+        fn eq(&self, other: &Self) -> bool {
+            COMPARISONS.with(|c| c.set(c.get() + 1));
+            self.0 == other.0
+        }
+    }
+    impl Eq for Counted {}
+    impl Hash for Counted {
+        fn hash<H: Hasher>(&self, h: &mut H) {
+            self.0.hash(h)
+        }
+    }
+
+    /// The hasher the tables used before issue 20 (FxHash-style, seedless):
+    /// `hash(id) = id × K`.
+    const OLD_K: u64 = 0x517c_c1b7_2722_0a95;
+
+    /// `n` ids whose old hashes are equal in their low 32 bits and top 7 bits — the bits
+    /// both hash tables index by: under the old hasher every one lands in the same
+    /// bucket and chain. (`id = (j << 32) × K⁻¹`.)
+    fn colliding_ids(n: u64) -> Vec<u64> {
+        let mut inv = OLD_K;
+        for _ in 0..6 {
+            inv = inv.wrapping_mul(2u64.wrapping_sub(OLD_K.wrapping_mul(inv)));
+        }
+        assert_eq!(OLD_K.wrapping_mul(inv), 1);
+        (1..=n).map(|j| (j << 32).wrapping_mul(inv)).collect()
+    }
+
+    fn comparisons<M: Default>(ids: &[u64], insert: impl Fn(&mut M, Counted), budget: u64) -> u64 {
+        COMPARISONS.with(|c| c.set(0));
+        let mut m = M::default();
+        for (i, &id) in ids.iter().enumerate() {
+            insert(&mut m, Counted(id));
+            let used = COMPARISONS.with(|c| c.get());
+            assert!(
+                used <= budget,
+                "{used} key comparisons after {i} inserts: the ids collide (budget {budget})"
+            );
+        }
+        COMPARISONS.with(|c| c.get())
+    }
+
+    /// Hash flooding (issue 20): 100,000 ids chosen to collide under the old seedless
+    /// hasher cost at most twice the key comparisons of 100,000 random ids, in both
+    /// kinds of table. (Under the old hasher each insert walked the whole chain: about
+    /// 5 × 10⁹ comparisons, which the budget stops at once.)
+    #[test]
+    fn ids_chosen_to_collide_cost_no_more_than_random_ids() {
+        let n = 100_000;
+        let bad = colliding_ids(n);
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let random: Vec<u64> = (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            })
+            .collect();
+        // The ids really collide under the old hasher.
+        let old = |id: u64| id.wrapping_mul(OLD_K);
+        assert!(bad
+            .iter()
+            .all(|&id| old(id) as u32 == 0 && old(id) >> 57 == 0));
+        let plain = |m: &mut IdMap<Counted, u32>, k| {
+            m.insert(k, 1);
+        };
+        let shared = |m: &mut SharedMap<Counted, u32>, k| {
+            m.insert(k, 1);
+        };
+        let base = comparisons(&random, plain, u64::MAX);
+        let flood = comparisons(&bad, plain, 2 * base + 1_000);
+        eprintln!("IdMap: {base} comparisons for random ids, {flood} for colliding ids");
+        let base = comparisons(&random, shared, u64::MAX);
+        let flood = comparisons(&bad, shared, 2 * base + 1_000);
+        eprintln!("SharedMap: {base} comparisons for random ids, {flood} for colliding ids");
+        // Lookups too.
+        let m: IdMap<Counted, u32> = bad.iter().map(|&id| (Counted(id), 1)).collect();
+        COMPARISONS.with(|c| c.set(0));
+        for &id in &bad {
+            assert!(m.contains_key(&Counted(id)));
+        }
+        let looked = COMPARISONS.with(|c| c.get());
+        assert!(looked <= 2 * n, "{looked} comparisons for {n} lookups");
+    }
 
     /// The encoding is canonical: the same contents built in different orders encode
     /// to the same bytes.

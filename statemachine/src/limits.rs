@@ -20,9 +20,13 @@ pub const ORGS_MAX: usize = 4_000_000;
 pub const PROJECTS_MAX: usize = 8_000_000;
 /// Users per shard.
 pub const USERS_MAX: usize = 8_000_000;
-/// Buckets (grants and transfer-created buckets) per shard, drained ones included.
+/// Buckets (grants and transfer-created buckets) per shard, closed ones not yet archived
+/// included.
 pub const BUCKETS_MAX: usize = 16_000_000;
-/// Buckets one org or project may own over its life: bounds the spend-order scan.
+/// Buckets in use (not closed) one org or project may own at once: bounds the
+/// spend-order scan. A drained or expired bucket with nothing held is closed, stops
+/// counting at once and is archived a retention later, so a long-lived account never
+/// meets a lifetime limit.
 pub const BUCKETS_PER_ACCOUNT_MAX: usize = 1_024;
 /// Holds that are open (not yet settled) per shard.
 pub const HOLDS_OPEN_MAX: usize = 1_000_000;
@@ -78,8 +82,12 @@ pub const JOBS_FINISHED_MAX: usize = 4_000_000;
 pub const TIMERS_PER_ENTRY_MAX: usize = 16_384;
 /// API-token keys (digests) per shard, revoked and rotated-out ones included.
 pub const TOKENS_MAX: usize = 1_000_000;
-/// Live keys one principal may hold at once (rotation with overlap adds one).
+/// Live keys one principal may hold at once (rotation with overlap adds one; at the
+/// bound, the oldest overlap ends at the next rotation).
 pub const TOKEN_KEYS_PER_PRINCIPAL_MAX: usize = 4;
+/// Digests of a principal's retired keys remembered (never issued again); older ones
+/// are forgotten, so rotation cannot grow the token table without bound.
+pub const RETIRED_KEYS_PER_PRINCIPAL_MAX: usize = 16;
 /// Denials one `RecordDenials` command may carry, and the length of a denial's api name.
 pub const DENIALS_PER_RECORD_MAX: usize = 256;
 pub const DENIAL_API_LEN_MAX: usize = 64;

@@ -13,7 +13,7 @@
 //! from then on only bearer tokens are accepted.
 
 use crate::ids::{Actor, NodeId, OrgId, PrincipalId, ProjectId, TokenDigest};
-use crate::limits::{TOKENS_MAX, TOKEN_KEYS_PER_PRINCIPAL_MAX};
+use crate::limits::{RETIRED_KEYS_PER_PRINCIPAL_MAX, TOKENS_MAX, TOKEN_KEYS_PER_PRINCIPAL_MAX};
 use crate::outcome::{CommandError, Limit};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -77,7 +77,15 @@ pub struct Principal {
     /// Revoked principals are kept (their keys keep resolving to "revoked", and the id
     /// cannot be reused).
     pub revoked: bool,
+    /// Live keys, oldest first (at most `TOKEN_KEYS_PER_PRINCIPAL_MAX`).
     pub keys: Vec<Key>,
+    /// The principal's own end of life (`None`: none), fixed when it was created: every
+    /// key rotation issues keeps it (a finite token rotated stays finite for the same
+    /// remaining life), however many rotations came before.
+    pub expires_at_ms: Option<u64>,
+    /// Digests of keys that stopped working, newest last, kept so they are never
+    /// issued again (at most `RETIRED_KEYS_PER_PRINCIPAL_MAX`; older ones are forgotten).
+    pub retired: Vec<TokenDigest>,
 }
 
 /// The shard's token table.
@@ -206,6 +214,8 @@ impl Security {
                     created_ms: now,
                     expires_at_ms,
                 }],
+                expires_at_ms,
+                retired: Vec::new(),
             },
         );
         self.digests.insert(digest, principal);
@@ -213,8 +223,13 @@ impl Security {
     }
 
     /// Adds `digest` as a key of `principal`; its other keys stop working `overlap_ms`
-    /// from now (0: at once). Keys that have expired are dropped from the principal
-    /// (their digests stay known, so they can never be issued again).
+    /// from now (0: at once) or at their own expiry if sooner. Any number of rotations
+    /// keeps exactly the newest key plus those still inside their overlap alive: the new
+    /// key's life is the principal's own (never a copy of an older key's overlap, which
+    /// used to lock a principal out on a second rotation inside the overlap). When the
+    /// keys alive would pass `TOKEN_KEYS_PER_PRINCIPAL_MAX`, the oldest overlap ends now.
+    /// Keys that stopped working are dropped from the principal (their digests are kept,
+    /// a bounded number of them, so they are not issued again).
     pub fn rotate(
         &mut self,
         now: u64,
@@ -235,21 +250,37 @@ impl Security {
             .principals
             .get_mut(&principal)
             .ok_or(CommandError::UnknownPrincipal)?;
-        p.keys.retain(|k| k.live(now));
-        if p.keys.len() >= TOKEN_KEYS_PER_PRINCIPAL_MAX {
-            return Err(CommandError::LimitReached(Limit::TokenKeysPerPrincipal));
+        if p.expires_at_ms.is_some_and(|e| e <= now) {
+            return Err(CommandError::ExpiryInPast);
         }
-        let expires = p.keys.first().and_then(|k| k.expires_at_ms);
+        let mut retired: Vec<TokenDigest> = Vec::new();
+        p.keys.retain(|k| {
+            let live = k.live(now);
+            if !live {
+                retired.push(k.digest);
+            }
+            live
+        });
+        while p.keys.len() >= TOKEN_KEYS_PER_PRINCIPAL_MAX {
+            retired.push(p.keys.remove(0).digest);
+        }
         for k in &mut p.keys {
             k.expires_at_ms = Some(k.expires_at_ms.map_or(until, |e| e.min(until)));
         }
         p.keys.push(Key {
             digest,
             created_ms: now,
-            // The new key keeps the principal's expiry policy: a finite token rotated
-            // stays finite for the same remaining life.
-            expires_at_ms: expires.filter(|e| *e > now),
+            expires_at_ms: p.expires_at_ms,
         });
+        p.retired.extend(retired);
+        let forget = p
+            .retired
+            .len()
+            .saturating_sub(RETIRED_KEYS_PER_PRINCIPAL_MAX);
+        let forgotten: Vec<TokenDigest> = p.retired.drain(..forget).collect();
+        for d in forgotten {
+            self.digests.remove(&d);
+        }
         self.digests.insert(digest, principal);
         Ok(())
     }

@@ -146,6 +146,10 @@ pub fn apply_into(
         now,
         effects: &mut effects,
     });
+    state.ledger.archive_closed(&mut Ctx {
+        now,
+        effects: &mut effects,
+    });
     state.scheduler.fire_timers(
         &mut Ctx {
             now,

@@ -251,6 +251,7 @@ impl Harness {
                 | JobTransition { .. }
                 | NodeStateChanged { .. }
                 | Denied { .. } => None,
+                BucketArchived { bucket } => Some(("archived", bucket.0, 0)),
                 Issued {
                     bucket,
                     amount_micro,
@@ -399,6 +400,9 @@ pub fn replay_buckets(
                 let f = m.entry(*bucket).or_default();
                 f.moved_in += a;
                 f.remaining += a;
+            }
+            BucketArchived { bucket } => {
+                m.remove(bucket);
             }
             Command { .. }
             | BudgetAlert { .. }

@@ -491,6 +491,65 @@ fn hard_budgets_reject_at_every_level() {
     }
 }
 
+/// A capture reversed in a later budget period is credited to the period it was billed
+/// in, not taken off the current one (issue 20): otherwise a hard budget could be
+/// overshot by the reversed amount.
+#[test]
+fn a_reversal_is_credited_to_the_period_it_was_billed_in() {
+    let mut h = Harness::world();
+    h.grant(1, P, BucketKind::Paid, credits(100), None);
+    h.ok(Command::SetBudget {
+        scope: BudgetScope::Project(PROJECT),
+        budget: Some(BudgetSpec {
+            limit_micro: credits(10),
+            period: BudgetPeriod::Month,
+            mode: BudgetMode::Hard,
+        }),
+    });
+    // 30 November, 22:00: a metered job on one A100 (2 credits an hour), no checkpoint.
+    h.now = T0_MS + 29 * 24 * HOUR_MS + 22 * HOUR_MS;
+    metered(&mut h, 1, credits(4), 1);
+    h.advance(HOUR_MS + HOUR_MS / 2);
+    heartbeat(&mut h, 1, 1, 1, 0).unwrap();
+    assert_eq!(h.hold(1).captured, credits(3), "billed in November");
+    // December: 6 credits spent on another hold.
+    h.advance(HOUR_MS);
+    h.ok(Command::CreateHold(Harness::hold_spec(2, credits(6))));
+    h.ok(Command::Capture {
+        hold: HoldId(2),
+        amount_micro: credits(6),
+    });
+    h.ok(Command::ReleaseHold { hold: HoldId(2) });
+    // The first job's node fails: nothing after its (absent) checkpoint is billable, so
+    // November's 3 credits are reversed — in November, not December.
+    let Reply::Settled(s) = h.ok(Command::Settle {
+        hold: HoldId(1),
+        attempt: 1,
+        reason: SettleReason::NodeFailure,
+    }) else {
+        panic!()
+    };
+    assert_eq!(s.captured_micro, 0);
+    let used = |h: &Harness| {
+        h.state.ledger.projects[&PROJECT]
+            .account
+            .usage
+            .used(BudgetPeriod::Month, h.now)
+    };
+    assert_eq!(used(&h), credits(6), "December's spend is still 6 credits");
+    // 6 + 5 > 10: refused (with the reversal taken off December it would pass).
+    assert_eq!(
+        h.run(Command::CreateHold(Harness::hold_spec(3, credits(5)))),
+        Err(CommandError::BudgetExceeded {
+            scope: BudgetScope::Project(PROJECT),
+            limit: credits(10),
+            used: credits(6),
+            asked: credits(5),
+        })
+    );
+    h.ok(Command::CreateHold(Harness::hold_spec(4, credits(4))));
+}
+
 #[test]
 fn soft_budget_allows_and_alerts_once_per_period() {
     let mut h = Harness::world();
@@ -565,6 +624,65 @@ fn idempotent_retries() {
     h.advance(h.state.config.idempotency_retention_ms);
     h.tick();
     assert!(!h.state.idempotency.records.contains_key(&(ADMIN, 9_000)));
+}
+
+/// A long-lived account never meets a lifetime bucket limit (issue 20): drained and
+/// expired buckets with nothing held are closed — they stop counting against
+/// `BUCKETS_PER_ACCOUNT_MAX` at once — and are archived a retention later, their
+/// figures kept in the account's totals. Repeated transfers of the same terms join one
+/// bucket instead of filling the receiving account's list.
+#[test]
+fn drained_buckets_are_archived_and_never_exhaust_an_account() {
+    let mut h = Harness::world();
+    let n = limits::BUCKETS_PER_ACCOUNT_MAX as u64 + 200;
+    for i in 0..n {
+        h.grant(1_000 + i, P, BucketKind::Paid, credits(1), None);
+        h.ok(Command::CreateHold(Harness::hold_spec(i + 1, credits(1))));
+        h.ok(Command::Capture {
+            hold: HoldId(i + 1),
+            amount_micro: credits(1),
+        });
+        h.ok(Command::ReleaseHold {
+            hold: HoldId(i + 1),
+        });
+    }
+    let rec = &h.state.ledger.projects[&PROJECT].account;
+    assert_eq!(rec.buckets.len() as u64, n, "closed, not yet archived");
+    assert_eq!(rec.closed as u64, n);
+    let before = h.state.ledger.balance(P, h.now, 0).unwrap();
+    assert_eq!(before.consumed_micro, credits(n));
+    // A retention later the closed buckets are archived; the balance is unchanged.
+    h.advance(h.state.config.ledger.bucket_retention_ms);
+    for _ in 0..(n as usize / limits::PRUNE_PER_ENTRY_MAX + 1) {
+        h.tick();
+    }
+    let rec = &h.state.ledger.projects[&PROJECT].account;
+    assert!(rec.buckets.is_empty());
+    assert_eq!(rec.archived.buckets, n);
+    assert!(h.state.ledger.buckets.get(&BucketId(1_000)).is_none());
+    assert_eq!(h.state.ledger.balance(P, h.now, 0).unwrap(), before);
+    let archived = h
+        .events
+        .iter()
+        .filter(|e| matches!(e.body, EventBody::BucketArchived { .. }))
+        .count();
+    assert_eq!(archived as u64, n);
+    h.assert_audit_rebuilds_ledger();
+
+    // 1,100 tiny transfers from the project to its org join one bucket: grants to the
+    // org still succeed.
+    h.grant(1, P, BucketKind::Paid, credits(10), None);
+    for _ in 0..1_100 {
+        h.ok(Command::Transfer {
+            from: P,
+            to: O,
+            amount_micro: 1,
+        });
+    }
+    let org = &h.state.ledger.orgs[&ORG].account;
+    assert_eq!(org.buckets.len(), 1, "{:?}", org.buckets);
+    assert_eq!(h.state.ledger.buckets[&org.buckets[0]].remaining, 1_100);
+    h.grant(2, O, BucketKind::Granted, credits(1), None);
 }
 
 #[test]

@@ -431,6 +431,95 @@ fn an_agent_token_cannot_finish_another_nodes_job() {
     );
 }
 
+/// Any number of rotations inside the overlap keeps the newest key and those still in
+/// their overlap alive (issue 20: the second rotation used to copy the first key's
+/// overlap end onto the new key, locking the principal out when it passed — for the
+/// admin principal, the operator out of the cluster). Retired digests are never issued
+/// again, and rotating forever keeps the principal's entries bounded.
+#[test]
+fn rotations_inside_the_overlap_never_lock_a_principal_out() {
+    let mut h = secured();
+    let q = Query::Budget(BudgetScope::Org(ORG));
+    let token = |i: usize| format!("tok-org-1-rotation-{i:04}-fffffffffffffffff");
+    let mut current = ORG1.to_string();
+    for i in 0..3 {
+        let next = token(i);
+        assert_eq!(
+            h.run_as(
+                bearer(&current),
+                Command::RotateToken {
+                    principal: PrincipalId(10),
+                    digest: TokenDigest::of(next.as_bytes()),
+                    overlap_ms: 60_000,
+                }
+            ),
+            Ok(Reply::TokenSet),
+            "rotation {i}"
+        );
+        h.advance(10_000);
+        h.tick();
+        current = next;
+    }
+    // Every overlap has now passed; the newest key works, and keeps working.
+    h.advance(3_600_000);
+    h.tick();
+    assert!(answer_as(&h.state, bearer(&current), &q).is_ok());
+    assert_eq!(
+        answer_as(&h.state, bearer(ORG1), &q),
+        Err(QueryDenied::Unauthenticated)
+    );
+    // The admin rotates twice inside one overlap and keeps access.
+    let a1 = "tok-admin-rotated-1-ffffffffffffffffffffff";
+    let a2 = "tok-admin-rotated-2-ffffffffffffffffffffff";
+    for (from, to) in [(ADMIN_TOKEN, a1), (a1, a2)] {
+        assert_eq!(
+            h.run_as(
+                bearer(from),
+                Command::RotateToken {
+                    principal: PrincipalId(1),
+                    digest: TokenDigest::of(to.as_bytes()),
+                    overlap_ms: 60_000,
+                }
+            ),
+            Ok(Reply::TokenSet)
+        );
+    }
+    h.advance(120_000);
+    h.tick();
+    assert!(answer_as(&h.state, bearer(a2), &Query::Totals).is_ok());
+    // A retired digest cannot come back.
+    assert_eq!(
+        h.run_as(
+            bearer(&current),
+            Command::RotateToken {
+                principal: PrincipalId(10),
+                digest: TokenDigest::of(ORG1.as_bytes()),
+                overlap_ms: 0,
+            }
+        ),
+        Err(CommandError::AlreadyExists)
+    );
+    // A hundred rotations: the principal's keys and remembered digests stay bounded.
+    for i in 100..200 {
+        let next = token(i);
+        assert!(h
+            .run_as(
+                bearer(&current),
+                Command::RotateToken {
+                    principal: PrincipalId(10),
+                    digest: TokenDigest::of(next.as_bytes()),
+                    overlap_ms: 1_000_000,
+                }
+            )
+            .is_ok());
+        current = next;
+    }
+    let p = h.state.security.principal(PrincipalId(10)).unwrap();
+    assert!(p.keys.len() <= limits::TOKEN_KEYS_PER_PRINCIPAL_MAX);
+    assert!(p.retired.len() <= limits::RETIRED_KEYS_PER_PRINCIPAL_MAX);
+    assert!(answer_as(&h.state, bearer(&current), &q).is_ok());
+}
+
 #[test]
 fn revocation_rotation_and_expiry_take_effect_at_their_log_position() {
     let mut h = secured();

@@ -41,7 +41,15 @@ impl Books {
     /// counts as expired even before the expiry pass has processed its bucket.
     pub fn balance(&self, account: Account, now: u64, horizon_ms: u64) -> Option<Balance> {
         let rec = self.account(account)?;
-        let mut b = Balance::default();
+        let sat = |x: u128| x.min(u64::MAX as u128) as u64;
+        let mut b = Balance {
+            consumed_micro: sat(rec.archived.consumed),
+            expired_micro: sat(rec.archived.expired),
+            issued_micro: sat(rec.archived.issued),
+            moved_in_micro: sat(rec.archived.moved_in),
+            moved_out_micro: sat(rec.archived.moved_out),
+            ..Balance::default()
+        };
         for id in &rec.buckets {
             let Some(bucket) = self.buckets.get(id) else {
                 continue;

@@ -39,7 +39,8 @@ impl Books {
     /// Checks that `account` may own one more bucket and the shard one more.
     fn check_bucket_room(&self, account: Account, extra: usize) -> Result<(), CommandError> {
         let rec = self.account(account).ok_or(unknown_account(account))?;
-        if rec.buckets.len() + extra > BUCKETS_PER_ACCOUNT_MAX {
+        // Closed buckets (awaiting archive) do not count: the bound is on buckets in use.
+        if rec.buckets.len() - rec.closed as usize + extra > BUCKETS_PER_ACCOUNT_MAX {
             return Err(CommandError::LimitReached(Limit::BucketsPerAccount));
         }
         if self.buckets.len() + extra > BUCKETS_MAX {
@@ -91,6 +92,8 @@ impl Books {
             expired: 0,
             moved_out: 0,
             is_expired: false,
+            open_draws: 0,
+            closed_at_ms: None,
         });
         self.totals.issued += g.amount_micro as u128;
         if let Some(b) = self.buckets.get(&g.bucket) {
@@ -136,6 +139,56 @@ impl Books {
                     amount_micro: amount,
                 },
             );
+            self.close_if_done(ctx.now, id);
+        }
+    }
+
+    /// Marks bucket `id` closed if it now is: nothing remaining, nothing held, and no
+    /// open hold drawn on it (a reversal could still return credit to it). Closed is
+    /// final — nothing can put credit into such a bucket again — so from now on it no
+    /// longer counts against its account's bucket bound, and it is archived once it has
+    /// been closed for `bucket_retention_ms` (until then it stays queryable).
+    pub(crate) fn close_if_done(&mut self, now: u64, id: BucketId) {
+        let Some(b) = self.buckets.get_mut(&id) else {
+            return;
+        };
+        if b.closed_at_ms.is_some() || b.remaining != 0 || b.held != 0 || b.open_draws != 0 {
+            return;
+        }
+        b.closed_at_ms = Some(now);
+        let owner = b.owner;
+        self.closed_queue.push_back((now, id));
+        if let Some(rec) = self.account_mut(owner) {
+            rec.closed += 1;
+        }
+    }
+
+    /// Archives the buckets closed for at least `bucket_retention_ms` (a bounded number
+    /// per entry): each leaves its account's list, the bucket table and the expiry
+    /// queue; its figures join the account's and the shard's archived totals.
+    pub(crate) fn archive_closed(&mut self, ctx: &mut Ctx) {
+        let retention = self.config.bucket_retention_ms;
+        for _ in 0..PRUNE_PER_ENTRY_MAX {
+            let Some(&(at, id)) = self.closed_queue.front() else {
+                return;
+            };
+            if at.saturating_add(retention) > ctx.now {
+                return;
+            }
+            self.closed_queue.pop_front();
+            let Some(b) = self.buckets.remove(&id) else {
+                continue;
+            };
+            if let Some(at) = b.expires_at_ms {
+                self.expiry_queue.remove(&(at, id));
+            }
+            if let Some(rec) = self.account_mut(b.owner) {
+                rec.buckets.retain(|x| *x != id);
+                rec.closed = rec.closed.saturating_sub(1);
+                rec.archived.add(&b);
+            }
+            self.archived.add(&b);
+            ctx.bucket_event(b.refs(), None, EventBody::BucketArchived { bucket: id });
         }
     }
 
@@ -155,9 +208,20 @@ impl Books {
             return Err(CommandError::InvalidTransfer);
         }
         let plan = self.plan_from_live(ctx.now, &[from], amount, |_| true)?;
-        self.check_bucket_room(to, plan.len())?;
+        // A part with the same terms as a transfer bucket `to` already has joins it, so
+        // repeated transfers (a rebalancer, or a flood of tiny ones) do not fill the
+        // account's bucket list.
+        let joins: Vec<Option<BucketId>> = plan
+            .iter()
+            .map(|(src, _)| {
+                self.buckets
+                    .get(src)
+                    .and_then(|s| self.same_terms(to, s, ctx.now))
+            })
+            .collect();
+        self.check_bucket_room(to, joins.iter().filter(|j| j.is_none()).count())?;
         let mut created = Vec::with_capacity(plan.len());
-        for (src_id, part) in plan {
+        for ((src_id, part), join) in plan.into_iter().zip(joins) {
             let Some(src) = self.buckets.get_mut(&src_id) else {
                 continue;
             };
@@ -175,6 +239,24 @@ impl Books {
                     amount_micro: part,
                 },
             );
+            self.close_if_done(ctx.now, src_id);
+            if let Some(dst) = join.and_then(|j| self.buckets.get_mut(&j)) {
+                dst.moved_in += part;
+                dst.remaining += part;
+                let r = dst.refs();
+                ctx.bucket_event(
+                    r,
+                    None,
+                    EventBody::TransferredIn {
+                        bucket: r.id,
+                        amount_micro: part,
+                    },
+                );
+                if !created.contains(&r.id) {
+                    created.push(r.id);
+                }
+                continue;
+            }
             let id = BucketId(self.next_internal_id);
             self.next_internal_id += 1;
             let dst = Bucket {
@@ -188,6 +270,8 @@ impl Books {
                 consumed: 0,
                 expired: 0,
                 moved_out: 0,
+                open_draws: 0,
+                closed_at_ms: None,
                 ..src
             };
             ctx.bucket_event(
@@ -203,6 +287,23 @@ impl Books {
         }
         self.totals.moved += amount as u128;
         Ok(created)
+    }
+
+    /// A live transfer bucket of `to` (one the ledger created) with the terms of `src`
+    /// — kind, priority, expiry, policy, source — that credit moved from `src` may join.
+    fn same_terms(&self, to: Account, src: &Bucket, now: u64) -> Option<BucketId> {
+        let rec = self.account(to)?;
+        rec.live.iter().map(|(_, id)| *id).find(|id| {
+            self.buckets.get(id).is_some_and(|b| {
+                b.id.0 >= INTERNAL_ID_BASE
+                    && b.spendable_at(now)
+                    && b.kind == src.kind
+                    && b.priority == src.priority
+                    && b.expires_at_ms == src.expires_at_ms
+                    && b.policy == src.policy
+                    && b.source_ref == src.source_ref
+            })
+        })
     }
 
     /// Plans taking `amount` from the live buckets of `accounts` (merged in spend

@@ -7,6 +7,11 @@
 use super::{Books, Ctx};
 use crate::audit::{EventBody, PendingEvent};
 use crate::calendar::{day_index, month_index};
+
+/// The calendar month of a day index.
+fn month_of_day(day: u32) -> u32 {
+    month_index(u64::from(day) * 86_400_000)
+}
 use crate::command::{BudgetMode, BudgetPeriod, BudgetScope, BudgetSpec};
 use crate::ids::{Account, OrgId, ProjectId, UserId};
 use crate::outcome::CommandError;
@@ -66,12 +71,18 @@ impl Usage {
         self.spent_total = self.spent_total.saturating_add(amount);
     }
 
-    /// A reversed capture: back from spent to held. Spend captured in an earlier period
-    /// is not taken off the new period (it stays counted where it happened).
-    fn unspend(&mut self, amount: u64) {
+    /// A reversed capture: back from spent to held, credited to the period in which it
+    /// was billed (`billed_day`). The day and month counters hold the current period only:
+    /// a capture billed in an earlier one is not in them, and taking it off them would
+    /// let the current period overspend a hard budget by the reversed amount.
+    fn unspend(&mut self, amount: u64, billed_day: u32) {
         self.held = self.held.saturating_add(amount);
-        self.spent_day = self.spent_day.saturating_sub(amount);
-        self.spent_month = self.spent_month.saturating_sub(amount);
+        if self.day == billed_day {
+            self.spent_day = self.spent_day.saturating_sub(amount);
+        }
+        if self.month == month_of_day(billed_day) {
+            self.spent_month = self.spent_month.saturating_sub(amount);
+        }
         self.spent_total = self.spent_total.saturating_sub(amount);
     }
 }
@@ -105,7 +116,8 @@ pub(crate) enum UsageMove {
     Hold(u64),
     Unhold(u64),
     Spend(u64),
-    Unspend(u64),
+    /// A reversed capture, and the day it was billed on.
+    Unspend(u64, u32),
 }
 
 impl Books {
@@ -219,7 +231,7 @@ impl Books {
                     UsageMove::Hold(a) => usage.hold(a),
                     UsageMove::Unhold(a) => usage.unhold(a),
                     UsageMove::Spend(a) => usage.spend(now, a),
-                    UsageMove::Unspend(a) => usage.unspend(a),
+                    UsageMove::Unspend(a, day) => usage.unspend(a, day),
                 }
             }
         }

@@ -176,6 +176,9 @@ impl Books {
             };
             bucket.remaining -= part;
             bucket.held += part;
+            if !hold.draws.iter().any(|d| d.bucket == id) {
+                bucket.open_draws += 1;
+            }
             let (r, empty) = (bucket.refs(), bucket.remaining == 0);
             if empty {
                 self.set_live(r, false);
@@ -248,8 +251,15 @@ impl Books {
     }
 
     /// Reverses `amount` (≤ captured) of earlier captures, last draw first:
-    /// consumed → held. Used when work after the last checkpoint is not billable.
-    pub(crate) fn uncapture(&mut self, ctx: &mut Ctx, hold: &mut Hold, amount: u64) {
+    /// consumed → held, credited to the budget period of `billed_day`, the day those
+    /// captures were billed on. Used when work after the last checkpoint is not billable.
+    pub(crate) fn uncapture(
+        &mut self,
+        ctx: &mut Ctx,
+        hold: &mut Hold,
+        amount: u64,
+        billed_day: u32,
+    ) {
         let amount = amount.min(hold.captured);
         let mut left = amount;
         for d in hold.draws.iter_mut().rev() {
@@ -275,7 +285,7 @@ impl Books {
         hold.held += amount;
         hold.captured -= amount;
         self.totals.consumed -= amount as u128;
-        self.move_usage(ctx.now, hold.path(), UsageMove::Unspend(amount));
+        self.move_usage(ctx.now, hold.path(), UsageMove::Unspend(amount, billed_day));
     }
 
     /// Returns everything still held to the exact buckets it came from. A bucket that

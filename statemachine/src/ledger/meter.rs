@@ -37,11 +37,34 @@ pub struct Meter {
     pub checkpoint_ms: Option<u64>,
     /// Captured for this attempt, net of reversals.
     pub captured_attempt: u64,
+    /// The attempt's captures by the day they were billed on (day index, amount), net of
+    /// reversals, oldest first: a reversal is credited to the budget period it was
+    /// billed in. At most `BILLED_DAYS_MAX` entries (the oldest merge).
+    pub billed_days: Vec<(u32, u64)>,
     /// The attempt has been billed to its end (settled or requeued).
     pub closed: bool,
 }
 
+/// Days of captures a meter remembers separately (a job runs at most 30 days).
+pub const BILLED_DAYS_MAX: usize = 64;
+
 impl Meter {
+    fn record_billed(&mut self, day: u32, amount: u64) {
+        if amount == 0 {
+            return;
+        }
+        match self.billed_days.last_mut() {
+            Some((d, a)) if *d == day => *a += amount,
+            _ => self.billed_days.push((day, amount)),
+        }
+        if self.billed_days.len() > BILLED_DAYS_MAX {
+            // Merge the two oldest into the newer day: a reversal reaches back only to
+            // the last checkpoint, never this far.
+            let (_, oldest) = self.billed_days.remove(0);
+            self.billed_days[0].1 += oldest;
+        }
+    }
+
     /// How much run time of this attempt a given ending bills.
     pub fn billable_ms(&self, reason: SettleReason, now: u64) -> u64 {
         let end = if reason.is_platform_fault() {
@@ -99,6 +122,7 @@ impl Ledger {
             checkpoint: 0,
             checkpoint_ms: None,
             captured_attempt: 0,
+            billed_days: Vec::new(),
             closed: false,
         });
         Ok((price, version))
@@ -177,6 +201,13 @@ impl HoldCtx<'_> {
             uncollected_micro: uncollected,
         };
         self.close(ctx.now, settlement);
+        // The hold no longer draws on its buckets: those now closed are archived.
+        for d in &self.hold.draws {
+            if let Some(b) = self.books.buckets.get_mut(&d.bucket) {
+                b.open_draws = b.open_draws.saturating_sub(1);
+            }
+            self.books.close_if_done(ctx.now, d.bucket);
+        }
         settlement
     }
 }
@@ -220,7 +251,31 @@ impl Books {
         let captured = meter.captured_attempt;
         let topup_chunk = meter.cost(self.config.hold_topup_ms);
         if target < captured {
-            self.uncapture(ctx, hold, captured - target);
+            // Newest captures first, each credited to the day it was billed on.
+            let mut left = captured - target;
+            let mut days = hold
+                .meter
+                .as_mut()
+                .map(|m| std::mem::take(&mut m.billed_days))
+                .unwrap_or_default();
+            while left > 0 {
+                let Some((day, amount)) = days.last_mut() else {
+                    break;
+                };
+                let part = left.min(*amount);
+                self.uncapture(ctx, hold, part, *day);
+                *amount -= part;
+                left -= part;
+                if *amount == 0 {
+                    days.pop();
+                }
+            }
+            if left > 0 {
+                self.uncapture(ctx, hold, left, crate::calendar::day_index(ctx.now));
+            }
+            if let Some(m) = hold.meter.as_mut() {
+                m.billed_days = days;
+            }
         } else if target > captured {
             let need = target - captured;
             if need > hold.held {
@@ -245,6 +300,7 @@ impl Books {
             let _ = self.capture(ctx, hold, take);
             if let Some(m) = hold.meter.as_mut() {
                 m.captured_attempt = captured + take;
+                m.record_billed(crate::calendar::day_index(ctx.now), take);
             }
             return need - take;
         }

@@ -33,6 +33,9 @@ pub struct LedgerConfig {
     pub hold_topup_ms: u64,
     /// How long a settled hold is kept as a tombstone ("already settled").
     pub settled_retention_ms: u64,
+    /// How long a closed bucket (drained or expired, nothing held) stays queryable
+    /// before it is archived.
+    pub bucket_retention_ms: u64,
 }
 
 impl Default for LedgerConfig {
@@ -40,6 +43,7 @@ impl Default for LedgerConfig {
         LedgerConfig {
             hold_topup_ms: 15 * 60_000,
             settled_retention_ms: 7 * 86_400_000,
+            bucket_retention_ms: 7 * 86_400_000,
         }
     }
 }
@@ -70,6 +74,11 @@ pub struct Bucket {
     pub moved_out: u64,
     /// Set by the expiry pass; from then on `remaining` is 0 and refunds are forfeited.
     pub is_expired: bool,
+    /// Open holds with a draw on this bucket (a reversal may still return credit to
+    /// it): a bucket is closed only once none is left.
+    pub open_draws: u32,
+    /// When the bucket closed (see `Books::close_if_done`); archived a retention later.
+    pub closed_at_ms: Option<u64>,
 }
 
 impl Bucket {
@@ -127,11 +136,39 @@ impl Bucket {
     }
 }
 
+/// The lifetime figures of archived buckets (an account's, or the shard's).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Archived {
+    pub buckets: u64,
+    pub issued: u128,
+    pub moved_in: u128,
+    pub moved_out: u128,
+    pub consumed: u128,
+    pub expired: u128,
+}
+
+impl Archived {
+    pub(crate) fn add(&mut self, b: &Bucket) {
+        self.buckets += 1;
+        self.issued += b.issued as u128;
+        self.moved_in += b.moved_in as u128;
+        self.moved_out += b.moved_out as u128;
+        self.consumed += b.consumed as u128;
+        self.expired += b.expired as u128;
+    }
+}
+
 /// An org's or project's credit account.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AccountRec {
-    /// Every bucket the account ever owned (bounded by `BUCKETS_PER_ACCOUNT_MAX`).
+    /// The buckets the account owns that are not archived (bounded by
+    /// `BUCKETS_PER_ACCOUNT_MAX`: drained and expired buckets leave it, so a long-lived
+    /// account never meets a lifetime limit).
     pub buckets: Vec<BucketId>,
+    /// How many of `buckets` are closed and wait to be archived.
+    pub closed: u32,
+    /// What its archived buckets issued, moved, consumed and expired.
+    pub archived: Archived,
     /// Buckets with remaining credit, sorted by spend order.
     pub live: Vec<(SpendKey, BucketId)>,
     pub usage: Usage,
@@ -227,6 +264,10 @@ pub struct Books {
     /// Next id for buckets the ledger creates itself (transfers), from `INTERNAL_ID_BASE`.
     pub next_internal_id: u64,
     pub totals: Totals,
+    /// The shard's archived buckets, all accounts together (conservation still sums).
+    pub archived: Archived,
+    /// Closed buckets in closing order, archived `bucket_retention_ms` later.
+    pub closed_queue: std::collections::VecDeque<(u64, BucketId)>,
 }
 
 /// Open holds and settled tombstones.

@@ -243,6 +243,7 @@ fn kind(b: &EventBody) -> &'static str {
         EventBody::NodeStateChanged { .. } => "node_state",
         EventBody::BudgetAlert { .. } => "budget_alert",
         EventBody::Denied { .. } => "denied",
+        EventBody::BucketArchived { .. } => "bucket_archived",
     }
 }
 
@@ -294,6 +295,7 @@ fn details(ev: &AuditEvent) -> String {
             bucket,
             amount_micro,
         } => format!("{bucket} {}{hold}", cr(*amount_micro)),
+        EventBody::BucketArchived { bucket } => format!("{bucket} closed and archived"),
         EventBody::JobTransition {
             job,
             from,
