@@ -73,8 +73,8 @@ use crate::{Assignment, Client};
 use allot_statemachine::query::{Answer, Query};
 use allot_statemachine::scheduler::JobState;
 use allot_statemachine::{
-    Actor, Command, CommandError, GpuType, JobHeartbeat, JobId, NodeId, NodeSpec, PrincipalId,
-    Reply,
+    Actor, Command, CommandError, GpuType, JobHeartbeat, JobId, JobKey, NodeId, NodeSpec, OrgId,
+    PrincipalId, Reply,
 };
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -353,14 +353,16 @@ impl Runner {
         match &shared.cfg.mode {
             Mode::Run { program, args } => {
                 let dir = &shared.cfg.work_dir;
-                let progress_file = progress_file(dir, a.job, a.attempt);
+                let progress_file = progress_file(dir, a.org, a.job, a.attempt);
                 let _ = std::fs::remove_file(&progress_file);
-                let log =
-                    std::fs::File::create(dir.join(format!("job-{}.{}.log", a.job.0, a.attempt)))?;
+                let log = std::fs::File::create(
+                    dir.join(format!("job-{}-{}.{}.log", a.org.0, a.job.0, a.attempt)),
+                )?;
                 let mut child = tokio::process::Command::new(program)
                     .args(args)
                     .env("CUDA_VISIBLE_DEVICES", gpu_list(&a.gpu_indices))
                     .env("ALLOT_JOB_ID", a.job.0.to_string())
+                    .env("ALLOT_ORG_ID", a.org.0.to_string())
                     .env("ALLOT_ATTEMPT", a.attempt.to_string())
                     .env("ALLOT_PROGRESS_FILE", &progress_file)
                     .stdin(std::process::Stdio::null())
@@ -401,7 +403,7 @@ impl Runner {
             Mode::Simulate(sim) => {
                 let job = match shared
                     .client
-                    .query(shared.cfg.shard, &Query::Job(a.job))
+                    .query(shared.cfg.shard, &Query::Job(a.org, a.job))
                     .await
                 {
                     Ok(Answer::Job(Some(j))) => Some(*j),
@@ -547,7 +549,7 @@ struct Shared {
     cfg: AgentConfig,
     /// The agent identity.
     client: Client,
-    done: mpsc::UnboundedSender<(JobId, u32)>,
+    done: mpsc::UnboundedSender<(JobKey, u32)>,
 }
 
 /// How a heartbeat went.
@@ -568,7 +570,7 @@ async fn heartbeat(shared: &Shared, a: &Assignment, seq: &mut u64, progress: (u3
             progress_ppm: progress.0,
             checkpoint: progress.1,
         };
-        match shared.client.job_heartbeat(shard, hb).await {
+        match shared.client.job_heartbeat(shard, a.org, hb).await {
             Ok(Reply::JobHeartbeat(r)) => {
                 if let Some(s) = r.stop {
                     return Beat::Stop(format!(
@@ -612,7 +614,7 @@ async fn heartbeat(shared: &Shared, a: &Assignment, seq: &mut u64, progress: (u3
 }
 
 /// Reports an attempt's exit, retrying (same request id) while the cluster is unreachable.
-async fn report_finish(shared: &Shared, job: JobId, attempt: u32, success: bool) {
+async fn report_finish(shared: &Shared, (org, job): JobKey, attempt: u32, success: bool) {
     let id = shared.client.next_request_id();
     let started = Instant::now();
     loop {
@@ -621,7 +623,11 @@ async fn report_finish(shared: &Shared, job: JobId, attempt: u32, success: bool)
             attempt,
             success,
         };
-        match shared.client.run_with_id(shared.cfg.shard, id, cmd).await {
+        match shared
+            .client
+            .run_in(shared.cfg.shard, Some(org), id, cmd)
+            .await
+        {
             Ok(Reply::JobFinished(settlement)) => {
                 match settlement {
                     Some(s) => info!(job = job.0, attempt, success, reason = ?s.reason,
@@ -658,7 +664,7 @@ async fn report_finish(shared: &Shared, job: JobId, attempt: u32, success: bool)
 
 /// Whether `(job, attempt)` is still placed here, by a linearizable read (`None`: gone,
 /// or the cluster could not say — then the job is not allowed to keep running).
-async fn still_assigned(shared: &Shared, job: JobId, attempt: u32) -> Option<JobState> {
+async fn still_assigned(shared: &Shared, (org, job): JobKey, attempt: u32) -> Option<JobState> {
     match shared
         .client
         .assignments(shared.cfg.shard, shared.cfg.node)
@@ -666,7 +672,7 @@ async fn still_assigned(shared: &Shared, job: JobId, attempt: u32) -> Option<Job
     {
         Ok(set) => set
             .into_iter()
-            .find(|a| a.job == job && a.attempt == attempt)
+            .find(|a| a.org == org && a.job == job && a.attempt == attempt)
             .map(|a| a.state),
         Err(e) => {
             warn!(job = job.0, attempt, "cannot confirm the assignment: {e}");
@@ -686,9 +692,9 @@ enum End {
 async fn job_task(shared: Arc<Shared>, a: Assignment, mut dir: watch::Receiver<Directive>) {
     let end = run_attempt(&shared, &a, &mut dir).await;
     if let End::Exited { success } = end {
-        report_finish(&shared, a.job, a.attempt, success).await;
+        report_finish(&shared, a.key(), a.attempt, success).await;
     }
-    let _ = shared.done.send((a.job, a.attempt));
+    let _ = shared.done.send((a.key(), a.attempt));
 }
 
 async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<Directive>) -> End {
@@ -736,7 +742,7 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
             changed = dir.changed() => {
                 let d = if changed.is_ok() { *dir.borrow_and_update() } else { Directive::Shutdown };
                 let d = match d {
-                    Directive::Gone => match still_assigned(shared, a.job, attempt).await {
+                    Directive::Gone => match still_assigned(shared, a.key(), attempt).await {
                         Some(JobState::Preempting) => Directive::Preempt,
                         Some(_) => Directive::Run,
                         None => Directive::Gone,
@@ -792,15 +798,15 @@ struct Task {
 
 struct Agent {
     shared: Arc<Shared>,
-    tasks: HashMap<JobId, Task>,
+    tasks: HashMap<JobKey, Task>,
     /// Highest attempt of each job that ended here (bounded, oldest forgotten first).
-    ended: HashMap<JobId, u32>,
-    ended_order: VecDeque<JobId>,
+    ended: HashMap<JobKey, u32>,
+    ended_order: VecDeque<JobKey>,
     last_set: Vec<Assignment>,
 }
 
 impl Agent {
-    fn record_ended(&mut self, job: JobId, attempt: u32) {
+    fn record_ended(&mut self, job: JobKey, attempt: u32) {
         let e = self.ended.entry(job).or_insert(0);
         if *e == 0 {
             self.ended_order.push_back(job);
@@ -815,7 +821,7 @@ impl Agent {
 
     /// Applies a whole assignment set: directs running attempts, starts new ones.
     fn reconcile(&mut self, set: Vec<Assignment>) {
-        let by_job: HashMap<JobId, &Assignment> = set.iter().map(|a| (a.job, a)).collect();
+        let by_job: HashMap<JobKey, &Assignment> = set.iter().map(|a| (a.key(), a)).collect();
         for (job, task) in &self.tasks {
             let d = match by_job.get(job) {
                 None => Directive::Gone,
@@ -846,8 +852,8 @@ impl Agent {
     fn start_new(&mut self) {
         let set = std::mem::take(&mut self.last_set);
         for a in &set {
-            if self.tasks.contains_key(&a.job)
-                || self.ended.get(&a.job).is_some_and(|&e| e >= a.attempt)
+            if self.tasks.contains_key(&a.key())
+                || self.ended.get(&a.key()).is_some_and(|&e| e >= a.attempt)
             {
                 continue;
             }
@@ -856,7 +862,7 @@ impl Agent {
                     let (tx, rx) = watch::channel(Directive::Run);
                     let join = tokio::spawn(job_task(self.shared.clone(), a.clone(), rx));
                     self.tasks.insert(
-                        a.job,
+                        a.key(),
                         Task {
                             attempt: a.attempt,
                             directive: tx,
@@ -871,8 +877,8 @@ impl Agent {
                         attempt = a.attempt,
                         "preempted job is not running here: reporting it stopped"
                     );
-                    self.record_ended(a.job, a.attempt);
-                    let (shared, job, attempt) = (self.shared.clone(), a.job, a.attempt);
+                    self.record_ended(a.key(), a.attempt);
+                    let (shared, job, attempt) = (self.shared.clone(), a.key(), a.attempt);
                     tokio::spawn(async move { report_finish(&shared, job, attempt, false).await });
                 }
                 _ => {}
@@ -881,7 +887,7 @@ impl Agent {
         self.last_set = set;
     }
 
-    fn task_done(&mut self, job: JobId, attempt: u32) {
+    fn task_done(&mut self, job: JobKey, attempt: u32) {
         if self.tasks.get(&job).is_some_and(|t| t.attempt == attempt) {
             self.tasks.remove(&job);
         }
@@ -1060,7 +1066,11 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     for (job, t) in agent.tasks.drain() {
         let mut join = t.join;
         if tokio::time::timeout_at(deadline, &mut join).await.is_err() {
-            warn!(job = job.0, "the job's task did not stop in time");
+            warn!(
+                org = job.0 .0,
+                job = job.1 .0,
+                "the job's task did not stop in time"
+            );
             join.abort();
         }
     }
@@ -1068,8 +1078,8 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
 }
 
 /// The work directory's progress file of an attempt (for runners and tests).
-pub fn progress_file(work_dir: &Path, job: JobId, attempt: u32) -> PathBuf {
-    work_dir.join(format!("job-{}.{}.progress", job.0, attempt))
+pub fn progress_file(work_dir: &Path, org: OrgId, job: JobId, attempt: u32) -> PathBuf {
+    work_dir.join(format!("job-{}-{}.{}.progress", org.0, job.0, attempt))
 }
 
 #[cfg(test)]

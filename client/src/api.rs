@@ -21,6 +21,8 @@ use tokio_stream::{Stream, StreamExt};
 /// A job placed on a node, as its agent sees it.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Assignment {
+    /// The org the job is in: the agent reports on it in that org's namespace.
+    pub org: OrgId,
     pub job: JobId,
     /// The fencing token: heartbeats and finishes must carry it.
     pub attempt: u32,
@@ -71,9 +73,22 @@ impl Client {
         request_id: RequestId,
         command: Command,
     ) -> Result<Reply> {
+        self.run_in(shard, None, request_id, command).await
+    }
+
+    /// Runs one command in `org`'s namespace (the org its project, user, hold and job
+    /// ids are in) with a caller-chosen request id.
+    pub async fn run_in(
+        &self,
+        shard: u32,
+        org: Option<OrgId>,
+        request_id: RequestId,
+        command: Command,
+    ) -> Result<Reply> {
         let req = Request {
             actor: self.identity(),
             request_id,
+            org,
             command,
         };
         let (mut outcomes, _) = self.execute(shard, std::slice::from_ref(&req)).await?;
@@ -84,10 +99,11 @@ impl Client {
         }
     }
 
-    /// Runs a command on an org's home shard (the directory).
+    /// Runs a command on an org's home shard (the directory), in the org's namespace.
     pub async fn run_for_org(&self, org: OrgId, command: Command) -> Result<Reply> {
         let shard = self.shard_of_org(org).await?;
-        self.run(shard, command).await
+        self.run_in(shard, Some(org), self.next_request_id(), command)
+            .await
     }
 
     async fn query_org(&self, org: OrgId, q: &Query) -> Result<Answer> {
@@ -160,6 +176,7 @@ impl Client {
             .query_org(
                 org,
                 &Query::Balance {
+                    org,
                     account,
                     horizon_ms,
                 },
@@ -184,7 +201,7 @@ impl Client {
     }
 
     pub async fn budget(&self, org: OrgId, scope: BudgetScope) -> Result<BudgetView> {
-        match self.query_org(org, &Query::Budget(scope)).await? {
+        match self.query_org(org, &Query::Budget(org, scope)).await? {
             Answer::Budget(Some(b)) => Ok(b),
             Answer::Budget(None) => Err(Error::NotFound(format!("{scope:?}"))),
             other => unexpected("budget", other),
@@ -244,7 +261,7 @@ impl Client {
     }
 
     pub async fn job(&self, org: OrgId, job: JobId) -> Result<Job> {
-        match self.query_org(org, &Query::Job(job)).await? {
+        match self.query_org(org, &Query::Job(org, job)).await? {
             Answer::Job(Some(j)) => Ok(*j),
             Answer::Job(None) => Err(Error::NotFound(format!("{job}"))),
             other => unexpected("job", other),
@@ -362,21 +379,30 @@ impl Client {
             .map(drop)
     }
 
-    /// Meters a placed job's attempt and renews its lease.
-    pub async fn job_heartbeat(&self, shard: u32, hb: JobHeartbeat) -> Result<Reply> {
-        self.run(shard, Command::JobHeartbeat(hb)).await
+    /// Meters a placed job's attempt and renews its lease (the job of `org`).
+    pub async fn job_heartbeat(&self, shard: u32, org: OrgId, hb: JobHeartbeat) -> Result<Reply> {
+        self.run_in(
+            shard,
+            Some(org),
+            self.next_request_id(),
+            Command::JobHeartbeat(hb),
+        )
+        .await
     }
 
     /// Reports an attempt's exit (or, while preempting, that it stopped).
     pub async fn finish_job(
         &self,
         shard: u32,
+        org: OrgId,
         job: JobId,
         attempt: u32,
         success: bool,
     ) -> Result<Reply> {
-        self.run(
+        self.run_in(
             shard,
+            Some(org),
+            self.next_request_id(),
             Command::FinishJob {
                 job,
                 attempt,
@@ -414,7 +440,7 @@ impl Client {
             .into_inner();
         Ok(Box::pin(stream.map(|m| {
             let m = m.map_err(|s| Error::from_status(&s))?;
-            let raw: Vec<(JobId, u32, Vec<u8>, JobState)> =
+            let raw: Vec<allot_statemachine::scheduler::AssignmentRow> =
                 codec::decode(&m.assignments).map_err(|e| Error::Decode(e.to_string()))?;
             Ok(raw.into_iter().map(assignment).collect())
         })))
@@ -480,8 +506,18 @@ impl Client {
     }
 }
 
-fn assignment((job, attempt, gpu_indices, state): (JobId, u32, Vec<u8>, JobState)) -> Assignment {
+impl Assignment {
+    /// The job's key: its org and id (each org has its own job ids).
+    pub fn key(&self) -> (OrgId, JobId) {
+        (self.org, self.job)
+    }
+}
+
+fn assignment(
+    ((org, job), attempt, gpu_indices, state): allot_statemachine::scheduler::AssignmentRow,
+) -> Assignment {
     Assignment {
+        org,
         job,
         attempt,
         gpu_indices,

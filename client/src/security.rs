@@ -3,7 +3,7 @@
 
 use crate::error::{Error, Result};
 use crate::transport::Client;
-use allot_statemachine::{Command, PrincipalId, Reply, Scope, TokenDigest};
+use allot_statemachine::{Command, OrgId, PrincipalId, Reply, RequestId, Scope, TokenDigest};
 use base64::Engine;
 
 /// Prefix of generated tokens (so leaked ones are easy to grep for).
@@ -90,11 +90,14 @@ pub fn digest(token: &str) -> TokenDigest {
 }
 
 impl Client {
-    /// Runs `command` on every shard (tokens live on every shard), with one request id
-    /// per shard kept across retries.
-    async fn on_every_shard(&self, what: &str, command: Command) -> Result<()> {
+    /// Runs `command` on every shard (the operator's principals live on every shard),
+    /// shard `s` with request id `base + s` — reused on every retry, so running it again
+    /// with the same `base` completes what a failed attempt left undone and answers as
+    /// before where it was done.
+    async fn on_every_shard(&self, what: &str, base: RequestId, command: Command) -> Result<()> {
         for shard in 0..self.shards().await? {
-            match self.run(shard, command.clone()).await? {
+            let id = base.wrapping_add(shard as u128);
+            match self.run_in(shard, None, id, command.clone()).await? {
                 Reply::TokenSet => {}
                 other => {
                     return Err(Error::Unexpected(format!(
@@ -106,12 +109,36 @@ impl Client {
         Ok(())
     }
 
+    /// Runs a token command where its principal lives: an org's principals (org,
+    /// project and user tokens) on the org's home shard only — the only shard that
+    /// org's requests ever reach, so creating one is a single, atomic write —; the
+    /// operator's (admin and agent tokens) on every shard.
+    async fn on_principal_shards(
+        &self,
+        what: &str,
+        org: Option<OrgId>,
+        base: RequestId,
+        command: Command,
+    ) -> Result<()> {
+        let Some(org) = org else {
+            return self.on_every_shard(what, base, command).await;
+        };
+        let shard = self.shard_of_org(org).await?;
+        match self.run_in(shard, Some(org), base, command).await? {
+            Reply::TokenSet => Ok(()),
+            other => Err(Error::Unexpected(format!(
+                "{what} on shard {shard}: unexpected reply {other:?}"
+            ))),
+        }
+    }
+
     /// Installs the first admin token on every shard and so secures the cluster. Send
     /// it from a client *without* a token. Idempotent for the same token; refused with
     /// `AlreadyBootstrapped` on a shard secured with another one.
     pub async fn bootstrap(&self, principal: PrincipalId, token: &str) -> Result<()> {
         self.on_every_shard(
             "bootstrap",
+            self.next_request_id(),
             Command::Bootstrap {
                 principal,
                 digest: digest(token),
@@ -120,8 +147,9 @@ impl Client {
         .await
     }
 
-    /// Creates principal `principal` with `scope` and a new token, on every shard;
-    /// returns the token (shown once, stored nowhere).
+    /// Creates principal `principal` with `scope` and a new token (on its org's home
+    /// shard, or on every shard for an admin or agent token); returns the token (shown
+    /// once, stored nowhere).
     pub async fn create_token(
         &self,
         principal: PrincipalId,
@@ -129,24 +157,55 @@ impl Client {
         expires_at_ms: Option<u64>,
     ) -> Result<String> {
         let token = generate_token()?;
-        self.on_every_shard(
-            "create token",
-            Command::CreateToken {
-                principal,
-                digest: digest(&token),
-                scope,
-                expires_at_ms,
-            },
+        self.create_token_with(
+            principal,
+            scope,
+            expires_at_ms,
+            &token,
+            self.next_request_id(),
         )
         .await?;
         Ok(token)
     }
 
-    /// Gives `principal` a new token; its old ones stop working `overlap_ms` later.
-    pub async fn rotate_token(&self, principal: PrincipalId, overlap_ms: u64) -> Result<String> {
+    /// [`Client::create_token`] with a given token and request id: run it again with
+    /// both to complete a creation whose first attempt failed part of the way (an admin
+    /// or agent principal is written on every shard).
+    pub async fn create_token_with(
+        &self,
+        principal: PrincipalId,
+        scope: Scope,
+        expires_at_ms: Option<u64>,
+        token: &str,
+        request_id: RequestId,
+    ) -> Result<()> {
+        self.on_principal_shards(
+            "create token",
+            scope.org(),
+            request_id,
+            Command::CreateToken {
+                principal,
+                digest: digest(token),
+                scope,
+                expires_at_ms,
+            },
+        )
+        .await
+    }
+
+    /// Gives principal `principal` (of `org`; `None`: an admin or agent principal) a
+    /// new token; its old ones stop working `overlap_ms` later.
+    pub async fn rotate_token(
+        &self,
+        org: Option<OrgId>,
+        principal: PrincipalId,
+        overlap_ms: u64,
+    ) -> Result<String> {
         let token = generate_token()?;
-        self.on_every_shard(
+        self.on_principal_shards(
             "rotate token",
+            org,
+            self.next_request_id(),
             Command::RotateToken {
                 principal,
                 digest: digest(&token),
@@ -157,10 +216,16 @@ impl Client {
         Ok(token)
     }
 
-    /// Revokes every token of `principal` on every shard.
-    pub async fn revoke_token(&self, principal: PrincipalId) -> Result<()> {
-        self.on_every_shard("revoke token", Command::RevokeToken { principal })
-            .await
+    /// Revokes every token of principal `principal` (of `org`; `None`: an admin or agent
+    /// principal).
+    pub async fn revoke_token(&self, org: Option<OrgId>, principal: PrincipalId) -> Result<()> {
+        self.on_principal_shards(
+            "revoke token",
+            org,
+            self.next_request_id(),
+            Command::RevokeToken { principal },
+        )
+        .await
     }
 }
 

@@ -578,7 +578,10 @@ async fn preemption_reaches_the_runner_as_sigterm_and_requeues_the_victim() {
             (JobState::Running, Reason::Started, 1),
             (
                 JobState::Preempting,
-                Reason::Preempted { by: JobId(vip) },
+                Reason::Preempted {
+                    by: Some(JobId(vip)),
+                    by_tier: Tier::ENTERPRISE
+                },
                 1
             ),
             (JobState::Queued, Reason::Requeued, 1),

@@ -125,7 +125,12 @@ async fn a_submit_retried_after_a_client_timeout_charges_once() {
     spec.max_duration_ms = 3_600_000;
     let request_id = c.next_request_id();
     let first = impatient
-        .run_with_id(shard, request_id, Command::SubmitJob(spec.clone()))
+        .run_in(
+            shard,
+            Some(ORG),
+            request_id,
+            Command::SubmitJob(spec.clone()),
+        )
         .await;
     assert!(
         matches!(first, Err(Error::Unavailable { attempts: 1, .. })),
@@ -143,7 +148,12 @@ async fn a_submit_retried_after_a_client_timeout_charges_once() {
 
     // The retry (same request id, patient client) is answered with the first outcome.
     let retried = c
-        .run_with_id(shard, request_id, Command::SubmitJob(spec.clone()))
+        .run_in(
+            shard,
+            Some(ORG),
+            request_id,
+            Command::SubmitJob(spec.clone()),
+        )
         .await
         .unwrap();
     let Reply::JobSubmitted { hold_micro, .. } = retried else {
@@ -249,7 +259,11 @@ async fn a_follower_endpoint_serves_writes_and_reads_and_refusals_are_typed() {
     let page = c.jobs(ORG, Default::default()).await.unwrap();
     assert_eq!(page.jobs.len(), 1);
     let stale = c
-        .query_replica(&cluster.node(follower).addr, shard, &Query::Job(JobId(5)))
+        .query_replica(
+            &cluster.node(follower).addr,
+            shard,
+            &Query::Job(ORG, JobId(5)),
+        )
         .await
         .unwrap();
     assert!(matches!(stale, Answer::Job(Some(_))), "{stale:?}");

@@ -205,6 +205,7 @@ async fn tenant_isolation_revocation_and_agent_scope_on_a_real_cluster() {
             .query(
                 0,
                 &Query::Balance {
+                    org: OrgId(2),
                     account: Account::Project(ProjectId(20)),
                     horizon_ms: 0,
                 },
@@ -215,6 +216,7 @@ async fn tenant_isolation_revocation_and_agent_scope_on_a_real_cluster() {
             .query(
                 0,
                 &Query::Balance {
+                    org: OrgId(2),
                     account: Account::Project(ProjectId(999)),
                     horizon_ms: 0,
                 },
@@ -223,10 +225,10 @@ async fn tenant_isolation_revocation_and_agent_scope_on_a_real_cluster() {
             .unwrap();
         assert_eq!(foreign, missing, "{via}");
         assert_eq!(foreign, Answer::Balance(None), "{via}");
-        let j = a.query(0, &Query::Job(JobId(500))).await.unwrap();
+        let j = a.query(0, &Query::Job(OrgId(2), JobId(500))).await.unwrap();
         assert_eq!(
             j,
-            a.query(0, &Query::Job(JobId(999))).await.unwrap(),
+            a.query(0, &Query::Job(OrgId(2), JobId(999))).await.unwrap(),
             "{via}"
         );
         assert_eq!(j, Answer::Job(None));
@@ -252,9 +254,15 @@ async fn tenant_isolation_revocation_and_agent_scope_on_a_real_cluster() {
             gpu_types: vec![a100()],
             amount_micro: 1,
         };
+        // Naming another org is answered as naming an org that does not exist.
+        assert_eq!(
+            rejected(a.create_hold(OrgId(999), hold.clone()).await.unwrap_err()),
+            CommandError::UnknownOrg,
+            "{via}"
+        );
         assert_eq!(
             rejected(a.create_hold(OrgId(2), hold).await.unwrap_err()),
-            CommandError::UnknownProject,
+            CommandError::UnknownOrg,
             "{via}"
         );
         let e = a
@@ -266,12 +274,18 @@ async fn tenant_isolation_revocation_and_agent_scope_on_a_real_cluster() {
             )
             .await
             .unwrap_err();
-        assert_eq!(rejected(e), CommandError::UnknownProject, "{via}");
+        assert_eq!(rejected(e), CommandError::UnknownOrg, "{via}");
         // submit
         let mut j2 = job.clone();
         j2.job = JobId(600 + n.id);
         assert_eq!(
-            rejected(a.submit_job(OrgId(2), j2).await.unwrap_err()),
+            rejected(a.submit_job(OrgId(2), j2.clone()).await.unwrap_err()),
+            CommandError::UnknownOrg,
+            "{via}"
+        );
+        // In its own namespace, org 2's project is no project of org 1's.
+        assert_eq!(
+            rejected(a.submit_job(OrgId(1), j2).await.unwrap_err()),
             CommandError::UnknownProject,
             "{via}"
         );
@@ -310,7 +324,7 @@ async fn tenant_isolation_revocation_and_agent_scope_on_a_real_cluster() {
     // An agent token cannot finish another node's job, nor watch its assignments.
     let a2 = client(c.endpoints(), Some(&agent2));
     let e = a2
-        .finish_job(0, JobId(500), placed.1, true)
+        .finish_job(0, OrgId(2), JobId(500), placed.1, true)
         .await
         .unwrap_err();
     assert_eq!(rejected(e), CommandError::UnknownJob);
@@ -383,7 +397,7 @@ async fn tenant_isolation_revocation_and_agent_scope_on_a_real_cluster() {
         assert!(is_unauthenticated(&e), "node {}: {e:?}", n.id);
         // Linearizable reads: refused at once on every node.
         let e = a
-            .query(0, &Query::Budget(BudgetScope::Org(OrgId(1))))
+            .query(0, &Query::Budget(OrgId(1), BudgetScope::Org(OrgId(1))))
             .await
             .unwrap_err();
         assert!(is_unauthenticated(&e), "node {}: {e:?}", n.id);
@@ -497,6 +511,7 @@ async fn tenant_isolation_revocation_and_agent_scope_on_a_real_cluster() {
         .query(
             0,
             &Query::Balance {
+                org: OrgId(1),
                 account: Account::Project(ProjectId(13)),
                 horizon_ms: 0,
             },

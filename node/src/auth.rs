@@ -169,16 +169,19 @@ pub fn require_admin(
 }
 
 /// Any authenticated caller (the endpoint status: shard count, leaders and terms,
-/// which every client needs for routing; no tenant data). Anyone before bootstrap.
+/// which every client needs for routing; no tenant data). Anyone before bootstrap. A
+/// tenant's token lives on its org's home shard only, so the caller is authenticated if
+/// any shard of this node knows it.
 pub fn require_authenticated(node: &Node, meta: &MetadataMap, api: &str) -> Result<(), Status> {
     let caller = caller(node, bearer(meta)?);
-    match resolve(node, 0, caller) {
-        Ok(Actor::Anonymous) if secured(node) => {
-            Err(refuse(node, 0, caller, api, DenialReason::Unauthenticated))
-        }
-        Ok(_) => Ok(()),
-        Err(_) => Err(refuse(node, 0, caller, api, DenialReason::Unauthenticated)),
+    let known = node
+        .shards
+        .iter()
+        .any(|s| resolve(node, s.id, caller).is_ok_and(|a| a != Actor::Anonymous));
+    if known || (!secured(node) && resolve(node, 0, caller).is_ok()) {
+        return Ok(());
     }
+    Err(refuse(node, 0, caller, api, DenialReason::Unauthenticated))
 }
 
 fn secured(node: &Node) -> bool {
@@ -249,6 +252,7 @@ pub async fn report(
     let req = Request {
         actor: Actor::System,
         request_id: 0,
+        org: None,
         command: Command::RecordDenials {
             node: reporter,
             denials: denials.clone(),
@@ -287,6 +291,7 @@ mod tests {
         let boot = Request {
             actor: Actor::Anonymous,
             request_id: 1,
+            org: None,
             command: Command::Bootstrap {
                 principal: PrincipalId(1),
                 digest: TokenDigest::of(TOKEN.as_bytes()),

@@ -31,7 +31,9 @@ pub enum Key {
 /// requests are never limited.
 pub fn key_of(actor: Option<Actor>) -> Option<Key> {
     Some(match actor {
-        Some(Actor::Tenant { org, .. } | Actor::Project { org, .. }) => Key::Org(org.0),
+        Some(Actor::Tenant { org, .. } | Actor::Project { org, .. } | Actor::User { org, .. }) => {
+            Key::Org(org.0)
+        }
         Some(Actor::Agent(n)) => Key::Agent(n.0),
         Some(Actor::Admin(p)) => Key::Admin(p.0),
         Some(Actor::System) => return None,

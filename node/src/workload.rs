@@ -6,10 +6,12 @@ use allot_statemachine::{
     Account, BucketId, BucketKind, Command, Grant, HoldId, HoldSpec, Request, Tier,
 };
 
+/// A request of the operator, in the org of the standard world its ids are in.
 pub fn admin(request_id: u128, command: Command) -> Request {
     Request {
         actor: ADMIN,
         request_id,
+        org: allot_statemachine::testkit::fixture_org(&command),
         command,
     }
 }
@@ -18,6 +20,7 @@ pub fn as_tenant(request_id: u128, command: Command) -> Request {
     Request {
         actor: tenant(ORG),
         request_id,
+        org: None,
         command,
     }
 }

@@ -154,6 +154,7 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
     let submit = Request {
         actor: tenant(ORG),
         request_id: workload::rid(9, 3),
+        org: None,
         command: Command::SubmitJob(job),
     };
     let (o, _) = client.execute(0, &[submit]).await.unwrap();
@@ -161,9 +162,9 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
     let placed = tokio::time::timeout(Duration::from_secs(10), async {
         loop {
             let m = stream.message().await.unwrap().expect("stream open");
-            let a: Vec<(JobId, u32, Vec<u8>, allot_statemachine::scheduler::JobState)> =
+            let a: Vec<allot_statemachine::scheduler::AssignmentRow> =
                 codec::decode(&m.assignments).unwrap();
-            if let Some(x) = a.into_iter().find(|x| x.0 == JobId(900)) {
+            if let Some(x) = a.into_iter().find(|x| x.0 .1 == JobId(900)) {
                 return x;
             }
         }

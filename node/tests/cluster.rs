@@ -4,7 +4,7 @@
 use allot_node::local_cluster::{Client, LocalCluster};
 use allot_node::workload::{self, HoldCycle};
 use allot_statemachine::query::{Answer, Query};
-use allot_statemachine::testkit::PROJECT;
+use allot_statemachine::testkit::{ORG, PROJECT};
 use allot_statemachine::{Account, Outcome, Request};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -377,6 +377,7 @@ async fn skewed_clocks_neither_expire_credit_early_nor_stop_time() {
             .query(
                 0,
                 &Query::Balance {
+                    org: ORG,
                     account: Account::Project(PROJECT),
                     horizon_ms: 0,
                 },
@@ -407,6 +408,7 @@ async fn skewed_clocks_neither_expire_credit_early_nor_stop_time() {
         .query(
             0,
             &Query::Balance {
+                org: ORG,
                 account: Account::Project(PROJECT),
                 horizon_ms: 0,
             },

@@ -113,6 +113,7 @@ fn req(id: u128, command: Command) -> Request {
     Request {
         actor: Actor::Anonymous,
         request_id: id,
+        org: None,
         command,
     }
 }
@@ -680,7 +681,10 @@ async fn unknown_tokens_are_refused_at_the_edge_and_never_proposed() {
         .create_token(PrincipalId(50), Scope::Org(OrgId(7)), None)
         .await
         .unwrap();
-    h.admin.revoke_token(PrincipalId(50)).await.unwrap();
+    h.admin
+        .revoke_token(Some(OrgId(7)), PrincipalId(50))
+        .await
+        .unwrap();
     let before = h.head_seq(0).await;
     let unknown = ::allot_client::security::generate_token().unwrap();
     for id in 1..=3 {
@@ -1007,6 +1011,7 @@ async fn one_hostile_message(r: &mut Rng, addr: &str, me: u64, secret: &str, rev
                         codec::encode(&Request {
                             actor: random_actor(r),
                             request_id: r.next() as u128,
+                            org: None,
                             command: random_command(r),
                         })
                     }
@@ -1245,7 +1250,7 @@ async fn fuzz_every_service() {
         .create_token(PrincipalId(60), Scope::Agent(NodeId(9)), None)
         .await
         .unwrap();
-    h.admin.revoke_token(PrincipalId(60)).await.unwrap();
+    h.admin.revoke_token(None, PrincipalId(60)).await.unwrap();
     // Let the cluster settle, then take the idle figures and the trail's heads.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let idle = h.rss_now();

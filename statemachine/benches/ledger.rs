@@ -69,6 +69,7 @@ fn req(rid: &mut u128, actor: Actor, command: Command) -> Request {
     Request {
         actor,
         request_id: *rid,
+        org: None,
         command,
     }
 }

@@ -37,6 +37,7 @@ impl B {
         Request {
             actor: ADMIN,
             request_id: self.rid,
+            org: None,
             command,
         }
     }

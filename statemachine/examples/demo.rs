@@ -194,18 +194,20 @@ fn workload() {
             reqs.push(Request {
                 actor: ADMIN,
                 request_id,
+                org: None,
                 command,
             });
         }
     }
     h.apply(reqs);
-    let (mut next_hold, mut open): (u64, Vec<(u64, u64)>) = (0, Vec::new());
+    let (mut next_hold, mut open): (u64, Vec<(u64, u64, u64)>) = (0, Vec::new());
     let (mut settled, mut stopped) = (0, 0);
     for i in 0..ENTRIES {
         h.advance(1_000 * (1 + rng.next(60)));
         let mut reqs = Vec::new();
         for _ in 0..20 {
             let roll = rng.next(10);
+            let org;
             let command = if roll < 2 || open.is_empty() {
                 next_hold += 1;
                 let o = rng.next(ORGS);
@@ -218,12 +220,14 @@ fn workload() {
                     amount_micro: credits(1 + rng.next(10)),
                 };
                 let request_id = h.fresh_request_id();
+                org = Some(OrgId(1_000 + o));
                 reqs.push(Request {
                     actor: ADMIN,
                     request_id,
+                    org,
                     command: Command::CreateHold(spec),
                 });
-                open.push((next_hold, 0));
+                open.push((next_hold, 0, 1_000 + o));
                 Command::StartMeter {
                     hold: HoldId(next_hold),
                     attempt: 1,
@@ -231,7 +235,8 @@ fn workload() {
                     gpus: 1 + rng.next(8) as u32,
                 }
             } else if roll < 3 {
-                let (hold, _) = open.swap_remove(rng.next(open.len() as u64) as usize);
+                let (hold, _, o) = open.swap_remove(rng.next(open.len() as u64) as usize);
+                org = Some(OrgId(o));
                 settled += 1;
                 let reason = [
                     SettleReason::Succeeded,
@@ -246,6 +251,7 @@ fn workload() {
             } else {
                 let k = rng.next(open.len() as u64) as usize;
                 open[k].1 += 1;
+                org = Some(OrgId(open[k].2));
                 Command::Heartbeat(Heartbeat {
                     hold: HoldId(open[k].0),
                     attempt: 1,
@@ -262,6 +268,7 @@ fn workload() {
             reqs.push(Request {
                 actor,
                 request_id: h.fresh_request_id(),
+                org,
                 command,
             });
         }
@@ -270,10 +277,10 @@ fn workload() {
                 stopped += 1;
             }
         }
-        open.retain(|(hold, _)| {
+        open.retain(|(hold, _, o)| {
             h.state
                 .ledger
-                .hold(HoldId(*hold))
+                .hold(OrgId(*o), HoldId(*hold))
                 .is_some_and(|x| x.is_open())
         });
         if i % 20 == 0 || i + 1 == ENTRIES {

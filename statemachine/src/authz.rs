@@ -1,78 +1,51 @@
 //! Who may apply which command. Checked inside apply (on every replica, after any
 //! forwarding), so no edge or forwarded request can escalate.
 //!
-//! A tenant touching another org's object gets the same "unknown" error as for an id
-//! that does not exist: the answer never reveals whether the target exists.
+//! A request acts in one org's namespace (`Request::namespace`): a tenant's token
+//! forces its own org, so a tenant can only ever name its own objects — another org's
+//! ids are simply not in its namespace, and answer exactly as ids nobody uses. A
+//! project or user token is further confined to its project (and user).
 
 use crate::command::{BudgetScope, Command, SettleReason};
-use crate::ids::{Account, Actor, JobId, OrgId, ProjectId};
+use crate::ids::{Account, Actor, OrgId, ProjectId, UserId};
 use crate::ledger::{unknown_account, Ledger};
 use crate::outcome::CommandError;
 use crate::scheduler::Scheduler;
 use crate::security::{Scope, Security};
 
-/// The org a command acts in, and the error to give a caller from outside it.
-fn target(
+/// The org, project or user of `scope` exists in `org`'s namespace, or the typed
+/// "unknown" error naming it.
+pub(crate) fn scope_exists(
     ledger: &Ledger,
-    sched: &Scheduler,
-    command: &Command,
-) -> Option<(Option<OrgId>, CommandError)> {
-    let job_org = |id: JobId| (sched.job(id).map(|j| j.org), CommandError::UnknownJob);
-    let hold_org = |id| (ledger.hold(id).map(|h| h.org), CommandError::UnknownHold);
-    Some(match command {
-        Command::CreateProject { org, .. } | Command::CreateUser { org, .. } => {
-            (Some(*org), CommandError::UnknownOrg)
-        }
-        Command::IssueGrant(g) => (ledger.org_of(g.owner), unknown_account(g.owner)),
-        Command::SetBudget { scope, .. } | Command::SetShareWeight { scope, .. } => {
-            scope_org(ledger, *scope)
-        }
-        Command::CreateHold(spec) => (
-            ledger.org_of(Account::Project(spec.project)),
-            CommandError::UnknownProject,
-        ),
-        Command::Capture { hold, .. }
-        | Command::TopUp { hold, .. }
-        | Command::ReleaseHold { hold }
-        | Command::StartMeter { hold, .. }
-        | Command::Settle { hold, .. } => hold_org(*hold),
-        Command::Heartbeat(hb) => hold_org(hb.hold),
-        Command::Transfer { from, .. } => (ledger.org_of(*from), unknown_account(*from)),
-        Command::SubmitJob(spec) => (
-            ledger.org_of(Account::Project(spec.project)),
-            CommandError::UnknownProject,
-        ),
-        Command::CancelJob { job } | Command::FinishJob { job, .. } => job_org(*job),
-        Command::JobHeartbeat(hb) => job_org(hb.job),
-        Command::SetQuota { org, .. } => (Some(*org), CommandError::UnknownOrg),
-        Command::CreateOrg { .. }
-        | Command::SetPrices { .. }
-        | Command::ConfigureScheduler(_)
-        | Command::Tick
-        | Command::RegisterNode(_)
-        | Command::NodeHeartbeat { .. }
-        | Command::SetNodeDraining { .. }
-        | Command::Bootstrap { .. }
-        | Command::CreateToken { .. }
-        | Command::RotateToken { .. }
-        | Command::RevokeToken { .. }
-        | Command::RecordDenials { .. } => return None,
+    org: OrgId,
+    scope: BudgetScope,
+) -> Result<(), CommandError> {
+    let found = match scope {
+        BudgetScope::Org(o) => o == org && ledger.orgs.contains_key(&o),
+        BudgetScope::Project(p) => ledger.projects.contains_key(&(org, p)),
+        BudgetScope::User(u) => ledger.users.contains_key(&(org, u)),
+    };
+    if found {
+        return Ok(());
+    }
+    Err(match scope {
+        BudgetScope::Org(_) => CommandError::UnknownOrg,
+        BudgetScope::Project(_) => CommandError::UnknownProject,
+        BudgetScope::User(_) => CommandError::UnknownUser,
     })
 }
 
-/// The org an org, project or user belongs to, and the error naming a missing one.
-pub(crate) fn scope_org(ledger: &Ledger, scope: BudgetScope) -> (Option<OrgId>, CommandError) {
-    match scope {
-        BudgetScope::Org(o) => (ledger.org_of(Account::Org(o)), CommandError::UnknownOrg),
-        BudgetScope::Project(p) => (
-            ledger.org_of(Account::Project(p)),
-            CommandError::UnknownProject,
-        ),
-        BudgetScope::User(u) => (
-            ledger.users.get(&u).map(|r| r.org),
-            CommandError::UnknownUser,
-        ),
-    }
+/// A command a tenant may never send, whatever it names: `Unauthorized`.
+pub(crate) fn tenant_refusal(command: &Command) -> Option<CommandError> {
+    let agent_only = matches!(
+        command,
+        Command::Heartbeat(_)
+            | Command::JobHeartbeat(_)
+            | Command::FinishJob { .. }
+            | Command::NodeHeartbeat { .. }
+            | Command::Tick
+    );
+    (admin_only(command) || agent_only).then_some(CommandError::Unauthorized)
 }
 
 /// Commands only an admin may issue.
@@ -112,86 +85,55 @@ fn project_allowed(command: &Command) -> bool {
     )
 }
 
-/// The project a command acts in (for project-scoped tokens), with the error for a
-/// caller from outside it.
+/// What a user-scoped token may do: its own holds and jobs (not move the project's
+/// credits).
+fn user_allowed(command: &Command) -> bool {
+    project_allowed(command) && !matches!(command, Command::Transfer { .. })
+}
+
+/// The project and user a command acts for in `org` (for project and user tokens),
+/// with the error for a caller from outside them. `None` for the user where the command
+/// names no user.
 fn project_target(
     ledger: &Ledger,
     sched: &Scheduler,
+    org: OrgId,
     command: &Command,
-) -> (Option<ProjectId>, CommandError) {
-    let hold_project = |id| {
-        (
-            ledger.hold(id).map(|h| h.project),
-            CommandError::UnknownHold,
-        )
+) -> Result<(ProjectId, Option<UserId>), CommandError> {
+    let hold = |id| {
+        ledger
+            .hold(org, id)
+            .map(|h| (h.project, Some(h.user)))
+            .ok_or(CommandError::UnknownHold)
     };
     match command {
-        Command::CreateHold(spec) => (Some(spec.project), CommandError::UnknownProject),
-        Command::SubmitJob(spec) => (Some(spec.project), CommandError::UnknownProject),
-        Command::Capture { hold, .. }
-        | Command::TopUp { hold, .. }
-        | Command::ReleaseHold { hold }
-        | Command::Settle { hold, .. } => hold_project(*hold),
-        Command::CancelJob { job } => (
-            sched.job(*job).map(|j| j.spec.project),
-            CommandError::UnknownJob,
-        ),
-        Command::Transfer { from, .. } => (
-            match from {
-                Account::Project(p) => Some(*p),
-                Account::Org(_) => None,
-            },
-            unknown_account(*from),
-        ),
-        _ => (None, CommandError::Unauthorized),
-    }
-}
-
-/// Token management by a tenant: inside its own org only; a project token only on
-/// itself (rotate or revoke its own principal).
-fn tenant_security(
-    security: &Security,
-    actor: Actor,
-    command: &Command,
-) -> Result<(), CommandError> {
-    let (org, own) = match actor {
-        Actor::Tenant { org, principal } => (org, principal),
-        Actor::Project { org, principal, .. } => (org, principal),
-        _ => return Err(CommandError::Unauthorized),
-    };
-    let project_token = matches!(actor, Actor::Project { .. });
-    match command {
-        Command::CreateToken { scope, .. } if !project_token => match scope {
-            Scope::Org(o) | Scope::Project { org: o, .. } if *o == org => Ok(()),
-            Scope::Org(_) | Scope::Project { .. } => Err(CommandError::UnknownOrg),
-            Scope::Admin | Scope::Agent(_) => Err(CommandError::Unauthorized),
+        Command::CreateHold(spec) => Ok((spec.project, Some(spec.user))),
+        Command::SubmitJob(spec) => Ok((spec.project, Some(spec.user))),
+        Command::Capture { hold: h, .. }
+        | Command::TopUp { hold: h, .. }
+        | Command::ReleaseHold { hold: h }
+        | Command::Settle { hold: h, .. } => hold(*h),
+        Command::CancelJob { job } => sched
+            .job(org, *job)
+            .map(|j| (j.spec.project, Some(j.spec.user)))
+            .ok_or(CommandError::UnknownJob),
+        Command::Transfer { from, .. } => match from {
+            Account::Project(p) => Ok((*p, None)),
+            Account::Org(_) => Err(unknown_account(*from)),
         },
-        Command::RotateToken { principal, .. } | Command::RevokeToken { principal } => {
-            let in_scope = if project_token {
-                *principal == own
-            } else {
-                security
-                    .principal(*principal)
-                    .is_some_and(|p| p.scope.org() == Some(org))
-            };
-            if in_scope {
-                Ok(())
-            } else {
-                Err(CommandError::UnknownPrincipal)
-            }
-        }
         _ => Err(CommandError::Unauthorized),
     }
 }
 
-/// May `actor` (already resolved from its token) apply `command`? Objects of another
-/// org answer as unknown. Which jobs an agent may report on is the scheduler's dispatch
-/// record (checked there: only jobs placed on its own node).
+/// May `actor` (already resolved from its token) apply `command` in namespace `ns`?
+/// Which jobs an agent may report on is the scheduler's dispatch record (checked
+/// there: only jobs placed on its own node).
 pub(crate) fn authorize(
     ledger: &Ledger,
     sched: &Scheduler,
     security: &Security,
     actor: Actor,
+    ns: Option<OrgId>,
     command: &Command,
 ) -> Result<(), CommandError> {
     if let Command::Bootstrap { .. } = command {
@@ -213,42 +155,102 @@ pub(crate) fn authorize(
             Command::NodeHeartbeat { node: n } if *n == node => Ok(()),
             _ => Err(CommandError::Unauthorized),
         },
-        Actor::Tenant { org, .. } | Actor::Project { org, .. } => {
-            if command.is_security() {
-                return tenant_security(security, actor, command);
-            }
-            if admin_only(command)
-                || matches!(
-                    command,
-                    Command::Heartbeat(_)
-                        | Command::JobHeartbeat(_)
-                        | Command::FinishJob { .. }
-                        | Command::NodeHeartbeat { .. }
-                        | Command::Tick
-                )
-            {
-                return Err(CommandError::Unauthorized);
-            }
-            if let Command::Settle { reason, .. } = command {
-                if *reason != SettleReason::Cancelled {
-                    return Err(CommandError::Unauthorized);
-                }
-            }
-            match target(ledger, sched, command) {
-                Some((Some(o), _)) if o == org => {}
-                Some((_, unknown)) => return Err(unknown),
-                None => return Err(CommandError::Unauthorized),
-            }
-            if let Actor::Project { project, .. } = actor {
-                if !project_allowed(command) {
-                    return Err(CommandError::Unauthorized);
-                }
-                match project_target(ledger, sched, command) {
-                    (Some(p), _) if p == project => {}
-                    (_, unknown) => return Err(unknown),
-                }
-            }
-            Ok(())
+        Actor::Tenant { .. } | Actor::Project { .. } | Actor::User { .. } => {
+            tenant(ledger, sched, security, actor, ns, command)
         }
+    }
+}
+
+fn tenant(
+    ledger: &Ledger,
+    sched: &Scheduler,
+    security: &Security,
+    actor: Actor,
+    ns: Option<OrgId>,
+    command: &Command,
+) -> Result<(), CommandError> {
+    if command.is_security() {
+        return tenant_security(security, actor, command);
+    }
+    if let Some(e) = tenant_refusal(command) {
+        return Err(e);
+    }
+    if let Command::Settle { reason, .. } = command {
+        if *reason != SettleReason::Cancelled {
+            return Err(CommandError::Unauthorized);
+        }
+    }
+    // The namespace is the tenant's own org (`Request::namespace` forced it).
+    let Some(org) = ns else {
+        return Err(CommandError::Unauthorized);
+    };
+    let (project, user) = match actor {
+        Actor::Project { project, .. } if project_allowed(command) => (project, None),
+        Actor::User { project, user, .. } if user_allowed(command) => (project, Some(user)),
+        Actor::Project { .. } | Actor::User { .. } => return Err(CommandError::Unauthorized),
+        _ => return Ok(()),
+    };
+    let (p, u) = project_target(ledger, sched, org, command)?;
+    if p != project {
+        // Another project of the org answers as a project the token cannot see.
+        return Err(match command {
+            Command::CreateHold(_) | Command::SubmitJob(_) => CommandError::UnknownProject,
+            Command::CancelJob { .. } => CommandError::UnknownJob,
+            Command::Transfer { from, .. } => unknown_account(*from),
+            _ => CommandError::UnknownHold,
+        });
+    }
+    if let Some(user) = user {
+        if u.is_some_and(|u| u != user) {
+            return Err(match command {
+                Command::CreateHold(_) | Command::SubmitJob(_) => CommandError::UnknownUser,
+                Command::CancelJob { .. } => CommandError::UnknownJob,
+                _ => CommandError::UnknownHold,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Token management by a tenant, inside its own org's namespace: an org token creates
+/// org, project and user tokens of its org and rotates or revokes them; a project or
+/// user token only rotates or revokes itself.
+fn tenant_security(
+    security: &Security,
+    actor: Actor,
+    command: &Command,
+) -> Result<(), CommandError> {
+    let (org, own) = match actor {
+        Actor::Tenant { org, principal }
+        | Actor::Project { org, principal, .. }
+        | Actor::User { org, principal, .. } => (org, principal),
+        _ => return Err(CommandError::Unauthorized),
+    };
+    let narrow = !matches!(actor, Actor::Tenant { .. });
+    match command {
+        Command::CreateToken { scope, .. } if !narrow => match scope {
+            Scope::Org(o) | Scope::Project { org: o, .. } | Scope::User { org: o, .. }
+                if *o == org =>
+            {
+                Ok(())
+            }
+            Scope::Org(_) | Scope::Project { .. } | Scope::User { .. } => {
+                Err(CommandError::UnknownOrg)
+            }
+            Scope::Admin | Scope::Agent(_) => Err(CommandError::Unauthorized),
+        },
+        Command::RotateToken { principal, .. } | Command::RevokeToken { principal } => {
+            let in_scope = if narrow {
+                *principal == own
+            } else {
+                security.principal(Some(org), *principal).is_some()
+            };
+            if in_scope {
+                Ok(())
+            } else {
+                Err(CommandError::UnknownPrincipal)
+            }
+        }
+        _ => Err(CommandError::Unauthorized),
     }
 }

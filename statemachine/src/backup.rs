@@ -171,14 +171,17 @@ impl ShardBackup {
     }
 }
 
-/// Who holds which tokens, as one shard's token table says (key expiry instants left out:
-/// they are stamped by each shard's own logical time).
+/// Who holds which of the operator's tokens (admin and agent principals: the ones
+/// installed on every shard), as one shard's token table says (key expiry instants left
+/// out: they are stamped by each shard's own logical time). An org's own principals live
+/// only on its home shard, so they are not compared.
 fn token_view(state: &State) -> BTreeMap<PrincipalId, (bool, BTreeSet<TokenDigest>)> {
     state
         .security
         .principals
         .iter()
-        .map(|(id, p)| (*id, (p.revoked, p.keys.iter().map(|k| k.digest).collect())))
+        .filter(|((org, _), _)| org.is_none())
+        .map(|((_, id), p)| (*id, (p.revoked, p.keys.iter().map(|k| k.digest).collect())))
         .collect()
 }
 

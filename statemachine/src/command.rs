@@ -26,7 +26,29 @@ pub struct Request {
     /// Generated once by the client per logical operation and reused on every retry.
     /// Zero is "missing" and rejected for every mutating command.
     pub request_id: RequestId,
+    /// The organisation whose namespace the command's org-scoped ids (projects, users,
+    /// holds, jobs, an org's principals) are in. A tenant's token implies it (naming
+    /// another org is refused as an unknown org); an admin or an agent names it; a
+    /// command that carries its own org (`CreateProject`, an `Account::Org`, a scope)
+    /// may leave it out. See [`Request::namespace`].
+    pub org: Option<OrgId>,
     pub command: Command,
+}
+
+impl Request {
+    /// The org namespace the request acts in, for `actor` (the resolved identity).
+    /// `Ok(None)`: a command that names no org-scoped object (prices, nodes, ticks...).
+    pub fn namespace(&self, actor: &Actor) -> Result<Option<OrgId>, crate::CommandError> {
+        let named = match (self.org, self.command.own_org()) {
+            (Some(a), Some(b)) if a != b => return Err(crate::CommandError::OrgMismatch),
+            (a, b) => a.or(b),
+        };
+        match actor.org() {
+            Some(mine) if named.is_some_and(|n| n != mine) => Err(crate::CommandError::UnknownOrg),
+            Some(mine) => Ok(Some(mine)),
+            None => Ok(named),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -390,6 +412,29 @@ impl Command {
             Command::RevokeToken { .. } => "revoke_token",
             Command::RecordDenials { .. } => "record_denials",
             Command::SetShareWeight { .. } => "set_share_weight",
+        }
+    }
+
+    /// The org the command itself names, if any (its namespace without `Request::org`).
+    pub fn own_org(&self) -> Option<OrgId> {
+        let of_account = |a: &Account| match a {
+            Account::Org(o) => Some(*o),
+            Account::Project(_) => None,
+        };
+        match self {
+            Command::CreateOrg { org }
+            | Command::CreateProject { org, .. }
+            | Command::CreateUser { org, .. }
+            | Command::SetQuota { org, .. } => Some(*org),
+            Command::IssueGrant(g) => of_account(&g.owner),
+            Command::Transfer { from, to, .. } => of_account(from).or(of_account(to)),
+            Command::SetBudget { scope, .. } | Command::SetShareWeight { scope, .. } => match scope
+            {
+                BudgetScope::Org(o) => Some(*o),
+                _ => None,
+            },
+            Command::CreateToken { scope, .. } => scope.org(),
+            _ => None,
         }
     }
 

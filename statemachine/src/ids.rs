@@ -37,6 +37,14 @@ id_type!(/// A GPU node (a machine with one or more GPUs of one type).
 id_type!(/// A principal holding an API token (admin, org or agent identity).
     PrincipalId, "principal:");
 
+/// Org-scoped objects are keyed by their org and their client-chosen id: each org has
+/// its own namespace of project, user, hold and job ids (and of the principals it
+/// creates), so no id another org uses is ever visible, taken or in the way.
+pub type ProjectKey = (OrgId, ProjectId);
+pub type UserKey = (OrgId, UserId);
+pub type HoldKey = (OrgId, HoldId);
+pub type JobKey = (OrgId, JobId);
+
 /// Client-generated request id: generated once per logical operation and reused on
 /// every retry, so a retry is recognised and answered with the first outcome.
 pub type RequestId = u128;
@@ -118,6 +126,27 @@ pub enum Actor {
     Bearer(TokenDigest),
     /// A request without credentials; only `Bootstrap` accepts it.
     Anonymous,
+    // -- appended (the encoding is positional) --
+    /// A token scoped to one user of one project: its holds and jobs are that user's.
+    User {
+        org: OrgId,
+        project: ProjectId,
+        user: UserId,
+        principal: PrincipalId,
+    },
+}
+
+impl Actor {
+    /// The organisation a tenant actor is confined to (`None`: admin, agent, system,
+    /// or not yet resolved).
+    pub fn org(&self) -> Option<OrgId> {
+        match self {
+            Actor::Tenant { org, .. } | Actor::Project { org, .. } | Actor::User { org, .. } => {
+                Some(*org)
+            }
+            _ => None,
+        }
+    }
 }
 
 /// SHA-256 of an API token. Only digests are stored and replicated, never tokens.

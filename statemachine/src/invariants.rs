@@ -60,7 +60,7 @@ fn check_buckets(state: &State) -> Result<(), Violation> {
             return Err(Violation::BucketHeldMismatch(b.id, b.held, d));
         }
         let live = l
-            .account(b.owner)
+            .account(b.org, b.owner)
             .is_some_and(|r| r.live.binary_search(&(b.spend_key(), b.id)).is_ok());
         if live != (b.remaining > 0 && !b.is_expired) {
             return Err(Violation::LiveIndexMismatch(b.id));
@@ -141,12 +141,27 @@ fn check_totals(state: &State) -> Result<(), Violation> {
 fn check_usage(state: &State) -> Result<(), Violation> {
     let l = &state.ledger;
     let mut orgs: BTreeMap<OrgId, u64> = BTreeMap::new();
-    let mut projects: BTreeMap<ProjectId, u64> = BTreeMap::new();
-    let mut users: BTreeMap<UserId, u64> = BTreeMap::new();
+    let mut projects: BTreeMap<(OrgId, ProjectId), u64> = BTreeMap::new();
+    let mut users: BTreeMap<(OrgId, UserId), u64> = BTreeMap::new();
     for (_, h) in l.holds.sorted().into_iter().filter(|(_, h)| h.is_open()) {
         *orgs.entry(h.org).or_default() += h.held;
-        *projects.entry(h.project).or_default() += h.held;
-        *users.entry(h.user).or_default() += h.held;
+        *projects.entry((h.org, h.project)).or_default() += h.held;
+        *users.entry((h.org, h.user)).or_default() += h.held;
+    }
+    // Each org's namespace index lists exactly its projects and users.
+    let indexed = |o: &OrgId| l.orgs.get(o);
+    if l.projects
+        .keys()
+        .any(|(o, p)| !indexed(o).is_some_and(|r| r.projects.contains(p)))
+        || l.users
+            .keys()
+            .any(|(o, u)| !indexed(o).is_some_and(|r| r.users.contains(u)))
+        || l.orgs.values().map(|r| r.projects.len()).sum::<usize>() != l.projects.len()
+        || l.orgs.values().map(|r| r.users.len()).sum::<usize>() != l.users.len()
+    {
+        return Err(Violation::Scheduler(
+            "an org's project or user index disagrees with the tables".into(),
+        ));
     }
     let mismatch = |what: String, recorded: u64, counted: u64| {
         (recorded != counted).then_some(Violation::UsageHeldMismatch(what, recorded, counted))
@@ -162,7 +177,7 @@ fn check_usage(state: &State) -> Result<(), Violation> {
     }
     for (id, r) in l.projects.sorted() {
         if let Some(v) = mismatch(
-            id.to_string(),
+            format!("{}/{}", id.0, id.1),
             r.account.usage.held,
             projects.get(id).copied().unwrap_or(0),
         ) {
@@ -171,7 +186,7 @@ fn check_usage(state: &State) -> Result<(), Violation> {
     }
     for (id, r) in l.users.sorted() {
         if let Some(v) = mismatch(
-            id.to_string(),
+            format!("{}/{}", id.0, id.1),
             r.usage.held,
             users.get(id).copied().unwrap_or(0),
         ) {

@@ -9,7 +9,7 @@
 //! use allot_statemachine::*;
 //! let mut state = State::default();
 //! let admin = Actor::Admin(PrincipalId(1));
-//! let req = |id, command| Request { actor: admin, request_id: id, command };
+//! let req = |id, command| Request { actor: admin, request_id: id, org: None, command };
 //! let entry = Entry {
 //!     log_index: 1,
 //!     logical_time_ms: 1_000,

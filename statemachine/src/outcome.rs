@@ -150,6 +150,14 @@ pub enum CommandError {
     UnknownGpuType(GpuType),
     #[error("a share weight must be between 1 and 10,000")]
     InvalidShareWeight,
+    // -- appended (the encoding is positional) --
+    /// The command names org-scoped ids (a project, user, hold or job) but no org: an
+    /// admin or agent names the org the ids are in.
+    #[error("the command names org-scoped ids: name their organisation")]
+    OrgRequired,
+    /// The request's org and the org the command names differ.
+    #[error("the request's organisation and the command's differ")]
+    OrgMismatch,
 }
 
 impl CommandError {
@@ -207,6 +215,8 @@ impl CommandError {
             CommandError::UnknownPrincipal => "UNKNOWN_PRINCIPAL",
             CommandError::UnknownGpuType(_) => "UNKNOWN_GPU_TYPE",
             CommandError::InvalidShareWeight => "INVALID_SHARE_WEIGHT",
+            CommandError::OrgRequired => "ORG_REQUIRED",
+            CommandError::OrgMismatch => "ORG_MISMATCH",
         }
     }
 }

@@ -19,12 +19,14 @@ pub const JOBS_PAGE_MAX: u32 = 1_000;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Query {
-    /// Balance of an account with the buckets expiring within `horizon_ms`.
+    /// Balance of an account of `org` with the buckets expiring within `horizon_ms`.
     Balance {
+        org: OrgId,
         account: Account,
         horizon_ms: u64,
     },
-    Job(JobId),
+    /// A job of an org (each org has its own job ids).
+    Job(OrgId, JobId),
     /// The jobs placed on a GPU node: (job, attempt, GPU indices, state).
     Assignments(NodeId),
     QueueDepth,
@@ -43,8 +45,8 @@ pub enum Query {
     Queue,
     /// The current price table.
     Prices,
-    /// The budget of an org, project or user and its spend counters.
-    Budget(BudgetScope),
+    /// The budget of an org, project or user of `org` and its spend counters.
+    Budget(OrgId, BudgetScope),
     /// The scheduler's current settings.
     SchedulerSettings,
     // -- appended (the encoding is positional) --
@@ -52,6 +54,10 @@ pub enum Query {
     /// plus spent) in a budget period, largest first; with their decayed GPU usage,
     /// running GPUs and fair-share weight.
     Usage(UsageQuery),
+    /// Where principal `id` exists (admin only): the operator's namespace (`None`) and
+    /// each org's that has a principal of that id, with its scope and whether it is
+    /// revoked. Lets an operator act on a principal without knowing its org.
+    Principals(crate::ids::PrincipalId),
 }
 
 /// Which level a usage ranking ranks, over what.
@@ -93,18 +99,28 @@ pub struct JobFilter {
     pub project: Option<ProjectId>,
     pub user: Option<UserId>,
     pub state: Option<JobState>,
-    /// Only jobs with a larger id (the previous page's `next`).
+    /// Only jobs after this one, in (org, id) order (the previous page's `next`).
     pub after: Option<JobId>,
     /// Page size, 1..=`JOBS_PAGE_MAX` (0 means the maximum).
     pub limit: u32,
+    /// With `org` unset (an admin's listing of every org): the org `after` is in (the
+    /// previous page's `next_org`).
+    pub after_org: Option<OrgId>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobsPage {
     pub jobs: Vec<Job>,
-    /// Set when more jobs may match: pass it as `after` for the next page.
+    /// Set when more jobs may match: pass it as `after` (and `next_org` as `after_org`)
+    /// for the next page. A page looks at no more than `JOBS_SCAN_MAX` jobs, so it can
+    /// hold fewer than asked and still have a `next`.
     pub next: Option<JobId>,
+    pub next_org: Option<OrgId>,
 }
+
+/// Jobs one `Jobs` page looks at, at most (matching or not): a page's work is bounded
+/// however selective the filter, and the state lock is held for that long at most.
+pub const JOBS_SCAN_MAX: usize = 10 * JOBS_PAGE_MAX as usize;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TierQueue {
@@ -127,7 +143,8 @@ pub struct BudgetView {
 pub enum Answer {
     Balance(Option<Balance>),
     Job(Option<Box<Job>>),
-    Assignments(Vec<(JobId, u32, Vec<u8>, JobState)>),
+    /// ((org, job), attempt, GPU indices, state) of each job on the node.
+    Assignments(Vec<crate::scheduler::AssignmentRow>),
     QueueDepth(BTreeMap<Tier, usize>),
     Totals(Totals),
     Invariants(Result<(), String>),
@@ -145,6 +162,8 @@ pub enum Answer {
     SchedulerSettings(SchedulerSettings),
     /// Largest first; ties by id.
     Usage(Vec<UsageRow>),
+    /// (namespace, scope, revoked) of each principal of the asked id.
+    Principals(Vec<(Option<OrgId>, crate::security::Scope, bool)>),
 }
 
 /// Why a query was refused (the node answers PERMISSION_DENIED / UNAUTHENTICATED).
@@ -161,7 +180,7 @@ impl Query {
     pub fn name(&self) -> &'static str {
         match self {
             Query::Balance { .. } => "balance",
-            Query::Job(_) => "job",
+            Query::Job(..) => "job",
             Query::Assignments(_) => "assignments",
             Query::QueueDepth => "queue_depth",
             Query::Totals => "totals",
@@ -172,34 +191,36 @@ impl Query {
             Query::Nodes => "nodes",
             Query::Queue => "queue",
             Query::Prices => "prices",
-            Query::Budget(_) => "budget",
+            Query::Budget(..) => "budget",
             Query::SchedulerSettings => "scheduler_settings",
             Query::Usage(_) => "usage",
+            Query::Principals(_) => "principals",
         }
     }
 }
 
 /// [`answer`] for `caller` (a claimed or bearer actor, resolved here against the
 /// replicated token table). A tenant sees only its own org (a project token only its
-/// project): another org's account, job or budget answers exactly as a nonexistent
-/// one (`None`), and job lists are confined to the caller's org. Shard-wide views
-/// (totals, invariants, state hash, node list) are for admins; an agent sees its own
-/// node's assignments and the jobs placed on it.
+/// project, a user token only its project's and its own): another org's account, job
+/// or budget answers exactly as a nonexistent one (`None`), listings and queue counts
+/// are confined to the caller's org, and every answer's work is bounded by the
+/// caller's own org. Shard-wide views (totals, invariants, state hash, node list) are
+/// for admins; an agent sees its own node's assignments and the jobs placed on it.
 pub fn answer_as(state: &State, caller: Actor, q: &Query) -> Result<Answer, QueryDenied> {
     let actor = state
         .security
         .resolve(caller, state.time_ms)
         .map_err(|_| QueryDenied::Unauthenticated)?;
-    let (org, project) = match actor {
+    let (org, project, user) = match actor {
         Actor::Admin(_) | Actor::System => return Ok(answer(state, q)),
         Actor::Anonymous | Actor::Bearer(_) => return Err(QueryDenied::Unauthenticated),
         Actor::Agent(node) => {
             return match q {
                 Query::Assignments(n) if *n == node => Ok(answer(state, q)),
-                Query::Job(id) => Ok(Answer::Job(
+                Query::Job(o, id) => Ok(Answer::Job(
                     state
                         .scheduler
-                        .job(*id)
+                        .job(*o, *id)
                         .filter(|j| j.placement.as_ref().is_some_and(|p| p.node == node))
                         .cloned()
                         .map(Box::new),
@@ -208,46 +229,62 @@ pub fn answer_as(state: &State, caller: Actor, q: &Query) -> Result<Answer, Quer
                 _ => Err(QueryDenied::PermissionDenied),
             };
         }
-        Actor::Tenant { org, .. } => (org, None),
-        Actor::Project { org, project, .. } => (org, Some(project)),
+        Actor::Tenant { org, .. } => (org, None, None),
+        Actor::Project { org, project, .. } => (org, Some(project), None),
+        Actor::User {
+            org, project, user, ..
+        } => (org, Some(project), Some(user)),
     };
-    let ledger = &state.ledger;
-    let in_scope = |account: Account| {
-        ledger.org_of(account) == Some(org)
-            && project.is_none_or(|p| account == Account::Project(p))
+    let narrow = project.is_some();
+    let in_scope = |o: OrgId, account: Account| {
+        o == org
+            && match account {
+                Account::Org(a) => a == org && !narrow,
+                Account::Project(p) => project.is_none_or(|mine| mine == p),
+            }
     };
     Ok(match q {
-        Query::Balance { account, .. } if !in_scope(*account) => Answer::Balance(None),
-        Query::Job(id)
-            if !state
+        Query::Balance {
+            org: o, account, ..
+        } if !in_scope(*o, *account) => Answer::Balance(None),
+        Query::Job(o, id) => Answer::Job(
+            state
                 .scheduler
-                .job(*id)
-                .is_some_and(|j| j.org == org && project.is_none_or(|p| j.spec.project == p)) =>
-        {
-            Answer::Job(None)
-        }
+                .job(*o, *id)
+                .filter(|j| {
+                    j.org == org
+                        && project.is_none_or(|p| j.spec.project == p)
+                        && user.is_none_or(|u| j.spec.user == u)
+                })
+                .cloned()
+                .map(Box::new),
+        ),
         Query::Jobs(filter) => {
             let mut f = filter.clone();
             let foreign = f.org.is_some_and(|o| o != org)
-                || matches!((f.project, project), (Some(a), Some(b)) if a != b);
+                || matches!((f.project, project), (Some(a), Some(b)) if a != b)
+                || matches!((f.user, user), (Some(a), Some(b)) if a != b);
             if foreign {
                 return Ok(Answer::Jobs(JobsPage {
                     jobs: Vec::new(),
                     next: None,
+                    next_org: None,
                 }));
             }
             f.org = Some(org);
             f.project = f.project.or(project);
+            f.user = f.user.or(user);
             Answer::Jobs(jobs_page(state, &f))
         }
-        Query::Budget(scope) => {
-            let visible = match scope {
-                BudgetScope::Org(o) => project.is_none() && *o == org,
-                BudgetScope::Project(p) => in_scope(Account::Project(*p)),
-                BudgetScope::User(u) => {
-                    project.is_none() && ledger.users.get(u).is_some_and(|r| r.org == org)
-                }
-            };
+        Query::Budget(o, scope) => {
+            let visible = *o == org
+                && match scope {
+                    BudgetScope::Org(a) => !narrow && *a == org,
+                    BudgetScope::Project(p) => project.is_none_or(|mine| mine == *p),
+                    BudgetScope::User(u) => {
+                        (!narrow || user == Some(*u)) && state.ledger.users.contains_key(&(org, *u))
+                    }
+                };
             if visible {
                 answer(state, q)
             } else {
@@ -275,18 +312,24 @@ pub fn answer_as(state: &State, caller: Actor, q: &Query) -> Result<Answer, Quer
                 }
             }
         }
-        Query::Balance { .. }
-        | Query::Job(_)
-        | Query::QueueDepth
-        | Query::Fleet
-        | Query::Queue
-        | Query::Prices
-        | Query::SchedulerSettings => answer(state, q),
+        // Queue and depth counts of the caller's own org only: another org's volume of
+        // work is none of its business.
+        Query::Queue => Answer::Queue(queue(state, Some(org))),
+        Query::QueueDepth => Answer::QueueDepth(
+            queue(state, Some(org))
+                .into_iter()
+                .map(|t| (t.tier, t.queued as usize))
+                .collect(),
+        ),
+        Query::Balance { .. } | Query::Fleet | Query::Prices | Query::SchedulerSettings => {
+            answer(state, q)
+        }
         Query::Assignments(_)
         | Query::Totals
         | Query::Invariants
         | Query::StateHash
-        | Query::Nodes => return Err(QueryDenied::PermissionDenied),
+        | Query::Nodes
+        | Query::Principals(_) => return Err(QueryDenied::PermissionDenied),
     })
 }
 
@@ -294,10 +337,15 @@ pub fn answer(state: &State, q: &Query) -> Answer {
     let sched = &state.scheduler;
     match q {
         Query::Balance {
+            org,
             account,
             horizon_ms,
-        } => Answer::Balance(state.ledger.balance(*account, state.time_ms, *horizon_ms)),
-        Query::Job(id) => Answer::Job(sched.job(*id).cloned().map(Box::new)),
+        } => Answer::Balance(
+            state
+                .ledger
+                .balance(*org, *account, state.time_ms, *horizon_ms),
+        ),
+        Query::Job(org, id) => Answer::Job(sched.job(*org, *id).cloned().map(Box::new)),
         Query::Assignments(node) => Answer::Assignments(sched.assignments(*node)),
         Query::QueueDepth => Answer::QueueDepth(sched.queue_depth()),
         Query::Totals => Answer::Totals(state.ledger.totals),
@@ -313,11 +361,20 @@ pub fn answer(state: &State, q: &Query) -> Answer {
             nodes.sort_by_key(|n| n.id);
             Answer::Nodes(nodes)
         }
-        Query::Queue => Answer::Queue(queue(state)),
+        Query::Queue => Answer::Queue(queue(state, None)),
         Query::Prices => Answer::Prices(state.ledger.prices.clone()),
-        Query::Budget(scope) => Answer::Budget(budget(state, *scope)),
+        Query::Budget(org, scope) => Answer::Budget(budget(state, *org, *scope)),
         Query::SchedulerSettings => Answer::SchedulerSettings(state.config.scheduler.settings()),
         Query::Usage(u) => Answer::Usage(usage(state, u, None)),
+        Query::Principals(id) => Answer::Principals(
+            state
+                .security
+                .principals
+                .iter()
+                .filter(|((_, p), _)| p == id)
+                .map(|((org, _), p)| (*org, p.scope, p.revoked))
+                .collect(),
+        ),
     }
 }
 
@@ -342,77 +399,73 @@ fn usage(state: &State, u: &UsageQuery, only_project: Option<ProjectId>) -> Vec<
     let used = |usage: &crate::ledger::Usage| usage.used(u.period, now);
     let decayed =
         |d: Option<&crate::scheduler::usage::DecayedUsage>| d.map_or(0, |d| d.value_at(now, h));
-    // (used, Reverse(id)) ascending = worst kept at the heap's top, as Reverse.
-    let mut heap: BinaryHeap<Reverse<(u64, Reverse<u64>)>> = BinaryHeap::new();
-    let mut offer = |used: u64, id: u64| {
-        heap.push(Reverse((used, Reverse(id))));
+    // (used, Reverse((org, id))) ascending = worst kept at the heap's top, as Reverse.
+    type Ranked = Reverse<(u64, Reverse<(OrgId, u64)>)>;
+    let mut heap: BinaryHeap<Ranked> = BinaryHeap::new();
+    let mut offer = |used: u64, org: OrgId, id: u64| {
+        heap.push(Reverse((used, Reverse((org, id)))));
         if heap.len() > k {
             heap.pop();
         }
     };
-    let in_org = |o: OrgId| u.org.is_none_or(|want| want == o);
-    match u.level {
-        UsageLevel::Org => {
-            for (o, r) in books.orgs.iter() {
-                if in_org(*o) {
-                    offer(used(&r.account.usage), o.0);
+    // One org's accounts come from its own namespace index (work bounded by the org);
+    // every org's only for an admin's shard-wide ranking.
+    let orgs: Vec<(OrgId, &crate::ledger::OrgRec)> = match u.org {
+        Some(o) => books.orgs.get(&o).map(|r| (o, r)).into_iter().collect(),
+        None => books.orgs.iter().map(|(o, r)| (*o, r)).collect(),
+    };
+    for (o, rec) in orgs {
+        match u.level {
+            UsageLevel::Org => offer(used(&rec.account.usage), o, o.0),
+            UsageLevel::Project => {
+                for p in &rec.projects {
+                    if only_project.is_none_or(|only| only == *p) {
+                        if let Some(r) = books.projects.get(&(o, *p)) {
+                            offer(used(&r.account.usage), o, p.0);
+                        }
+                    }
                 }
             }
-        }
-        UsageLevel::Project => {
-            for (p, r) in books.projects.iter() {
-                if in_org(r.org) && only_project.is_none_or(|only| only == *p) {
-                    offer(used(&r.account.usage), p.0);
-                }
-            }
-        }
-        UsageLevel::User => {
-            for (id, r) in books.users.iter() {
-                if in_org(r.org) {
-                    offer(used(&r.usage), id.0);
+            UsageLevel::User => {
+                for id in &rec.users {
+                    if let Some(r) = books.users.get(&(o, *id)) {
+                        offer(used(&r.usage), o, id.0);
+                    }
                 }
             }
         }
     }
-    let mut ranked: Vec<(u64, u64)> = heap
+    let mut ranked: Vec<(u64, (OrgId, u64))> = heap
         .into_iter()
-        .map(|Reverse((used, Reverse(id)))| (used, id))
+        .map(|Reverse((used, Reverse(key)))| (used, key))
         .collect();
     ranked.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
     ranked
         .into_iter()
-        .filter_map(|(used_micro, id)| {
-            let (scope, org, held, gpu_ms, running) = match u.level {
-                UsageLevel::Org => {
-                    let o = OrgId(id);
-                    (
-                        BudgetScope::Org(o),
-                        o,
-                        books.orgs.get(&o)?.account.usage.held,
-                        decayed(sched.usage_org.get(&o)),
-                        sched.running_org.get(&o).copied(),
-                    )
-                }
+        .filter_map(|(used_micro, (org, id))| {
+            let (scope, held, gpu_ms, running) = match u.level {
+                UsageLevel::Org => (
+                    BudgetScope::Org(org),
+                    books.orgs.get(&org)?.account.usage.held,
+                    decayed(sched.usage_org.get(&org)),
+                    sched.running_org.get(&org).copied(),
+                ),
                 UsageLevel::Project => {
-                    let p = ProjectId(id);
-                    let r = books.projects.get(&p)?;
+                    let key = (org, ProjectId(id));
                     (
-                        BudgetScope::Project(p),
-                        r.org,
-                        r.account.usage.held,
-                        decayed(sched.usage_project.get(&p)),
-                        sched.running_project.get(&p).copied(),
+                        BudgetScope::Project(key.1),
+                        books.projects.get(&key)?.account.usage.held,
+                        decayed(sched.usage_project.get(&key)),
+                        sched.running_project.get(&key).copied(),
                     )
                 }
                 UsageLevel::User => {
-                    let user = UserId(id);
-                    let r = books.users.get(&user)?;
+                    let key = (org, UserId(id));
                     (
-                        BudgetScope::User(user),
-                        r.org,
-                        r.usage.held,
-                        decayed(sched.usage_user.get(&user)),
-                        sched.running_user.get(&user).copied(),
+                        BudgetScope::User(key.1),
+                        books.users.get(&key)?.usage.held,
+                        decayed(sched.usage_user.get(&key)),
+                        sched.running_user.get(&key).copied(),
                     )
                 }
             };
@@ -423,55 +476,105 @@ fn usage(state: &State, u: &UsageQuery, only_project: Option<ProjectId>) -> Vec<
                 held_micro: held,
                 gpu_ms_decayed: gpu_ms,
                 running_gpus: running.unwrap_or(0),
-                share_weight: sched.share_weight(scope),
+                share_weight: sched.share_weight(org, scope),
             })
         })
         .collect()
 }
 
+/// A page of jobs in (org, id) order from the per-org index: one org's jobs when the
+/// filter names it (a range of the index: no other org's job is looked at), every
+/// org's for an admin. At most `JOBS_SCAN_MAX` jobs are looked at.
 fn jobs_page(state: &State, f: &JobFilter) -> JobsPage {
+    use std::ops::Bound::{Excluded, Included, Unbounded};
     let limit = match f.limit {
         0 => JOBS_PAGE_MAX,
         n => n.min(JOBS_PAGE_MAX),
     } as usize;
-    let mut ids: Vec<JobId> = state
-        .scheduler
-        .jobs
-        .iter()
-        .filter(|(id, j)| {
-            f.after.is_none_or(|a| **id > a)
-                && f.org.is_none_or(|o| j.org == o)
-                && f.project.is_none_or(|p| j.spec.project == p)
-                && f.user.is_none_or(|u| j.spec.user == u)
-                && f.state.is_none_or(|s| j.state == s)
-        })
-        .map(|(id, _)| *id)
-        .collect();
-    ids.sort_unstable();
-    let more = ids.len() > limit;
-    ids.truncate(limit);
+    let sched = &state.scheduler;
+    let start = match (f.org, f.after_org, f.after) {
+        (Some(o), _, Some(a)) => Excluded((o, a)),
+        (Some(o), _, None) => Included((o, JobId(0))),
+        (None, Some(o), Some(a)) => Excluded((o, a)),
+        (None, Some(o), None) => Included((o, JobId(0))),
+        (None, None, Some(a)) => Excluded((OrgId(0), a)),
+        (None, None, None) => Unbounded,
+    };
+    let end = match f.org {
+        Some(o) => Included((o, JobId(u64::MAX))),
+        None => Unbounded,
+    };
+    let mut jobs = Vec::new();
+    let mut last = None;
+    let mut more = false;
+    for (scanned, key) in sched.org_jobs.range((start, end)).enumerate() {
+        if jobs.len() == limit || scanned == JOBS_SCAN_MAX {
+            more = true;
+            break;
+        }
+        last = Some(*key);
+        let Some(j) = sched.jobs.get(key) else {
+            continue;
+        };
+        let keep = f.project.is_none_or(|p| j.spec.project == p)
+            && f.user.is_none_or(|u| j.spec.user == u)
+            && f.state.is_none_or(|s| j.state == s);
+        if keep {
+            jobs.push(j.clone());
+        }
+    }
+    let next = last.filter(|_| more);
     JobsPage {
-        next: if more { ids.last().copied() } else { None },
-        jobs: ids
-            .iter()
-            .filter_map(|id| state.scheduler.job(*id).cloned())
-            .collect(),
+        jobs,
+        next: next.map(|k| k.1),
+        next_org: next.map(|k| k.0),
     }
 }
 
-fn queue(state: &State) -> Vec<TierQueue> {
+/// Per tier: queued jobs, the oldest one's wait and the GPUs running — of one org
+/// (a tenant's view: its own subtree of the queue and its own jobs) or of the shard.
+fn queue(state: &State, org: Option<OrgId>) -> Vec<TierQueue> {
     let sched = &state.scheduler;
+    let mut running: BTreeMap<Tier, u32> = BTreeMap::new();
+    if let Some(o) = org {
+        let range = (o, JobId(0))..=(o, JobId(u64::MAX));
+        for key in sched.org_jobs.range(range) {
+            if let Some(j) = sched.jobs.get(key).filter(|j| j.state.holds_gpus()) {
+                *running.entry(j.spec.tier).or_default() += j.spec.gpus;
+            }
+        }
+    }
     (0..sched_tiers(state))
         .map(|t| {
             let tier = Tier(t);
-            let aged = sched.by_age.get(&tier);
+            let (queued, oldest) = match org {
+                None => {
+                    let aged = sched.by_age.get(&tier);
+                    (
+                        aged.map_or(0, |q| q.len() as u64),
+                        aged.and_then(|q| q.first()).map(|(since, _)| *since),
+                    )
+                }
+                Some(o) => {
+                    let mine = sched.queue.get(&tier).and_then(|orgs| orgs.get(&o));
+                    let users = mine
+                        .into_iter()
+                        .flat_map(|p| p.values())
+                        .flat_map(|u| u.values());
+                    users.fold((0u64, None::<u64>), |(n, oldest), q| {
+                        let first = q.first().map(|(since, _)| *since);
+                        (n + q.len() as u64, oldest.min(first).or(oldest).or(first))
+                    })
+                }
+            };
             TierQueue {
                 tier,
-                queued: aged.map_or(0, |q| q.len() as u64),
-                oldest_wait_ms: aged
-                    .and_then(|q| q.first())
-                    .map_or(0, |(since, _)| state.time_ms.saturating_sub(*since)),
-                running_gpus: sched.tier_gpus.get(&tier).copied().unwrap_or(0),
+                queued,
+                oldest_wait_ms: oldest.map_or(0, |since| state.time_ms.saturating_sub(since)),
+                running_gpus: match org {
+                    None => sched.tier_gpus.get(&tier).copied().unwrap_or(0),
+                    Some(_) => running.get(&tier).copied().unwrap_or(0),
+                },
             }
         })
         .collect()
@@ -481,18 +584,19 @@ fn sched_tiers(state: &State) -> u8 {
     state.config.scheduler.tiers.len().min(u8::MAX as usize) as u8
 }
 
-fn budget(state: &State, scope: BudgetScope) -> Option<BudgetView> {
+fn budget(state: &State, org: OrgId, scope: BudgetScope) -> Option<BudgetView> {
     let books = &state.ledger.books;
     let (usage, budget) = match scope {
-        BudgetScope::Org(o) => books
+        BudgetScope::Org(o) if o == org => books
             .orgs
             .get(&o)
             .map(|r| (r.account.usage, r.account.budget))?,
+        BudgetScope::Org(_) => return None,
         BudgetScope::Project(p) => books
             .projects
-            .get(&p)
+            .get(&(org, p))
             .map(|r| (r.account.usage, r.account.budget))?,
-        BudgetScope::User(u) => books.users.get(&u).map(|r| (r.usage, r.budget))?,
+        BudgetScope::User(u) => books.users.get(&(org, u)).map(|r| (r.usage, r.budget))?,
     };
     Some(BudgetView {
         budget: budget.map(|b| b.spec),

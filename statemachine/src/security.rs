@@ -12,7 +12,7 @@
 //! given). `Bootstrap` installs the first admin token and secures the shard for good;
 //! from then on only bearer tokens are accepted.
 
-use crate::ids::{Actor, NodeId, OrgId, PrincipalId, ProjectId, TokenDigest};
+use crate::ids::{Actor, NodeId, OrgId, PrincipalId, ProjectId, TokenDigest, UserId};
 use crate::limits::{RETIRED_KEYS_PER_PRINCIPAL_MAX, TOKENS_MAX, TOKEN_KEYS_PER_PRINCIPAL_MAX};
 use crate::outcome::{CommandError, Limit};
 use serde::{Deserialize, Serialize};
@@ -29,6 +29,13 @@ pub enum Scope {
     Project { org: OrgId, project: ProjectId },
     /// One GPU node's agent: heartbeats and finishes of jobs placed on that node.
     Agent(NodeId),
+    // -- appended (the encoding is positional) --
+    /// One user of one project: holds and jobs as that user only (so user budgets hold).
+    User {
+        org: OrgId,
+        project: ProjectId,
+        user: UserId,
+    },
 }
 
 impl Scope {
@@ -42,13 +49,19 @@ impl Scope {
                 principal,
             },
             Scope::Agent(node) => Actor::Agent(node),
+            Scope::User { org, project, user } => Actor::User {
+                org,
+                project,
+                user,
+                principal,
+            },
         }
     }
 
     /// The organisation the scope is confined to (`None`: admin or agent).
     pub fn org(self) -> Option<OrgId> {
         match self {
-            Scope::Org(o) | Scope::Project { org: o, .. } => Some(o),
+            Scope::Org(o) | Scope::Project { org: o, .. } | Scope::User { org: o, .. } => Some(o),
             Scope::Admin | Scope::Agent(_) => None,
         }
     }
@@ -88,14 +101,19 @@ pub struct Principal {
     pub retired: Vec<TokenDigest>,
 }
 
+/// A principal's key in the token table: the org whose namespace it is in (`None`:
+/// admin and agent principals, the operator's), and its id there. Each org names its
+/// own principals; no org can see, take or collide with another's ids.
+pub type PrincipalKey = (Option<OrgId>, PrincipalId);
+
 /// The shard's token table.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Security {
     /// Set by `Bootstrap`; never unset. While false, claimed actors are accepted.
     pub secured: bool,
-    pub principals: BTreeMap<PrincipalId, Principal>,
-    /// Every key ever issued, to its principal (digests are never reused).
-    pub digests: BTreeMap<TokenDigest, PrincipalId>,
+    pub principals: BTreeMap<PrincipalKey, Principal>,
+    /// Every key issued (and a bounded number of retired ones), to its principal.
+    pub digests: BTreeMap<TokenDigest, PrincipalKey>,
 }
 
 /// Why a credential was refused: for the node's logs and for tests. The caller only
@@ -118,13 +136,13 @@ impl Security {
     pub fn resolve(&self, claimed: Actor, now: u64) -> Result<Actor, Refusal> {
         match claimed {
             Actor::Bearer(d) => {
-                let pid = self.digests.get(&d).ok_or(Refusal::UnknownToken)?;
-                let p = self.principals.get(pid).ok_or(Refusal::UnknownToken)?;
+                let key = self.digests.get(&d).ok_or(Refusal::UnknownToken)?;
+                let p = self.principals.get(key).ok_or(Refusal::UnknownToken)?;
                 if p.revoked {
                     return Err(Refusal::Revoked);
                 }
                 match p.keys.iter().find(|k| k.digest == d) {
-                    Some(k) if k.live(now) => Ok(p.scope.actor(*pid)),
+                    Some(k) if k.live(now) => Ok(p.scope.actor(key.1)),
                     _ => Err(Refusal::Expired),
                 }
             }
@@ -134,8 +152,9 @@ impl Security {
         }
     }
 
-    pub fn principal(&self, id: PrincipalId) -> Option<&Principal> {
-        self.principals.get(&id)
+    /// Principal `id` of `org`'s namespace (`None`: the operator's principals).
+    pub fn principal(&self, org: Option<OrgId>, id: PrincipalId) -> Option<&Principal> {
+        self.principals.get(&(org, id))
     }
 
     fn check_new_digest(&self, digest: TokenDigest) -> Result<(), CommandError> {
@@ -161,10 +180,9 @@ impl Security {
         if !self.secured {
             return None;
         }
-        let same = self.digests.get(&digest) == Some(&principal)
+        let same = self.digests.get(&digest) == Some(&(None, principal))
             && self
-                .principals
-                .get(&principal)
+                .principal(None, principal)
                 .is_some_and(|p| p.scope == Scope::Admin && !p.revoked);
         Some(if same {
             Ok(())
@@ -189,6 +207,8 @@ impl Security {
         Ok(())
     }
 
+    /// A new principal with one key. An org-scoped principal (org, project or user)
+    /// lives in its org's namespace, the operator's (admin, agent) in none.
     pub fn create(
         &mut self,
         now: u64,
@@ -200,12 +220,13 @@ impl Security {
         if expires_at_ms.is_some_and(|e| e <= now) {
             return Err(CommandError::ExpiryInPast);
         }
-        if self.principals.contains_key(&principal) {
+        let key = (scope.org(), principal);
+        if self.principals.contains_key(&key) {
             return Err(CommandError::AlreadyExists);
         }
         self.check_new_digest(digest)?;
         self.principals.insert(
-            principal,
+            key,
             Principal {
                 scope,
                 revoked: false,
@@ -218,7 +239,7 @@ impl Security {
                 retired: Vec::new(),
             },
         );
-        self.digests.insert(digest, principal);
+        self.digests.insert(digest, key);
         Ok(())
     }
 
@@ -233,13 +254,15 @@ impl Security {
     pub fn rotate(
         &mut self,
         now: u64,
+        org: Option<OrgId>,
         principal: PrincipalId,
         digest: TokenDigest,
         overlap_ms: u64,
     ) -> Result<(), CommandError> {
+        let key = (org, principal);
         let p = self
             .principals
-            .get(&principal)
+            .get(&key)
             .ok_or(CommandError::UnknownPrincipal)?;
         if p.revoked {
             return Err(CommandError::UnknownPrincipal);
@@ -248,7 +271,7 @@ impl Security {
         let until = now.saturating_add(overlap_ms);
         let p = self
             .principals
-            .get_mut(&principal)
+            .get_mut(&key)
             .ok_or(CommandError::UnknownPrincipal)?;
         if p.expires_at_ms.is_some_and(|e| e <= now) {
             return Err(CommandError::ExpiryInPast);
@@ -281,12 +304,16 @@ impl Security {
         for d in forgotten {
             self.digests.remove(&d);
         }
-        self.digests.insert(digest, principal);
+        self.digests.insert(digest, key);
         Ok(())
     }
 
-    pub fn revoke(&mut self, principal: PrincipalId) -> Result<(), CommandError> {
-        match self.principals.get_mut(&principal) {
+    pub fn revoke(
+        &mut self,
+        org: Option<OrgId>,
+        principal: PrincipalId,
+    ) -> Result<(), CommandError> {
+        match self.principals.get_mut(&(org, principal)) {
             Some(p) if !p.revoked => {
                 p.revoked = true;
                 Ok(())

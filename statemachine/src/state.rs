@@ -8,7 +8,7 @@ use crate::codec;
 use crate::command::{BudgetScope, Command, Entry, Request};
 use crate::idempotency::{fingerprint, IdempotencyTable, Lookup};
 use crate::ids::Actor;
-use crate::ids::{Account, HoldId};
+use crate::ids::{Account, HoldId, OrgId};
 use crate::ledger::{Ctx, Ledger, LedgerConfig};
 use crate::limits::COMMANDS_PER_ENTRY_MAX;
 use crate::outcome::{CommandError, Limit, Outcome, Reply};
@@ -206,7 +206,13 @@ pub fn apply_into(
                 replayed,
             },
         };
-        let head = refs_of(state, &req.command, head);
+        // The event is the attempting org's: a tenant's request is in its own
+        // namespace whatever it names (another org's trail never shows it).
+        let ns = actor
+            .as_ref()
+            .ok()
+            .and_then(|a| req.namespace(a).ok().flatten().or(a.org()));
+        let head = refs_of(state, ns, &req.command, head);
         state
             .audit
             .append(&stamp, head, &mut out.events, &mut scratch);
@@ -249,10 +255,22 @@ fn apply_request(
     if let Err(e) = crate::validate::validate(req) {
         return (Err(e), false);
     }
+    let ns = match req.namespace(&actor) {
+        Ok(ns) => ns,
+        // A tenant naming another org: a command it may never send is refused as such
+        // whatever it names; otherwise the other org is unknown to it.
+        Err(e) => {
+            return (
+                Err(crate::authz::tenant_refusal(&req.command).unwrap_or(e)),
+                false,
+            )
+        }
+    };
     if !req.command.uses_idempotency_table() {
-        return (execute(state, actor, &req.command, now, effects), false);
+        return (execute(state, actor, ns, &req.command, now, effects), false);
     }
-    let fp = fingerprint(digest);
+    // The namespace is part of what a request id stands for.
+    let fp = fingerprint_in(digest, ns);
     match state.idempotency.lookup(actor, req.request_id, &fp) {
         Lookup::Replay(outcome) => return (outcome, true),
         Lookup::Conflict => return (Err(CommandError::RequestIdReused), false),
@@ -264,11 +282,26 @@ fn apply_request(
             false,
         );
     }
-    let outcome = execute(state, actor, &req.command, now, effects);
+    let outcome = execute(state, actor, ns, &req.command, now, effects);
     state
         .idempotency
         .insert(actor, req.request_id, fp, now, outcome.clone());
     (outcome, false)
+}
+
+/// The fingerprint of a command in a namespace.
+fn fingerprint_in(digest: &Hash32, ns: Option<OrgId>) -> [u8; 16] {
+    let mut fp = fingerprint(digest);
+    let org = ns.map_or(u64::MAX, |o| o.0).to_le_bytes();
+    for (b, o) in fp.iter_mut().zip(org) {
+        *b ^= o;
+    }
+    fp
+}
+
+/// The org namespace an org-scoped command needs.
+fn need(ns: Option<OrgId>) -> Result<OrgId, CommandError> {
+    ns.ok_or(CommandError::OrgRequired)
 }
 
 /// Runs one command. On error, its effects are discarded (every operation validates
@@ -276,6 +309,7 @@ fn apply_request(
 fn execute(
     state: &mut State,
     actor: Actor,
+    ns: Option<OrgId>,
     command: &Command,
     now: u64,
     effects: &mut Vec<PendingEvent>,
@@ -286,6 +320,7 @@ fn execute(
         &state.scheduler,
         &state.security,
         actor,
+        ns,
         command,
     )
     .and_then(|()| {
@@ -296,11 +331,11 @@ fn execute(
                 .scheduler
                 .apply_settings(settings)
                 .map(|()| Reply::SchedulerConfigured),
-            command if command.is_scheduler() => dispatch_scheduler(state, actor, command, ctx),
-            command if command.is_security() => dispatch_security(state, command, ctx),
+            command if command.is_scheduler() => dispatch_scheduler(state, actor, ns, command, ctx),
+            command if command.is_security() => dispatch_security(state, ns, command, ctx),
             command => {
-                reject_job_hold(&state.ledger, command)?;
-                dispatch(&mut state.ledger, command, ctx)
+                reject_job_hold(&state.ledger, ns, command)?;
+                dispatch(&mut state.ledger, ns, command, ctx)
             }
         }
     });
@@ -311,7 +346,11 @@ fn execute(
 }
 
 /// A job's hold is metered and settled only through the job commands.
-fn reject_job_hold(ledger: &Ledger, command: &Command) -> Result<(), CommandError> {
+fn reject_job_hold(
+    ledger: &Ledger,
+    ns: Option<OrgId>,
+    command: &Command,
+) -> Result<(), CommandError> {
     let hold = match command {
         Command::Capture { hold, .. }
         | Command::TopUp { hold, .. }
@@ -321,13 +360,18 @@ fn reject_job_hold(ledger: &Ledger, command: &Command) -> Result<(), CommandErro
         Command::Heartbeat(hb) => hb.hold,
         _ => return Ok(()),
     };
-    if ledger.hold(hold).is_some_and(|h| h.job) {
+    if ledger.hold(need(ns)?, hold).is_some_and(|h| h.job) {
         return Err(CommandError::HoldOwnedByJob);
     }
     Ok(())
 }
 
-fn dispatch_security(state: &mut State, command: &Command, ctx: &mut Ctx) -> Outcome {
+fn dispatch_security(
+    state: &mut State,
+    ns: Option<OrgId>,
+    command: &Command,
+    ctx: &mut Ctx,
+) -> Outcome {
     let now = ctx.now;
     let sec = &mut state.security;
     match command {
@@ -340,17 +384,20 @@ fn dispatch_security(state: &mut State, command: &Command, ctx: &mut Ctx) -> Out
             scope,
             expires_at_ms,
         } => {
-            // The scope must name live objects: an org token for an existing org, a
-            // project token for a project of that org.
+            // The scope must name live objects of the org: an org token for the org, a
+            // project (user) token for a project (and user) of it.
             let ledger = &state.ledger;
-            match scope {
-                Scope::Org(o) if ledger.org_of(Account::Org(*o)).is_none() => {
+            match *scope {
+                Scope::Org(o) if !ledger.orgs.contains_key(&o) => {
                     return Err(CommandError::UnknownOrg)
                 }
-                Scope::Project { org, project }
-                    if ledger.org_of(Account::Project(*project)) != Some(*org) =>
+                Scope::Project { org, project } | Scope::User { org, project, .. }
+                    if !ledger.projects.contains_key(&(org, project)) =>
                 {
                     return Err(CommandError::UnknownProject)
+                }
+                Scope::User { org, user, .. } if !ledger.users.contains_key(&(org, user)) => {
+                    return Err(CommandError::UnknownUser)
                 }
                 _ => {}
             }
@@ -362,17 +409,13 @@ fn dispatch_security(state: &mut State, command: &Command, ctx: &mut Ctx) -> Out
             digest,
             overlap_ms,
         } => sec
-            .rotate(now, *principal, *digest, *overlap_ms)
+            .rotate(now, ns, *principal, *digest, *overlap_ms)
             .map(|()| Reply::TokenSet),
-        Command::RevokeToken { principal } => sec.revoke(*principal).map(|()| Reply::TokenSet),
+        Command::RevokeToken { principal } => sec.revoke(ns, *principal).map(|()| Reply::TokenSet),
         Command::RecordDenials { node, denials } => {
             for d in denials {
-                let org = match d.actor {
-                    Actor::Tenant { org, .. } | Actor::Project { org, .. } => Some(org),
-                    _ => None,
-                };
                 ctx.effects.push(PendingEvent {
-                    org,
+                    org: d.actor.org(),
                     account: None,
                     hold: None,
                     body: EventBody::Denied {
@@ -394,6 +437,7 @@ fn dispatch_security(state: &mut State, command: &Command, ctx: &mut Ctx) -> Out
 fn dispatch_scheduler(
     state: &mut State,
     actor: Actor,
+    ns: Option<OrgId>,
     command: &Command,
     ctx: &mut Ctx,
 ) -> Outcome {
@@ -413,23 +457,29 @@ fn dispatch_scheduler(
         Command::SetNodeDraining { node, draining } => {
             sched.set_draining(*node, *draining, ctx.effects)
         }
-        Command::SubmitJob(spec) => sched.submit(ctx, ledger, cfg, spec),
-        Command::CancelJob { job } => sched.cancel(ctx, ledger, cfg, actor, *job),
-        Command::JobHeartbeat(hb) => sched.heartbeat(ctx, ledger, cfg, actor, hb),
+        Command::SubmitJob(spec) => sched.submit(ctx, ledger, cfg, need(ns)?, spec),
+        Command::CancelJob { job } => sched.cancel(ctx, ledger, cfg, actor, (need(ns)?, *job)),
+        Command::JobHeartbeat(hb) => sched.heartbeat(ctx, ledger, cfg, actor, need(ns)?, hb),
         Command::FinishJob {
             job,
             attempt,
             success,
-        } => sched.finish(ctx, ledger, cfg, actor, (*job, *attempt, *success)),
+        } => sched.finish(
+            ctx,
+            ledger,
+            cfg,
+            actor,
+            ((need(ns)?, *job), *attempt, *success),
+        ),
         Command::SetQuota { org, quota } => sched.set_quota(ledger, *org, *quota),
         Command::SetShareWeight { scope, weight } => {
-            sched.set_share_weight(ledger, *scope, *weight)
+            sched.set_share_weight(ledger, need(ns)?, *scope, *weight)
         }
         _ => Err(CommandError::Unauthorized),
     }
 }
 
-fn dispatch(ledger: &mut Ledger, command: &Command, ctx: &mut Ctx) -> Outcome {
+fn dispatch(ledger: &mut Ledger, ns: Option<OrgId>, command: &Command, ctx: &mut Ctx) -> Outcome {
     let now = ctx.now;
     match command {
         Command::CreateOrg { org } => ledger.create_org(*org).map(|()| Reply::Created),
@@ -443,21 +493,21 @@ fn dispatch(ledger: &mut Ledger, command: &Command, ctx: &mut Ctx) -> Outcome {
             .set_prices(now, prices)
             .map(|version| Reply::PricesSet { version }),
         Command::IssueGrant(g) => ledger
-            .issue_grant(ctx, g)
+            .issue_grant(ctx, need(ns)?, g)
             .map(|()| Reply::GrantIssued { bucket: g.bucket }),
         Command::SetBudget { scope, budget } => ledger
-            .set_budget(*scope, *budget)
+            .set_budget(need(ns)?, *scope, *budget)
             .map(|()| Reply::BudgetSet),
         Command::CreateHold(spec) => {
             ledger
-                .create_hold(ctx, spec)
+                .create_hold(ctx, need(ns)?, spec)
                 .map(|draws| Reply::HoldCreated {
                     hold: spec.hold,
                     draws,
                 })
         }
         Command::Capture { hold, amount_micro } => {
-            let hc = ledger.open_hold(*hold)?;
+            let hc = ledger.open_hold(need(ns)?, *hold)?;
             if hc.hold.meter.is_some() {
                 return Err(CommandError::HoldMetered);
             }
@@ -468,7 +518,7 @@ fn dispatch(ledger: &mut Ledger, command: &Command, ctx: &mut Ctx) -> Outcome {
             })
         }
         Command::TopUp { hold, amount_micro } => {
-            let hc = ledger.open_hold(*hold)?;
+            let hc = ledger.open_hold(need(ns)?, *hold)?;
             hc.books.draw(ctx, hc.hold, *amount_micro)?;
             Ok(Reply::ToppedUp {
                 added_micro: *amount_micro,
@@ -476,11 +526,12 @@ fn dispatch(ledger: &mut Ledger, command: &Command, ctx: &mut Ctx) -> Outcome {
             })
         }
         Command::ReleaseHold { hold } => {
-            if ledger.open_hold(*hold)?.hold.meter.is_some() {
+            let org = need(ns)?;
+            if ledger.open_hold(org, *hold)?.hold.meter.is_some() {
                 return Err(CommandError::HoldMetered);
             }
             ledger
-                .settle(ctx, *hold, 0, crate::command::SettleReason::Cancelled)
+                .settle(ctx, org, *hold, 0, crate::command::SettleReason::Cancelled)
                 .map(Reply::Settled)
         }
         Command::StartMeter {
@@ -489,27 +540,27 @@ fn dispatch(ledger: &mut Ledger, command: &Command, ctx: &mut Ctx) -> Outcome {
             gpu_type,
             gpus,
         } => ledger
-            .start_meter(*hold, *attempt, gpu_type, *gpus, now)
+            .start_meter(need(ns)?, *hold, *attempt, gpu_type, *gpus, now)
             .map(
                 |(price_micro_per_gpu_hour, price_version)| Reply::MeterStarted {
                     price_micro_per_gpu_hour,
                     price_version,
                 },
             ),
-        Command::Heartbeat(hb) => ledger.heartbeat(ctx, hb).map(Reply::Heartbeat),
+        Command::Heartbeat(hb) => ledger.heartbeat(ctx, need(ns)?, hb).map(Reply::Heartbeat),
         Command::Settle {
             hold,
             attempt,
             reason,
         } => ledger
-            .settle(ctx, *hold, *attempt, *reason)
+            .settle(ctx, need(ns)?, *hold, *attempt, *reason)
             .map(Reply::Settled),
         Command::Transfer {
             from,
             to,
             amount_micro,
         } => ledger
-            .transfer(ctx, *from, *to, *amount_micro)
+            .transfer(ctx, need(ns)?, *from, *to, *amount_micro)
             .map(|buckets| Reply::Transferred { buckets }),
         Command::Tick => Ok(Reply::Ticked),
         // Scheduler commands (`Command::is_scheduler`) go to `dispatch_scheduler`.
@@ -517,55 +568,50 @@ fn dispatch(ledger: &mut Ledger, command: &Command, ctx: &mut Ctx) -> Outcome {
     }
 }
 
-/// Fills a command event's query references (org, account, hold) from the command.
-fn refs_of(state: &State, command: &Command, mut ev: PendingEvent) -> PendingEvent {
+/// Fills a command event's query references (org, account, hold): the request's
+/// namespace `ns` (the attempting org, for a tenant) and the objects the command names
+/// in it — never another org's.
+fn refs_of(
+    state: &State,
+    ns: Option<OrgId>,
+    command: &Command,
+    mut ev: PendingEvent,
+) -> PendingEvent {
     let ledger = &state.ledger;
     let hold_refs = |id| {
-        let h = ledger.hold(id);
-        (
-            h.map(|h| h.org),
-            h.map(|h| Account::Project(h.project)),
-            Some(id),
-        )
+        let project = ns.and_then(|o| ledger.hold(o, id)).map(|h| h.project);
+        (project.map(Account::Project), Some(id))
     };
-    let (org, account, hold) = match command {
-        Command::CreateOrg { org } => (Some(*org), Some(Account::Org(*org)), None),
-        Command::CreateProject { project, org } => {
-            (Some(*org), Some(Account::Project(*project)), None)
-        }
-        Command::CreateUser { org, .. } => (Some(*org), Some(Account::Org(*org)), None),
-        Command::IssueGrant(g) => (ledger.org_of(g.owner), Some(g.owner), None),
-        Command::CreateHold(s) => (
-            ledger.org_of(Account::Project(s.project)),
-            Some(Account::Project(s.project)),
-            Some(s.hold),
-        ),
+    let (account, hold) = match command {
+        Command::CreateOrg { org } => (Some(Account::Org(*org)), None),
+        Command::CreateProject { project, .. } => (Some(Account::Project(*project)), None),
+        Command::CreateUser { org, .. } => (Some(Account::Org(*org)), None),
+        Command::IssueGrant(g) => (Some(g.owner), None),
+        Command::CreateHold(s) => (Some(Account::Project(s.project)), Some(s.hold)),
         Command::Capture { hold, .. }
         | Command::TopUp { hold, .. }
         | Command::ReleaseHold { hold }
         | Command::StartMeter { hold, .. }
         | Command::Settle { hold, .. } => hold_refs(*hold),
         Command::Heartbeat(hb) => hold_refs(hb.hold),
-        Command::Transfer { from, .. } => (ledger.org_of(*from), Some(*from), None),
+        Command::Transfer { from, .. } => (Some(*from), None),
         Command::SubmitJob(spec) => (
-            ledger.org_of(Account::Project(spec.project)),
             Some(Account::Project(spec.project)),
             Some(HoldId(spec.job.0)),
         ),
         Command::CancelJob { job } | Command::FinishJob { job, .. } => hold_refs(HoldId(job.0)),
         Command::JobHeartbeat(hb) => hold_refs(HoldId(hb.job.0)),
-        Command::SetQuota { org, .. } => (Some(*org), Some(Account::Org(*org)), None),
-        Command::SetShareWeight { scope, .. } => {
-            let org = crate::authz::scope_org(ledger, *scope).0;
+        Command::SetQuota { org, .. } => (Some(Account::Org(*org)), None),
+        Command::SetShareWeight { scope, .. } | Command::SetBudget { scope, .. } => {
             let account = match scope {
                 BudgetScope::Org(o) => Some(Account::Org(*o)),
                 BudgetScope::Project(p) => Some(Account::Project(*p)),
-                BudgetScope::User(_) => org.map(Account::Org),
+                BudgetScope::User(_) => ns.map(Account::Org),
             };
-            (org, account, None)
+            (account, None)
         }
-        Command::SetBudget { .. }
-        | Command::SetPrices { .. }
+        Command::CreateToken { scope, .. } => (scope.org().map(Account::Org), None),
+        Command::SetPrices { .. }
         | Command::ConfigureScheduler(_)
         | Command::Tick
         | Command::RegisterNode(_)
@@ -574,10 +620,9 @@ fn refs_of(state: &State, command: &Command, mut ev: PendingEvent) -> PendingEve
         | Command::Bootstrap { .. }
         | Command::RotateToken { .. }
         | Command::RevokeToken { .. }
-        | Command::RecordDenials { .. } => (None, None, None),
-        Command::CreateToken { scope, .. } => (scope.org(), scope.org().map(Account::Org), None),
+        | Command::RecordDenials { .. } => (None, None),
     };
-    ev.org = org;
+    ev.org = ns;
     ev.account = account;
     ev.hold = hold;
     ev

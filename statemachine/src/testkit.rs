@@ -142,8 +142,20 @@ impl Harness {
         self.now += ms;
     }
 
-    /// Applies one entry of requests at the current time.
-    pub fn apply(&mut self, requests: Vec<Request>) -> Vec<Outcome> {
+    /// Applies one entry of requests at the current time. A request without an org
+    /// gets the one its command's ids are in ([`infer_org`]: the fixtures' ids are
+    /// distinct across orgs, so tests need not name it).
+    pub fn apply(&mut self, mut requests: Vec<Request>) -> Vec<Outcome> {
+        for r in &mut requests {
+            let operator = self
+                .state
+                .security
+                .resolve(r.actor, self.now)
+                .is_ok_and(|a| matches!(a, Actor::Admin(_) | Actor::Agent(_) | Actor::System));
+            if r.org.is_none() && operator {
+                r.org = infer_org(&self.state, &r.command);
+            }
+        }
         self.index += 1;
         let entry = Entry {
             log_index: self.index,
@@ -174,6 +186,7 @@ impl Harness {
         self.apply(vec![Request {
             actor,
             request_id,
+            org: None,
             command,
         }])
         .remove(0)
@@ -181,6 +194,18 @@ impl Harness {
 
     pub fn run(&mut self, command: Command) -> Outcome {
         self.run_as(self.admin, command)
+    }
+
+    /// Runs `command` as `actor` in `org`'s namespace.
+    pub fn run_in(&mut self, actor: Actor, org: OrgId, command: Command) -> Outcome {
+        let request_id = self.fresh_request_id();
+        self.apply(vec![Request {
+            actor,
+            request_id,
+            org: Some(org),
+            command,
+        }])
+        .remove(0)
     }
 
     /// Runs a command as admin and panics with its error if it fails.
@@ -196,6 +221,7 @@ impl Harness {
         self.apply(vec![Request {
             actor: Actor::System,
             request_id: 0,
+            org: None,
             command: Command::Tick,
         }]);
     }
@@ -236,8 +262,15 @@ impl Harness {
         &self.state.ledger.buckets[&BucketId(id)]
     }
 
+    /// Hold `id` of whichever org has it (fixture ids are distinct across orgs).
     pub fn hold(&self, id: u64) -> &crate::ledger::Hold {
-        &self.state.ledger.holds[&HoldId(id)]
+        self.state
+            .ledger
+            .holds
+            .iter()
+            .find(|((_, h), _)| *h == HoldId(id))
+            .map(|(_, h)| h)
+            .unwrap_or_else(|| panic!("no hold {id}"))
     }
 
     /// The non-command events emitted since event `from`, as (kind, bucket, amount).
@@ -464,8 +497,15 @@ impl Harness {
         }
     }
 
+    /// Job `id` of whichever org has it (fixture ids are distinct across orgs).
     pub fn job(&self, id: u64) -> &crate::scheduler::Job {
-        &self.state.scheduler.jobs[&JobId(id)]
+        self.state
+            .scheduler
+            .jobs
+            .iter()
+            .find(|((_, j), _)| *j == JobId(id))
+            .map(|(_, j)| j)
+            .unwrap_or_else(|| panic!("no job {id}"))
     }
 
     /// Renews every node's lease (agents alive) in one entry.
@@ -483,6 +523,7 @@ impl Harness {
             .map(|node| Request {
                 actor: Actor::Agent(node),
                 request_id: 0,
+                org: None,
                 command: Command::NodeHeartbeat { node },
             })
             .collect();
@@ -492,7 +533,7 @@ impl Harness {
     /// The job's agent reports a heartbeat for its current attempt.
     pub fn job_heartbeat(&mut self, job: u64, seq: u64, checkpoint: u64) -> Outcome {
         let j = self.job(job);
-        let node = j.placement.as_ref().map_or(NodeId(0), |p| p.node);
+        let (node, org) = (j.placement.as_ref().map_or(NodeId(0), |p| p.node), j.org);
         let hb = JobHeartbeat {
             job: JobId(job),
             attempt: j.attempt,
@@ -500,15 +541,16 @@ impl Harness {
             progress_ppm: 0,
             checkpoint,
         };
-        self.run_as(Actor::Agent(node), Command::JobHeartbeat(hb))
+        self.run_in(Actor::Agent(node), org, Command::JobHeartbeat(hb))
     }
 
     pub fn finish_job(&mut self, job: u64, success: bool) -> Outcome {
         let j = self.job(job);
-        let node = j.placement.as_ref().map_or(NodeId(0), |p| p.node);
+        let (node, org) = (j.placement.as_ref().map_or(NodeId(0), |p| p.node), j.org);
         let attempt = j.attempt;
-        self.run_as(
+        self.run_in(
             Actor::Agent(node),
+            org,
             Command::FinishJob {
                 job: JobId(job),
                 attempt,
@@ -516,4 +558,104 @@ impl Harness {
             },
         )
     }
+}
+
+/// The org whose namespace `command`'s ids are in, as far as the state shows — for tests
+/// only, whose fixture ids are distinct across orgs (a real client names the org): the
+/// org the command names itself, else the org owning the project, user, hold, job or
+/// principal it names, else the fixtures' [`ORG`] (so an unknown id answers as unknown
+/// in it).
+pub fn infer_org(state: &State, command: &Command) -> Option<OrgId> {
+    if let Some(o) = command.own_org() {
+        return Some(o);
+    }
+    let fixture = state.ledger.orgs.contains_key(&ORG).then_some(ORG);
+    if let Command::RotateToken { principal, .. } | Command::RevokeToken { principal } = command {
+        return state
+            .security
+            .principals
+            .keys()
+            .find(|(_, p)| p == principal)
+            .and_then(|(o, _)| *o);
+    }
+    let l = &state.ledger;
+    let s = &state.scheduler;
+    let project = |p: ProjectId| l.projects.keys().find(|(_, x)| *x == p).map(|(o, _)| *o);
+    let user = |u: UserId| l.users.keys().find(|(_, x)| *x == u).map(|(o, _)| *o);
+    let hold = |h: HoldId| l.holds.keys().find(|(_, x)| *x == h).map(|(o, _)| *o);
+    let job = |j: JobId| s.jobs.keys().find(|(_, x)| *x == j).map(|(o, _)| *o);
+    let account = |a: &Account| match a {
+        Account::Org(o) => Some(*o),
+        Account::Project(p) => project(*p),
+    };
+    match command {
+        Command::IssueGrant(g) => account(&g.owner),
+        Command::Transfer { from, to, .. } => account(from).or(account(to)),
+        Command::CreateHold(h) => project(h.project),
+        Command::SubmitJob(j) => project(j.project),
+        Command::Capture { hold: h, .. }
+        | Command::TopUp { hold: h, .. }
+        | Command::ReleaseHold { hold: h }
+        | Command::StartMeter { hold: h, .. }
+        | Command::Settle { hold: h, .. } => hold(*h),
+        Command::Heartbeat(hb) => hold(hb.hold),
+        Command::CancelJob { job: j } | Command::FinishJob { job: j, .. } => job(*j),
+        Command::JobHeartbeat(hb) => job(hb.job),
+        Command::SetBudget { scope, .. } | Command::SetShareWeight { scope, .. } => match scope {
+            BudgetScope::Org(o) => Some(*o),
+            BudgetScope::Project(p) => project(*p),
+            BudgetScope::User(u) => user(*u),
+        },
+        _ => None,
+    }
+    .or(fixture)
+    .filter(|_| {
+        !matches!(
+            command,
+            Command::RegisterNode(_) | Command::SetPrices { .. }
+        )
+    })
+}
+
+/// The org a command of the standard world acts in, from the fixtures' ids alone (no
+/// state): what a harness outside the state machine (the node's tests, benchmark and
+/// demo, the fault-injection workloads) names as the request's org. The org the command
+/// names itself; [`OTHER_ORG`] for [`OTHER_PROJECT`] and [`OTHER_USER`]; else [`ORG`]
+/// for commands on org-scoped ids; `None` for pool and shard commands.
+pub fn fixture_org(command: &Command) -> Option<OrgId> {
+    if let Some(o) = command.own_org() {
+        return Some(o);
+    }
+    let other = |p: ProjectId, u: Option<UserId>| {
+        if p == OTHER_PROJECT || u == Some(OTHER_USER) {
+            OTHER_ORG
+        } else {
+            ORG
+        }
+    };
+    let account = |a: &Account| match a {
+        Account::Org(o) => *o,
+        Account::Project(p) => other(*p, None),
+    };
+    Some(match command {
+        Command::IssueGrant(g) => account(&g.owner),
+        Command::Transfer { from, .. } => account(from),
+        Command::CreateHold(h) => other(h.project, Some(h.user)),
+        Command::SubmitJob(j) => other(j.project, Some(j.user)),
+        Command::SetBudget { scope, .. } | Command::SetShareWeight { scope, .. } => match scope {
+            BudgetScope::Org(o) => *o,
+            BudgetScope::Project(p) => other(*p, None),
+            BudgetScope::User(u) => other(PROJECT, Some(*u)),
+        },
+        Command::Capture { .. }
+        | Command::TopUp { .. }
+        | Command::ReleaseHold { .. }
+        | Command::StartMeter { .. }
+        | Command::Settle { .. }
+        | Command::Heartbeat(_)
+        | Command::CancelJob { .. }
+        | Command::FinishJob { .. }
+        | Command::JobHeartbeat(_) => ORG,
+        _ => return None,
+    })
 }

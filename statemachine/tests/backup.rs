@@ -156,22 +156,27 @@ fn every_kind_of_damage_is_refused() {
     ));
 }
 
+/// The operator's principals (admin and agent: installed on every shard) are compared
+/// across a backup's shards; an org's own principals live only on its home shard and
+/// are not (issue 20: tenant tokens on a multi-shard cluster).
 #[test]
 fn shards_whose_token_tables_disagree_are_named() {
-    let token = |h: &mut Harness, principal: u64| {
+    let token = |h: &mut Harness, principal: u64, scope| {
         h.ok(Command::CreateToken {
             principal: PrincipalId(principal),
             digest: TokenDigest::of(format!("token-{principal}").as_bytes()),
-            scope: security::Scope::Org(ORG),
+            scope,
             expires_at_ms: None,
         });
     };
     let mut a = Harness::world();
     let mut b = Harness::world();
     for h in [&mut a, &mut b] {
-        token(h, 40);
-        token(h, 41);
+        token(h, 40, security::Scope::Admin);
+        token(h, 41, security::Scope::Agent(NodeId(7)));
     }
+    // An org token on one shard only (its org's home) is no disagreement.
+    token(&mut a, 42, security::Scope::Org(ORG));
     assert!(token_disagreements(&[&a.state, &b.state]).is_empty());
     // A revocation reached shard a but not yet shard b when they were copied.
     a.ok(Command::RevokeToken {

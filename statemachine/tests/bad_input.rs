@@ -307,7 +307,7 @@ fn rejected_commands_change_nothing() {
         ),
         (grant(1, P, 1, None), CommandError::AlreadyExists),
         (Command::CreateHold(spec(1, 1)), CommandError::AlreadyExists),
-        (Command::CreateHold(wrong_org), CommandError::WrongOrg),
+        (Command::CreateHold(wrong_org), CommandError::UnknownUser),
         (
             Command::Capture {
                 hold: HoldId(2),
@@ -359,12 +359,13 @@ fn rejected_commands_change_nothing() {
             CommandError::InvalidTransfer,
         ),
         (
+            // Another org's project is not in this org's namespace.
             Command::Transfer {
                 from: P,
                 to: Account::Project(OTHER_PROJECT),
                 amount_micro: 1,
             },
-            CommandError::InvalidTransfer,
+            CommandError::UnknownProject,
         ),
     ];
     for (command, expected) in cases {
@@ -379,6 +380,7 @@ fn missing_request_id_and_reused_request_id() {
     let req = |id, amount| Request {
         actor: ADMIN,
         request_id: id,
+        org: None,
         command: grant(50, P, amount, None),
     };
     assert_eq!(
@@ -402,6 +404,7 @@ fn buckets_per_account_at_the_bound() {
         .map(|i| Request {
             actor: ADMIN,
             request_id: 10_000 + i as u128,
+            org: None,
             command: grant(1_000 + i, P, 1, None),
         })
         .collect();
@@ -424,6 +427,7 @@ fn draws_per_hold_at_the_bound() {
         .map(|i| Request {
             actor: ADMIN,
             request_id: 10_000 + i as u128,
+            org: None,
             command: grant(1_000 + i, P, 1, None),
         })
         .collect();
@@ -446,6 +450,7 @@ fn commands_per_entry_at_the_bound() {
         .map(|i| Request {
             actor: ADMIN,
             request_id: 10_000 + i as u128,
+            org: None,
             command: Command::CreateUser {
                 user: UserId(1_000 + i),
                 org: ORG,
@@ -462,7 +467,7 @@ fn commands_per_entry_at_the_bound() {
         .state
         .ledger
         .users
-        .contains_key(&UserId(1_000 + COMMANDS_PER_ENTRY_MAX as u64)));
+        .contains_key(&(ORG, UserId(1_000 + COMMANDS_PER_ENTRY_MAX as u64))));
 }
 
 /// The expiry pass is bounded per entry; buckets it has not reached yet are still not
@@ -476,6 +481,7 @@ fn expiry_pass_is_bounded_but_never_lets_expired_credit_through() {
         reqs.push(Request {
             actor: ADMIN,
             request_id: 1_000_001 + p as u128 * 2_000,
+            org: None,
             command: Command::CreateProject {
                 project: ProjectId(1_000 + p),
                 org: ORG,
@@ -485,6 +491,7 @@ fn expiry_pass_is_bounded_but_never_lets_expired_credit_through() {
             reqs.push(Request {
                 actor: ADMIN,
                 request_id: 1_000_002 + p as u128 * 2_000 + i as u128,
+                org: Some(ORG),
                 command: grant(
                     100_000 + p * 1_000 + i,
                     Account::Project(ProjectId(1_000 + p)),

@@ -151,7 +151,10 @@ impl Model {
 }
 
 fn meter(h: &Harness, hold: HoldId) -> Option<&ledger::Meter> {
-    h.state.ledger.hold(hold).and_then(|x| x.meter.as_ref())
+    h.state
+        .ledger
+        .hold(ORG, hold)
+        .and_then(|x| x.meter.as_ref())
 }
 
 fn command(h: &mut Harness, op: &Op, model: &mut Model) -> Option<Command> {
@@ -368,6 +371,7 @@ fn run_sequence(ops: &[Op]) -> Harness {
                 Some(command) => Request {
                     actor: ADMIN,
                     request_id: h.fresh_request_id(),
+                    org: None,
                     command,
                 },
                 None => continue,

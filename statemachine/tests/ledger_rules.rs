@@ -531,7 +531,7 @@ fn a_reversal_is_credited_to_the_period_it_was_billed_in() {
     };
     assert_eq!(s.captured_micro, 0);
     let used = |h: &Harness| {
-        h.state.ledger.projects[&PROJECT]
+        h.state.ledger.projects[&(ORG, PROJECT)]
             .account
             .usage
             .used(BudgetPeriod::Month, h.now)
@@ -591,6 +591,7 @@ fn idempotent_retries() {
     let req = |id, amount| Request {
         actor: ADMIN,
         request_id: id,
+        org: None,
         command: Command::CreateHold(Harness::hold_spec(7, amount)),
     };
     let first = h.apply(vec![req(9_000, credits(4))]).remove(0);
@@ -646,21 +647,21 @@ fn drained_buckets_are_archived_and_never_exhaust_an_account() {
             hold: HoldId(i + 1),
         });
     }
-    let rec = &h.state.ledger.projects[&PROJECT].account;
+    let rec = &h.state.ledger.projects[&(ORG, PROJECT)].account;
     assert_eq!(rec.buckets.len() as u64, n, "closed, not yet archived");
     assert_eq!(rec.closed as u64, n);
-    let before = h.state.ledger.balance(P, h.now, 0).unwrap();
+    let before = h.state.ledger.balance(ORG, P, h.now, 0).unwrap();
     assert_eq!(before.consumed_micro, credits(n));
     // A retention later the closed buckets are archived; the balance is unchanged.
     h.advance(h.state.config.ledger.bucket_retention_ms);
     for _ in 0..(n as usize / limits::PRUNE_PER_ENTRY_MAX + 1) {
         h.tick();
     }
-    let rec = &h.state.ledger.projects[&PROJECT].account;
+    let rec = &h.state.ledger.projects[&(ORG, PROJECT)].account;
     assert!(rec.buckets.is_empty());
     assert_eq!(rec.archived.buckets, n);
     assert!(h.state.ledger.buckets.get(&BucketId(1_000)).is_none());
-    assert_eq!(h.state.ledger.balance(P, h.now, 0).unwrap(), before);
+    assert_eq!(h.state.ledger.balance(ORG, P, h.now, 0).unwrap(), before);
     let archived = h
         .events
         .iter()
@@ -712,17 +713,17 @@ fn transfer_keeps_kind_expiry_and_policy() {
         (BucketKind::Paid, None, credits(2))
     );
     assert_eq!(h.bucket(1).moved_out, credits(3));
-    let bal = h.state.ledger.balance(P, h.now, HOUR_MS * 10).unwrap();
+    let bal = h.state.ledger.balance(ORG, P, h.now, HOUR_MS * 10).unwrap();
     assert_eq!(bal.moved_in_micro, credits(5));
     assert_eq!(bal.upcoming_expirations.len(), 1);
-    // Across orgs: refused.
+    // Across orgs: refused (another org's project is not in this org's namespace).
     assert_eq!(
         h.run(Command::Transfer {
             from: O,
             to: Account::Project(OTHER_PROJECT),
             amount_micro: 1
         }),
-        Err(CommandError::InvalidTransfer)
+        Err(CommandError::UnknownProject)
     );
 }
 
@@ -749,13 +750,17 @@ fn balance_breakdown_and_upcoming_expirations() {
         hold: HoldId(1),
         amount_micro: credits(1),
     });
-    let b = h.state.ledger.balance(P, h.now, 24 * HOUR_MS).unwrap();
+    let b = h.state.ledger.balance(ORG, P, h.now, 24 * HOUR_MS).unwrap();
     assert_eq!(b.promotional_available_micro, 0);
     assert_eq!(b.granted_available_micro, credits(5));
     assert_eq!(b.paid_available_micro, credits(10));
     assert_eq!((b.held_micro, b.consumed_micro), (credits(4), credits(1)));
     assert_eq!(b.upcoming_expirations, vec![]);
-    let later = h.state.ledger.balance(P, h.now, 200 * HOUR_MS).unwrap();
+    let later = h
+        .state
+        .ledger
+        .balance(ORG, P, h.now, 200 * HOUR_MS)
+        .unwrap();
     assert_eq!(later.upcoming_expirations.len(), 1);
     assert_eq!(later.upcoming_expirations[0].bucket, BucketId(3));
     assert_eq!(

@@ -67,7 +67,7 @@ fn placed(h: &Harness) -> Vec<u64> {
         .sorted()
         .into_iter()
         .filter(|(_, j)| j.state.holds_gpus())
-        .map(|(id, _)| id.0)
+        .map(|(id, _)| id.1 .0)
         .collect()
 }
 

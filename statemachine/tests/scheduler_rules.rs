@@ -908,7 +908,7 @@ fn bad_job_and_node_input_changes_nothing() {
             spec(|s| s.project = ProjectId(99)),
             CommandError::UnknownProject,
         ),
-        (spec(|s| s.user = OTHER_USER), CommandError::WrongOrg),
+        (spec(|s| s.user = OTHER_USER), CommandError::UnknownUser),
         (
             Command::RegisterNode(NodeSpec {
                 node: NodeId(1),
@@ -999,7 +999,7 @@ fn draining_node_takes_no_new_work() {
         .scheduler
         .assignments(NodeId(2))
         .iter()
-        .any(|(j, a, _, _)| *j == JobId(10) && *a == 1));
+        .any(|(j, a, _, _)| j.1 == JobId(10) && *a == 1));
 }
 
 /// The running quota caps an org's running jobs; the rest wait in the queue (they are
@@ -1126,7 +1126,10 @@ fn share_weights_divide_fair_share_at_every_level() {
         scope: BudgetScope::User(USER),
         weight: None,
     });
-    assert_eq!(h.state.scheduler.share_weight(BudgetScope::User(USER)), 100);
+    assert_eq!(
+        h.state.scheduler.share_weight(ORG, BudgetScope::User(USER)),
+        100
+    );
 }
 
 /// Who may weigh whom: org weights are the operator's; an org weighs its own projects
@@ -1213,6 +1216,7 @@ fn tier_ceilings_and_weights() {
                 .map(|n| Request {
                     actor: ADMIN,
                     request_id: 900 + n as u128,
+                    org: None,
                     command: Command::SetNodeDraining {
                         node: NodeId(n),
                         draining: false,

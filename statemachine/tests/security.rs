@@ -240,6 +240,7 @@ fn queries_are_confined_to_the_callers_org() {
     let s = &h.state;
     let t = bearer(ORG1);
     let balance = |a| Query::Balance {
+        org: ORG,
         account: a,
         horizon_ms: 0,
     };
@@ -257,7 +258,7 @@ fn queries_are_confined_to_the_callers_org() {
         Ok(Answer::Balance(None))
     );
     assert_eq!(
-        answer_as(s, t, &Query::Budget(BudgetScope::Org(OTHER_ORG))),
+        answer_as(s, t, &Query::Budget(OTHER_ORG, BudgetScope::Org(OTHER_ORG))),
         Ok(Answer::Budget(None))
     );
     // Job lists are forced to the caller's org.
@@ -439,7 +440,7 @@ fn an_agent_token_cannot_finish_another_nodes_job() {
 #[test]
 fn rotations_inside_the_overlap_never_lock_a_principal_out() {
     let mut h = secured();
-    let q = Query::Budget(BudgetScope::Org(ORG));
+    let q = Query::Budget(ORG, BudgetScope::Org(ORG));
     let token = |i: usize| format!("tok-org-1-rotation-{i:04}-fffffffffffffffff");
     let mut current = ORG1.to_string();
     for i in 0..3 {
@@ -514,7 +515,11 @@ fn rotations_inside_the_overlap_never_lock_a_principal_out() {
             .is_ok());
         current = next;
     }
-    let p = h.state.security.principal(PrincipalId(10)).unwrap();
+    let p = h
+        .state
+        .security
+        .principal(Some(ORG), PrincipalId(10))
+        .unwrap();
     assert!(p.keys.len() <= limits::TOKEN_KEYS_PER_PRINCIPAL_MAX);
     assert!(p.retired.len() <= limits::RETIRED_KEYS_PER_PRINCIPAL_MAX);
     assert!(answer_as(&h.state, bearer(&current), &q).is_ok());
@@ -525,7 +530,7 @@ fn revocation_rotation_and_expiry_take_effect_at_their_log_position() {
     let mut h = secured();
     let admin = bearer(ADMIN_TOKEN);
     let t = bearer(ORG1);
-    let q = Query::Budget(BudgetScope::Org(ORG));
+    let q = Query::Budget(ORG, BudgetScope::Org(ORG));
     assert!(h
         .run_as(
             t,

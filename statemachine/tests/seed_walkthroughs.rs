@@ -153,6 +153,7 @@ fn lost_finish_is_refunded_once() {
     let lost = Request {
         actor: ADMIN,
         request_id: 77,
+        org: None,
         command: Command::Settle {
             hold: HoldId(1),
             attempt: 1,
@@ -234,7 +235,7 @@ fn promo_expiring_mid_run() {
         ],
         "expiry runs first in the entry, then the capture from the still-valid hold"
     );
-    let bal = h.state.ledger.balance(P, h.now, 0).unwrap();
+    let bal = h.state.ledger.balance(ORG, P, h.now, 0).unwrap();
     assert_eq!(bal.promotional_available_micro, 0);
 
     // Finish at 2 h: 4 credits billed; the 16 unused promo credits would go back to an

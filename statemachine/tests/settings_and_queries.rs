@@ -204,7 +204,7 @@ fn budget_and_price_queries() {
     });
     h.ok(Command::CreateHold(Harness::hold_spec(7, credits(20))));
     let Answer::Budget(Some(view)) =
-        answer(&h.state, &Query::Budget(BudgetScope::Project(PROJECT)))
+        answer(&h.state, &Query::Budget(ORG, BudgetScope::Project(PROJECT)))
     else {
         panic!()
     };
@@ -215,7 +215,10 @@ fn budget_and_price_queries() {
         "held counts against the budget"
     );
     assert_eq!(
-        answer(&h.state, &Query::Budget(BudgetScope::User(UserId(999)))),
+        answer(
+            &h.state,
+            &Query::Budget(ORG, BudgetScope::User(UserId(999)))
+        ),
         Answer::Budget(None)
     );
     let Answer::Prices(p) = answer(&h.state, &Query::Prices) else {

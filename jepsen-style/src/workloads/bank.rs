@@ -175,6 +175,7 @@ pub async fn process(ctx: Arc<Ctx>, p: i64, mut rng: Rng) {
         } else if roll < 90 {
             let account = *rng.pick(&ACCOUNTS);
             let q = Query::Balance {
+                org: ORG,
                 account,
                 horizon_ms: 0,
             };
@@ -211,6 +212,7 @@ pub async fn final_read(client: &Client, ops: &[Op]) -> anyhow::Result<Value> {
             .query(
                 SHARD,
                 &Query::Balance {
+                    org: ORG,
                     account: a,
                     horizon_ms: 0,
                 },

@@ -85,10 +85,12 @@ pub fn patient_client(endpoints: Vec<String>) -> Client {
         .expect("loopback endpoints are valid")
 }
 
+/// A request of the operator, in the org of the standard world its ids are in.
 pub fn admin_req(request_id: RequestId, command: Command) -> Request {
     Request {
         actor: allot_statemachine::testkit::ADMIN,
         request_id,
+        org: allot_statemachine::testkit::fixture_org(&command),
         command,
     }
 }

@@ -46,7 +46,15 @@ pub async fn process(ctx: Arc<Ctx>, p: i64, mut rng: Rng) {
             let val = json!({"key": key.0, "value": v});
             run_op(&ctx, &client, p, "write", val, &req, |_| json!(null)).await;
         } else {
-            let q = Query::Budget(BudgetScope::Project(key));
+            let scope = BudgetScope::Project(key);
+            let q = Query::Budget(
+                allot_statemachine::testkit::fixture_org(&Command::SetBudget {
+                    scope,
+                    budget: None,
+                })
+                .unwrap_or(allot_statemachine::testkit::ORG),
+                scope,
+            );
             read_op(
                 &ctx,
                 &client,

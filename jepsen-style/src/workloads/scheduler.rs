@@ -87,7 +87,7 @@ async fn agent(ctx: Arc<Ctx>, node: u64, mut rng: Rng) {
         )
         .await;
         if let Some(Answer::Assignments(list)) = got {
-            for (job, attempt, _, state) in list {
+            for ((_, job), attempt, _, state) in list {
                 use allot_statemachine::scheduler::JobState as S;
                 let key = (job.0, attempt);
                 let entry = seqs.entry(key).or_insert_with(|| {

@@ -210,6 +210,7 @@ async fn main() -> anyhow::Result<()> {
                     principal: PrincipalId(team.org.0),
                 },
                 request_id: next_rid(2),
+                org: Some(team.org),
                 command: Command::SubmitJob(spec),
             };
             let (outs, _) = client.execute(s, &[req]).await?;
@@ -431,6 +432,7 @@ async fn progress_line(
                 .query(
                     s,
                     &Query::Balance {
+                        org: team.org,
                         account: Account::Project(team.project),
                         horizon_ms: 0,
                     },
@@ -552,6 +554,7 @@ async fn summary(
                 .query(
                     s,
                     &Query::Balance {
+                        org: team.org,
                         account: Account::Project(team.project),
                         horizon_ms: 0,
                     },

@@ -252,10 +252,16 @@ impl Sim {
     }
 
     fn req(&mut self, actor: Actor, command: Command) -> Request {
+        self.req_in(actor, None, command)
+    }
+
+    /// A request in `org`'s namespace (jobs, their reports).
+    fn req_in(&mut self, actor: Actor, org: Option<OrgId>, command: Command) -> Request {
         self.rid += 1;
         Request {
             actor,
             request_id: self.rid,
+            org,
             command,
         }
     }
@@ -349,7 +355,7 @@ impl Sim {
             checkpointable: j.checkpointable,
             max_duration_ms: j.max_duration_ms,
         };
-        self.req(ADMIN, Command::SubmitJob(spec))
+        self.req_in(ADMIN, Some(OrgId(j.org)), Command::SubmitJob(spec))
     }
 
     /// One step of every simulated agent: progress, checkpoints, heartbeats, finishes,
@@ -365,7 +371,7 @@ impl Sim {
             .filter(|(_, j)| j.state.holds_gpus())
             .map(|(id, j)| {
                 (
-                    id.0,
+                    id.1 .0,
                     j.attempt,
                     j.state,
                     j.placement.as_ref().map_or(0, |p| p.node.0),
@@ -387,7 +393,7 @@ impl Sim {
                     ack_at: None,
                 };
             }
-            let agent = Actor::Agent(NodeId(node));
+            let agent = (Actor::Agent(NodeId(node)), Some(OrgId(spec.org)));
             a.done_ms += STEP_MS;
             self.delivered_gpu_ms += STEP_MS * spec.gpus as u64;
             if state == JobState::Preempting {
@@ -450,12 +456,12 @@ impl Sim {
         let nodes: Vec<u64> = (1..=NODES).collect();
         for n in nodes {
             reqs.push((
-                Actor::Agent(NodeId(n)),
+                (Actor::Agent(NodeId(n)), None),
                 Command::NodeHeartbeat { node: NodeId(n) },
             ));
         }
         reqs.into_iter()
-            .map(|(actor, c)| self.req(actor, c))
+            .map(|((actor, org), c)| self.req_in(actor, org, c))
             .collect()
     }
 }
@@ -585,7 +591,7 @@ fn simulate(policy: Policy, trace: &[TraceJob], hours: f64) -> Figures {
             .collect();
         let (mut waits, mut jcts, mut placed, mut shed) = (Vec::new(), Vec::new(), 0, 0);
         for tj in &jobs {
-            let Some(j) = s.jobs.get(&JobId(tj.job)) else {
+            let Some(j) = s.jobs.get(&(OrgId(tj.org), JobId(tj.job))) else {
                 shed += 1;
                 continue;
             };

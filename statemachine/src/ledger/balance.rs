@@ -2,7 +2,7 @@
 
 use super::Books;
 use crate::command::BucketKind;
-use crate::ids::{Account, BucketId};
+use crate::ids::{Account, BucketId, OrgId};
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -39,8 +39,14 @@ impl Balance {
 impl Books {
     /// The balance of `account`'s own buckets at `now`. Credit past its expiry instant
     /// counts as expired even before the expiry pass has processed its bucket.
-    pub fn balance(&self, account: Account, now: u64, horizon_ms: u64) -> Option<Balance> {
-        let rec = self.account(account)?;
+    pub fn balance(
+        &self,
+        org: OrgId,
+        account: Account,
+        now: u64,
+        horizon_ms: u64,
+    ) -> Option<Balance> {
+        let rec = self.account(org, account)?;
         let sat = |x: u128| x.min(u64::MAX as u128) as u64;
         let mut b = Balance {
             consumed_micro: sat(rec.archived.consumed),

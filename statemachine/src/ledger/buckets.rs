@@ -3,7 +3,7 @@
 use super::{unknown_account, AccountRec, Books, Bucket, BucketRef, Ctx};
 use crate::audit::EventBody;
 use crate::command::Grant;
-use crate::ids::{Account, BucketId};
+use crate::ids::{Account, BucketId, OrgId};
 use crate::limits::*;
 use crate::outcome::{CommandError, Limit};
 
@@ -25,7 +25,7 @@ impl AccountRec {
 impl Books {
     /// Adds or removes a bucket from its owner's spend index.
     pub(crate) fn set_live(&mut self, bucket: BucketRef, live: bool) {
-        if let Some(rec) = self.account_mut(bucket.owner) {
+        if let Some(rec) = self.account_mut(bucket.org, bucket.owner) {
             if live {
                 rec.live_insert(bucket);
             } else {
@@ -37,8 +37,13 @@ impl Books {
 
 impl Books {
     /// Checks that `account` may own one more bucket and the shard one more.
-    fn check_bucket_room(&self, account: Account, extra: usize) -> Result<(), CommandError> {
-        let rec = self.account(account).ok_or(unknown_account(account))?;
+    fn check_bucket_room(
+        &self,
+        org: OrgId,
+        account: Account,
+        extra: usize,
+    ) -> Result<(), CommandError> {
+        let rec = self.account(org, account).ok_or(unknown_account(account))?;
         // Closed buckets (awaiting archive) do not count: the bound is on buckets in use.
         if rec.buckets.len() - rec.closed as usize + extra > BUCKETS_PER_ACCOUNT_MAX {
             return Err(CommandError::LimitReached(Limit::BucketsPerAccount));
@@ -56,24 +61,31 @@ impl Books {
         if let Some(at) = bucket.expires_at_ms {
             self.expiry_queue.insert((at, bucket.id));
         }
-        if let Some(rec) = self.account_mut(bucket.owner) {
+        if let Some(rec) = self.account_mut(bucket.org, bucket.owner) {
             rec.buckets.push(bucket.id);
             rec.live_insert(bucket.refs());
         }
         self.buckets.insert(bucket.id, bucket);
     }
 
-    pub(crate) fn issue_grant(&mut self, ctx: &mut Ctx, g: &Grant) -> Result<(), CommandError> {
+    pub(crate) fn issue_grant(
+        &mut self,
+        ctx: &mut Ctx,
+        org: OrgId,
+        g: &Grant,
+    ) -> Result<(), CommandError> {
         let now = ctx.now;
         // Amount, id, source reference and policy: `crate::validate`.
         if g.expires_at_ms.is_some_and(|at| at <= now) {
             return Err(CommandError::ExpiryInPast);
         }
-        let org = self.org_of(g.owner).ok_or(unknown_account(g.owner))?;
+        if !self.has_account(org, g.owner) {
+            return Err(unknown_account(g.owner));
+        }
         if self.buckets.contains_key(&g.bucket) {
             return Err(CommandError::AlreadyExists);
         }
-        self.check_bucket_room(g.owner, 1)?;
+        self.check_bucket_room(org, g.owner, 1)?;
         self.insert_bucket(Bucket {
             id: g.bucket,
             owner: g.owner,
@@ -156,9 +168,9 @@ impl Books {
             return;
         }
         b.closed_at_ms = Some(now);
-        let owner = b.owner;
+        let (org, owner) = (b.org, b.owner);
         self.closed_queue.push_back((now, id));
-        if let Some(rec) = self.account_mut(owner) {
+        if let Some(rec) = self.account_mut(org, owner) {
             rec.closed += 1;
         }
     }
@@ -182,7 +194,7 @@ impl Books {
             if let Some(at) = b.expires_at_ms {
                 self.expiry_queue.remove(&(at, id));
             }
-            if let Some(rec) = self.account_mut(b.owner) {
+            if let Some(rec) = self.account_mut(b.org, b.owner) {
                 rec.buckets.retain(|x| *x != id);
                 rec.closed = rec.closed.saturating_sub(1);
                 rec.archived.add(&b);
@@ -197,17 +209,20 @@ impl Books {
     pub(crate) fn transfer(
         &mut self,
         ctx: &mut Ctx,
+        org: OrgId,
         from: Account,
         to: Account,
         amount: u64,
     ) -> Result<Vec<BucketId>, CommandError> {
-        let from_org = self.org_of(from).ok_or(unknown_account(from))?;
-        let to_org = self.org_of(to).ok_or(unknown_account(to))?;
-        // Distinct accounts and the amount: `crate::validate`.
-        if from_org != to_org {
-            return Err(CommandError::InvalidTransfer);
+        // Both accounts in the request's org (another org's accounts are unknown here);
+        // distinct accounts and the amount: `crate::validate`.
+        if !self.has_account(org, from) {
+            return Err(unknown_account(from));
         }
-        let plan = self.plan_from_live(ctx.now, &[from], amount, |_| true)?;
+        if !self.has_account(org, to) {
+            return Err(unknown_account(to));
+        }
+        let plan = self.plan_from_live(ctx.now, org, &[from], amount, |_| true)?;
         // A part with the same terms as a transfer bucket `to` already has joins it, so
         // repeated transfers (a rebalancer, or a flood of tiny ones) do not fill the
         // account's bucket list.
@@ -216,10 +231,10 @@ impl Books {
             .map(|(src, _)| {
                 self.buckets
                     .get(src)
-                    .and_then(|s| self.same_terms(to, s, ctx.now))
+                    .and_then(|s| self.same_terms(org, to, s, ctx.now))
             })
             .collect();
-        self.check_bucket_room(to, joins.iter().filter(|j| j.is_none()).count())?;
+        self.check_bucket_room(org, to, joins.iter().filter(|j| j.is_none()).count())?;
         let mut created = Vec::with_capacity(plan.len());
         for ((src_id, part), join) in plan.into_iter().zip(joins) {
             let Some(src) = self.buckets.get_mut(&src_id) else {
@@ -291,8 +306,8 @@ impl Books {
 
     /// A live transfer bucket of `to` (one the ledger created) with the terms of `src`
     /// — kind, priority, expiry, policy, source — that credit moved from `src` may join.
-    fn same_terms(&self, to: Account, src: &Bucket, now: u64) -> Option<BucketId> {
-        let rec = self.account(to)?;
+    fn same_terms(&self, org: OrgId, to: Account, src: &Bucket, now: u64) -> Option<BucketId> {
+        let rec = self.account(org, to)?;
         rec.live.iter().map(|(_, id)| *id).find(|id| {
             self.buckets.get(id).is_some_and(|b| {
                 b.id.0 >= INTERNAL_ID_BASE
@@ -311,13 +326,14 @@ impl Books {
     pub(crate) fn plan_from_live(
         &self,
         now: u64,
+        org: OrgId,
         accounts: &[Account],
         amount: u64,
         eligible: impl Fn(&Bucket) -> bool,
     ) -> Result<Vec<(BucketId, u64)>, CommandError> {
         let lists: Vec<&[(super::SpendKey, BucketId)]> = accounts
             .iter()
-            .filter_map(|a| self.account(*a))
+            .filter_map(|a| self.account(org, *a))
             .map(|r| r.live.as_slice())
             .collect();
         let mut pos = vec![0usize; lists.len()];

@@ -121,22 +121,25 @@ pub(crate) enum UsageMove {
 }
 
 impl Books {
+    /// The counters and budget of `scope` in `org`'s namespace.
     fn usage_and_budget_mut(
         &mut self,
+        org: OrgId,
         scope: BudgetScope,
     ) -> Option<(&mut Usage, &mut Option<Budget>)> {
         match scope {
-            BudgetScope::Org(o) => self
+            BudgetScope::Org(o) if o == org => self
                 .orgs
                 .get_mut(&o)
                 .map(|r| (&mut r.account.usage, &mut r.account.budget)),
+            BudgetScope::Org(_) => None,
             BudgetScope::Project(p) => self
                 .projects
-                .get_mut(&p)
+                .get_mut(&(org, p))
                 .map(|r| (&mut r.account.usage, &mut r.account.budget)),
             BudgetScope::User(u) => self
                 .users
-                .get_mut(&u)
+                .get_mut(&(org, u))
                 .map(|r| (&mut r.usage, &mut r.budget)),
         }
     }
@@ -151,10 +154,11 @@ impl Books {
 
     pub(crate) fn set_budget(
         &mut self,
+        org: OrgId,
         scope: BudgetScope,
         spec: Option<BudgetSpec>,
     ) -> Result<(), CommandError> {
-        let (_, budget) = self.usage_and_budget_mut(scope).ok_or(match scope {
+        let (_, budget) = self.usage_and_budget_mut(org, scope).ok_or(match scope {
             BudgetScope::Org(_) => CommandError::UnknownOrg,
             BudgetScope::Project(_) => CommandError::UnknownProject,
             BudgetScope::User(_) => CommandError::UnknownUser,
@@ -177,7 +181,7 @@ impl Books {
         let now = ctx.now;
         let mut alerts = [None; 3];
         for (i, scope) in Self::scopes(path).into_iter().enumerate() {
-            let Some((usage, Some(budget))) = self.usage_and_budget_mut(scope) else {
+            let Some((usage, Some(budget))) = self.usage_and_budget_mut(path.org, scope) else {
                 continue;
             };
             let used = usage.used(budget.spec.period, now);
@@ -199,7 +203,7 @@ impl Books {
             }
         }
         for (scope, limit_micro, used_micro) in alerts.into_iter().flatten() {
-            let Some((_, Some(budget))) = self.usage_and_budget_mut(scope) else {
+            let Some((_, Some(budget))) = self.usage_and_budget_mut(path.org, scope) else {
                 continue;
             };
             let period = period_index(budget.spec.period, now);
@@ -226,7 +230,7 @@ impl Books {
 
     pub(crate) fn move_usage(&mut self, now: u64, path: SpendPath, mv: UsageMove) {
         for scope in Self::scopes(path) {
-            if let Some((usage, _)) = self.usage_and_budget_mut(scope) {
+            if let Some((usage, _)) = self.usage_and_budget_mut(path.org, scope) {
                 match mv {
                     UsageMove::Hold(a) => usage.hold(a),
                     UsageMove::Unhold(a) => usage.unhold(a),

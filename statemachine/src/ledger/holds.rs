@@ -6,7 +6,7 @@ use super::{Books, Bucket, Ctx, Draw, Hold, HoldTable, Ledger};
 use crate::audit::EventBody;
 use crate::command::HoldSpec;
 use crate::idmap::SharedQueue;
-use crate::ids::{Account, BucketId, HoldId};
+use crate::ids::{Account, BucketId, HoldId, HoldKey, OrgId};
 use crate::limits::*;
 use crate::outcome::{CommandError, DrawReport, Limit, Settlement};
 
@@ -37,7 +37,7 @@ pub(crate) struct HoldCtx<'a> {
     pub books: &'a mut Books,
     pub hold: &'a mut Hold,
     open: &'a mut usize,
-    settled_queue: &'a mut SharedQueue<(u64, HoldId)>,
+    settled_queue: &'a mut SharedQueue<(u64, HoldKey)>,
 }
 
 impl HoldCtx<'_> {
@@ -45,20 +45,25 @@ impl HoldCtx<'_> {
     pub(crate) fn close(&mut self, now: u64, settlement: Settlement) {
         self.hold.settled = Some((now, settlement));
         *self.open -= 1;
-        self.settled_queue.push_back((now, self.hold.id));
+        self.settled_queue
+            .push_back((now, (self.hold.org, self.hold.id)));
     }
 }
 
 impl Ledger {
-    /// The open hold `id` with the books, or `UnknownHold` / `HoldSettled`.
-    pub(crate) fn open_hold(&mut self, id: HoldId) -> Result<HoldCtx<'_>, CommandError> {
+    /// The open hold `id` of `org` with the books, or `UnknownHold` / `HoldSettled`.
+    pub(crate) fn open_hold(
+        &mut self,
+        org: OrgId,
+        id: HoldId,
+    ) -> Result<HoldCtx<'_>, CommandError> {
         let Ledger { books, holds } = self;
         let HoldTable {
             map,
             open,
             settled_queue,
         } = holds;
-        let hold = map.get_mut(&id).ok_or(CommandError::UnknownHold)?;
+        let hold = map.get_mut(&(org, id)).ok_or(CommandError::UnknownHold)?;
         if !hold.is_open() {
             return Err(CommandError::HoldSettled);
         }
@@ -73,21 +78,18 @@ impl Ledger {
     pub(crate) fn create_hold(
         &mut self,
         ctx: &mut Ctx,
+        org: OrgId,
         spec: &HoldSpec,
     ) -> Result<Vec<DrawReport>, CommandError> {
         // Amount and GPU types: `crate::validate` (commands) or the job's own checks.
-        let project = self
-            .projects
-            .get(&spec.project)
-            .ok_or(CommandError::UnknownProject)?;
-        let user = self
-            .users
-            .get(&spec.user)
-            .ok_or(CommandError::UnknownUser)?;
-        if user.org != project.org {
-            return Err(CommandError::WrongOrg);
+        // The project and the user are the org's own (its namespace).
+        if !self.projects.contains_key(&(org, spec.project)) {
+            return Err(CommandError::UnknownProject);
         }
-        if self.holds.map.contains_key(&spec.hold) {
+        if !self.users.contains_key(&(org, spec.user)) {
+            return Err(CommandError::UnknownUser);
+        }
+        if self.holds.map.contains_key(&(org, spec.hold)) {
             return Err(CommandError::AlreadyExists);
         }
         if self.holds.open >= HOLDS_OPEN_MAX {
@@ -95,7 +97,7 @@ impl Ledger {
         }
         let mut hold = Hold {
             id: spec.hold,
-            org: project.org,
+            org,
             project: spec.project,
             user: spec.user,
             tier: spec.tier,
@@ -109,19 +111,19 @@ impl Ledger {
             settled: None,
         };
         let drawn = self.books.draw(ctx, &mut hold, spec.amount_micro)?;
-        self.holds.map.insert(spec.hold, hold);
+        self.holds.map.insert((org, spec.hold), hold);
         self.holds.open += 1;
         Ok(drawn)
     }
 
     /// The open hold `id`, if any (for callers that have already validated it).
-    pub(crate) fn open_hold_ctx(&mut self, id: HoldId) -> Option<HoldCtx<'_>> {
-        self.open_hold(id).ok()
+    pub(crate) fn open_hold_ctx(&mut self, org: OrgId, id: HoldId) -> Option<HoldCtx<'_>> {
+        self.open_hold(org, id).ok()
     }
 
     /// Marks a hold as owned by a scheduler job.
-    pub(crate) fn mark_job_hold(&mut self, id: HoldId) {
-        if let Some(h) = self.holds.map.get_mut(&id) {
+    pub(crate) fn mark_job_hold(&mut self, org: OrgId, id: HoldId) {
+        if let Some(h) = self.holds.map.get_mut(&(org, id)) {
             h.job = true;
         }
     }
@@ -155,7 +157,7 @@ impl Books {
         amount: u64,
     ) -> Result<Vec<DrawReport>, CommandError> {
         let accounts = [Account::Project(hold.project), Account::Org(hold.org)];
-        let plan = self.plan_from_live(ctx.now, &accounts, amount, |b| {
+        let plan = self.plan_from_live(ctx.now, hold.org, &accounts, amount, |b| {
             b.pays_for(hold.tier, &hold.gpu_types)
         })?;
         let new_draws = plan

@@ -5,7 +5,7 @@
 use super::holds::HoldCtx;
 use super::{Books, Ctx, Hold, Ledger};
 use crate::command::{Heartbeat, SettleReason};
-use crate::ids::{GpuType, HoldId};
+use crate::ids::{GpuType, HoldId, OrgId};
 use crate::outcome::{CommandError, HeartbeatReply, Settlement};
 use serde::{Deserialize, Serialize};
 
@@ -85,6 +85,7 @@ impl Meter {
 impl Ledger {
     pub(crate) fn start_meter(
         &mut self,
+        org: OrgId,
         hold_id: HoldId,
         attempt: u32,
         gpu_type: &GpuType,
@@ -92,7 +93,7 @@ impl Ledger {
         now: u64,
     ) -> Result<(u64, u32), CommandError> {
         // The type's name and the GPU count: `crate::validate` (or the placement).
-        let hc = self.open_hold(hold_id)?;
+        let hc = self.open_hold(org, hold_id)?;
         let price = hc
             .books
             .price_of(gpu_type)
@@ -131,9 +132,10 @@ impl Ledger {
     pub(crate) fn heartbeat(
         &mut self,
         ctx: &mut Ctx,
+        org: OrgId,
         hb: &Heartbeat,
     ) -> Result<HeartbeatReply, CommandError> {
-        let mut hc = self.open_hold(hb.hold)?;
+        let mut hc = self.open_hold(org, hb.hold)?;
         let meter = current_meter(hc.hold, hb.attempt)?;
         if hb.seq <= meter.last_seq {
             return Ok(HeartbeatReply {
@@ -171,11 +173,12 @@ impl Ledger {
     pub(crate) fn settle(
         &mut self,
         ctx: &mut Ctx,
+        org: OrgId,
         hold_id: HoldId,
         attempt: u32,
         reason: SettleReason,
     ) -> Result<Settlement, CommandError> {
-        let mut hc = self.open_hold(hold_id)?;
+        let mut hc = self.open_hold(org, hold_id)?;
         let uncollected = hc.books.end_attempt(ctx, hc.hold, attempt, reason)?;
         Ok(hc.finish(ctx, reason, uncollected))
     }

@@ -20,7 +20,10 @@ pub use meter::{cost_micro, Meter};
 use crate::audit::{EventBody, PendingEvent};
 use crate::command::{BucketKind, BucketPolicy};
 use crate::idmap::{IdMap, SharedMap, SharedQueue};
-use crate::ids::{Account, BucketId, GpuType, HoldId, OrgId, ProjectId, Tier, UserId};
+use crate::ids::{
+    Account, BucketId, GpuType, HoldId, HoldKey, OrgId, ProjectId, ProjectKey, Tier, UserId,
+    UserKey,
+};
 use crate::outcome::Settlement;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -178,6 +181,10 @@ pub struct AccountRec {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OrgRec {
     pub account: AccountRec,
+    /// The org's projects and users (its namespace), in id order: per-org listings and
+    /// quotas without scanning the shard.
+    pub projects: BTreeSet<ProjectId>,
+    pub users: BTreeSet<UserId>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -253,8 +260,9 @@ pub struct Ledger {
 pub struct Books {
     pub config: LedgerConfig,
     pub orgs: IdMap<OrgId, OrgRec>,
-    pub projects: IdMap<ProjectId, ProjectRec>,
-    pub users: IdMap<UserId, UserRec>,
+    /// Projects and users by (org, id): each org has its own namespace.
+    pub projects: IdMap<ProjectKey, ProjectRec>,
+    pub users: IdMap<UserKey, UserRec>,
     pub buckets: IdMap<BucketId, Bucket>,
     /// The expiry min-queue: (expires_at_ms, bucket), smallest first. An ordered set
     /// rather than a binary heap so its encoding (and the state hash) is canonical.
@@ -275,14 +283,14 @@ pub struct Books {
 pub struct HoldTable {
     /// Persistent (O(1) clone): settled tombstones stay for the retention window, so
     /// the table grows with history, and a snapshot clones the state under the apply lock.
-    pub map: SharedMap<HoldId, Hold>,
+    pub map: SharedMap<HoldKey, Hold>,
     pub open: usize,
     /// Settled holds in settlement order, pruned after `settled_retention_ms`.
-    pub settled_queue: SharedQueue<(u64, HoldId)>,
+    pub settled_queue: SharedQueue<(u64, HoldKey)>,
 }
 
 impl std::ops::Deref for HoldTable {
-    type Target = SharedMap<HoldId, Hold>;
+    type Target = SharedMap<HoldKey, Hold>;
     fn deref(&self) -> &Self::Target {
         &self.map
     }
@@ -349,31 +357,31 @@ impl Ledger {
         }
     }
 
-    pub fn hold(&self, id: HoldId) -> Option<&Hold> {
-        self.holds.map.get(&id)
+    pub fn hold(&self, org: OrgId, id: HoldId) -> Option<&Hold> {
+        self.holds.map.get(&(org, id))
     }
 }
 
 impl Books {
-    pub fn account(&self, account: Account) -> Option<&AccountRec> {
+    /// `account` in `org`'s namespace (another org's account is no account of it).
+    pub fn account(&self, org: OrgId, account: Account) -> Option<&AccountRec> {
         match account {
-            Account::Org(o) => self.orgs.get(&o).map(|r| &r.account),
-            Account::Project(p) => self.projects.get(&p).map(|r| &r.account),
+            Account::Org(o) if o == org => self.orgs.get(&o).map(|r| &r.account),
+            Account::Org(_) => None,
+            Account::Project(p) => self.projects.get(&(org, p)).map(|r| &r.account),
         }
     }
 
-    fn account_mut(&mut self, account: Account) -> Option<&mut AccountRec> {
+    fn account_mut(&mut self, org: OrgId, account: Account) -> Option<&mut AccountRec> {
         match account {
-            Account::Org(o) => self.orgs.get_mut(&o).map(|r| &mut r.account),
-            Account::Project(p) => self.projects.get_mut(&p).map(|r| &mut r.account),
+            Account::Org(o) if o == org => self.orgs.get_mut(&o).map(|r| &mut r.account),
+            Account::Org(_) => None,
+            Account::Project(p) => self.projects.get_mut(&(org, p)).map(|r| &mut r.account),
         }
     }
 
-    /// The org an account belongs to, if the account exists.
-    pub fn org_of(&self, account: Account) -> Option<OrgId> {
-        match account {
-            Account::Org(o) => self.orgs.contains_key(&o).then_some(o),
-            Account::Project(p) => self.projects.get(&p).map(|r| r.org),
-        }
+    /// Whether `account` exists in `org`'s namespace.
+    pub fn has_account(&self, org: OrgId, account: Account) -> bool {
+        self.account(org, account).is_some()
     }
 }

@@ -26,43 +26,45 @@ impl Books {
         project: ProjectId,
         org: OrgId,
     ) -> Result<(), CommandError> {
-        if !self.orgs.contains_key(&org) {
-            return Err(CommandError::UnknownOrg);
-        }
-        if self.projects.contains_key(&project) {
+        let rec = self.orgs.get(&org).ok_or(CommandError::UnknownOrg)?;
+        if rec.projects.contains(&project) {
             return Err(CommandError::AlreadyExists);
         }
         if self.projects.len() >= PROJECTS_MAX {
             return Err(CommandError::LimitReached(Limit::Projects));
         }
         self.projects.insert(
-            project,
+            (org, project),
             ProjectRec {
                 org,
                 account: Default::default(),
             },
         );
+        if let Some(rec) = self.orgs.get_mut(&org) {
+            rec.projects.insert(project);
+        }
         Ok(())
     }
 
     pub(crate) fn create_user(&mut self, user: UserId, org: OrgId) -> Result<(), CommandError> {
-        if !self.orgs.contains_key(&org) {
-            return Err(CommandError::UnknownOrg);
-        }
-        if self.users.contains_key(&user) {
+        let rec = self.orgs.get(&org).ok_or(CommandError::UnknownOrg)?;
+        if rec.users.contains(&user) {
             return Err(CommandError::AlreadyExists);
         }
         if self.users.len() >= USERS_MAX {
             return Err(CommandError::LimitReached(Limit::Users));
         }
         self.users.insert(
-            user,
+            (org, user),
             UserRec {
                 org,
                 usage: Default::default(),
                 budget: None,
             },
         );
+        if let Some(rec) = self.orgs.get_mut(&org) {
+            rec.users.insert(user);
+        }
         Ok(())
     }
 

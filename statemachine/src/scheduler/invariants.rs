@@ -3,7 +3,6 @@
 //! metered hold at its current attempt, queues and counters match the jobs.
 
 use super::{JobState, NodeState};
-use crate::ids::HoldId;
 use crate::State;
 use std::collections::BTreeMap;
 
@@ -13,61 +12,68 @@ pub fn check(state: &State) -> Result<(), String> {
     let mut tier_gpus: BTreeMap<_, u32> = BTreeMap::new();
     let mut queued = 0usize;
     for (id, j) in s.jobs.sorted() {
-        let hold = state.ledger.hold(HoldId(id.0));
+        let hold = state.ledger.hold(id.0, super::jobs::hold_of(*id));
         if j.state.holds_gpus() {
             let p = j
                 .placement
                 .as_ref()
-                .ok_or(format!("{id} holds GPUs without a placement"))?;
+                .ok_or(format!("{id:?} holds GPUs without a placement"))?;
             let n = s
                 .nodes
                 .get(&p.node)
-                .ok_or(format!("{id} placed on unknown {}", p.node))?;
+                .ok_or(format!("{id:?} placed on unknown {}", p.node))?;
             if p.gpu_indices.len() != j.spec.gpus as usize {
                 return Err(format!(
-                    "{id} has {} GPU indices for {} GPUs",
+                    "{id:?} has {} GPU indices for {} GPUs",
                     p.gpu_indices.len(),
                     j.spec.gpus
                 ));
             }
             for &i in &p.gpu_indices {
                 if n.slots.get(i as usize) != Some(&Some(*id)) {
-                    return Err(format!("{id}: GPU {i} of {} is not assigned to it", p.node));
+                    return Err(format!(
+                        "{id:?}: GPU {i} of {} is not assigned to it",
+                        p.node
+                    ));
                 }
             }
             let meter = hold.filter(|h| h.is_open()).and_then(|h| h.meter.as_ref());
             if !meter.is_some_and(|m| m.attempt == j.attempt && !m.closed) {
                 return Err(format!(
-                    "{id} runs without an open meter at attempt {}",
+                    "{id:?} runs without an open meter at attempt {}",
                     j.attempt
                 ));
             }
             used += j.spec.gpus;
             *tier_gpus.entry(j.spec.tier).or_default() += j.spec.gpus;
         } else if j.placement.is_some() {
-            return Err(format!("{id} in {:?} keeps a placement", j.state));
+            return Err(format!("{id:?} in {:?} keeps a placement", j.state));
         }
         if let Some(node) = j.reserved_node {
             if s.nodes.get(&node).and_then(|n| n.reserved_for) != Some(*id) {
-                return Err(format!("{id} holds a reservation {node} does not record"));
+                return Err(format!("{id:?} holds a reservation {node} does not record"));
             }
         }
         match j.state {
             JobState::Queued => {
                 queued += 1;
                 if !hold.is_some_and(|h| h.is_open()) {
-                    return Err(format!("queued {id} has no open hold"));
+                    return Err(format!("queued {id:?} has no open hold"));
                 }
                 let key = (j.queued_since_ms, *id);
                 if !s.by_age.get(&j.spec.tier).is_some_and(|q| q.contains(&key)) {
-                    return Err(format!("queued {id} missing from its tier's queue"));
+                    return Err(format!("queued {id:?} missing from its tier's queue"));
                 }
             }
             st if st.is_final() && hold.is_some_and(|h| h.is_open()) => {
-                return Err(format!("finished {id} still holds credit"));
+                return Err(format!("finished {id:?} still holds credit"));
             }
             _ => {}
         }
+    }
+    // The per-org job index lists exactly the jobs.
+    if s.org_jobs.len() != s.jobs.len() || s.jobs.keys().any(|k| !s.org_jobs.contains(k)) {
+        return Err("the per-org job index disagrees with the jobs".into());
     }
     // Every slot points at a job that holds GPUs there.
     let mut fleet = 0;
@@ -85,7 +91,7 @@ pub fn check(state: &State) -> Result<(), String> {
             });
             if !ok {
                 return Err(format!(
-                    "{nid} GPU {i} assigned to {job}, which is not running there"
+                    "{nid} GPU {i} assigned to {job:?}, which is not running there"
                 ));
             }
         }
@@ -97,7 +103,7 @@ pub fn check(state: &State) -> Result<(), String> {
                 .is_some_and(|j| j.state == JobState::Queued && j.reserved_node == Some(*nid));
             if !ok {
                 return Err(format!(
-                    "{nid} is reserved for {r}, which is not waiting for it"
+                    "{nid} is reserved for {r:?}, which is not waiting for it"
                 ));
             }
         }

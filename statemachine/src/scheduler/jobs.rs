@@ -5,7 +5,7 @@
 use super::{Ending, Job, JobState, Placement, Reason, Scheduler, SchedulerConfig, Timer};
 use crate::audit::{EventBody, PendingEvent};
 use crate::command::{Heartbeat, HoldSpec, JobHeartbeat, JobSpec, SettleReason};
-use crate::ids::{Account, Actor, HoldId, JobId, NodeId};
+use crate::ids::{Account, Actor, HoldId, JobKey, NodeId, OrgId};
 use crate::ledger::{cost_micro, Ctx, Ledger};
 use crate::limits::*;
 use crate::outcome::{CommandError, Limit, QuotaKind, Reply, Settlement};
@@ -19,11 +19,16 @@ fn check_spec(spec: &JobSpec, cfg: &SchedulerConfig) -> Result<(), CommandError>
     Ok(())
 }
 
+/// A job's hold: the same id, in the same org.
+pub(crate) fn hold_of(id: JobKey) -> HoldId {
+    HoldId(id.1 .0)
+}
+
 impl Scheduler {
     pub(crate) fn job_event(
         &self,
         effects: &mut Vec<PendingEvent>,
-        id: JobId,
+        id: JobKey,
         from: Option<JobState>,
         reason: Reason,
     ) {
@@ -31,9 +36,9 @@ impl Scheduler {
         effects.push(PendingEvent {
             org: Some(j.org),
             account: Some(Account::Project(j.spec.project)),
-            hold: Some(HoldId(id.0)),
+            hold: Some(hold_of(id)),
             body: EventBody::JobTransition {
-                job: id,
+                job: id.1,
                 from,
                 to: j.state,
                 attempt: j.attempt,
@@ -43,7 +48,7 @@ impl Scheduler {
         });
     }
 
-    fn transition(&mut self, ctx: &mut Ctx, id: JobId, to: JobState, reason: Reason) {
+    fn transition(&mut self, ctx: &mut Ctx, id: JobKey, to: JobState, reason: Reason) {
         let Some(j) = self.jobs.get_mut(&id) else {
             return;
         };
@@ -57,7 +62,7 @@ impl Scheduler {
         self.job_event(ctx.effects, id, Some(from), reason);
     }
 
-    pub(crate) fn set_timer(&mut self, id: JobId, kind: fn(JobId) -> Timer, at: Option<u64>) {
+    pub(crate) fn set_timer(&mut self, id: JobKey, kind: fn(JobKey) -> Timer, at: Option<u64>) {
         let Some(j) = self.jobs.get_mut(&id) else {
             return;
         };
@@ -76,13 +81,13 @@ impl Scheduler {
         }
     }
 
-    fn clear_timers(&mut self, id: JobId) {
+    fn clear_timers(&mut self, id: JobKey) {
         self.set_timer(id, Timer::JobLease, None);
         self.set_timer(id, Timer::Grace, None);
         self.set_timer(id, Timer::Deadline, None);
     }
 
-    pub(crate) fn enqueue(&mut self, id: JobId) {
+    pub(crate) fn enqueue(&mut self, id: JobKey) {
         let Some(j) = self.jobs.get(&id) else { return };
         let (s, key) = (&j.spec, (j.queued_since_ms, id));
         self.queue
@@ -99,7 +104,7 @@ impl Scheduler {
         self.org_counts.entry(j.org).or_default().0 += 1;
     }
 
-    pub(crate) fn dequeue(&mut self, id: JobId) {
+    pub(crate) fn dequeue(&mut self, id: JobKey) {
         let Some(j) = self.jobs.get(&id) else { return };
         let (s, key, org) = (&j.spec, (j.queued_since_ms, id), j.org);
         if let Some(orgs) = self.queue.get_mut(&s.tier) {
@@ -135,14 +140,14 @@ impl Scheduler {
     }
 
     /// Running-GPU counters of a job's tier, org, project and user, by `delta` GPUs.
-    fn count_running(&mut self, id: JobId, add: bool) {
+    fn count_running(&mut self, id: JobKey, add: bool) {
         let Some(j) = self.jobs.get(&id) else { return };
         let (g, s, org) = (j.spec.gpus, j.spec.clone(), j.org);
         let apply = |v: &mut u32| *v = if add { *v + g } else { v.saturating_sub(g) };
         apply(self.tier_gpus.entry(s.tier).or_default());
         apply(self.running_org.entry(org).or_default());
-        apply(self.running_project.entry(s.project).or_default());
-        apply(self.running_user.entry(s.user).or_default());
+        apply(self.running_project.entry((org, s.project)).or_default());
+        apply(self.running_user.entry((org, s.user)).or_default());
         if add {
             self.used_gpus += g;
             self.org_counts.entry(org).or_default().1 += 1;
@@ -155,7 +160,7 @@ impl Scheduler {
     }
 
     /// Frees the job's GPUs and charges their use to fair share.
-    fn release_gpus(&mut self, now: u64, cfg: &SchedulerConfig, id: JobId) {
+    fn release_gpus(&mut self, now: u64, cfg: &SchedulerConfig, id: JobKey) {
         let Some(j) = self.jobs.get(&id) else { return };
         let Some(p) = j.placement.clone() else { return };
         let (gpus, org, project, user) = (j.spec.gpus, j.org, j.spec.project, j.spec.user);
@@ -173,10 +178,13 @@ impl Scheduler {
         let h = cfg.usage_half_life_ms;
         self.usage_org.entry(org).or_default().add(now, h, gpu_ms);
         self.usage_project
-            .entry(project)
+            .entry((org, project))
             .or_default()
             .add(now, h, gpu_ms);
-        self.usage_user.entry(user).or_default().add(now, h, gpu_ms);
+        self.usage_user
+            .entry((org, user))
+            .or_default()
+            .add(now, h, gpu_ms);
     }
 
     pub(crate) fn submit(
@@ -184,10 +192,12 @@ impl Scheduler {
         ctx: &mut Ctx,
         ledger: &mut Ledger,
         cfg: &SchedulerConfig,
+        org: OrgId,
         spec: &JobSpec,
     ) -> Result<Reply, CommandError> {
         check_spec(spec, cfg)?;
-        if let Some(j) = self.jobs.get(&spec.job) {
+        let key = (org, spec.job);
+        if let Some(j) = self.jobs.get(&key) {
             if &j.spec == spec {
                 return Ok(Reply::JobSubmitted {
                     job: spec.job,
@@ -197,17 +207,12 @@ impl Scheduler {
             }
             return Err(CommandError::AlreadyExists);
         }
-        let org = ledger
-            .projects
-            .get(&spec.project)
-            .ok_or(CommandError::UnknownProject)?
-            .org;
-        let user = ledger
-            .users
-            .get(&spec.user)
-            .ok_or(CommandError::UnknownUser)?;
-        if user.org != org {
-            return Err(CommandError::WrongOrg);
+        // The project and the user are the org's own (its namespace).
+        if !ledger.projects.contains_key(&(org, spec.project)) {
+            return Err(CommandError::UnknownProject);
+        }
+        if !ledger.users.contains_key(&(org, spec.user)) {
+            return Err(CommandError::UnknownUser);
         }
         if let Some(t) = spec
             .gpu_types
@@ -244,10 +249,10 @@ impl Scheduler {
             gpu_types: spec.gpu_types.clone(),
             amount_micro: hold_micro,
         };
-        ledger.create_hold(ctx, &hold)?;
-        ledger.mark_job_hold(hold.hold);
+        ledger.create_hold(ctx, org, &hold)?;
+        ledger.mark_job_hold(org, hold.hold);
         self.jobs.insert(
-            spec.job,
+            key,
             Job {
                 spec: spec.clone(),
                 org,
@@ -267,10 +272,12 @@ impl Scheduler {
                 reserved_node: None,
                 waits_ms: Vec::new(),
                 node_failures: 0,
+                preempted_for: None,
             },
         );
-        self.enqueue(spec.job);
-        self.job_event(ctx.effects, spec.job, None, Reason::Submitted);
+        self.org_jobs.insert(key);
+        self.enqueue(key);
+        self.job_event(ctx.effects, key, None, Reason::Submitted);
         Ok(Reply::JobSubmitted {
             job: spec.job,
             hold_micro,
@@ -279,7 +286,7 @@ impl Scheduler {
     }
 
     /// The job, if `actor` may act on it (an agent only on jobs placed on its node).
-    fn job_for(&self, actor: Actor, id: JobId) -> Result<&Job, CommandError> {
+    fn job_for(&self, actor: Actor, id: JobKey) -> Result<&Job, CommandError> {
         let j = self.jobs.get(&id).ok_or(CommandError::UnknownJob)?;
         if let Actor::Agent(node) = actor {
             if j.placement.as_ref().map(|p| p.node) != Some(node) {
@@ -312,7 +319,7 @@ impl Scheduler {
         ctx: &mut Ctx,
         ledger: &mut Ledger,
         cfg: &SchedulerConfig,
-        id: JobId,
+        id: JobKey,
         node: NodeId,
         indices: Vec<u8>,
     ) -> Result<(), CommandError> {
@@ -321,7 +328,8 @@ impl Scheduler {
             self.nodes.get(&node).ok_or(CommandError::UnknownNode)?,
         );
         let (attempt, gpu_type, gpus) = (j.attempt + 1, n.gpu_type.clone(), j.spec.gpus);
-        let (price, _) = ledger.start_meter(HoldId(id.0), attempt, &gpu_type, gpus, ctx.now)?;
+        let (price, _) =
+            ledger.start_meter(id.0, hold_of(id), attempt, &gpu_type, gpus, ctx.now)?;
         self.dequeue(id);
         // The job may run elsewhere than the node it had reserved: release that node
         // (clearing only the placement node left stale reservations that blocked every
@@ -362,13 +370,13 @@ impl Scheduler {
         ctx: &mut Ctx,
         ledger: &mut Ledger,
         cfg: &SchedulerConfig,
-        id: JobId,
+        id: JobKey,
         ending: Ending,
     ) -> Option<Settlement> {
         let Ending { settle, to, reason } = ending;
         let j = self.jobs.get(&id)?;
         let (state, attempt) = (j.state, j.attempt);
-        let settlement = ledger.settle(ctx, HoldId(id.0), attempt, settle).ok();
+        let settlement = ledger.settle(ctx, id.0, hold_of(id), attempt, settle).ok();
         if state == JobState::Queued {
             self.dequeue(id);
         }
@@ -385,7 +393,7 @@ impl Scheduler {
         settlement
     }
 
-    pub(crate) fn clear_reservation(&mut self, id: JobId) {
+    pub(crate) fn clear_reservation(&mut self, id: JobKey) {
         let Some(node) = self.jobs.get_mut(&id).and_then(|j| j.reserved_node.take()) else {
             return;
         };
@@ -406,17 +414,17 @@ impl Scheduler {
         ctx: &mut Ctx,
         ledger: &mut Ledger,
         cfg: &SchedulerConfig,
-        id: JobId,
+        id: JobKey,
         why: SettleReason,
         reason: Reason,
     ) {
         let Some(j) = self.jobs.get(&id) else { return };
         let attempt = j.attempt;
         let billed_ms = ledger
-            .hold(HoldId(id.0))
+            .hold(id.0, hold_of(id))
             .and_then(|h| h.meter.as_ref())
             .map_or(0, |m| m.billable_ms(why, ctx.now));
-        if let Some(hc) = ledger.open_hold_ctx(HoldId(id.0)) {
+        if let Some(hc) = ledger.open_hold_ctx(id.0, hold_of(id)) {
             let _ = hc.books.end_attempt(ctx, hc.hold, attempt, why);
         }
         self.release_gpus(ctx.now, cfg, id);
@@ -441,7 +449,7 @@ impl Scheduler {
         ledger: &mut Ledger,
         cfg: &SchedulerConfig,
         actor: Actor,
-        id: JobId,
+        id: JobKey,
     ) -> Result<Reply, CommandError> {
         self.job_for(actor, id)?;
         let s = self.end(
@@ -464,15 +472,18 @@ impl Scheduler {
         ledger: &mut Ledger,
         cfg: &SchedulerConfig,
         actor: Actor,
+        org: OrgId,
         hb: &JobHeartbeat,
     ) -> Result<Reply, CommandError> {
-        let j = self.job_for(actor, hb.job)?;
+        let id = (org, hb.job);
+        let j = self.job_for(actor, id)?;
         Self::check_attempt(j, hb.attempt)?;
         let state = j.state;
         let reply = ledger.heartbeat(
             ctx,
+            org,
             &Heartbeat {
-                hold: HoldId(hb.job.0),
+                hold: hold_of(id),
                 attempt: hb.attempt,
                 seq: hb.seq,
                 progress_ppm: hb.progress_ppm,
@@ -480,9 +491,9 @@ impl Scheduler {
             },
         )?;
         if reply.accepted {
-            self.set_timer(hb.job, Timer::JobLease, Some(ctx.now + cfg.job_lease_ms));
+            self.set_timer(id, Timer::JobLease, Some(ctx.now + cfg.job_lease_ms));
             if state == JobState::Placed {
-                self.transition(ctx, hb.job, JobState::Running, Reason::Started);
+                self.transition(ctx, id, JobState::Running, Reason::Started);
             }
         }
         if reply.stop.is_some() {
@@ -491,7 +502,7 @@ impl Scheduler {
                 ctx,
                 ledger,
                 cfg,
-                hb.job,
+                id,
                 Ending {
                     settle: SettleReason::OutOfCredits,
                     to: JobState::Failed,
@@ -509,7 +520,7 @@ impl Scheduler {
         ledger: &mut Ledger,
         cfg: &SchedulerConfig,
         actor: Actor,
-        (id, attempt, success): (JobId, u32, bool),
+        (id, attempt, success): (JobKey, u32, bool),
     ) -> Result<Reply, CommandError> {
         let j = self.job_for(actor, id)?;
         Self::check_attempt(j, attempt)?;
@@ -562,14 +573,12 @@ impl Scheduler {
     pub(crate) fn set_share_weight(
         &mut self,
         ledger: &Ledger,
+        org: OrgId,
         scope: crate::command::BudgetScope,
         weight: Option<u32>,
     ) -> Result<Reply, CommandError> {
         use crate::command::BudgetScope;
-        let (org, unknown) = crate::authz::scope_org(ledger, scope);
-        if org.is_none() {
-            return Err(unknown);
-        }
+        crate::authz::scope_exists(ledger, org, scope)?;
         fn set<K: Ord>(map: &mut std::collections::BTreeMap<K, u32>, k: K, w: Option<u32>) {
             match w {
                 Some(w) if w != SHARE_WEIGHT_DEFAULT => map.insert(k, w),
@@ -578,8 +587,8 @@ impl Scheduler {
         }
         match scope {
             BudgetScope::Org(o) => set(&mut self.weight_org, o, weight),
-            BudgetScope::Project(p) => set(&mut self.weight_project, p, weight),
-            BudgetScope::User(u) => set(&mut self.weight_user, u, weight),
+            BudgetScope::Project(p) => set(&mut self.weight_project, (org, p), weight),
+            BudgetScope::User(u) => set(&mut self.weight_user, (org, u), weight),
         }
         Ok(Reply::ShareWeightSet)
     }
@@ -595,6 +604,7 @@ impl Scheduler {
             }
             self.finished.pop_front();
             self.jobs.remove(&id);
+            self.org_jobs.remove(&id);
         }
     }
 }

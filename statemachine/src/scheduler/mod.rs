@@ -15,7 +15,9 @@ pub mod usage;
 
 use crate::command::{JobSpec, Quota};
 use crate::idmap::IdMap;
-use crate::ids::{GpuType, JobId, NodeId, OrgId, ProjectId, Tier, UserId};
+use crate::ids::{
+    GpuType, JobId, JobKey, NodeId, OrgId, ProjectId, ProjectKey, Tier, UserId, UserKey,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use usage::DecayedUsage;
@@ -211,9 +213,9 @@ pub struct GpuNode {
     pub state: NodeState,
     pub lease_until_ms: u64,
     /// Which job holds each GPU index.
-    pub slots: Vec<Option<JobId>>,
+    pub slots: Vec<Option<JobKey>>,
     /// Set while preempted GPUs are being freed for a waiting job.
-    pub reserved_for: Option<JobId>,
+    pub reserved_for: Option<JobKey>,
 }
 
 impl GpuNode {
@@ -222,8 +224,8 @@ impl GpuNode {
     }
 
     /// The jobs on this node, each once, in GPU-index order.
-    pub fn jobs(&self) -> Vec<JobId> {
-        let mut out: Vec<JobId> = Vec::new();
+    pub fn jobs(&self) -> Vec<JobKey> {
+        let mut out: Vec<JobKey> = Vec::new();
         for j in self.slots.iter().flatten() {
             if !out.contains(j) {
                 out.push(*j);
@@ -268,14 +270,21 @@ impl JobState {
     }
 }
 
+/// One job placed on a node, as its agent sees it: ((org, job), attempt (the fencing
+/// token), GPU indices, state).
+pub type AssignmentRow = (JobKey, u32, Vec<u8>, JobState);
+
 /// Why a job left a state (recorded on transitions and on the finished job).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Reason {
     Submitted,
     Placed,
     Started,
+    /// Preempted for another job: `by` names it when it is of the same org (another
+    /// org's job ids are never shown), `by_tier` is its tier.
     Preempted {
-        by: JobId,
+        by: Option<JobId>,
+        by_tier: Tier,
     },
     Requeued,
     Succeeded,
@@ -327,19 +336,22 @@ pub struct Job {
     pub waits_ms: Vec<u64>,
     /// Times the job was requeued because its node went down.
     pub node_failures: u32,
+    /// While preempting: the job it makes room for (internal; the public reason shows
+    /// another org's job only as a tier).
+    pub preempted_for: Option<JobKey>,
 }
 
 /// Everything that happens at a time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum Timer {
     NodeLease(NodeId),
-    JobLease(JobId),
-    Grace(JobId),
-    Deadline(JobId),
+    JobLease(JobKey),
+    Grace(JobKey),
+    Deadline(JobKey),
 }
 
 /// Queued jobs of one user, oldest first.
-type UserQueue = BTreeSet<(u64, JobId)>;
+type UserQueue = BTreeSet<(u64, JobKey)>;
 /// Queued jobs of one tier: org → project → user → oldest first.
 pub type TierQueue = BTreeMap<OrgId, BTreeMap<ProjectId, BTreeMap<UserId, UserQueue>>>;
 
@@ -361,14 +373,18 @@ pub struct Scheduler {
     /// Every node shape (GPU count, GPU memory) ever registered, per type: a job is
     /// admitted only if one shape can hold it whole (admission check).
     pub type_shapes: BTreeMap<GpuType, BTreeSet<(u32, u32)>>,
-    pub jobs: IdMap<JobId, Job>,
+    /// Jobs by (org, job id): each org has its own namespace of job ids.
+    pub jobs: IdMap<JobKey, Job>,
+    /// Every job (active and finished, until pruned) in (org, id) order: an org's jobs
+    /// are listed page by page without looking at any other org's.
+    pub org_jobs: BTreeSet<JobKey>,
     /// Queued jobs: tier → org → project → user → oldest first.
     pub queue: BTreeMap<Tier, TierQueue>,
     /// Queued jobs per tier by age (aging lane, FIFO and strict-priority order).
-    pub by_age: BTreeMap<Tier, BTreeSet<(u64, JobId)>>,
+    pub by_age: BTreeMap<Tier, BTreeSet<(u64, JobKey)>>,
     pub timers: BTreeSet<(u64, Timer)>,
     /// Finished jobs in finishing order, pruned after the retention window.
-    pub finished: std::collections::VecDeque<(u64, JobId)>,
+    pub finished: std::collections::VecDeque<(u64, JobKey)>,
     pub quotas: BTreeMap<OrgId, Quota>,
     /// Per org: (queued, running) job counts, for quotas.
     pub org_counts: BTreeMap<OrgId, (u32, u32)>,
@@ -376,31 +392,32 @@ pub struct Scheduler {
     pub tier_gpus: BTreeMap<Tier, u32>,
     pub used_gpus: u32,
     pub fleet_gpus: u32,
-    /// Decayed GPU usage per org, project and user.
+    /// Decayed GPU usage per org, project and user (projects and users by org).
     pub usage_org: BTreeMap<OrgId, DecayedUsage>,
-    pub usage_project: BTreeMap<ProjectId, DecayedUsage>,
-    pub usage_user: BTreeMap<UserId, DecayedUsage>,
+    pub usage_project: BTreeMap<ProjectKey, DecayedUsage>,
+    pub usage_user: BTreeMap<UserKey, DecayedUsage>,
     /// Running GPUs per org, project and user (the live part of fair share).
     pub running_org: BTreeMap<OrgId, u32>,
-    pub running_project: BTreeMap<ProjectId, u32>,
-    pub running_user: BTreeMap<UserId, u32>,
+    pub running_project: BTreeMap<ProjectKey, u32>,
+    pub running_user: BTreeMap<UserKey, u32>,
     /// Fair-share weights set by `SetShareWeight` (absent: `SHARE_WEIGHT_DEFAULT`).
     pub weight_org: BTreeMap<OrgId, u32>,
-    pub weight_project: BTreeMap<ProjectId, u32>,
-    pub weight_user: BTreeMap<UserId, u32>,
+    pub weight_project: BTreeMap<ProjectKey, u32>,
+    pub weight_user: BTreeMap<UserKey, u32>,
 }
 
 impl Scheduler {
-    pub fn job(&self, id: JobId) -> Option<&Job> {
-        self.jobs.get(&id)
+    pub fn job(&self, org: OrgId, id: JobId) -> Option<&Job> {
+        self.jobs.get(&(org, id))
     }
 
     pub fn node(&self, id: NodeId) -> Option<&GpuNode> {
         self.nodes.get(&id)
     }
 
-    /// What a node's agent must run: (job, attempt, GPU indices, state), by job id.
-    pub fn assignments(&self, node: NodeId) -> Vec<(JobId, u32, Vec<u8>, JobState)> {
+    /// What a node's agent must run: ((org, job), attempt, GPU indices, state), by job
+    /// (the agent reports on each job in its org's namespace).
+    pub fn assignments(&self, node: NodeId) -> Vec<AssignmentRow> {
         let Some(n) = self.nodes.get(&node) else {
             return Vec::new();
         };
@@ -409,22 +426,27 @@ impl Scheduler {
             .into_iter()
             .filter_map(|j| self.jobs.get(&j))
             .filter_map(|j| {
-                j.placement
-                    .as_ref()
-                    .map(|p| (j.spec.job, j.attempt, p.gpu_indices.clone(), j.state))
+                j.placement.as_ref().map(|p| {
+                    (
+                        (j.org, j.spec.job),
+                        j.attempt,
+                        p.gpu_indices.clone(),
+                        j.state,
+                    )
+                })
             })
             .collect();
         out.sort();
         out
     }
 
-    /// The fair-share weight of an org, project or user.
-    pub fn share_weight(&self, scope: crate::command::BudgetScope) -> u32 {
+    /// The fair-share weight of an org, project or user (of `org`).
+    pub fn share_weight(&self, org: OrgId, scope: crate::command::BudgetScope) -> u32 {
         use crate::command::BudgetScope;
         let w = match scope {
             BudgetScope::Org(o) => self.weight_org.get(&o),
-            BudgetScope::Project(p) => self.weight_project.get(&p),
-            BudgetScope::User(u) => self.weight_user.get(&u),
+            BudgetScope::Project(p) => self.weight_project.get(&(org, p)),
+            BudgetScope::User(u) => self.weight_user.get(&(org, u)),
         };
         w.copied().unwrap_or(crate::limits::SHARE_WEIGHT_DEFAULT)
     }

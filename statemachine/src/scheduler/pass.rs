@@ -2,7 +2,7 @@
 //! job by policy, place it best-fit, or (for a higher tier) preempt lower-tier work.
 
 use super::{JobState, Policy, Reason, Scheduler, SchedulerConfig, Timer};
-use crate::ids::{HoldId, JobId, NodeId, OrgId, Tier};
+use crate::ids::{JobKey, NodeId, OrgId, Tier};
 use crate::ledger::{Ctx, Ledger};
 use crate::limits::SHARE_WEIGHT_DEFAULT;
 use std::collections::{BTreeMap, VecDeque};
@@ -64,7 +64,7 @@ fn score<K: Ord>(
 impl Scheduler {
     pub(crate) fn run_pass(&mut self, ctx: &mut Ctx, ledger: &mut Ledger, cfg: &SchedulerConfig) {
         // Jobs that cannot be placed now leave the queue for the rest of the pass.
-        let mut parked: Vec<JobId> = Vec::new();
+        let mut parked: Vec<JobKey> = Vec::new();
         let (mut placed, mut examined, mut searches) = (0, 0, 0);
         let mut memo = PassMemo::default();
         while placed < cfg.placements_per_pass_max && examined < cfg.candidates_per_pass_max {
@@ -124,7 +124,7 @@ impl Scheduler {
     }
 
     /// Whether the job's org already runs as many jobs as its quota allows.
-    fn at_running_quota(&self, cfg: &SchedulerConfig, id: JobId) -> bool {
+    fn at_running_quota(&self, cfg: &SchedulerConfig, id: JobKey) -> bool {
         let Some(org) = self.jobs.get(&id).map(|j| j.org) else {
             return false;
         };
@@ -133,7 +133,7 @@ impl Scheduler {
     }
 
     /// The next job to consider, by policy.
-    fn pick(&self, cfg: &SchedulerConfig, now: u64, memo: &mut PassMemo) -> Option<JobId> {
+    fn pick(&self, cfg: &SchedulerConfig, now: u64, memo: &mut PassMemo) -> Option<JobKey> {
         let oldest = |t: &Tier| self.by_age.get(t).and_then(|q| q.first()).copied();
         match cfg.policy {
             Policy::Fifo => self.by_age.keys().filter_map(oldest).min().map(|(_, j)| j),
@@ -202,7 +202,7 @@ impl Scheduler {
     }
 
     /// Weighted fair share down org → project → user on decayed usage, then oldest.
-    fn pick_in_tier(&self, tier: Tier, now: u64, h: u64, memo: &mut PassMemo) -> Option<JobId> {
+    fn pick_in_tier(&self, tier: Tier, now: u64, h: u64, memo: &mut PassMemo) -> Option<JobKey> {
         let orgs = self.queue.get(&tier)?;
         let rank = memo.org_rank.entry(tier).or_insert_with(|| {
             let mut r: Vec<(u64, OrgId)> = orgs
@@ -231,7 +231,7 @@ impl Scheduler {
                 &self.usage_project,
                 &self.running_project,
                 &self.weight_project,
-                *p,
+                &(org, **p),
                 now,
                 h,
             );
@@ -242,7 +242,7 @@ impl Scheduler {
                 &self.usage_user,
                 &self.running_user,
                 &self.weight_user,
-                *u,
+                &(org, **u),
                 now,
                 h,
             );
@@ -254,7 +254,7 @@ impl Scheduler {
     /// Best fit: in preference order of GPU types, the ready node with the fewest free
     /// GPUs that still fit (keeping whole free nodes for large jobs), memory floor met,
     /// not reserved for another waiting job; ties by node id. GPUs: lowest free indices.
-    fn find_fit(&self, id: JobId) -> Option<(NodeId, Vec<u8>)> {
+    fn find_fit(&self, id: JobKey) -> Option<(NodeId, Vec<u8>)> {
         let j = self.jobs.get(&id)?;
         let (gpus, floor) = (j.spec.gpus, j.spec.mem_floor_gb);
         let usable = |node: NodeId| {
@@ -309,7 +309,7 @@ impl Scheduler {
     /// its jobs finish. Bounded by `reserved_nodes_max`.
     /// `full` is the pass's note that the budget is spent (set here, cleared by a
     /// placement), which spares a scan of every node per blocked candidate.
-    fn try_reserve(&mut self, cfg: &SchedulerConfig, id: JobId, full: &mut bool) {
+    fn try_reserve(&mut self, cfg: &SchedulerConfig, id: JobKey, full: &mut bool) {
         let Some(j) = self.jobs.get(&id) else { return };
         if *full || j.reserved_node.is_some() || j.spec.gpus < 2 {
             return;
@@ -364,7 +364,7 @@ impl Scheduler {
     /// node is reserved for the waiting job. A job whose own preemption is under way
     /// waits for it; a job holding only an anti-fragmentation reservation (waiting for a
     /// node to drain by itself) may still preempt, here or on another node.
-    fn try_preempt(&mut self, ctx: &mut Ctx, ledger: &Ledger, cfg: &SchedulerConfig, id: JobId) {
+    fn try_preempt(&mut self, ctx: &mut Ctx, ledger: &Ledger, cfg: &SchedulerConfig, id: JobKey) {
         let Some(j) = self.jobs.get(&id) else { return };
         if j.reserved_node
             .is_some_and(|node| self.preempting_for(node, id))
@@ -372,7 +372,7 @@ impl Scheduler {
             return;
         }
         let (tier, gpus, floor, now) = (j.spec.tier, j.spec.gpus, j.spec.mem_floor_gb, ctx.now);
-        let mut best: Option<((u64, usize, NodeId), Vec<JobId>)> = None;
+        let mut best: Option<((u64, usize, NodeId), Vec<JobKey>)> = None;
         for t in &j.spec.gpu_types {
             for &node in self.type_nodes.get(t).into_iter().flatten() {
                 let Some(n) = self.nodes.get(&node) else {
@@ -386,7 +386,7 @@ impl Scheduler {
                     continue;
                 }
                 let free = n.free_gpus();
-                let mut cands: Vec<(u64, JobId, u32)> = Vec::new();
+                let mut cands: Vec<(u64, JobKey, u32)> = Vec::new();
                 for v in n.jobs() {
                     let Some(vj) = self.jobs.get(&v) else {
                         continue;
@@ -405,7 +405,7 @@ impl Scheduler {
                         && now.saturating_sub(p.started_ms) >= cfg.min_runtime_ms;
                     if eligible {
                         let since = ledger
-                            .hold(HoldId(v.0))
+                            .hold(v.0, super::jobs::hold_of(v))
                             .and_then(|h| h.meter.as_ref())
                             .and_then(|m| m.checkpoint_ms)
                             .unwrap_or(p.started_ms)
@@ -442,16 +442,18 @@ impl Scheduler {
                 vj.preemptions += 1;
             }
             self.set_timer(v, Timer::Grace, Some(now + cfg.grace_ms));
+            // The victim's org learns the preemptor's tier, and its id only if the
+            // preemptor is its own (another org's job ids are never shown).
+            let reason = Reason::Preempted {
+                by: (v.0 == id.0).then_some(id.1),
+                by_tier: tier,
+            };
             if let Some(vj) = self.jobs.get_mut(&v) {
                 vj.state = JobState::Preempting;
-                vj.last_reason = Reason::Preempted { by: id };
+                vj.last_reason = reason;
+                vj.preempted_for = Some(id);
             }
-            self.job_event(
-                ctx.effects,
-                v,
-                Some(JobState::Running),
-                Reason::Preempted { by: id },
-            );
+            self.job_event(ctx.effects, v, Some(JobState::Running), reason);
         }
         if let Some(n) = self.nodes.get_mut(&node) {
             n.reserved_for = Some(id);
@@ -462,12 +464,11 @@ impl Scheduler {
     }
 
     /// Whether jobs on `node` are being preempted for `id` (in their grace period).
-    fn preempting_for(&self, node: NodeId, id: JobId) -> bool {
+    fn preempting_for(&self, node: NodeId, id: JobKey) -> bool {
         self.nodes.get(&node).is_some_and(|n| {
             n.jobs().iter().any(|v| {
                 self.jobs.get(v).is_some_and(|vj| {
-                    vj.state == JobState::Preempting
-                        && vj.last_reason == Reason::Preempted { by: id }
+                    vj.state == JobState::Preempting && vj.preempted_for == Some(id)
                 })
             })
         })
@@ -479,9 +480,9 @@ impl Scheduler {
 /// 0/1 knapsack over "at least g GPUs freed", O(candidates × need) — at most 16 × 16 on
 /// one node. A greedy pick by smallest loss can take two victims where one whose loss
 /// is smaller than their sum frees enough.
-fn cheapest_victims(cands: &[(u64, JobId, u32)], need: u32) -> Option<(u64, Vec<JobId>)> {
+fn cheapest_victims(cands: &[(u64, JobKey, u32)], need: u32) -> Option<(u64, Vec<JobKey>)> {
     let need = need as usize;
-    let mut best: Vec<Option<(u64, Vec<JobId>)>> = vec![None; need + 1];
+    let mut best: Vec<Option<(u64, Vec<JobKey>)>> = vec![None; need + 1];
     best[0] = Some((0, Vec::new()));
     for &(lost, v, g) in cands {
         for want in (1..=need).rev() {

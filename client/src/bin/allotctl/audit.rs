@@ -220,6 +220,15 @@ fn actor(a: Actor) -> String {
             "org:{}/project:{}/principal:{}",
             org.0, project.0, principal.0
         ),
+        Actor::User {
+            org,
+            project,
+            user,
+            principal,
+        } => format!(
+            "org:{}/project:{}/user:{}/principal:{}",
+            org.0, project.0, user.0, principal.0
+        ),
         Actor::Agent(n) => format!("agent:{}", n.0),
         Actor::System => "system".into(),
         Actor::Bearer(d) => format!("unresolved-token:{d:?}"),

@@ -204,6 +204,7 @@ async fn list_jobs(ctx: &Ctx, a: ListArgs) -> anyhow::Result<()> {
             state: a.state,
             after,
             limit: (a.limit - jobs.len() as u32).min(allot_statemachine::query::JOBS_PAGE_MAX),
+            after_org: None,
         };
         let page = ctx
             .client

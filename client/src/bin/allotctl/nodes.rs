@@ -112,7 +112,9 @@ fn print_nodes(ctx: &Ctx, nodes: &[(u32, GpuNode)]) -> anyhow::Result<()> {
             if let Some(m) = v.as_object_mut() {
                 m.insert("shard".into(), (*shard).into());
                 m.insert("free_gpus".into(), n.free_gpus().into());
-                m.insert("jobs".into(), n.jobs().iter().map(|j| j.0).collect());
+                m.insert("jobs".into(), n.jobs().iter().map(|j| j.1 .0).collect());
+                let keys: Vec<[u64; 2]> = n.jobs().iter().map(|j| [j.0 .0, j.1 .0]).collect();
+                m.insert("job_orgs".into(), serde_json::json!(keys));
             }
             v
         })
@@ -130,7 +132,11 @@ fn print_nodes(ctx: &Ctx, nodes: &[(u32, GpuNode)]) -> anyhow::Result<()> {
     ]);
     for (shard, n) in nodes {
         let labels: Vec<String> = n.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
-        let jobs: Vec<u64> = n.jobs().iter().map(|j| j.0).collect();
+        let jobs: Vec<String> = n
+            .jobs()
+            .iter()
+            .map(|j| format!("{}/{}", j.0 .0, j.1 .0))
+            .collect();
         t.row(vec![
             shard.to_string(),
             n.id.0.to_string(),
