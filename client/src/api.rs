@@ -7,12 +7,12 @@ use crate::transport::Client;
 use allot_proto::{AuditRequest, WatchRequest};
 use allot_statemachine::ledger::{Balance, PriceTable, Totals};
 use allot_statemachine::query::{
-    Answer, BudgetView, JobFilter, JobsPage, Query, TierQueue, UsageQuery, UsageRow,
+    Answer, BudgetView, JobFilter, JobsPage, Query, TenancyView, TierQueue, UsageQuery, UsageRow,
 };
 use allot_statemachine::scheduler::{GpuNode, Job, JobState, SchedulerSettings};
 use allot_statemachine::{
     codec, Account, AuditEvent, BucketId, BudgetScope, BudgetSpec, Command, GpuType, Grant, HoldId,
-    HoldSpec, JobHeartbeat, JobId, JobSpec, NodeId, NodeSpec, OrgId, ProjectId, Quota, Reply,
+    HoldSpec, JobHeartbeat, JobId, JobSpec, NodeId, NodeSpec, OrgId, Plan, ProjectId, Quota, Reply,
     Request, RequestId, UserId,
 };
 use std::pin::Pin;
@@ -287,6 +287,22 @@ impl Client {
             .map(drop)
     }
 
+    /// Sets (`Some`) or removes `org`'s plan: the tiers its jobs and holds may use (admin).
+    pub async fn set_plan(&self, org: OrgId, plan: Option<Plan>) -> Result<()> {
+        self.run_for_org(org, Command::SetPlan { org, plan })
+            .await
+            .map(drop)
+    }
+
+    /// `org`'s quota, plan and what it uses of each quota (its org token or an admin).
+    pub async fn tenancy(&self, org: OrgId) -> Result<TenancyView> {
+        match self.query_org(org, &Query::Tenancy(org)).await? {
+            Answer::Tenancy(Some(v)) => Ok(*v),
+            Answer::Tenancy(None) => Err(Error::NotFound(org.to_string())),
+            other => unexpected("tenancy", other),
+        }
+    }
+
     /// The fair-share weight of an org (admin), or of a project or user of `org` (its
     /// org token may set those); `None` returns it to the default (100).
     pub async fn set_share_weight(
@@ -489,19 +505,57 @@ impl Client {
         &self,
         shard: u32,
         filter: AuditFilter,
+        from_seq: u64,
+        sink: impl FnMut(&AuditEvent) -> Result<()>,
+    ) -> Result<u64> {
+        self.audit_export_to(shard, filter, from_seq, 0, sink).await
+    }
+
+    /// [`Client::audit_export`] up to at least sequence `head_at_least` (a head read
+    /// before, e.g. from the leader). Pages may come from different replicas: the export
+    /// ends at the highest head any of them reported, never at a lagging replica's own
+    /// head; a replica that has not applied that far yet is asked again (within the
+    /// client's timeout).
+    pub async fn audit_export_to(
+        &self,
+        shard: u32,
+        filter: AuditFilter,
         mut from_seq: u64,
+        head_at_least: u64,
         mut sink: impl FnMut(&AuditEvent) -> Result<()>,
     ) -> Result<u64> {
+        let started = std::time::Instant::now();
+        let mut head = head_at_least;
+        let mut stalled = 0u32;
         loop {
             let page = self.audit(shard, filter, from_seq, 1_000).await?;
             for ev in &page.events {
                 sink(ev)?;
             }
-            let done = page.next_seq >= page.head_seq || page.next_seq == from_seq;
+            head = head.max(page.head_seq);
+            let progressed = page.next_seq > from_seq;
             from_seq = page.next_seq;
-            if done {
+            if from_seq >= head {
                 return Ok(from_seq);
             }
+            if progressed {
+                stalled = 0;
+                continue;
+            }
+            // This replica is behind the head another one reported: wait for it (or the
+            // next attempt's replica) to catch up.
+            stalled += 1;
+            if started.elapsed() > self.timeout() {
+                return Err(Error::Unavailable {
+                    attempts: stalled,
+                    elapsed: started.elapsed(),
+                    last: format!("the audit trail served stops at {from_seq}, head {head}"),
+                });
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(
+                20 * stalled.min(25) as u64,
+            ))
+            .await;
         }
     }
 }

@@ -238,6 +238,11 @@ impl Client {
     }
 
     /// The deadline of one attempt.
+    /// The deadline of a whole call, retries included.
+    pub fn timeout(&self) -> Duration {
+        self.inner.settings.timeout
+    }
+
     pub fn attempt_timeout(&self) -> Duration {
         self.inner.settings.attempt_timeout
     }

@@ -74,6 +74,11 @@ async fn fund(client: &Client) {
     client.create_org(ORG).await.unwrap();
     client.create_project(ORG, PROJECT).await.unwrap();
     client.create_user(ORG, USER).await.unwrap();
+    // Entitled to every tier (the default withholds the highest).
+    client
+        .set_plan(ORG, Some(allot_statemachine::testkit::all_tiers()))
+        .await
+        .unwrap();
     client.set_prices(vec![(a100(), A100_PRICE)]).await.unwrap();
     client
         .issue_grant(

@@ -217,6 +217,18 @@ fn preempted_at_60_percent(eps: &str, dir: &Path) {
     );
     let (org, project, user) = tenant(eps, 1);
     let (org2, project2, user2) = tenant(eps, 2);
+    // The enterprise tier is granted by the operator (a plan), never self-chosen.
+    json(
+        eps,
+        &[
+            "plan",
+            "set",
+            "--org",
+            &org2,
+            "--tiers",
+            "free,paid,enterprise",
+        ],
+    );
     let grant = |org: &str, owner: &str, kind: &str, amount: &str, bucket: &str| {
         json(
             eps,

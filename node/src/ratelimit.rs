@@ -8,7 +8,7 @@
 //! receives; a call forwarded by an authenticated peer was limited there).
 
 use crate::edge::with_reason;
-use crate::limits::{STREAMS_PER_NODE_MAX, STREAMS_PER_PRINCIPAL_MAX};
+use crate::limits::{STREAMS_PER_NODE_MAX, STREAMS_PER_TENANT_MAX};
 use crate::server::RETRY_AFTER_MS;
 use allot_statemachine::Actor;
 use std::collections::HashMap;
@@ -227,13 +227,13 @@ impl RateLimiter {
         Ok(())
     }
 
-    /// A place for one more open stream of `key`, within [`STREAMS_PER_PRINCIPAL_MAX`]
+    /// A place for one more open stream of `key`, within [`STREAMS_PER_TENANT_MAX`]
     /// and [`STREAMS_PER_NODE_MAX`].
     #[allow(clippy::result_large_err)]
     pub fn open_stream(&self, key: Key) -> Result<StreamSlot, Status> {
         let mut c = self.streams.lock().unwrap_or_else(|p| p.into_inner());
         let mine = c.by_key.get(&key).copied().unwrap_or(0);
-        if mine >= STREAMS_PER_PRINCIPAL_MAX || c.total >= STREAMS_PER_NODE_MAX {
+        if mine >= STREAMS_PER_TENANT_MAX || c.total >= STREAMS_PER_NODE_MAX {
             return Err(exhausted("too many open streams", 1_000));
         }
         c.total += 1;
@@ -302,9 +302,9 @@ mod tests {
     }
 
     #[test]
-    fn streams_are_bounded_per_principal_and_released_on_drop() {
+    fn streams_are_bounded_per_tenant_and_released_on_drop() {
         let l = limiter(0, 0);
-        let slots: Vec<_> = (0..STREAMS_PER_PRINCIPAL_MAX)
+        let slots: Vec<_> = (0..STREAMS_PER_TENANT_MAX)
             .map(|_| l.open_stream(Key::Agent(1)).unwrap())
             .collect();
         assert_eq!(

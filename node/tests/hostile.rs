@@ -641,7 +641,7 @@ async fn defect_6_cancelled_streams_are_released_at_once() {
     };
     // 200 rounds of the principal's whole allowance, each cancelled: none is refused,
     // so each was released before the next round.
-    let per = allot_node::limits::STREAMS_PER_PRINCIPAL_MAX;
+    let per = allot_node::limits::STREAMS_PER_TENANT_MAX;
     for round in 0..200 {
         let mut open = Vec::new();
         for _ in 0..per {

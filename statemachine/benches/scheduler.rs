@@ -98,6 +98,7 @@ fn world(drained: bool) -> B {
             quota: Some(Quota {
                 queued_max: 100_000,
                 running_max: 100_000,
+                ..Quota::default()
             }),
         });
         cmds.push(Command::IssueGrant(Grant {

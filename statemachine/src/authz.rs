@@ -60,6 +60,7 @@ fn admin_only(command: &Command) -> bool {
             | Command::RegisterNode(_)
             | Command::SetNodeDraining { .. }
             | Command::SetQuota { .. }
+            | Command::SetPlan { .. }
             | Command::SetShareWeight {
                 scope: BudgetScope::Org(_),
                 ..

@@ -316,6 +316,12 @@ pub enum Command {
         scope: BudgetScope,
         weight: Option<u32>,
     },
+    /// Sets (`Some`) or removes (`None`: back to the default) an org's plan: the tiers
+    /// its jobs and holds may use. Admin only.
+    SetPlan {
+        org: OrgId,
+        plan: Option<Plan>,
+    },
 }
 
 /// One refused call at a node's edge.
@@ -370,12 +376,62 @@ pub struct JobHeartbeat {
     pub checkpoint: u64,
 }
 
+/// An org's share of every table a tenant can grow (admin-settable per org; the
+/// shard's default otherwise). A command that would pass one is refused with
+/// `QuotaExceeded` before it takes anything from the shard, so the shard-wide caps in
+/// `limits` are never what one tenant meets first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Quota {
     /// Jobs queued at once; a submission beyond it is refused (`QuotaExceeded`).
     pub queued_max: u32,
     /// Jobs running at once; beyond it, the org's jobs wait in the queue.
     pub running_max: u32,
+    /// Holds open at once (jobs' holds included).
+    pub holds_open_max: u32,
+    /// Idempotency records of the org's principals (24 h of logical time each).
+    pub records_max: u32,
+    /// Buckets in use (not closed) across the org's and its projects' accounts.
+    pub buckets_max: u32,
+    /// Principals (tokens' identities) in the org's namespace.
+    pub principals_max: u32,
+    pub projects_max: u32,
+    pub users_max: u32,
+    /// Finished jobs and settled holds kept as tombstones (status queries, refusing a
+    /// reused id); beyond it the org's own oldest are dropped, never another org's.
+    pub finished_jobs_max: u32,
+    pub settled_holds_max: u32,
+}
+
+impl Default for Quota {
+    /// Sized so one tenant can run a large platform (10,000 queued jobs, 100,000 open
+    /// holds, 2,000,000 requests a day) while sixteen such tenants still fit every
+    /// shard-wide table.
+    fn default() -> Self {
+        Quota {
+            queued_max: 10_000,
+            running_max: 2_000,
+            holds_open_max: 50_000,
+            records_max: 1_000_000,
+            buckets_max: 65_536,
+            principals_max: 10_000,
+            projects_max: 100_000,
+            users_max: 500_000,
+            finished_jobs_max: 200_000,
+            settled_holds_max: 200_000,
+        }
+    }
+}
+
+/// What an org is entitled to: the tiers its jobs (and holds) may use, and narrower
+/// ones for some of its projects. Set by an admin (`SetPlan`), replicated and audited.
+/// Without one, an org may use every tier but the highest (`SchedulerConfig::tiers`):
+/// the top tier — priority over other orgs, preemption of their jobs, the largest
+/// floor — is granted, never self-selected.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Plan {
+    pub tiers: Vec<Tier>,
+    /// Projects entitled to fewer tiers than the org (each a subset of `tiers`).
+    pub project_tiers: Vec<(ProjectId, Vec<Tier>)>,
 }
 
 impl Command {
@@ -412,6 +468,7 @@ impl Command {
             Command::RevokeToken { .. } => "revoke_token",
             Command::RecordDenials { .. } => "record_denials",
             Command::SetShareWeight { .. } => "set_share_weight",
+            Command::SetPlan { .. } => "set_plan",
         }
     }
 
@@ -425,7 +482,8 @@ impl Command {
             Command::CreateOrg { org }
             | Command::CreateProject { org, .. }
             | Command::CreateUser { org, .. }
-            | Command::SetQuota { org, .. } => Some(*org),
+            | Command::SetQuota { org, .. }
+            | Command::SetPlan { org, .. } => Some(*org),
             Command::IssueGrant(g) => of_account(&g.owner),
             Command::Transfer { from, to, .. } => of_account(from).or(of_account(to)),
             Command::SetBudget { scope, .. } | Command::SetShareWeight { scope, .. } => match scope
@@ -451,6 +509,7 @@ impl Command {
                 | Command::FinishJob { .. }
                 | Command::SetQuota { .. }
                 | Command::SetShareWeight { .. }
+                | Command::SetPlan { .. }
         )
     }
 

@@ -37,6 +37,8 @@ pub struct IdempotencyTable {
     pub records: SharedMap<(Actor, RequestId), IdemRecord>,
     /// Keys in insertion order (= logical time order), for pruning.
     pub queue: SharedQueue<(u64, Actor, RequestId)>,
+    /// Records per org (of its tenants' principals), against the org's quota.
+    pub by_org: std::collections::BTreeMap<crate::ids::OrgId, u32>,
 }
 
 impl IdempotencyTable {
@@ -59,6 +61,11 @@ impl IdempotencyTable {
         self.records.len() >= IDEMPOTENCY_ENTRIES_MAX
     }
 
+    /// Records held by `org`'s principals.
+    pub fn of_org(&self, org: crate::ids::OrgId) -> u32 {
+        self.by_org.get(&org).copied().unwrap_or(0)
+    }
+
     pub(crate) fn insert(
         &mut self,
         actor: Actor,
@@ -76,6 +83,9 @@ impl IdempotencyTable {
             },
         );
         self.queue.push_back((now, actor, id));
+        if let Some(org) = actor.org() {
+            *self.by_org.entry(org).or_default() += 1;
+        }
     }
 
     /// Drops records older than the retention window (bounded per entry).
@@ -84,7 +94,16 @@ impl IdempotencyTable {
             match self.queue.front() {
                 Some(&(at, actor, id)) if at.saturating_add(self.retention_ms) <= now => {
                     self.queue.pop_front();
-                    self.records.remove(&(actor, id));
+                    if self.records.remove(&(actor, id)).is_some() {
+                        if let Some(org) = actor.org() {
+                            if let Some(n) = self.by_org.get_mut(&org) {
+                                *n -= 1;
+                                if *n == 0 {
+                                    self.by_org.remove(&org);
+                                }
+                            }
+                        }
+                    }
                 }
                 _ => return,
             }

@@ -19,6 +19,8 @@
 //! pruning queue: cloning them is O(1), so a snapshot can take a consistent copy of the
 //! state without holding apply back for a copy of every record. They encode exactly like
 //! `IdMap` and `VecDeque`, so the choice does not show in snapshots or state hashes.
+//! [`SharedSet`] is the persistent ordered set (tombstone indexes), encoded like a
+//! `BTreeSet`.
 //!
 //! Invariant: apply never depends on an `IdMap`'s iteration order. Anything that must
 //! be visited in order keeps its own ordered index (spend lists, the expiry queue, the
@@ -210,6 +212,42 @@ impl<T: Clone + Serialize> Serialize for SharedQueue<T> {
 impl<'de, T: Clone + Deserialize<'de>> Deserialize<'de> for SharedQueue<T> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         Ok(SharedQueue(Vec::<T>::deserialize(d)?.into_iter().collect()))
+    }
+}
+
+/// A persistent ordered set (imbl's B-tree): O(1) clone, O(log n) insert, remove and
+/// minimum; encodes as its elements in order, exactly like a `BTreeSet`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SharedSet<T: Ord + Clone>(imbl::GenericOrdSet<T, Shared>);
+
+impl<T: Ord + Clone> Default for SharedSet<T> {
+    fn default() -> Self {
+        SharedSet(imbl::GenericOrdSet::new())
+    }
+}
+
+impl<T: Ord + Clone> Deref for SharedSet<T> {
+    type Target = imbl::GenericOrdSet<T, Shared>;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl<T: Ord + Clone> DerefMut for SharedSet<T> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+impl<T: Ord + Clone + Serialize> Serialize for SharedSet<T> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.iter())
+    }
+}
+
+impl<'de, T: Ord + Clone + Deserialize<'de>> Deserialize<'de> for SharedSet<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(SharedSet(Vec::<T>::deserialize(d)?.into_iter().collect()))
     }
 }
 

@@ -4,11 +4,20 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
+/// A numeric id type: its smallest value bounds range scans over tuples that end in it.
+pub trait Id: Copy + Ord {
+    const MIN: Self;
+}
+
 macro_rules! id_type {
     ($(#[$doc:meta])* $name:ident, $prefix:literal) => {
         $(#[$doc])*
         #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
         pub struct $name(pub u64);
+
+        impl Id for $name {
+            const MIN: $name = $name(0);
+        }
 
         impl fmt::Display for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -52,6 +52,7 @@ pub mod scheduler;
 pub mod security;
 pub mod state;
 pub mod testkit;
+pub mod tombstones;
 pub mod validate;
 
 pub use audit::{verify_chain, AuditChain, AuditEvent, EventBody};

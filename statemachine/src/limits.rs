@@ -50,6 +50,8 @@ pub const PRICE_MICRO_PER_GPU_HOUR_MAX: u64 = 1_000_000_000_000;
 pub const PRICE_TABLE_TYPES_MAX: usize = 64;
 /// Length of a GPU type name ("A100", "H100-80G").
 pub const GPU_TYPE_LEN_MAX: usize = 16;
+/// Projects with their own tiers in one org's plan.
+pub const PLAN_PROJECTS_MAX: usize = 256;
 /// GPU types one bucket policy or one hold may name.
 pub const GPU_TYPES_PER_LIST_MAX: usize = 16;
 /// Tiers one bucket policy may name.

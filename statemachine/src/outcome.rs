@@ -32,6 +32,8 @@ pub enum Limit {
     // Appended (the encoding is positional).
     /// One command's encoded size (`COMMAND_BYTES_MAX`).
     CommandBytes,
+    /// Projects with their own tiers in one plan (`PLAN_PROJECTS_MAX`).
+    PlanProjects,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
@@ -158,6 +160,9 @@ pub enum CommandError {
     /// The request's org and the org the command names differ.
     #[error("the request's organisation and the command's differ")]
     OrgMismatch,
+    /// The org's plan does not entitle it (or the project) to the tier.
+    #[error("the plan does not entitle this org or project to tier {0:?}")]
+    TierNotEntitled(crate::ids::Tier),
 }
 
 impl CommandError {
@@ -217,6 +222,7 @@ impl CommandError {
             CommandError::InvalidShareWeight => "INVALID_SHARE_WEIGHT",
             CommandError::OrgRequired => "ORG_REQUIRED",
             CommandError::OrgMismatch => "ORG_MISMATCH",
+            CommandError::TierNotEntitled(_) => "TIER_NOT_ENTITLED",
         }
     }
 }
@@ -241,6 +247,7 @@ pub enum ConfigProblem {
     TierWait,
     // Appended (the encoding is positional).
     NodeFailureRequeues,
+    TierPrice,
 }
 
 /// What is wrong with a node registration.
@@ -269,6 +276,14 @@ pub enum JobProblem {
 pub enum QuotaKind {
     /// The org's queue is full (the running cap does not refuse: jobs wait to run).
     QueuedJobs,
+    // Appended (the encoding is positional).
+    HoldsOpen,
+    /// The org's principals' idempotency records (requests in the last 24 h).
+    Records,
+    Buckets,
+    Principals,
+    Projects,
+    Users,
 }
 
 /// One draw of a hold from one bucket, as reported to clients.
@@ -355,4 +370,5 @@ pub enum Reply {
     },
     // Appended (the encoding is positional).
     ShareWeightSet,
+    PlanSet,
 }

@@ -58,6 +58,37 @@ pub enum Query {
     /// each org's that has a principal of that id, with its scope and whether it is
     /// revoked. Lets an operator act on a principal without knowing its org.
     Principals(crate::ids::PrincipalId),
+    /// An org's quota and plan with what it uses of each quota (its own org token, or an
+    /// admin): how close a tenant is to each bound before it meets it.
+    Tenancy(OrgId),
+}
+
+/// An org's quota, plan and current use of each quota.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenancyView {
+    pub quota: crate::command::Quota,
+    /// Whether `quota` is the org's own (`SetQuota`) rather than the shard default.
+    pub quota_set: bool,
+    /// The org's plan (`None`: the default entitlement).
+    pub plan: Option<crate::command::Plan>,
+    /// The tiers the org may use (its plan's, or the default: all but the highest).
+    pub tiers: Vec<Tier>,
+    pub used: QuotaUse,
+}
+
+/// What an org holds of each quota.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QuotaUse {
+    pub queued: u32,
+    pub running: u32,
+    pub holds_open: u32,
+    pub records: u32,
+    pub buckets: u32,
+    pub principals: u32,
+    pub projects: u32,
+    pub users: u32,
+    pub finished_jobs: u32,
+    pub settled_holds: u32,
 }
 
 /// Which level a usage ranking ranks, over what.
@@ -164,6 +195,8 @@ pub enum Answer {
     Usage(Vec<UsageRow>),
     /// (namespace, scope, revoked) of each principal of the asked id.
     Principals(Vec<(Option<OrgId>, crate::security::Scope, bool)>),
+    /// `None`: unknown org.
+    Tenancy(Option<Box<TenancyView>>),
 }
 
 /// Why a query was refused (the node answers PERMISSION_DENIED / UNAUTHENTICATED).
@@ -195,6 +228,7 @@ impl Query {
             Query::SchedulerSettings => "scheduler_settings",
             Query::Usage(_) => "usage",
             Query::Principals(_) => "principals",
+            Query::Tenancy(_) => "tenancy",
         }
     }
 }
@@ -324,6 +358,11 @@ pub fn answer_as(state: &State, caller: Actor, q: &Query) -> Result<Answer, Quer
         Query::Balance { .. } | Query::Fleet | Query::Prices | Query::SchedulerSettings => {
             answer(state, q)
         }
+        // An org's own quotas and plan: its org token (a narrower one is confined to its
+        // project and has no business with the org's bounds).
+        Query::Tenancy(o) if *o == org && !narrow => answer(state, q),
+        Query::Tenancy(_) if narrow => return Err(QueryDenied::PermissionDenied),
+        Query::Tenancy(_) => Answer::Tenancy(None),
         Query::Assignments(_)
         | Query::Totals
         | Query::Invariants
@@ -366,6 +405,7 @@ pub fn answer(state: &State, q: &Query) -> Answer {
         Query::Budget(org, scope) => Answer::Budget(budget(state, *org, *scope)),
         Query::SchedulerSettings => Answer::SchedulerSettings(state.config.scheduler.settings()),
         Query::Usage(u) => Answer::Usage(usage(state, u, None)),
+        Query::Tenancy(org) => Answer::Tenancy(tenancy(state, *org).map(Box::new)),
         Query::Principals(id) => Answer::Principals(
             state
                 .security
@@ -376,6 +416,34 @@ pub fn answer(state: &State, q: &Query) -> Answer {
                 .collect(),
         ),
     }
+}
+
+fn tenancy(state: &State, org: OrgId) -> Option<TenancyView> {
+    let (sched, cfg) = (&state.scheduler, &state.config.scheduler);
+    let rec = state.ledger.orgs.get(&org)?;
+    let (queued, running) = sched.org_counts.get(&org).copied().unwrap_or_default();
+    let tiers = (0..cfg.tiers.len() as u8)
+        .map(Tier)
+        .filter(|t| sched.entitled_org(cfg, org, *t))
+        .collect();
+    Some(TenancyView {
+        quota: sched.quota(cfg, org),
+        quota_set: sched.quotas.contains_key(&org),
+        plan: sched.plans.get(&org).cloned(),
+        tiers,
+        used: QuotaUse {
+            queued,
+            running,
+            holds_open: rec.holds_open,
+            records: state.idempotency.of_org(org),
+            buckets: rec.buckets_in_use,
+            principals: state.security.principals_of(org) as u32,
+            projects: rec.projects.len() as u32,
+            users: rec.users.len() as u32,
+            finished_jobs: sched.finished.of_org(org),
+            settled_holds: state.ledger.holds.settled.of_org(org),
+        },
+    })
 }
 
 fn usage_limit(limit: u32) -> usize {

@@ -152,6 +152,13 @@ impl Security {
         }
     }
 
+    /// Principals in `org`'s namespace (against its quota).
+    pub fn principals_of(&self, org: OrgId) -> usize {
+        let from = (Some(org), PrincipalId(0));
+        let to = (Some(org), PrincipalId(u64::MAX));
+        self.principals.range(from..=to).count()
+    }
+
     /// Principal `id` of `org`'s namespace (`None`: the operator's principals).
     pub fn principal(&self, org: Option<OrgId>, id: PrincipalId) -> Option<&Principal> {
         self.principals.get(&(org, id))

@@ -5,13 +5,13 @@ use crate::audit::{
 };
 use crate::authz::authorize;
 use crate::codec;
-use crate::command::{BudgetScope, Command, Entry, Request};
+use crate::command::{BudgetScope, Command, Entry, Quota, Request};
 use crate::idempotency::{fingerprint, IdempotencyTable, Lookup};
 use crate::ids::Actor;
 use crate::ids::{Account, HoldId, OrgId};
 use crate::ledger::{Ctx, Ledger, LedgerConfig};
 use crate::limits::COMMANDS_PER_ENTRY_MAX;
-use crate::outcome::{CommandError, Limit, Outcome, Reply};
+use crate::outcome::{CommandError, Limit, Outcome, QuotaKind, Reply};
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::security::Scope;
 use crate::security::Security;
@@ -276,6 +276,17 @@ fn apply_request(
         Lookup::Conflict => return (Err(CommandError::RequestIdReused), false),
         Lookup::New => {}
     }
+    // A tenant's records count against its org's quota (refused commands included:
+    // its own share, never the shard's), before the shard-wide cap.
+    if let Some(org) = actor.org() {
+        let max = state
+            .scheduler
+            .quota(&state.config.scheduler, org)
+            .records_max;
+        if state.idempotency.of_org(org) >= max {
+            return (Err(CommandError::QuotaExceeded(QuotaKind::Records)), false);
+        }
+    }
     if state.idempotency.is_full() {
         return (
             Err(CommandError::LimitReached(Limit::IdempotencyEntries)),
@@ -315,6 +326,9 @@ fn execute(
     effects: &mut Vec<PendingEvent>,
 ) -> Outcome {
     let mark = effects.len();
+    let quota = ns
+        .map(|o| state.scheduler.quota(&state.config.scheduler, o))
+        .unwrap_or_default();
     let result = authorize(
         &state.ledger,
         &state.scheduler,
@@ -332,17 +346,42 @@ fn execute(
                 .apply_settings(settings)
                 .map(|()| Reply::SchedulerConfigured),
             command if command.is_scheduler() => dispatch_scheduler(state, actor, ns, command, ctx),
-            command if command.is_security() => dispatch_security(state, ns, command, ctx),
+            command if command.is_security() => dispatch_security(state, ns, &quota, command, ctx),
             command => {
                 reject_job_hold(&state.ledger, ns, command)?;
-                dispatch(&mut state.ledger, ns, command, ctx)
+                check_hold_tier(&state.scheduler, &state.config.scheduler, ns, command)?;
+                let cfg = &state.config.scheduler;
+                dispatch(&mut state.ledger, cfg, ns, &quota, command, ctx)
             }
         }
     });
     if result.is_err() {
         effects.truncate(mark);
     }
+    // A hold this command settled may take the org past its tombstone quota.
+    if let Some(org) = ns {
+        state.ledger.trim_settled(org, quota.settled_holds_max);
+    }
     result
+}
+
+/// A hold names a tier its org (and project) is entitled to, like a job.
+fn check_hold_tier(
+    sched: &Scheduler,
+    cfg: &SchedulerConfig,
+    ns: Option<OrgId>,
+    command: &Command,
+) -> Result<(), CommandError> {
+    let Command::CreateHold(spec) = command else {
+        return Ok(());
+    };
+    if spec.tier.0 as usize >= cfg.tiers.len() {
+        return Err(CommandError::UnknownTier);
+    }
+    if !sched.entitled(cfg, need(ns)?, spec.project, spec.tier) {
+        return Err(CommandError::TierNotEntitled(spec.tier));
+    }
+    Ok(())
 }
 
 /// A job's hold is metered and settled only through the job commands.
@@ -369,6 +408,7 @@ fn reject_job_hold(
 fn dispatch_security(
     state: &mut State,
     ns: Option<OrgId>,
+    quota: &Quota,
     command: &Command,
     ctx: &mut Ctx,
 ) -> Outcome {
@@ -400,6 +440,11 @@ fn dispatch_security(
                     return Err(CommandError::UnknownUser)
                 }
                 _ => {}
+            }
+            if let Some(org) = scope.org() {
+                if sec.principals_of(org) >= quota.principals_max as usize {
+                    return Err(CommandError::QuotaExceeded(QuotaKind::Principals));
+                }
             }
             sec.create(now, *principal, *digest, *scope, *expires_at_ms)
                 .map(|()| Reply::TokenSet)
@@ -475,37 +520,43 @@ fn dispatch_scheduler(
         Command::SetShareWeight { scope, weight } => {
             sched.set_share_weight(ledger, need(ns)?, *scope, *weight)
         }
+        Command::SetPlan { org, plan } => sched.set_plan(ledger, cfg, *org, plan.as_ref()),
         _ => Err(CommandError::Unauthorized),
     }
 }
 
-fn dispatch(ledger: &mut Ledger, ns: Option<OrgId>, command: &Command, ctx: &mut Ctx) -> Outcome {
+fn dispatch(
+    ledger: &mut Ledger,
+    cfg: &SchedulerConfig,
+    ns: Option<OrgId>,
+    quota: &Quota,
+    command: &Command,
+    ctx: &mut Ctx,
+) -> Outcome {
     let now = ctx.now;
     match command {
         Command::CreateOrg { org } => ledger.create_org(*org).map(|()| Reply::Created),
         Command::CreateProject { project, org } => ledger
-            .create_project(*project, *org)
+            .create_project(*project, *org, quota)
             .map(|()| Reply::Created),
-        Command::CreateUser { user, org } => {
-            ledger.create_user(*user, *org).map(|()| Reply::Created)
-        }
+        Command::CreateUser { user, org } => ledger
+            .create_user(*user, *org, quota)
+            .map(|()| Reply::Created),
         Command::SetPrices { prices } => ledger
             .set_prices(now, prices)
             .map(|version| Reply::PricesSet { version }),
         Command::IssueGrant(g) => ledger
-            .issue_grant(ctx, need(ns)?, g)
+            .issue_grant(ctx, need(ns)?, quota, g)
             .map(|()| Reply::GrantIssued { bucket: g.bucket }),
         Command::SetBudget { scope, budget } => ledger
             .set_budget(need(ns)?, *scope, *budget)
             .map(|()| Reply::BudgetSet),
-        Command::CreateHold(spec) => {
-            ledger
-                .create_hold(ctx, need(ns)?, spec)
-                .map(|draws| Reply::HoldCreated {
-                    hold: spec.hold,
-                    draws,
-                })
-        }
+        Command::CreateHold(spec) => ledger
+            .create_hold(ctx, need(ns)?, quota, spec)
+            .map(|draws| Reply::HoldCreated {
+                hold: spec.hold,
+                draws,
+            }),
         Command::Capture { hold, amount_micro } => {
             let hc = ledger.open_hold(need(ns)?, *hold)?;
             if hc.hold.meter.is_some() {
@@ -540,7 +591,17 @@ fn dispatch(ledger: &mut Ledger, ns: Option<OrgId>, command: &Command, ctx: &mut
             gpu_type,
             gpus,
         } => ledger
-            .start_meter(need(ns)?, *hold, *attempt, gpu_type, *gpus, now)
+            .start_meter(
+                need(ns)?,
+                *hold,
+                crate::ledger::MeterStart {
+                    attempt: *attempt,
+                    gpu_type,
+                    gpus: *gpus,
+                },
+                now,
+                |t| cfg.price_pct(t),
+            )
             .map(
                 |(price_micro_per_gpu_hour, price_version)| Reply::MeterStarted {
                     price_micro_per_gpu_hour,
@@ -560,7 +621,7 @@ fn dispatch(ledger: &mut Ledger, ns: Option<OrgId>, command: &Command, ctx: &mut
             to,
             amount_micro,
         } => ledger
-            .transfer(ctx, need(ns)?, *from, *to, *amount_micro)
+            .transfer(ctx, need(ns)?, quota, *from, *to, *amount_micro)
             .map(|buckets| Reply::Transferred { buckets }),
         Command::Tick => Ok(Reply::Ticked),
         // Scheduler commands (`Command::is_scheduler`) go to `dispatch_scheduler`.
@@ -621,6 +682,7 @@ fn refs_of(
         | Command::RotateToken { .. }
         | Command::RevokeToken { .. }
         | Command::RecordDenials { .. } => (None, None),
+        Command::SetPlan { org, .. } => (Some(Account::Org(*org)), None),
     };
     ev.org = ns;
     ev.account = account;

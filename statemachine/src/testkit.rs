@@ -94,7 +94,24 @@ pub fn world_commands() -> Vec<Command> {
         Command::SetPrices {
             prices: vec![(a100(), A100_PRICE), (h100(), H100_PRICE)],
         },
+        // Both orgs are entitled to every tier (the default withholds the highest).
+        Command::SetPlan {
+            org: ORG,
+            plan: Some(all_tiers()),
+        },
+        Command::SetPlan {
+            org: OTHER_ORG,
+            plan: Some(all_tiers()),
+        },
     ]
+}
+
+/// A plan with the three standard tiers.
+pub fn all_tiers() -> crate::command::Plan {
+    crate::command::Plan {
+        tiers: vec![Tier::FREE, Tier::PAID, Tier::ENTERPRISE],
+        project_tiers: Vec::new(),
+    }
 }
 
 impl Default for Harness {

@@ -137,7 +137,44 @@ pub fn validate_command(command: &Command) -> Result<(), CommandError> {
         | Command::FinishJob { .. }
         | Command::SetQuota { .. }
         | Command::RevokeToken { .. } => Ok(()),
+        Command::SetPlan { plan, .. } => plan.as_ref().map_or(Ok(()), check_plan),
     }
+}
+
+/// A plan: at most `TIERS_PER_POLICY_MAX` tiers (no duplicates), and as many projects
+/// each with a subset of the org's tiers.
+fn check_plan(plan: &crate::command::Plan) -> Result<(), CommandError> {
+    let distinct = |tiers: &[crate::ids::Tier]| {
+        let mut t = tiers.to_vec();
+        t.sort();
+        t.dedup();
+        t.len() == tiers.len()
+    };
+    if plan.tiers.len() > TIERS_PER_POLICY_MAX {
+        return Err(CommandError::LimitReached(Limit::TiersPerPolicy));
+    }
+    if plan.project_tiers.len() > PLAN_PROJECTS_MAX {
+        return Err(CommandError::LimitReached(Limit::PlanProjects));
+    }
+    if !distinct(&plan.tiers) {
+        return Err(CommandError::DuplicateEntry);
+    }
+    let mut projects: Vec<_> = plan.project_tiers.iter().map(|(p, _)| *p).collect();
+    projects.sort();
+    projects.dedup();
+    if projects.len() != plan.project_tiers.len() {
+        return Err(CommandError::DuplicateEntry);
+    }
+    for (p, tiers) in &plan.project_tiers {
+        check_id(p.0)?;
+        if !distinct(tiers) {
+            return Err(CommandError::DuplicateEntry);
+        }
+        if tiers.iter().any(|t| !plan.tiers.contains(t)) {
+            return Err(CommandError::UnknownTier);
+        }
+    }
+    Ok(())
 }
 
 /// Client-chosen ids stay below the range the state machine allocates itself.
@@ -314,6 +351,10 @@ fn check_settings(s: &SchedulerSettings) -> Result<(), CommandError> {
             P::TierShare,
         )?;
         check(t.max_wait_ms <= TIER_WAIT_MS_MAX, P::TierWait)?;
+        check(
+            (1..=TIER_PRICE_PCT_MAX).contains(&t.price_pct),
+            P::TierPrice,
+        )?;
         floors += t.floor_pct;
     }
     check(floors <= 100, P::TierShare)

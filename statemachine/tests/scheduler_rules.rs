@@ -767,6 +767,7 @@ fn admission_quota_and_idempotent_submit() {
         quota: Some(Quota {
             queued_max: 2,
             running_max: 10,
+            ..Quota::default()
         }),
     });
     for j in 10..13 {
@@ -1013,6 +1014,7 @@ fn running_quota_holds_jobs_in_the_queue() {
         quota: Some(Quota {
             queued_max: 10,
             running_max: 2,
+            ..Quota::default()
         }),
     });
     for j in 10..13 {

@@ -250,20 +250,22 @@ pub async fn setup(client: &Client, commands: Vec<Command>) -> anyhow::Result<()
 
 /// The whole audit trail of the shard (after the faults), and the chain's head as
 /// the serving node reports it (the sequence number the next event will get).
+/// The head is read first, and the export reads until it (pages may come from
+/// replicas at different points: the export never stops at a lagging one's head).
 pub async fn audit_all(client: &Client) -> anyhow::Result<(Vec<AuditEvent>, u64)> {
+    let head = client
+        .audit(SHARD, Default::default(), 0, 1)
+        .await
+        .map_err(|e| anyhow::anyhow!("reading the audit head: {e}"))?
+        .head_seq;
     let mut events = Vec::new();
-    let next = client
-        .audit_export(SHARD, Default::default(), 0, |e| {
+    client
+        .audit_export_to(SHARD, Default::default(), 0, head, |e| {
             events.push(e.clone());
             Ok(())
         })
         .await
         .map_err(|e| anyhow::anyhow!("reading the audit trail: {e}"))?;
-    let head = client
-        .audit(SHARD, Default::default(), next, 1)
-        .await
-        .map_err(|e| anyhow::anyhow!("reading the audit head: {e}"))?
-        .head_seq;
     Ok((events, head))
 }
 

@@ -309,6 +309,17 @@ impl Sim {
                 // queue 250 jobs: a flood beyond that is refused at once (backpressure)
                 // instead of waiting behind the org's fair share (DESIGN §24).
                 let queued_max = [40, 200, 250][tier as usize];
+                // Each org is entitled to its own tier (and those below it).
+                reqs.push(self.req(
+                    ADMIN,
+                    Command::SetPlan {
+                        org: OrgId(org),
+                        plan: Some(Plan {
+                            tiers: (0..=tier).map(Tier).collect(),
+                            project_tiers: Vec::new(),
+                        }),
+                    },
+                ));
                 reqs.push(self.req(
                     ADMIN,
                     Command::SetQuota {
@@ -316,6 +327,7 @@ impl Sim {
                         quota: Some(Quota {
                             queued_max,
                             running_max: 10_000,
+                            ..Quota::default()
                         }),
                     },
                 ));

@@ -2,10 +2,10 @@
 
 use super::{unknown_account, AccountRec, Books, Bucket, BucketRef, Ctx};
 use crate::audit::EventBody;
-use crate::command::Grant;
+use crate::command::{Grant, Quota};
 use crate::ids::{Account, BucketId, OrgId};
 use crate::limits::*;
-use crate::outcome::{CommandError, Limit};
+use crate::outcome::{CommandError, Limit, QuotaKind};
 
 impl AccountRec {
     pub(crate) fn live_insert(&mut self, bucket: BucketRef) {
@@ -36,13 +36,18 @@ impl Books {
 }
 
 impl Books {
-    /// Checks that `account` may own one more bucket and the shard one more.
+    /// Checks that `account` may own `extra` more buckets, its org (quota) and the shard.
     fn check_bucket_room(
         &self,
         org: OrgId,
+        quota: &Quota,
         account: Account,
         extra: usize,
     ) -> Result<(), CommandError> {
+        let in_use = self.orgs.get(&org).map_or(0, |r| r.buckets_in_use as usize);
+        if in_use + extra > quota.buckets_max as usize {
+            return Err(CommandError::QuotaExceeded(QuotaKind::Buckets));
+        }
         let rec = self.account(org, account).ok_or(unknown_account(account))?;
         // Closed buckets (awaiting archive) do not count: the bound is on buckets in use.
         if rec.buckets.len() - rec.closed as usize + extra > BUCKETS_PER_ACCOUNT_MAX {
@@ -54,16 +59,25 @@ impl Books {
         Ok(())
     }
 
+    /// The spend-order sequence number of `org`'s next bucket (per org: another org's
+    /// grants and transfers never change an org's numbers).
+    fn next_bucket_seq(&self, org: OrgId) -> u64 {
+        self.orgs.get(&org).map_or(0, |r| r.next_bucket_seq)
+    }
+
     /// Adds a fully built bucket: to the map, its account, the spend index and the
     /// expiry queue.
     fn insert_bucket(&mut self, bucket: Bucket) {
-        self.next_bucket_seq += 1;
         if let Some(at) = bucket.expires_at_ms {
             self.expiry_queue.insert((at, bucket.id));
         }
         if let Some(rec) = self.account_mut(bucket.org, bucket.owner) {
             rec.buckets.push(bucket.id);
             rec.live_insert(bucket.refs());
+        }
+        if let Some(rec) = self.orgs.get_mut(&bucket.org) {
+            rec.buckets_in_use += 1;
+            rec.next_bucket_seq += 1;
         }
         self.buckets.insert(bucket.id, bucket);
     }
@@ -72,6 +86,7 @@ impl Books {
         &mut self,
         ctx: &mut Ctx,
         org: OrgId,
+        quota: &Quota,
         g: &Grant,
     ) -> Result<(), CommandError> {
         let now = ctx.now;
@@ -85,7 +100,7 @@ impl Books {
         if self.buckets.contains_key(&g.bucket) {
             return Err(CommandError::AlreadyExists);
         }
-        self.check_bucket_room(org, g.owner, 1)?;
+        self.check_bucket_room(org, quota, g.owner, 1)?;
         self.insert_bucket(Bucket {
             id: g.bucket,
             owner: g.owner,
@@ -95,7 +110,7 @@ impl Books {
             expires_at_ms: g.expires_at_ms,
             policy: g.policy.clone(),
             source_ref: g.source_ref.clone(),
-            seq: self.next_bucket_seq,
+            seq: self.next_bucket_seq(org),
             issued: g.amount_micro,
             moved_in: 0,
             remaining: g.amount_micro,
@@ -173,6 +188,9 @@ impl Books {
         if let Some(rec) = self.account_mut(org, owner) {
             rec.closed += 1;
         }
+        if let Some(rec) = self.orgs.get_mut(&org) {
+            rec.buckets_in_use = rec.buckets_in_use.saturating_sub(1);
+        }
     }
 
     /// Archives the buckets closed for at least `bucket_retention_ms` (a bounded number
@@ -210,6 +228,7 @@ impl Books {
         &mut self,
         ctx: &mut Ctx,
         org: OrgId,
+        quota: &Quota,
         from: Account,
         to: Account,
         amount: u64,
@@ -234,7 +253,7 @@ impl Books {
                     .and_then(|s| self.same_terms(org, to, s, ctx.now))
             })
             .collect();
-        self.check_bucket_room(org, to, joins.iter().filter(|j| j.is_none()).count())?;
+        self.check_bucket_room(org, quota, to, joins.iter().filter(|j| j.is_none()).count())?;
         let mut created = Vec::with_capacity(plan.len());
         for ((src_id, part), join) in plan.into_iter().zip(joins) {
             let Some(src) = self.buckets.get_mut(&src_id) else {
@@ -277,7 +296,7 @@ impl Books {
             let dst = Bucket {
                 id,
                 owner: to,
-                seq: self.next_bucket_seq,
+                seq: self.next_bucket_seq(org),
                 issued: 0,
                 moved_in: part,
                 remaining: part,

@@ -4,11 +4,11 @@
 use super::budget::{SpendPath, UsageMove};
 use super::{Books, Bucket, Ctx, Draw, Hold, HoldTable, Ledger};
 use crate::audit::EventBody;
-use crate::command::HoldSpec;
-use crate::idmap::SharedQueue;
-use crate::ids::{Account, BucketId, HoldId, HoldKey, OrgId};
+use crate::command::{HoldSpec, Quota};
+use crate::ids::{Account, BucketId, HoldId, OrgId};
 use crate::limits::*;
-use crate::outcome::{CommandError, DrawReport, Limit, Settlement};
+use crate::outcome::{CommandError, DrawReport, Limit, QuotaKind, Settlement};
+use crate::tombstones::Tombstones;
 
 impl Hold {
     pub(crate) fn path(&self) -> SpendPath {
@@ -37,7 +37,7 @@ pub(crate) struct HoldCtx<'a> {
     pub books: &'a mut Books,
     pub hold: &'a mut Hold,
     open: &'a mut usize,
-    settled_queue: &'a mut SharedQueue<(u64, HoldKey)>,
+    settled: &'a mut Tombstones<HoldId>,
 }
 
 impl HoldCtx<'_> {
@@ -45,8 +45,10 @@ impl HoldCtx<'_> {
     pub(crate) fn close(&mut self, now: u64, settlement: Settlement) {
         self.hold.settled = Some((now, settlement));
         *self.open -= 1;
-        self.settled_queue
-            .push_back((now, (self.hold.org, self.hold.id)));
+        if let Some(rec) = self.books.orgs.get_mut(&self.hold.org) {
+            rec.holds_open = rec.holds_open.saturating_sub(1);
+        }
+        self.settled.push(now, self.hold.org, self.hold.id);
     }
 }
 
@@ -58,11 +60,7 @@ impl Ledger {
         id: HoldId,
     ) -> Result<HoldCtx<'_>, CommandError> {
         let Ledger { books, holds } = self;
-        let HoldTable {
-            map,
-            open,
-            settled_queue,
-        } = holds;
+        let HoldTable { map, open, settled } = holds;
         let hold = map.get_mut(&(org, id)).ok_or(CommandError::UnknownHold)?;
         if !hold.is_open() {
             return Err(CommandError::HoldSettled);
@@ -71,7 +69,7 @@ impl Ledger {
             books,
             hold,
             open,
-            settled_queue,
+            settled,
         })
     }
 
@@ -79,6 +77,7 @@ impl Ledger {
         &mut self,
         ctx: &mut Ctx,
         org: OrgId,
+        quota: &Quota,
         spec: &HoldSpec,
     ) -> Result<Vec<DrawReport>, CommandError> {
         // Amount and GPU types: `crate::validate` (commands) or the job's own checks.
@@ -91,6 +90,10 @@ impl Ledger {
         }
         if self.holds.map.contains_key(&(org, spec.hold)) {
             return Err(CommandError::AlreadyExists);
+        }
+        let open_in_org = self.orgs.get(&org).map_or(0, |r| r.holds_open);
+        if open_in_org >= quota.holds_open_max {
+            return Err(CommandError::QuotaExceeded(QuotaKind::HoldsOpen));
         }
         if self.holds.open >= HOLDS_OPEN_MAX {
             return Err(CommandError::LimitReached(Limit::HoldsOpen));
@@ -113,6 +116,9 @@ impl Ledger {
         let drawn = self.books.draw(ctx, &mut hold, spec.amount_micro)?;
         self.holds.map.insert((org, spec.hold), hold);
         self.holds.open += 1;
+        if let Some(rec) = self.books.orgs.get_mut(&org) {
+            rec.holds_open += 1;
+        }
         Ok(drawn)
     }
 
@@ -134,15 +140,19 @@ impl Ledger {
         let retention = self.books.config.settled_retention_ms;
         let t = &mut self.holds;
         for _ in 0..PRUNE_PER_ENTRY_MAX {
-            let Some(&(at, id)) = t.settled_queue.front() else {
+            let Some(key) = t.settled.pop_due(now, retention, HOLDS_SETTLED_MAX) else {
                 return;
             };
-            let due = at.saturating_add(retention) <= now;
-            if !due && t.settled_queue.len() <= HOLDS_SETTLED_MAX {
-                return;
-            }
-            t.settled_queue.pop_front();
-            t.map.remove(&id);
+            t.map.remove(&key);
+        }
+    }
+
+    /// Drops `org`'s oldest settled tombstones while it keeps more than `max` (its
+    /// quota): its churn shortens its own history, never another org's.
+    pub(crate) fn trim_settled(&mut self, org: OrgId, max: u32) {
+        let t = &mut self.holds;
+        while let Some(key) = t.settled.pop_over_quota(org, max) {
+            t.map.remove(&key);
         }
     }
 }

@@ -5,7 +5,7 @@
 use super::holds::HoldCtx;
 use super::{Books, Ctx, Hold, Ledger};
 use crate::command::{Heartbeat, SettleReason};
-use crate::ids::{GpuType, HoldId, OrgId};
+use crate::ids::{GpuType, HoldId, OrgId, Tier};
 use crate::outcome::{CommandError, HeartbeatReply, Settlement};
 use serde::{Deserialize, Serialize};
 
@@ -82,22 +82,42 @@ impl Meter {
     }
 }
 
+/// The price per GPU-hour of a tier priced at `pct` percent of `list`, rounded down
+/// (exact: list prices are at most 10^12 and percentages at most 10^4).
+pub fn tier_price(list: u64, pct: u32) -> u64 {
+    (list as u128 * pct as u128 / 100).min(u64::MAX as u128) as u64
+}
+
+/// What a meter starts with: the attempt (fencing token) and what it runs on.
+pub(crate) struct MeterStart<'a> {
+    pub attempt: u32,
+    pub gpu_type: &'a GpuType,
+    pub gpus: u32,
+}
+
 impl Ledger {
+    /// Starts metering hold `hold_id` at `now`, at the tier's price of the type
+    /// (`tier_price_pct` gives each tier's percentage of list price).
     pub(crate) fn start_meter(
         &mut self,
         org: OrgId,
         hold_id: HoldId,
-        attempt: u32,
-        gpu_type: &GpuType,
-        gpus: u32,
+        start: MeterStart,
         now: u64,
+        tier_price_pct: impl Fn(Tier) -> u32,
     ) -> Result<(u64, u32), CommandError> {
+        let MeterStart {
+            attempt,
+            gpu_type,
+            gpus,
+        } = start;
         // The type's name and the GPU count: `crate::validate` (or the placement).
         let hc = self.open_hold(org, hold_id)?;
-        let price = hc
+        let list = hc
             .books
             .price_of(gpu_type)
             .ok_or(CommandError::UnknownPrice(gpu_type.clone()))?;
+        let price = tier_price(list, tier_price_pct(hc.hold.tier));
         if !hc.hold.gpu_types.is_empty() && !hc.hold.gpu_types.contains(gpu_type) {
             return Err(CommandError::InvalidGpuType(gpu_type.clone()));
         }

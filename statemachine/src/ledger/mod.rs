@@ -15,11 +15,12 @@ mod tenancy;
 pub(crate) use crate::validate::check_amount;
 pub use balance::{Balance, UpcomingExpiry};
 pub use budget::{Budget, Usage};
-pub use meter::{cost_micro, Meter};
+pub(crate) use meter::MeterStart;
+pub use meter::{cost_micro, tier_price, Meter};
 
 use crate::audit::{EventBody, PendingEvent};
 use crate::command::{BucketKind, BucketPolicy};
-use crate::idmap::{IdMap, SharedMap, SharedQueue};
+use crate::idmap::{IdMap, SharedMap};
 use crate::ids::{
     Account, BucketId, GpuType, HoldId, HoldKey, OrgId, ProjectId, ProjectKey, Tier, UserId,
     UserKey,
@@ -185,6 +186,12 @@ pub struct OrgRec {
     /// quotas without scanning the shard.
     pub projects: BTreeSet<ProjectId>,
     pub users: BTreeSet<UserId>,
+    /// Buckets in use (not closed) across the org's and its projects' accounts, and
+    /// holds open: the org's quota counters.
+    pub buckets_in_use: u32,
+    pub holds_open: u32,
+    /// The next bucket's spend-order sequence number (ties in spend order).
+    pub next_bucket_seq: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -268,7 +275,6 @@ pub struct Books {
     /// rather than a binary heap so its encoding (and the state hash) is canonical.
     pub expiry_queue: BTreeSet<(u64, BucketId)>,
     pub prices: PriceTable,
-    pub next_bucket_seq: u64,
     /// Next id for buckets the ledger creates itself (transfers), from `INTERNAL_ID_BASE`.
     pub next_internal_id: u64,
     pub totals: Totals,
@@ -285,8 +291,9 @@ pub struct HoldTable {
     /// the table grows with history, and a snapshot clones the state under the apply lock.
     pub map: SharedMap<HoldKey, Hold>,
     pub open: usize,
-    /// Settled holds in settlement order, pruned after `settled_retention_ms`.
-    pub settled_queue: SharedQueue<(u64, HoldKey)>,
+    /// Settled holds, pruned after `settled_retention_ms`, beyond the org's quota (its
+    /// own oldest) or the shard's cap.
+    pub settled: crate::tombstones::Tombstones<HoldId>,
 }
 
 impl std::ops::Deref for HoldTable {

@@ -1,9 +1,10 @@
 //! Tenancy (org → project → user) and the versioned price table.
 
 use super::{Books, OrgRec, PriceTable, ProjectRec, UserRec};
+use crate::command::Quota;
 use crate::ids::{GpuType, OrgId, ProjectId, UserId};
 use crate::limits::*;
-use crate::outcome::{CommandError, Limit};
+use crate::outcome::{CommandError, Limit, QuotaKind};
 use std::collections::BTreeMap;
 
 // Ids, GPU type names and prices are checked by `crate::validate` before apply
@@ -25,10 +26,14 @@ impl Books {
         &mut self,
         project: ProjectId,
         org: OrgId,
+        quota: &Quota,
     ) -> Result<(), CommandError> {
         let rec = self.orgs.get(&org).ok_or(CommandError::UnknownOrg)?;
         if rec.projects.contains(&project) {
             return Err(CommandError::AlreadyExists);
+        }
+        if rec.projects.len() >= quota.projects_max as usize {
+            return Err(CommandError::QuotaExceeded(QuotaKind::Projects));
         }
         if self.projects.len() >= PROJECTS_MAX {
             return Err(CommandError::LimitReached(Limit::Projects));
@@ -46,10 +51,18 @@ impl Books {
         Ok(())
     }
 
-    pub(crate) fn create_user(&mut self, user: UserId, org: OrgId) -> Result<(), CommandError> {
+    pub(crate) fn create_user(
+        &mut self,
+        user: UserId,
+        org: OrgId,
+        quota: &Quota,
+    ) -> Result<(), CommandError> {
         let rec = self.orgs.get(&org).ok_or(CommandError::UnknownOrg)?;
         if rec.users.contains(&user) {
             return Err(CommandError::AlreadyExists);
+        }
+        if rec.users.len() >= quota.users_max as usize {
+            return Err(CommandError::QuotaExceeded(QuotaKind::Users));
         }
         if self.users.len() >= USERS_MAX {
             return Err(CommandError::LimitReached(Limit::Users));

@@ -6,7 +6,7 @@ use super::{Ending, Job, JobState, Placement, Reason, Scheduler, SchedulerConfig
 use crate::audit::{EventBody, PendingEvent};
 use crate::command::{Heartbeat, HoldSpec, JobHeartbeat, JobSpec, SettleReason};
 use crate::ids::{Account, Actor, HoldId, JobKey, NodeId, OrgId};
-use crate::ledger::{cost_micro, Ctx, Ledger};
+use crate::ledger::{cost_micro, tier_price, Ctx, Ledger, MeterStart};
 use crate::limits::*;
 use crate::outcome::{CommandError, Limit, QuotaKind, Reply, Settlement};
 
@@ -57,7 +57,7 @@ impl Scheduler {
         j.last_reason = reason;
         if to.is_final() {
             j.finished_ms = Some(ctx.now);
-            self.finished.push_back((ctx.now, id));
+            self.finished.push(ctx.now, id.0, id.1);
         }
         self.job_event(ctx.effects, id, Some(from), reason);
     }
@@ -214,6 +214,9 @@ impl Scheduler {
         if !ledger.users.contains_key(&(org, spec.user)) {
             return Err(CommandError::UnknownUser);
         }
+        if !self.entitled(cfg, org, spec.project, spec.tier) {
+            return Err(CommandError::TierNotEntitled(spec.tier));
+        }
         if let Some(t) = spec
             .gpu_types
             .iter()
@@ -232,7 +235,9 @@ impl Scheduler {
                     .ok_or(CommandError::UnknownPrice(t.clone()))?,
             );
         }
-        let quota = self.quotas.get(&org).copied().unwrap_or(cfg.default_quota);
+        // The hold covers the whole run at the tier's price of the dearest type.
+        let price_max = tier_price(price_max, cfg.price_pct(spec.tier));
+        let quota = self.quota(cfg, org);
         if self.org_counts.get(&org).map_or(0, |c| c.0) >= quota.queued_max {
             return Err(CommandError::QuotaExceeded(QuotaKind::QueuedJobs));
         }
@@ -249,7 +254,7 @@ impl Scheduler {
             gpu_types: spec.gpu_types.clone(),
             amount_micro: hold_micro,
         };
-        ledger.create_hold(ctx, org, &hold)?;
+        ledger.create_hold(ctx, org, &quota, &hold)?;
         ledger.mark_job_hold(org, hold.hold);
         self.jobs.insert(
             key,
@@ -328,8 +333,13 @@ impl Scheduler {
             self.nodes.get(&node).ok_or(CommandError::UnknownNode)?,
         );
         let (attempt, gpu_type, gpus) = (j.attempt + 1, n.gpu_type.clone(), j.spec.gpus);
+        let start = MeterStart {
+            attempt,
+            gpu_type: &gpu_type,
+            gpus,
+        };
         let (price, _) =
-            ledger.start_meter(id.0, hold_of(id), attempt, &gpu_type, gpus, ctx.now)?;
+            ledger.start_meter(id.0, hold_of(id), start, ctx.now, |t| cfg.price_pct(t))?;
         self.dequeue(id);
         // The job may run elsewhere than the node it had reserved: release that node
         // (clearing only the placement node left stale reservations that blocked every
@@ -389,6 +399,12 @@ impl Scheduler {
         // Where it ran stays in the audit trail; a finished job holds no placement.
         if let Some(j) = self.jobs.get_mut(&id) {
             j.placement = None;
+        }
+        // The org's tombstones stay within its quota (its own oldest leave first).
+        let quota = self.quota(cfg, id.0);
+        ledger.trim_settled(id.0, quota.settled_holds_max);
+        while let Some(old) = self.finished.pop_over_quota(id.0, quota.finished_jobs_max) {
+            self.forget_job(old);
         }
         settlement
     }
@@ -570,6 +586,35 @@ impl Scheduler {
         Ok(Reply::QuotaSet)
     }
 
+    /// Sets or removes `org`'s plan. Its tiers must exist and its projects be the org's;
+    /// jobs already submitted keep their tier (the plan governs new submissions).
+    pub(crate) fn set_plan(
+        &mut self,
+        ledger: &Ledger,
+        cfg: &SchedulerConfig,
+        org: OrgId,
+        plan: Option<&crate::command::Plan>,
+    ) -> Result<Reply, CommandError> {
+        let rec = ledger.orgs.get(&org).ok_or(CommandError::UnknownOrg)?;
+        let Some(plan) = plan else {
+            self.plans.remove(&org);
+            return Ok(Reply::PlanSet);
+        };
+        // Duplicates, sizes and project tiers within the org's: `crate::validate`.
+        if plan.tiers.iter().any(|t| t.0 as usize >= cfg.tiers.len()) {
+            return Err(CommandError::UnknownTier);
+        }
+        if plan
+            .project_tiers
+            .iter()
+            .any(|(p, _)| !rec.projects.contains(p))
+        {
+            return Err(CommandError::UnknownProject);
+        }
+        self.plans.insert(org, plan.clone());
+        Ok(Reply::PlanSet)
+    }
+
     pub(crate) fn set_share_weight(
         &mut self,
         ledger: &Ledger,
@@ -593,18 +638,19 @@ impl Scheduler {
         Ok(Reply::ShareWeightSet)
     }
 
-    /// Drops finished jobs after the retention window (bounded per entry).
+    /// Drops finished jobs after the retention window (bounded per entry), and the
+    /// oldest early if the shard keeps more than `JOBS_FINISHED_MAX`.
     pub(crate) fn prune_finished(&mut self, now: u64, retention_ms: u64) {
         for _ in 0..PRUNE_PER_ENTRY_MAX {
-            let Some(&(at, id)) = self.finished.front() else {
+            let Some(id) = self.finished.pop_due(now, retention_ms, JOBS_FINISHED_MAX) else {
                 return;
             };
-            if at.saturating_add(retention_ms) > now && self.finished.len() <= JOBS_FINISHED_MAX {
-                return;
-            }
-            self.finished.pop_front();
-            self.jobs.remove(&id);
-            self.org_jobs.remove(&id);
+            self.forget_job(id);
         }
+    }
+
+    fn forget_job(&mut self, id: JobKey) {
+        self.jobs.remove(&id);
+        self.org_jobs.remove(&id);
     }
 }

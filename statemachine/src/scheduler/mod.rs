@@ -45,6 +45,16 @@ pub struct TierConfig {
     pub ceiling_pct: u32,
     /// Aging: a job queued this long is served before any non-aged job.
     pub max_wait_ms: u64,
+    /// The tier's price as a percentage of the GPU type's list price (100: list price),
+    /// fixed on the job's meter at placement and used to size its hold: a higher tier
+    /// may cost more per GPU-hour than a lower one. (Absent in settings files written
+    /// before tiers had a price: list price.)
+    #[serde(default = "list_price_pct")]
+    pub price_pct: u32,
+}
+
+fn list_price_pct() -> u32 {
+    100
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -85,6 +95,7 @@ impl Default for SchedulerConfig {
             floor_pct,
             ceiling_pct,
             max_wait_ms,
+            price_pct: 100,
         };
         SchedulerConfig {
             tiers: vec![
@@ -102,10 +113,7 @@ impl Default for SchedulerConfig {
             preemption_loss_max_gpu_ms: 8 * 60_000,
             usage_half_life_ms: 3_600_000,
             node_failure_requeues_max: 3,
-            default_quota: Quota {
-                queued_max: 10_000,
-                running_max: 2_000,
-            },
+            default_quota: Quota::default(),
             placements_per_pass_max: 512,
             candidates_per_pass_max: 2_048,
             preemption_searches_per_pass_max: 8,
@@ -145,11 +153,18 @@ pub mod settings_bounds {
     pub const TIER_WEIGHT_MAX: u32 = 1_000;
     pub const TIER_NAME_LEN_MAX: usize = 32;
     pub const TIER_WAIT_MS_MAX: u64 = 30 * 86_400_000;
+    /// A tier's price between 1% and 100× the list price.
+    pub const TIER_PRICE_PCT_MAX: u32 = 10_000;
     /// Tiers one settings command may list (a shard has as many as it was created with).
     pub const TIERS_MAX: usize = 16;
 }
 
 impl SchedulerConfig {
+    /// `tier`'s price as a percentage of list price (an unknown tier: list price).
+    pub fn price_pct(&self, tier: Tier) -> u32 {
+        self.tiers.get(tier.0 as usize).map_or(100, |t| t.price_pct)
+    }
+
     pub fn settings(&self) -> SchedulerSettings {
         SchedulerSettings {
             node_lease_ms: self.node_lease_ms,
@@ -383,9 +398,12 @@ pub struct Scheduler {
     /// Queued jobs per tier by age (aging lane, FIFO and strict-priority order).
     pub by_age: BTreeMap<Tier, BTreeSet<(u64, JobKey)>>,
     pub timers: BTreeSet<(u64, Timer)>,
-    /// Finished jobs in finishing order, pruned after the retention window.
-    pub finished: std::collections::VecDeque<(u64, JobKey)>,
+    /// Finished jobs, pruned after the retention window, beyond the org's quota (its
+    /// own oldest) or the shard's cap.
+    pub finished: crate::tombstones::Tombstones<JobId>,
     pub quotas: BTreeMap<OrgId, Quota>,
+    /// Orgs' plans (`SetPlan`): the tiers each may use.
+    pub plans: BTreeMap<OrgId, crate::command::Plan>,
     /// Per org: (queued, running) job counts, for quotas.
     pub org_counts: BTreeMap<OrgId, (u32, u32)>,
     /// GPUs in use per tier, and in total; fleet size (ready + draining nodes).
@@ -449,6 +467,37 @@ impl Scheduler {
             BudgetScope::User(u) => self.weight_user.get(&(org, u)),
         };
         w.copied().unwrap_or(crate::limits::SHARE_WEIGHT_DEFAULT)
+    }
+
+    /// The quota of `org`: its own, or the shard's default.
+    pub fn quota(&self, cfg: &SchedulerConfig, org: OrgId) -> Quota {
+        self.quotas.get(&org).copied().unwrap_or(cfg.default_quota)
+    }
+
+    /// Whether `org` (and `project` in it) may use `tier`: its plan's tiers, or without
+    /// a plan every tier but the highest.
+    pub fn entitled(
+        &self,
+        cfg: &SchedulerConfig,
+        org: OrgId,
+        project: ProjectId,
+        tier: Tier,
+    ) -> bool {
+        self.entitled_org(cfg, org, tier)
+            && self.plans.get(&org).is_none_or(|plan| {
+                plan.project_tiers
+                    .iter()
+                    .find(|(p, _)| *p == project)
+                    .is_none_or(|(_, tiers)| tiers.contains(&tier))
+            })
+    }
+
+    /// Whether `org` may use `tier` (any of its projects).
+    pub fn entitled_org(&self, cfg: &SchedulerConfig, org: OrgId, tier: Tier) -> bool {
+        match self.plans.get(&org) {
+            None => (tier.0 as usize) + 1 < cfg.tiers.len(),
+            Some(plan) => plan.tiers.contains(&tier),
+        }
     }
 
     /// Queued jobs per tier.

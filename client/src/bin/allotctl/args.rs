@@ -91,9 +91,12 @@ pub enum Cmd {
     /// Users of an organisation.
     #[command(subcommand)]
     User(crate::tenancy::UserCmd),
-    /// Admission quotas of an organisation.
+    /// Quotas of an organisation (every table it can grow) and what it uses of them.
     #[command(subcommand)]
     Quota(crate::tenancy::QuotaCmd),
+    /// Plans: the tiers an organisation (and each of its projects) may use.
+    #[command(subcommand)]
+    Plan(crate::tenancy::PlanCmd),
     /// Fair-share weights of orgs, projects and users.
     #[command(subcommand)]
     Share(crate::tenancy::ShareCmd),

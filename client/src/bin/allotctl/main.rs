@@ -59,6 +59,7 @@ async fn dispatch(ctx: &Ctx, cmd: Cmd) -> anyhow::Result<()> {
         Cmd::Project(c) => tenancy::run_project(ctx, c).await,
         Cmd::User(c) => tenancy::run_user(ctx, c).await,
         Cmd::Quota(c) => tenancy::run_quota(ctx, c).await,
+        Cmd::Plan(c) => tenancy::run_plan(ctx, c).await,
         Cmd::Share(c) => tenancy::run_share(ctx, c).await,
         Cmd::Usage(a) => tenancy::usage_top(ctx, a).await,
         Cmd::Grant(c) => credits::run_grant(ctx, c).await,

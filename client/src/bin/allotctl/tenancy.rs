@@ -1,13 +1,12 @@
-//! Organisations, projects, users, admission quotas, fair-share weights and the usage
-//! ranking.
+//! Organisations, projects, users, quotas, plans (tier entitlements), fair-share
+//! weights and the usage ranking.
 
 use crate::connect::Ctx;
-use crate::failure::usage;
 use crate::output::{cr, show, Table};
 use crate::values::{self, Scope};
 use allot_client::Error;
 use allot_statemachine::query::{UsageLevel, UsageQuery};
-use allot_statemachine::{BudgetPeriod, BudgetScope, OrgId, ProjectId, Quota, UserId};
+use allot_statemachine::{BudgetPeriod, BudgetScope, OrgId, Plan, ProjectId, Quota, Tier, UserId};
 use anyhow::Context;
 use clap::{Args, Subcommand};
 
@@ -44,8 +43,14 @@ pub enum UserCmd {
 
 #[derive(Subcommand, Debug)]
 pub enum QuotaCmd {
-    /// Sets an org's admission quotas (or, with --clear, returns it to the shard default).
+    /// Sets an org's quotas: the flags given change, the others keep the org's current
+    /// values (or, with --clear, the org returns to the shard default).
     Set(QuotaArgs),
+    /// An org's quotas, plan and what it uses of each (admin, or the org's own token).
+    Show {
+        #[arg(long)]
+        org: u64,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -53,13 +58,98 @@ pub struct QuotaArgs {
     #[arg(long)]
     org: u64,
     /// Jobs queued at once; a submission beyond it is refused.
-    #[arg(long, required_unless_present = "clear")]
+    #[arg(long)]
     queued_max: Option<u32>,
     /// Jobs running at once; beyond it the org's jobs wait in the queue.
-    #[arg(long, required_unless_present = "clear")]
+    #[arg(long)]
     running_max: Option<u32>,
-    #[arg(long, conflicts_with_all = ["queued_max", "running_max"])]
+    /// Holds open at once (jobs' holds included).
+    #[arg(long)]
+    holds_open_max: Option<u32>,
+    /// Idempotency records of the org's tokens (each kept 24 h of logical time).
+    #[arg(long)]
+    records_max: Option<u32>,
+    /// Buckets in use across the org's and its projects' accounts.
+    #[arg(long)]
+    buckets_max: Option<u32>,
+    /// Principals (token identities) of the org.
+    #[arg(long)]
+    principals_max: Option<u32>,
+    #[arg(long)]
+    projects_max: Option<u32>,
+    #[arg(long)]
+    users_max: Option<u32>,
+    /// Finished jobs kept for status queries (beyond it the org's oldest go first).
+    #[arg(long)]
+    finished_jobs_max: Option<u32>,
+    /// Settled holds kept for status queries (beyond it the org's oldest go first).
+    #[arg(long)]
+    settled_holds_max: Option<u32>,
+    #[arg(long, conflicts_with_all = [
+        "queued_max", "running_max", "holds_open_max", "records_max", "buckets_max",
+        "principals_max", "projects_max", "users_max", "finished_jobs_max",
+        "settled_holds_max",
+    ])]
     clear: bool,
+}
+
+impl QuotaArgs {
+    /// `base` with the fields given on the command line.
+    fn apply(&self, base: Quota) -> Quota {
+        Quota {
+            queued_max: self.queued_max.unwrap_or(base.queued_max),
+            running_max: self.running_max.unwrap_or(base.running_max),
+            holds_open_max: self.holds_open_max.unwrap_or(base.holds_open_max),
+            records_max: self.records_max.unwrap_or(base.records_max),
+            buckets_max: self.buckets_max.unwrap_or(base.buckets_max),
+            principals_max: self.principals_max.unwrap_or(base.principals_max),
+            projects_max: self.projects_max.unwrap_or(base.projects_max),
+            users_max: self.users_max.unwrap_or(base.users_max),
+            finished_jobs_max: self.finished_jobs_max.unwrap_or(base.finished_jobs_max),
+            settled_holds_max: self.settled_holds_max.unwrap_or(base.settled_holds_max),
+        }
+    }
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PlanCmd {
+    /// Sets an org's plan: the tiers its jobs and holds may use (admin). Without a plan
+    /// an org may use every tier but the highest.
+    Set(PlanArgs),
+    /// An org's plan and the tiers it may use.
+    Show {
+        #[arg(long)]
+        org: u64,
+    },
+}
+
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    #[arg(long)]
+    org: u64,
+    /// Tiers (names or numbers), comma-separated.
+    #[arg(long, value_delimiter = ',', value_parser = values::tier, required_unless_present = "clear")]
+    tiers: Vec<values::TierArg>,
+    /// A project with fewer tiers than the org: PROJECT=TIER[,TIER...] (repeatable).
+    #[arg(long = "project", value_parser = project_tiers)]
+    projects: Vec<(u64, Vec<values::TierArg>)>,
+    /// Back to the default entitlement.
+    #[arg(long, conflicts_with_all = ["tiers", "projects"])]
+    clear: bool,
+}
+
+fn project_tiers(s: &str) -> Result<(u64, Vec<values::TierArg>), String> {
+    let (p, tiers) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?}: expected PROJECT=TIER[,TIER...]"))?;
+    let p = p
+        .parse()
+        .map_err(|_| format!("{p:?}: expected a project id"))?;
+    let tiers = tiers
+        .split(',')
+        .map(values::tier)
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((p, tiers))
 }
 
 #[derive(Subcommand, Debug)]
@@ -222,31 +312,115 @@ async fn created(
 }
 
 pub async fn run_quota(ctx: &Ctx, cmd: QuotaCmd) -> anyhow::Result<()> {
-    let QuotaCmd::Set(a) = cmd;
+    let a = match cmd {
+        QuotaCmd::Set(a) => a,
+        QuotaCmd::Show { org } => return show_tenancy(ctx, OrgId(org), None).await,
+    };
     let org = OrgId(a.org);
-    let quota = match (a.clear, a.queued_max, a.running_max) {
-        (true, ..) => None,
-        (false, Some(queued_max), Some(running_max)) => Some(Quota {
-            queued_max,
-            running_max,
-        }),
-        _ => return Err(usage("--queued-max and --running-max (or --clear)")),
+    let quota = if a.clear {
+        None
+    } else {
+        let current = ctx
+            .client
+            .tenancy(org)
+            .await
+            .with_context(|| format!("reading the quota of {org}"))?;
+        Some(a.apply(current.quota))
     };
     ctx.client
         .set_quota(org, quota)
         .await
         .with_context(|| format!("setting the quota of {org}"))?;
-    let json = serde_json::json!({"org": org.0, "quota": quota});
-    let t = Table::fields([
-        ("org", org.to_string()),
-        (
-            "queued max",
-            quota.map_or("shard default".into(), |q| q.queued_max.to_string()),
-        ),
-        (
-            "running max",
-            quota.map_or("shard default".into(), |q| q.running_max.to_string()),
-        ),
-    ]);
-    show(ctx.format, &json, &[t])
+    // "quota" is what was set (null: back to the shard default), as before.
+    show_tenancy(ctx, org, Some(quota)).await
+}
+
+pub async fn run_plan(ctx: &Ctx, cmd: PlanCmd) -> anyhow::Result<()> {
+    let a = match cmd {
+        PlanCmd::Set(a) => a,
+        PlanCmd::Show { org } => return show_tenancy(ctx, OrgId(org), None).await,
+    };
+    let org = OrgId(a.org);
+    let plan = if a.clear {
+        None
+    } else {
+        let shard = ctx.home_shard(org).await?;
+        let mut project_tiers = Vec::new();
+        for (p, tiers) in &a.projects {
+            project_tiers.push((ProjectId(*p), ctx.resolve_tiers(shard, tiers).await?));
+        }
+        Some(Plan {
+            tiers: ctx.resolve_tiers(shard, &a.tiers).await?,
+            project_tiers,
+        })
+    };
+    ctx.client
+        .set_plan(org, plan)
+        .await
+        .with_context(|| format!("setting the plan of {org}"))?;
+    show_tenancy(ctx, org, None).await
+}
+
+/// An org's quotas with their use, its plan and the tiers it may use. JSON: "quota" is
+/// `set` when given (what a `quota set` set), else the org's quota in force;
+/// "effective" is always the latter.
+async fn show_tenancy(ctx: &Ctx, org: OrgId, set: Option<Option<Quota>>) -> anyhow::Result<()> {
+    let v = ctx
+        .client
+        .tenancy(org)
+        .await
+        .with_context(|| format!("reading the quotas of {org}"))?;
+    let tiers = ctx.tiers(ctx.home_shard(org).await?).await?;
+    let names = |ts: &[Tier]| {
+        ts.iter()
+            .map(|t| crate::connect::tier_name(&tiers, *t))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let (q, u) = (v.quota, v.used);
+    let json = serde_json::json!({
+        "org": org.0,
+        "quota": set.map_or(serde_json::json!(q), |s| serde_json::json!(s)),
+        "effective": q,
+        "quota_set": v.quota_set,
+        "used": u,
+        "plan": v.plan,
+        "tiers": v.tiers,
+    });
+    let source = if v.quota_set {
+        "set for the org"
+    } else {
+        "shard default"
+    };
+    let mut rows = Table::new(&["quota", "used", "max"]);
+    for (name, used, max) in [
+        ("queued jobs", u.queued, q.queued_max),
+        ("running jobs", u.running, q.running_max),
+        ("open holds", u.holds_open, q.holds_open_max),
+        ("request records", u.records, q.records_max),
+        ("buckets", u.buckets, q.buckets_max),
+        ("principals", u.principals, q.principals_max),
+        ("projects", u.projects, q.projects_max),
+        ("users", u.users, q.users_max),
+        ("finished jobs kept", u.finished_jobs, q.finished_jobs_max),
+        ("settled holds kept", u.settled_holds, q.settled_holds_max),
+    ] {
+        rows.row(vec![name.to_string(), used.to_string(), max.to_string()]);
+    }
+    let mut fields = vec![
+        ("org".to_string(), org.to_string()),
+        ("quotas".to_string(), source.to_string()),
+        ("tiers".to_string(), names(&v.tiers)),
+    ];
+    if let Some(plan) = &v.plan {
+        for (p, ts) in &plan.project_tiers {
+            fields.push((format!("tiers of {p}"), names(ts)));
+        }
+    } else {
+        fields.push((
+            "plan".to_string(),
+            "default (every tier but the highest)".into(),
+        ));
+    }
+    show(ctx.format, &json, &[Table::fields(fields), rows])
 }

@@ -1,0 +1,912 @@
+//! Tenants cannot escalate, crowd out or observe each other: tier entitlements (plans)
+//! and tier prices, per-org quotas on every table a tenant can grow, per-org tombstone
+//! bounds, and the isolation property (random tenants against each other's ids).
+
+use allot_statemachine::query::{answer_as, Answer, JobFilter, Query};
+use allot_statemachine::testkit::*;
+use allot_statemachine::*;
+use proptest::prelude::*;
+
+fn plan(tiers: &[Tier], project_tiers: &[(ProjectId, &[Tier])]) -> Option<Plan> {
+    Some(Plan {
+        tiers: tiers.to_vec(),
+        project_tiers: project_tiers
+            .iter()
+            .map(|(p, t)| (*p, t.to_vec()))
+            .collect(),
+    })
+}
+
+/// The standard world with long leases (agents need not renew them), a node of eight
+/// A100s, and credits for both orgs.
+fn funded() -> Harness {
+    let mut config = Config::default();
+    config.scheduler.node_lease_ms = 86_400_000;
+    config.scheduler.job_lease_ms = 86_400_000;
+    let mut h = Harness::world_with(config);
+    h.fleet(&[(1, a100(), 8, 80)]);
+    h.grant(
+        1,
+        Account::Org(ORG),
+        BucketKind::Paid,
+        credits(10_000),
+        None,
+    );
+    h.grant(
+        2,
+        Account::Org(OTHER_ORG),
+        BucketKind::Paid,
+        credits(10_000),
+        None,
+    );
+    h
+}
+
+fn job_in(org: OrgId, job: u64, tier: Tier) -> JobSpec {
+    let mut spec = Harness::job_spec(job, tier, vec![a100()], 1);
+    if org == OTHER_ORG {
+        spec.project = OTHER_PROJECT;
+        spec.user = OTHER_USER;
+    }
+    spec
+}
+
+fn hold_in(org: OrgId, hold: u64, amount: u64) -> HoldSpec {
+    let mut spec = Harness::hold_spec(hold, amount);
+    if org == OTHER_ORG {
+        spec.project = OTHER_PROJECT;
+        spec.user = OTHER_USER;
+    }
+    spec
+}
+
+// ------------------------------------------------------------------ entitlements
+
+#[test]
+fn the_top_tier_is_granted_by_an_admin_never_chosen_by_a_tenant() {
+    let mut h = funded();
+    // Back to the default plan: every tier but the highest.
+    h.ok(Command::SetPlan {
+        org: ORG,
+        plan: None,
+    });
+    let me = tenant(ORG);
+    let before = codec::encode(&h.state.ledger);
+    assert_eq!(
+        h.run_as(me, Command::SubmitJob(job_in(ORG, 50, Tier::ENTERPRISE))),
+        Err(CommandError::TierNotEntitled(Tier::ENTERPRISE))
+    );
+    let mut hold = Harness::hold_spec(60, credits(1));
+    hold.tier = Tier::ENTERPRISE;
+    assert_eq!(
+        h.run_as(me, Command::CreateHold(hold)),
+        Err(CommandError::TierNotEntitled(Tier::ENTERPRISE))
+    );
+    assert_eq!(
+        codec::encode(&h.state.ledger),
+        before,
+        "refusals take nothing"
+    );
+    assert!(h.state.scheduler.job(ORG, JobId(50)).is_none());
+    // A tenant cannot give itself a plan.
+    assert_eq!(
+        h.run_as(
+            me,
+            Command::SetPlan {
+                org: ORG,
+                plan: Some(all_tiers())
+            }
+        ),
+        Err(CommandError::Unauthorized)
+    );
+    // The lower tiers are the org's by default.
+    assert!(h
+        .run_as(me, Command::SubmitJob(job_in(ORG, 51, Tier::PAID)))
+        .is_ok());
+    // The admin grants the top tier to the org, but project 12 only free and paid.
+    let both = [Tier::FREE, Tier::PAID];
+    h.ok(Command::SetPlan {
+        org: ORG,
+        plan: plan(
+            &[Tier::FREE, Tier::PAID, Tier::ENTERPRISE],
+            &[(PROJECT_B, &both)],
+        ),
+    });
+    assert!(h
+        .run_as(me, Command::SubmitJob(job_in(ORG, 50, Tier::ENTERPRISE)))
+        .is_ok());
+    let mut b = job_in(ORG, 52, Tier::ENTERPRISE);
+    b.project = PROJECT_B;
+    assert_eq!(
+        h.run_as(me, Command::SubmitJob(b.clone())),
+        Err(CommandError::TierNotEntitled(Tier::ENTERPRISE))
+    );
+    b.tier = Tier::PAID;
+    assert!(h.run_as(me, Command::SubmitJob(b)).is_ok());
+    // A plan names tiers the shard has, and projects of the org.
+    assert_eq!(
+        h.run(Command::SetPlan {
+            org: ORG,
+            plan: plan(&[Tier(7)], &[])
+        }),
+        Err(CommandError::UnknownTier)
+    );
+    assert_eq!(
+        h.run(Command::SetPlan {
+            org: ORG,
+            plan: plan(&[Tier::FREE], &[(OTHER_PROJECT, &[Tier::FREE])])
+        }),
+        Err(CommandError::UnknownProject)
+    );
+    assert_eq!(
+        h.run(Command::SetPlan {
+            org: ORG,
+            plan: plan(&[Tier::FREE], &[(PROJECT, &[Tier::PAID])])
+        }),
+        Err(CommandError::UnknownTier),
+        "a project's tiers are within the org's"
+    );
+    // The plan governs new submissions: the queued top-tier job keeps its tier.
+    h.ok(Command::SetPlan {
+        org: ORG,
+        plan: None,
+    });
+    assert_eq!(h.job(50).spec.tier, Tier::ENTERPRISE);
+    // The org's view says what it may use.
+    match answer_as(&h.state, me, &Query::Tenancy(ORG)) {
+        Ok(Answer::Tenancy(Some(v))) => {
+            assert_eq!(v.tiers, vec![Tier::FREE, Tier::PAID]);
+            assert_eq!(v.plan, None);
+        }
+        other => panic!("tenancy: {other:?}"),
+    }
+}
+
+#[test]
+fn a_tiers_price_sizes_the_hold_and_is_fixed_on_the_meter() {
+    let mut h = funded();
+    let mut s = h.state.config.scheduler.settings();
+    s.tiers[Tier::ENTERPRISE.0 as usize].price_pct = 250;
+    h.ok(Command::ConfigureScheduler(s.clone()));
+    let paid = match h.run_as(tenant(ORG), Command::SubmitJob(job_in(ORG, 1, Tier::PAID))) {
+        Ok(Reply::JobSubmitted { hold_micro, .. }) => hold_micro,
+        other => panic!("{other:?}"),
+    };
+    let top = match h.run_as(
+        tenant(ORG),
+        Command::SubmitJob(job_in(ORG, 2, Tier::ENTERPRISE)),
+    ) {
+        Ok(Reply::JobSubmitted { hold_micro, .. }) => hold_micro,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(top, paid * 5 / 2, "the hold covers the run at 250%");
+    h.nodes_alive();
+    h.tick();
+    let placed = |h: &Harness, j| {
+        h.job(j)
+            .placement
+            .as_ref()
+            .map(|p| p.price_micro_per_gpu_hour)
+    };
+    assert_eq!(placed(&h, 2), Some(A100_PRICE * 5 / 2));
+    assert_eq!(placed(&h, 1), Some(A100_PRICE));
+    // Retuning the price later does not change a running job's meter.
+    s.tiers[Tier::ENTERPRISE.0 as usize].price_pct = 100;
+    h.ok(Command::ConfigureScheduler(s));
+    h.advance(HOUR_MS);
+    let hb = h.job_heartbeat(2, 1, HOUR_MS);
+    assert!(hb.is_ok(), "{hb:?}");
+    match h.finish_job(2, true) {
+        Ok(Reply::JobFinished(Some(st))) => {
+            assert_eq!(
+                st.captured_micro,
+                A100_PRICE * 5 / 2,
+                "one GPU-hour at 250%"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    // A manual hold at a tier is metered at the tier's price too.
+    let mut hold = Harness::hold_spec(70, credits(100));
+    hold.tier = Tier::FREE;
+    h.ok(Command::CreateHold(hold));
+    let mut s = h.state.config.scheduler.settings();
+    s.tiers[Tier::FREE.0 as usize].price_pct = 50;
+    h.ok(Command::ConfigureScheduler(s));
+    assert_eq!(
+        h.run(Command::StartMeter {
+            hold: HoldId(70),
+            attempt: 1,
+            gpu_type: a100(),
+            gpus: 1
+        }),
+        Ok(Reply::MeterStarted {
+            price_micro_per_gpu_hour: A100_PRICE / 2,
+            price_version: 1
+        })
+    );
+    // Out-of-range tier prices are refused whole.
+    let mut bad = h.state.config.scheduler.settings();
+    bad.tiers[0].price_pct = 0;
+    assert!(matches!(
+        h.run(Command::ConfigureScheduler(bad)),
+        Err(CommandError::InvalidConfig(ConfigProblem::TierPrice))
+    ));
+}
+
+// ------------------------------------------------------------------ quotas
+
+fn tight() -> Quota {
+    Quota {
+        queued_max: 2,
+        running_max: 1,
+        holds_open_max: 3,
+        records_max: 1_000,
+        buckets_max: 4,
+        principals_max: 2,
+        projects_max: 3,
+        users_max: 3,
+        finished_jobs_max: 2,
+        settled_holds_max: 2,
+    }
+}
+
+fn over(kind: QuotaKind) -> Outcome {
+    Err(CommandError::QuotaExceeded(kind))
+}
+
+#[test]
+fn every_table_a_tenant_grows_is_bounded_by_its_orgs_quota() {
+    let mut h = funded();
+    h.ok(Command::SetQuota {
+        org: ORG,
+        quota: Some(tight()),
+    });
+    let (me, them) = (tenant(ORG), tenant(OTHER_ORG));
+    // Projects and users: the org has two of each; one more, then refused.
+    let project = |p, org| Command::CreateProject {
+        project: ProjectId(p),
+        org,
+    };
+    assert!(h.run_as(me, project(14, ORG)).is_ok());
+    assert_eq!(h.run_as(me, project(15, ORG)), over(QuotaKind::Projects));
+    assert!(h.run_as(them, project(15, OTHER_ORG)).is_ok());
+    let user = |u, org| Command::CreateUser {
+        user: UserId(u),
+        org,
+    };
+    assert!(h.run_as(me, user(24, ORG)).is_ok());
+    assert_eq!(h.run_as(me, user(25, ORG)), over(QuotaKind::Users));
+    assert!(h.run_as(them, user(25, OTHER_ORG)).is_ok());
+    // Open holds, jobs' holds included.
+    for id in 1..=3 {
+        assert!(h
+            .run_as(me, Command::CreateHold(hold_in(ORG, id, credits(1))))
+            .is_ok());
+    }
+    assert_eq!(
+        h.run_as(me, Command::CreateHold(hold_in(ORG, 4, credits(1)))),
+        over(QuotaKind::HoldsOpen)
+    );
+    assert_eq!(
+        h.run_as(me, Command::SubmitJob(job_in(ORG, 40, Tier::PAID))),
+        over(QuotaKind::HoldsOpen)
+    );
+    assert!(h
+        .run_as(them, Command::CreateHold(hold_in(OTHER_ORG, 4, credits(1))))
+        .is_ok());
+    assert!(h
+        .run_as(me, Command::ReleaseHold { hold: HoldId(1) })
+        .is_ok());
+    assert!(h
+        .run_as(me, Command::CreateHold(hold_in(ORG, 4, credits(1))))
+        .is_ok());
+    // Buckets in use: the org's grant and three more; the transfer a tenant could use
+    // to fill its account list is refused past the quota, a drained bucket frees room.
+    for b in 10..13 {
+        h.grant(
+            b,
+            Account::Org(ORG),
+            BucketKind::Promotional,
+            credits(1),
+            None,
+        );
+    }
+    assert_eq!(
+        h.run(Command::IssueGrant(Grant {
+            bucket: BucketId(13),
+            owner: Account::Org(ORG),
+            kind: BucketKind::Paid,
+            amount_micro: credits(1),
+            expires_at_ms: None,
+            priority: 100,
+            policy: None,
+            source_ref: None,
+        })),
+        over(QuotaKind::Buckets)
+    );
+    let transfer = Command::Transfer {
+        from: Account::Org(ORG),
+        to: Account::Project(PROJECT),
+        amount_micro: credits(1),
+    };
+    assert_eq!(h.run_as(me, transfer.clone()), over(QuotaKind::Buckets));
+    // Principals.
+    let token = |p: u64, org| Command::CreateToken {
+        principal: PrincipalId(p),
+        digest: TokenDigest::of(format!("token-{p}-{org:?}-xxxxxxxxxxxxxxxx").as_bytes()),
+        scope: Scope::Org(org),
+        expires_at_ms: None,
+    };
+    assert!(h.run_as(me, token(500, ORG)).is_ok());
+    assert!(h.run_as(me, token(501, ORG)).is_ok());
+    assert_eq!(h.run_as(me, token(502, ORG)), over(QuotaKind::Principals));
+    assert!(h.run_as(them, token(502, OTHER_ORG)).is_ok());
+    // Queued jobs (after the holds make room).
+    for id in 2..=4 {
+        assert!(h
+            .run_as(me, Command::ReleaseHold { hold: HoldId(id) })
+            .is_ok());
+    }
+    // One runs (running quota 1), two queue, the fourth is refused.
+    for id in 41..=43 {
+        assert!(h
+            .run_as(me, Command::SubmitJob(job_in(ORG, id, Tier::PAID)))
+            .is_ok());
+    }
+    assert_eq!(
+        h.run_as(me, Command::SubmitJob(job_in(ORG, 44, Tier::PAID))),
+        over(QuotaKind::QueuedJobs)
+    );
+    // The org's view shows each bound with what it uses.
+    match answer_as(&h.state, me, &Query::Tenancy(ORG)) {
+        Ok(Answer::Tenancy(Some(v))) => {
+            assert!(v.quota_set);
+            assert_eq!(v.quota, tight());
+            assert_eq!(v.used.projects, 3);
+            assert_eq!(v.used.users, 3);
+            assert_eq!(v.used.principals, 2);
+            assert_eq!(v.used.buckets, 4);
+            assert_eq!((v.used.queued, v.used.running), (2, 1));
+            assert_eq!(v.used.holds_open, 3, "the three jobs' holds");
+            assert_eq!(v.used.settled_holds, 2, "four released, two kept");
+        }
+        other => panic!("tenancy: {other:?}"),
+    }
+    // Another org's view answers as an unknown org's.
+    assert_eq!(
+        answer_as(&h.state, them, &Query::Tenancy(ORG)),
+        answer_as(&h.state, them, &Query::Tenancy(OrgId(99)))
+    );
+}
+
+#[test]
+fn refused_commands_spend_only_their_own_orgs_records() {
+    let mut h = funded();
+    h.ok(Command::SetQuota {
+        org: ORG,
+        quota: Some(Quota {
+            records_max: 50,
+            ..Quota::default()
+        }),
+    });
+    let shard_before = h.state.idempotency.records.len();
+    let theirs = h.state.idempotency.of_org(OTHER_ORG);
+    // Fifty refused commands (unknown holds) take the org's fifty records...
+    for _ in 0..50 {
+        assert_eq!(
+            h.run_as(tenant(ORG), Command::ReleaseHold { hold: HoldId(9) }),
+            Err(CommandError::UnknownHold)
+        );
+    }
+    assert_eq!(h.state.idempotency.of_org(ORG), 50);
+    // ...and then the org is refused before it takes anything else from the shard.
+    for _ in 0..20 {
+        assert_eq!(
+            h.run_as(tenant(ORG), Command::CreateHold(hold_in(ORG, 1, 1))),
+            over(QuotaKind::Records)
+        );
+    }
+    assert_eq!(h.state.idempotency.records.len(), shard_before + 50);
+    assert_eq!(h.state.idempotency.of_org(OTHER_ORG), theirs);
+    // The other org, the admin and the agents carry on.
+    assert!(h
+        .run_as(
+            tenant(OTHER_ORG),
+            Command::CreateHold(hold_in(OTHER_ORG, 1, 1))
+        )
+        .is_ok());
+    h.grant(3, Account::Org(OTHER_ORG), BucketKind::Paid, 1, None);
+    // A day later the records have expired and the org acts again.
+    h.advance(25 * HOUR_MS);
+    h.tick();
+    assert_eq!(h.state.idempotency.of_org(ORG), 0);
+    assert!(h
+        .run_as(tenant(ORG), Command::CreateHold(hold_in(ORG, 1, 1)))
+        .is_ok());
+}
+
+#[test]
+fn an_orgs_churn_never_evicts_another_orgs_tombstones() {
+    let mut h = funded();
+    h.ok(Command::SetQuota {
+        org: ORG,
+        quota: Some(tight()),
+    });
+    let them = tenant(OTHER_ORG);
+    // The other org's settled hold and finished job.
+    assert!(h
+        .run_as(them, Command::CreateHold(hold_in(OTHER_ORG, 1, 1)))
+        .is_ok());
+    assert!(h
+        .run_as(them, Command::ReleaseHold { hold: HoldId(1) })
+        .is_ok());
+    assert!(h
+        .run_as(them, Command::SubmitJob(job_in(OTHER_ORG, 100, Tier::PAID)))
+        .is_ok());
+    assert!(h
+        .run_as(them, Command::CancelJob { job: JobId(100) })
+        .is_ok());
+    // The org churns ten holds and ten jobs; it keeps only its newest two of each.
+    for id in 1..=10 {
+        let me = tenant(ORG);
+        assert!(h
+            .run_as(me, Command::CreateHold(hold_in(ORG, id, 1)))
+            .is_ok());
+        assert!(h
+            .run_as(me, Command::ReleaseHold { hold: HoldId(id) })
+            .is_ok());
+        assert!(h
+            .run_as(me, Command::SubmitJob(job_in(ORG, 100 + id, Tier::PAID)))
+            .is_ok());
+        assert!(h
+            .run_as(
+                me,
+                Command::CancelJob {
+                    job: JobId(100 + id)
+                }
+            )
+            .is_ok());
+    }
+    // Its newest settled holds: hold 10 and job 110's.
+    let l = &h.state.ledger;
+    assert_eq!(l.holds.settled.of_org(ORG), 2);
+    assert!(l.hold(ORG, HoldId(9)).is_none() && l.hold(ORG, HoldId(109)).is_none());
+    assert!(l.hold(ORG, HoldId(10)).is_some() && l.hold(ORG, HoldId(110)).is_some());
+    assert!(
+        l.hold(OTHER_ORG, HoldId(1)).is_some(),
+        "the other org's stays"
+    );
+    let s = &h.state.scheduler;
+    assert_eq!(s.finished.of_org(ORG), 2);
+    assert!(s.job(ORG, JobId(108)).is_none());
+    assert!(s.job(ORG, JobId(110)).is_some());
+    assert!(
+        s.job(OTHER_ORG, JobId(100)).is_some(),
+        "the other org's stays"
+    );
+    // An evicted id may be used again (its tombstone is gone), like an expired one.
+    assert!(h
+        .run_as(tenant(ORG), Command::CreateHold(hold_in(ORG, 1, 1)))
+        .is_ok());
+}
+
+// ------------------------------------------------------------------ flooding
+
+/// One org floods every table it can grow, up to its quota and beyond, entry after
+/// entry; the other org's submit, heartbeat, finish and grant keep succeeding, and the
+/// other org's state ends exactly as it ends without the flood.
+#[test]
+fn one_org_flooding_its_quotas_changes_nothing_for_another() {
+    let run = |flood: bool| {
+        let mut h = funded();
+        h.ok(Command::SetQuota {
+            org: ORG,
+            quota: Some(tight()),
+        });
+        let (me, them) = (tenant(ORG), tenant(OTHER_ORG));
+        let mut refused = 0;
+        for round in 0..30u64 {
+            if flood {
+                let id = 1_000 + round * 10;
+                let floods = [
+                    Command::CreateHold(hold_in(ORG, id, 1)),
+                    Command::SubmitJob(job_in(ORG, id + 1, Tier::PAID)),
+                    Command::CreateProject {
+                        project: ProjectId(id + 2),
+                        org: ORG,
+                    },
+                    Command::CreateUser {
+                        user: UserId(id + 3),
+                        org: ORG,
+                    },
+                    Command::Transfer {
+                        from: Account::Org(ORG),
+                        to: Account::Project(PROJECT),
+                        amount_micro: 1 + round,
+                    },
+                    Command::CreateToken {
+                        principal: PrincipalId(id + 4),
+                        digest: TokenDigest::of(
+                            format!("flood-{id}-xxxxxxxxxxxxxxxxxx").as_bytes(),
+                        ),
+                        scope: Scope::Org(ORG),
+                        expires_at_ms: None,
+                    },
+                    Command::ReleaseHold { hold: HoldId(id) },
+                    Command::CancelJob { job: JobId(id + 1) },
+                ];
+                for cmd in floods {
+                    if let Err(CommandError::QuotaExceeded(_)) = h.run_as(me, cmd) {
+                        refused += 1;
+                    }
+                }
+            }
+            // The other org's work: a grant, a job that runs, heartbeats and finishes.
+            h.grant(
+                10_000 + round,
+                Account::Org(OTHER_ORG),
+                BucketKind::Paid,
+                credits(1),
+                None,
+            );
+            let job = 5_000 + round;
+            assert!(h
+                .run_as(them, Command::SubmitJob(job_in(OTHER_ORG, job, Tier::PAID)))
+                .is_ok());
+            h.advance(60_000);
+            let hb = h.job_heartbeat(job, 1, 60_000);
+            assert!(hb.is_ok(), "round {round}: {hb:?} {:?}", h.job(job).state);
+            assert!(h.finish_job(job, true).is_ok(), "round {round}");
+        }
+        (org_view(&h.state, OTHER_ORG), refused)
+    };
+    let (quiet, _) = run(false);
+    let (flooded, refused) = run(true);
+    assert!(
+        refused > 30,
+        "the flood met its quotas ({refused} refusals)"
+    );
+    assert_eq!(flooded.len(), quiet.len());
+    for (a, b) in flooded.iter().zip(&quiet) {
+        if a != b {
+            let at = a
+                .bytes()
+                .zip(b.bytes())
+                .position(|(x, y)| x != y)
+                .unwrap_or(0);
+            let from = at.saturating_sub(200);
+            panic!(
+                "the other org's state differs:\n{}\n{}",
+                &a[from..(at + 100).min(a.len())],
+                &b[from..(at + 100).min(b.len())]
+            );
+        }
+    }
+}
+
+// ------------------------------------------------------------------ isolation
+
+/// Everything of `org` in the state, canonically ordered.
+fn org_view(s: &State, org: OrgId) -> Vec<String> {
+    fn sorted<T: std::fmt::Debug>(it: impl Iterator<Item = T>) -> Vec<String> {
+        let mut v: Vec<String> = it.map(|x| format!("{x:?}")).collect();
+        v.sort();
+        v
+    }
+    let l = &s.ledger;
+    let sc = &s.scheduler;
+    let mut out = vec![format!("{:?}", l.orgs.get(&org))];
+    out.extend(sorted(l.projects.iter().filter(|((o, _), _)| *o == org)));
+    out.extend(sorted(l.users.iter().filter(|((o, _), _)| *o == org)));
+    out.extend(sorted(l.buckets.values().filter(|b| b.org == org)));
+    out.extend(sorted(l.holds.iter().filter(|((o, _), _)| *o == org)));
+    out.extend(sorted(sc.jobs.iter().filter(|((o, _), _)| *o == org)));
+    out.extend(sorted(
+        s.security
+            .principals
+            .iter()
+            .filter(|((o, _), _)| *o == Some(org)),
+    ));
+    out.push(format!(
+        "{:?} {:?} {:?} {} {} {}",
+        sc.quotas.get(&org),
+        sc.plans.get(&org),
+        sc.org_counts.get(&org),
+        s.idempotency.of_org(org),
+        l.holds.settled.of_org(org),
+        sc.finished.of_org(org),
+    ));
+    out
+}
+
+/// The ids of org 2's objects, and ids nobody uses.
+#[derive(Clone, Copy, Debug)]
+struct Ids {
+    org: OrgId,
+    project: ProjectId,
+    user: UserId,
+    hold: u64,
+    job: u64,
+    bucket: u64,
+    principal: PrincipalId,
+}
+
+const THEIRS: Ids = Ids {
+    org: OTHER_ORG,
+    project: OTHER_PROJECT,
+    user: OTHER_USER,
+    hold: 500,
+    job: 600,
+    bucket: 700,
+    principal: PrincipalId(900),
+};
+
+const UNUSED: Ids = Ids {
+    org: OrgId(3),
+    project: ProjectId(14),
+    user: UserId(24),
+    hold: 501,
+    job: 601,
+    bucket: 701,
+    principal: PrincipalId(901),
+};
+
+/// Debug text with every unused id written as org 2's, so an answer about the unused
+/// ids compares equal to the same answer about org 2's.
+fn as_theirs(text: String) -> String {
+    text.replace("OrgId(3)", "OrgId(2)")
+        .replace("ProjectId(14)", "ProjectId(13)")
+        .replace("UserId(24)", "UserId(23)")
+        .replace("HoldId(501)", "HoldId(500)")
+        .replace("HoldId(601)", "HoldId(600)")
+        .replace("JobId(601)", "JobId(600)")
+        .replace("BucketId(701)", "BucketId(700)")
+        .replace("PrincipalId(901)", "PrincipalId(900)")
+}
+
+/// The world with org 2 busy: a grant, an open hold, a queued job, a token.
+fn isolation_world() -> Harness {
+    let mut h = funded();
+    h.grant(
+        THEIRS.bucket,
+        Account::Project(OTHER_PROJECT),
+        BucketKind::Paid,
+        credits(100),
+        None,
+    );
+    let them = tenant(OTHER_ORG);
+    assert!(h
+        .run_as(
+            them,
+            Command::CreateHold(hold_in(OTHER_ORG, THEIRS.hold, credits(1)))
+        )
+        .is_ok());
+    assert!(h
+        .run_as(
+            them,
+            Command::SubmitJob(job_in(OTHER_ORG, THEIRS.job, Tier::PAID))
+        )
+        .is_ok());
+    h.ok(Command::CreateToken {
+        principal: THEIRS.principal,
+        digest: TokenDigest::of(b"tok-org-2-isolation-xxxxxxxxxxxxxxxx"),
+        scope: Scope::Project {
+            org: OTHER_ORG,
+            project: OTHER_PROJECT,
+        },
+        expires_at_ms: None,
+    });
+    h
+}
+
+/// What org 1's caller does in one step, about the ids `x`.
+fn tenant_command(kind: u8, amount: u64, salt: u64, x: Ids) -> Command {
+    let hold = |id: u64| HoldId(id);
+    match kind % 22 {
+        0 => Command::CreateProject {
+            project: x.project,
+            org: ORG,
+        },
+        1 => Command::CreateProject {
+            project: ProjectId(40 + salt % 4),
+            org: x.org,
+        },
+        2 => Command::CreateUser {
+            user: x.user,
+            org: ORG,
+        },
+        3 => Command::CreateUser {
+            user: UserId(40 + salt % 4),
+            org: x.org,
+        },
+        4 => Command::CreateHold(HoldSpec {
+            hold: hold(x.hold),
+            project: PROJECT,
+            user: USER,
+            tier: Tier::PAID,
+            gpu_types: vec![],
+            amount_micro: amount,
+        }),
+        5 => Command::CreateHold(HoldSpec {
+            hold: HoldId(800 + salt % 4),
+            project: x.project,
+            user: x.user,
+            tier: Tier::PAID,
+            gpu_types: vec![],
+            amount_micro: amount,
+        }),
+        6 => Command::ReleaseHold { hold: hold(x.hold) },
+        7 => Command::Capture {
+            hold: hold(x.hold),
+            amount_micro: amount,
+        },
+        8 => Command::TopUp {
+            hold: hold(x.hold),
+            amount_micro: amount,
+        },
+        9 => Command::Settle {
+            hold: hold(x.hold),
+            attempt: 0,
+            reason: SettleReason::Cancelled,
+        },
+        10 => Command::SubmitJob(JobSpec {
+            job: JobId(x.job),
+            ..job_in(ORG, 0, Tier::PAID)
+        }),
+        11 => Command::CancelJob { job: JobId(x.job) },
+        12 => Command::Transfer {
+            from: Account::Project(x.project),
+            to: Account::Org(ORG),
+            amount_micro: amount,
+        },
+        13 => Command::Transfer {
+            from: Account::Org(x.org),
+            to: Account::Project(PROJECT),
+            amount_micro: amount,
+        },
+        14 => Command::SetBudget {
+            scope: [
+                BudgetScope::Org(x.org),
+                BudgetScope::Project(x.project),
+                BudgetScope::User(x.user),
+            ][(salt % 3) as usize],
+            budget: None,
+        },
+        15 => Command::SetShareWeight {
+            scope: [BudgetScope::Project(x.project), BudgetScope::User(x.user)]
+                [(salt % 2) as usize],
+            weight: Some(200),
+        },
+        16 => Command::CreateToken {
+            principal: x.principal,
+            digest: TokenDigest::of(format!("iso-{salt}-{amount}-xxxxxxxxxxxxxxxx").as_bytes()),
+            scope: Scope::Org(ORG),
+            expires_at_ms: None,
+        },
+        17 => Command::CreateToken {
+            principal: PrincipalId(950 + salt % 4),
+            digest: TokenDigest::of(format!("iso2-{salt}-{amount}-xxxxxxxxxxxxxxx").as_bytes()),
+            scope: [
+                Scope::Org(x.org),
+                Scope::Project {
+                    org: x.org,
+                    project: x.project,
+                },
+                Scope::Project {
+                    org: ORG,
+                    project: x.project,
+                },
+            ][(salt % 3) as usize],
+            expires_at_ms: None,
+        },
+        18 => Command::RotateToken {
+            principal: x.principal,
+            digest: TokenDigest::of(format!("iso3-{salt}-{amount}-xxxxxxxxxxxxxxx").as_bytes()),
+            overlap_ms: 0,
+        },
+        19 => Command::RevokeToken {
+            principal: x.principal,
+        },
+        20 => Command::Heartbeat(Heartbeat {
+            hold: hold(x.hold),
+            attempt: 1,
+            seq: salt,
+            progress_ppm: 0,
+            checkpoint: 0,
+        }),
+        _ => Command::SetQuota {
+            org: x.org,
+            quota: None,
+        },
+    }
+}
+
+/// What org 1's caller asks, about the ids `x`.
+fn tenant_query(kind: u8, x: Ids) -> Query {
+    match kind % 8 {
+        0 => Query::Job(x.org, JobId(x.job)),
+        1 => Query::Job(ORG, JobId(x.job)),
+        2 => Query::Balance {
+            org: x.org,
+            account: Account::Project(x.project),
+            horizon_ms: 0,
+        },
+        3 => Query::Balance {
+            org: ORG,
+            account: Account::Project(x.project),
+            horizon_ms: 0,
+        },
+        4 => Query::Budget(x.org, BudgetScope::User(x.user)),
+        5 => Query::Budget(ORG, BudgetScope::Project(x.project)),
+        6 => Query::Tenancy(x.org),
+        _ => Query::Jobs(JobFilter {
+            org: Some(x.org),
+            ..JobFilter::default()
+        }),
+    }
+}
+
+fn caller(kind: u8) -> Actor {
+    match kind % 3 {
+        0 => tenant(ORG),
+        1 => Actor::Project {
+            org: ORG,
+            project: PROJECT,
+            principal: PrincipalId(300),
+        },
+        _ => Actor::User {
+            org: ORG,
+            project: PROJECT,
+            user: USER,
+            principal: PrincipalId(301),
+        },
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Org 1's tokens issue random commands and queries naming org 2's ids, in one
+    /// history, and the same naming ids nobody uses, in another: every answer is the
+    /// same (ids written alike), org 2's state never changes, and no event of org 1's
+    /// commands lands in org 2's trail.
+    #[test]
+    fn a_tenant_cannot_tell_another_orgs_ids_from_unused_ones(
+        steps in proptest::collection::vec(
+            (any::<u8>(), any::<u8>(), 1u64..=3_000_000, any::<u64>(), any::<bool>()),
+            1..40,
+        )
+    ) {
+        let mut theirs = isolation_world();
+        let mut unused = isolation_world();
+        let view = org_view(&theirs.state, OTHER_ORG);
+        let trail = |h: &Harness| h.events.iter().filter(|e| e.org == Some(OTHER_ORG)).count();
+        let their_events = trail(&theirs);
+        for (kind, who, amount, salt, named) in steps {
+            let actor = caller(who);
+            let (a, b) = if kind % 2 == 0 {
+                let (ca, cb) = (
+                    tenant_command(kind / 2, amount, salt, THEIRS),
+                    tenant_command(kind / 2, amount, salt, UNUSED),
+                );
+                // Half the time the request names the org it means to act in.
+                let (ra, rb) = if named {
+                    (theirs.run_in(actor, THEIRS.org, ca), unused.run_in(actor, UNUSED.org, cb))
+                } else {
+                    (theirs.run_as(actor, ca), unused.run_as(actor, cb))
+                };
+                (format!("{ra:?}"), as_theirs(format!("{rb:?}")))
+            } else {
+                let (qa, qb) = (tenant_query(kind / 2, THEIRS), tenant_query(kind / 2, UNUSED));
+                (
+                    format!("{:?}", answer_as(&theirs.state, actor, &qa)),
+                    as_theirs(format!("{:?}", answer_as(&unused.state, actor, &qb))),
+                )
+            };
+            prop_assert_eq!(&a, &b, "kind {} caller {}", kind, who);
+            prop_assert_eq!(&org_view(&theirs.state, OTHER_ORG), &view);
+            prop_assert_eq!(trail(&theirs), their_events);
+        }
+    }
+}
