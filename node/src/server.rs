@@ -236,6 +236,28 @@ impl Services {
                 };
             }
         }
+        // A whole-shard query of an operator (state hash, invariants, shard-wide usage
+        // ranking, principal search) works on a copy taken under the lock and computed
+        // on a blocking thread, so it holds apply back for the copy only.
+        let copy = {
+            let g = shard.view.read();
+            let operator = matches!(
+                g.state.security.resolve(caller, g.state.time_ms),
+                Ok(Actor::Admin(_) | Actor::System)
+            );
+            (operator && whole_shard(&q)).then(|| (g.state.clone(), g.last_applied))
+        };
+        if let Some((state, applied)) = copy {
+            let (answer, time_ms) =
+                tokio::task::spawn_blocking(move || (query::answer(&state, &q), state.time_ms))
+                    .await
+                    .map_err(|e| Status::internal(format!("query: {e}")))?;
+            return Ok(QueryReply {
+                answer: codec::encode(&answer),
+                applied_index: applied.map(|l| l.index).unwrap_or(0),
+                logical_time_ms: time_ms,
+            });
+        }
         let g = shard.view.read();
         let answer = query::answer_as(&g.state, caller, &q).map_err(|e| {
             let reason = match e {
@@ -343,6 +365,17 @@ impl Allot for Services {
             head_seq,
         }))
     }
+}
+
+/// Queries whose work grows with the whole shard (see `query_inner`).
+fn whole_shard(q: &Query) -> bool {
+    matches!(
+        q,
+        Query::StateHash
+            | Query::Invariants
+            | Query::Principals(_)
+            | Query::Usage(query::UsageQuery { org: None, .. })
+    )
 }
 
 /// Runs `f` when dropped.
@@ -699,11 +732,19 @@ impl Admin for Services {
         auth::require_admin(&self.node, req.metadata(), "admin:shard_hash", false)?;
         let msg = req.into_inner();
         let shard = shard_of(&self.node, msg.shard)?;
-        let g = shard.view.read();
+        // Hashed from a copy, off the lock (as a whole-shard query is).
+        let (state, applied) = {
+            let g = shard.view.read();
+            (g.state.clone(), g.last_applied)
+        };
+        let (hash, time_ms) =
+            tokio::task::spawn_blocking(move || (state.state_hash(), state.time_ms))
+                .await
+                .map_err(|e| Status::internal(format!("shard hash: {e}")))?;
         Ok(tonic::Response::new(ShardHashReply {
-            state_hash: g.state.state_hash().to_vec(),
-            applied_index: g.last_applied.map(|l| l.index).unwrap_or(0),
-            logical_time_ms: g.state.time_ms,
+            state_hash: hash.to_vec(),
+            applied_index: applied.map(|l| l.index).unwrap_or(0),
+            logical_time_ms: time_ms,
         }))
     }
 }

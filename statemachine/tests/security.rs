@@ -379,6 +379,90 @@ fn project_tokens_act_only_inside_their_project() {
     );
 }
 
+/// A user token acts as its user only (issue 20, finding 7): the hold's and job's user
+/// is the token's, so a user's hard budget holds whatever user the request names; it
+/// cannot move the project's credit; a project token may still act for any user of the
+/// org (a platform service), within each user's budget.
+#[test]
+fn user_tokens_act_only_as_their_user_so_user_budgets_hold() {
+    let mut h = secured();
+    h.grant(
+        1,
+        Account::Project(PROJECT),
+        BucketKind::Paid,
+        credits(100),
+        None,
+    );
+    let token = "tok-user-21-ffffffffffffffffffffffff";
+    let cmd = Command::CreateToken {
+        principal: PrincipalId(60),
+        digest: TokenDigest::of(token.as_bytes()),
+        scope: Scope::User {
+            org: ORG,
+            project: PROJECT,
+            user: USER,
+        },
+        expires_at_ms: None,
+    };
+    assert_eq!(h.run_as(bearer(ORG1), cmd), Ok(Reply::TokenSet));
+    let me = bearer(token);
+    // User 22 has a hard budget of 2 credits; user 21 none.
+    h.ok(Command::SetBudget {
+        scope: BudgetScope::User(USER_B),
+        budget: Some(BudgetSpec {
+            limit_micro: credits(2),
+            period: BudgetPeriod::Month,
+            mode: BudgetMode::Hard,
+        }),
+    });
+    assert!(h
+        .run_as(me, Command::CreateHold(Harness::hold_spec(1, credits(5))))
+        .is_ok());
+    // Naming another user answers as an unknown one: user 22's budget cannot be
+    // spent (or dodged) through user 21's token.
+    let mut theirs = Harness::hold_spec(2, credits(5));
+    theirs.user = USER_B;
+    let before = ledger_fingerprint(&h);
+    assert_eq!(
+        h.run_as(me, Command::CreateHold(theirs.clone())),
+        Err(CommandError::UnknownUser)
+    );
+    let mut job = Harness::job_spec(3, Tier::PAID, vec![a100()], 1);
+    job.user = USER_B;
+    assert_eq!(
+        h.run_as(me, Command::SubmitJob(job)),
+        Err(CommandError::UnknownUser)
+    );
+    assert_eq!(
+        h.run_as(
+            me,
+            Command::Transfer {
+                from: Account::Project(PROJECT),
+                to: Account::Org(ORG),
+                amount_micro: 1
+            }
+        ),
+        Err(CommandError::Unauthorized)
+    );
+    assert_eq!(ledger_fingerprint(&h), before, "refusals change nothing");
+    // The project token acts for user 22 — within user 22's budget.
+    assert!(matches!(
+        h.run_as(bearer(PROJ11), Command::CreateHold(theirs)),
+        Err(CommandError::BudgetExceeded { .. })
+    ));
+    let mut small = Harness::hold_spec(2, credits(2));
+    small.user = USER_B;
+    assert!(h.run_as(bearer(PROJ11), Command::CreateHold(small)).is_ok());
+    // The user token cannot release user 22's hold, and sees only its own jobs.
+    assert_eq!(
+        h.run_as(me, Command::ReleaseHold { hold: HoldId(2) }),
+        Err(CommandError::UnknownHold)
+    );
+    assert!(h
+        .run_as(me, Command::ReleaseHold { hold: HoldId(1) })
+        .is_ok());
+}
+
 #[test]
 fn an_agent_token_cannot_finish_another_nodes_job() {
     let mut h = secured();
