@@ -6,7 +6,10 @@
 //!
 //! A [`JobSpec`](allot_statemachine::JobSpec) carries no command: the platform keeps the
 //! job payloads. The agent therefore starts one configured *job runner* for every attempt
-//! ([`Mode::Run`]), in its own process group, with:
+//! ([`Mode::Run`]), in its own process group, with a **clean environment** — none of the
+//! agent's own variables (its tokens above all) reach the job's code; only
+//! [`AgentConfig::runner_env`] (by default `PATH`, `HOME`, `USER`, `LOGNAME`, `LANG`,
+//! `LC_ALL`, `TZ`, `TMPDIR`) and the job's:
 //!
 //! - `CUDA_VISIBLE_DEVICES` — the assigned GPU indices, comma-separated (`0,3`);
 //! - `ALLOT_JOB_ID`, `ALLOT_ATTEMPT` — the job and its attempt (the fencing token);
@@ -47,6 +50,29 @@
 //!   SIGKILL at once; no finish is reported (the job has already moved on).
 //! - An attempt that has ended here is never started again by this agent process.
 //!
+//! # Fencing: a job never runs on two nodes at once
+//!
+//! The cluster re-places the jobs of a node whose lease ran out only `fence_margin_ms`
+//! after the lease's end (logical time). The agent stops them first, on its own: it
+//! counts each lease from the moment it *sent* the last renewal the cluster accepted (a
+//! node heartbeat; for a job's own lease, its last accepted job heartbeat), and when the
+//! renewal is overdue it sends SIGTERM `min(grace, lease/4)` before, and SIGKILL
+//! `min(`[`AgentConfig::fence_margin`]`, lease/4)` before, that lease would end — so every runner is gone
+//! before the lease ends, and the cluster waits a margin longer still (docs/DESIGN.md
+//! §45 gives the bound). An attempt stopped this way is reported with `JobFenced`
+//! (requeued, billed to its last heartbeat) once the cluster answers again; no new
+//! attempt starts while the node's lease is running out.
+//!
+//! # Orphans
+//!
+//! Each runner is recorded in `<work dir>/runners/<pgid>` (its process group and start
+//! time). A restarted agent stops every recorded runner still alive (SIGTERM, the grace,
+//! SIGKILL to the whole group) **before** it registers, so the GPUs it offers are free.
+//! The kernel also kills a runner when the agent process dies (`PR_SET_PDEATHSIG`); its
+//! children are caught by the restart. Deploy the agent as a systemd service with
+//! `KillMode=control-group` (`docs/allot-agent.service`) so a dead agent takes its whole
+//! cgroup with it.
+//!
 //! # Shutdown
 //!
 //! When the `shutdown` future of [`run`] completes (the binary: SIGTERM or Ctrl-C), the
@@ -55,18 +81,22 @@
 //! their work did not end, and a finish would settle them as Succeeded or Failed and bill
 //! the user for the whole run. Instead the cluster's leases decide: if the agent is not
 //! back before the node lease runs out, the node is marked down and its jobs end as a
-//! platform fault (billed only up to their last checkpoint); if it restarts in time, it
-//! starts the attempts still placed on it again, under the same attempt number.
+//! node failure (billed up to their last heartbeat); if it restarts in time, it starts the
+//! attempts still placed on it again, under the same attempt number.
 //!
 //! # Identity
 //!
 //! Heartbeats, finishes and node heartbeats go out as `Actor::Agent(node)`: in a secured
 //! cluster, `token` is an agent token scoped to this node (`allotctl token create
 //! --scope agent:<node>`), and the cluster lets it report only on jobs placed on this
-//! node. Registering a node is an admin command, so the agent registers (and
-//! re-registers a node the shard does not know) with a second client carrying
-//! `register_token` (an admin token) or, without one, the same token; in dev mode the
-//! two clients claim the agent and admin identities.
+//! node. Registering a node is an admin command, so the agent registers with a second
+//! client carrying `register_token` (an admin token) or, without one, the same token; in
+//! dev mode the two clients claim the agent and admin identities. The register token is
+//! needed for the first registration only: a node the shard forgets later (a restore
+//! from an older backup) is registered again with `register_token_file`, read then (the
+//! operator may delete it after the first start). Tokens come from files
+//! (`allot-agent --token-file`), never from the command line, which every local user
+//! can read in `/proc`.
 
 use crate::error::{Error, Result};
 use crate::{Assignment, Client};
@@ -156,10 +186,24 @@ pub struct AgentConfig {
     /// Time between SIGTERM and SIGKILL on preemption and shutdown (default 30 s, the
     /// scheduler's default grace).
     pub grace: Duration,
-    /// Where progress files and runner logs go.
+    /// Where progress files, runner logs and the runner records go.
     pub work_dir: PathBuf,
     pub mode: Mode,
+    /// Runners are stopped (SIGKILL) this long before a lease the agent could not renew
+    /// would end, counted from the last renewal the cluster accepted (default 5 s).
+    pub fence_margin: Duration,
+    /// Environment variables runners get from the agent's environment, besides the
+    /// job's own (`CUDA_VISIBLE_DEVICES`, `ALLOT_*`).
+    pub runner_env: Vec<String>,
+    /// A file with the admin token for registering the node again if the shard forgets
+    /// it, read only then (default: `register_token`, or none).
+    pub register_token_file: Option<PathBuf>,
 }
+
+/// The variables a runner gets from the agent's environment by default.
+pub const RUNNER_ENV_DEFAULT: [&str; 8] = [
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "TMPDIR",
+];
 
 impl AgentConfig {
     pub fn new(endpoints: Vec<String>, node: NodeId, mode: Mode) -> AgentConfig {
@@ -178,6 +222,9 @@ impl AgentConfig {
             grace: Duration::from_secs(30),
             work_dir: std::env::temp_dir().join(format!("allot-agent-{}", node.0)),
             mode,
+            fence_margin: Duration::from_secs(5),
+            runner_env: RUNNER_ENV_DEFAULT.iter().map(|s| s.to_string()).collect(),
+            register_token_file: None,
         }
     }
 
@@ -320,9 +367,9 @@ enum Runner {
     },
 }
 
-/// Sends a signal to a whole process group with the `kill` command (no libc here).
+/// Sends a signal to a whole process group.
 async fn signal_group(pgid: u32, signal: &str) {
-    // `kill -- -0` would signal the agent's own group, `-1` every process.
+    // `kill(0, ..)` would signal the agent's own group, `-1` every process.
     if pgid <= 1 {
         error!(
             pgid,
@@ -330,18 +377,124 @@ async fn signal_group(pgid: u32, signal: &str) {
         );
         return;
     }
-    let r = tokio::process::Command::new("kill")
-        .arg(format!("-{signal}"))
-        .arg("--")
-        .arg(format!("-{pgid}"))
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()
-        .await;
-    if let Err(e) = r {
-        error!(pgid, signal, "cannot run `kill`: {e}");
+    let sig = match signal {
+        "TERM" => libc::SIGTERM,
+        "KILL" => libc::SIGKILL,
+        other => {
+            error!(signal = other, "unknown signal");
+            return;
+        }
+    };
+    // SAFETY: kill(2) with a negative pid signals a process group; no memory is shared.
+    let r = unsafe { libc::kill(-(pgid as libc::pid_t), sig) };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::ESRCH) {
+            error!(pgid, signal, "cannot signal the runner's group: {e}");
+        }
     }
+}
+
+/// Whether a process group still has members.
+fn group_alive(pgid: u32) -> bool {
+    // SAFETY: signal 0 only checks that the group exists and may be signalled.
+    pgid > 1 && unsafe { libc::kill(-(pgid as libc::pid_t), 0) } == 0
+}
+
+/// A process's start time (clock ticks since boot, `/proc/<pid>/stat` field 22): with
+/// the pid, it names one process for good (pids are reused, the pair is not).
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces: count after it.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// The records of this agent's runners (`<work dir>/runners/<pgid>`).
+fn runners_dir(work_dir: &Path) -> PathBuf {
+    work_dir.join("runners")
+}
+
+/// Records a started runner so a later incarnation of the agent can stop it.
+fn record_runner(work_dir: &Path, pgid: u32, a: &Assignment) {
+    let line = format!(
+        "{pgid} {} {} {} {}\n",
+        start_time(pgid).unwrap_or(0),
+        a.org.0,
+        a.job.0,
+        a.attempt
+    );
+    let dir = runners_dir(work_dir);
+    let tmp = dir.join(format!(".{pgid}.tmp"));
+    let r = std::fs::create_dir_all(&dir)
+        .and_then(|()| std::fs::write(&tmp, line))
+        .and_then(|()| std::fs::rename(&tmp, dir.join(pgid.to_string())));
+    if let Err(e) = r {
+        error!(
+            pgid,
+            "cannot record the runner (a restart could not stop it): {e}"
+        );
+    }
+}
+
+fn forget_runner(work_dir: &Path, pgid: u32) {
+    let _ = std::fs::remove_file(runners_dir(work_dir).join(pgid.to_string()));
+}
+
+/// Stops every runner a previous incarnation of the agent recorded that is still alive
+/// (SIGTERM to its group, up to `grace`, then SIGKILL), and forgets the records. Run
+/// before registering, so the GPUs the node offers are free. Returns how many it found.
+pub async fn stop_orphans(work_dir: &Path, grace: Duration) -> usize {
+    let Ok(entries) = std::fs::read_dir(runners_dir(work_dir)) else {
+        return 0;
+    };
+    let mut live = Vec::new();
+    for e in entries.flatten() {
+        let path = e.path();
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        let mut f = text.split_whitespace();
+        let (Some(pgid), Some(started)) = (
+            f.next().and_then(|x| x.parse::<u32>().ok()),
+            f.next().and_then(|x| x.parse::<u64>().ok()),
+        ) else {
+            let _ = std::fs::remove_file(&path);
+            continue;
+        };
+        // The group is ours if its leader is the very process we started, or if the
+        // leader is gone but the group lives on (a group id is not reused while the group
+        // exists, and a new group would have a live leader).
+        let ours = match start_time(pgid) {
+            Some(t) => t == started,
+            None => group_alive(pgid),
+        };
+        if ours {
+            warn!(pgid, record = %text.trim(), "stopping a runner of a previous agent process");
+            signal_group(pgid, "TERM").await;
+            live.push((pgid, path));
+        } else {
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+    let found = live.len();
+    let deadline = Instant::now() + grace;
+    while live.iter().any(|(g, _)| group_alive(*g)) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for (pgid, path) in live {
+        if group_alive(pgid) {
+            warn!(
+                pgid,
+                "the orphaned runner outlived its grace period: SIGKILL"
+            );
+            signal_group(pgid, "KILL").await;
+            let reaped = Instant::now() + REAP_TIMEOUT;
+            while group_alive(pgid) && Instant::now() < reaped {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        let _ = std::fs::remove_file(path);
+    }
+    found
 }
 
 impl Runner {
@@ -358,7 +511,29 @@ impl Runner {
                 let log = std::fs::File::create(
                     dir.join(format!("job-{}-{}.{}.log", a.org.0, a.job.0, a.attempt)),
                 )?;
-                let mut child = tokio::process::Command::new(program)
+                let mut cmd = tokio::process::Command::new(program);
+                // A clean environment: the agent's tokens never reach the job's code.
+                cmd.env_clear();
+                for name in &shared.cfg.runner_env {
+                    if let Some(v) = std::env::var_os(name) {
+                        cmd.env(name, v);
+                    }
+                }
+                let agent_pid = std::process::id();
+                // SAFETY: only async-signal-safe calls (prctl, getppid, raise) between
+                // fork and exec.
+                unsafe {
+                    cmd.pre_exec(move || {
+                        // The kernel kills the runner if the agent dies (its children
+                        // are stopped by the next agent process, see `stop_orphans`).
+                        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                        if libc::getppid() as u32 != agent_pid {
+                            libc::raise(libc::SIGKILL);
+                        }
+                        Ok(())
+                    });
+                }
+                let mut child = cmd
                     .args(args)
                     .env("CUDA_VISIBLE_DEVICES", gpu_list(&a.gpu_indices))
                     .env("ALLOT_JOB_ID", a.job.0.to_string())
@@ -376,6 +551,8 @@ impl Runner {
                         "the runner exited before it had a pid",
                     ));
                 };
+                record_runner(dir, pgid, a);
+                let dir = dir.clone();
                 tokio::spawn(async move {
                     let exit = match child.wait().await {
                         Ok(st) => Exit {
@@ -389,6 +566,7 @@ impl Runner {
                     };
                     // Whatever the runner left behind in its group goes with it.
                     signal_group(pgid, "KILL").await;
+                    forget_runner(&dir, pgid);
                     let _ = tx.send(exit);
                 });
                 Ok((
@@ -550,11 +728,84 @@ struct Shared {
     /// The agent identity.
     client: Client,
     done: mpsc::UnboundedSender<(JobKey, u32)>,
+    lease: Lease,
+}
+
+/// What the agent knows of its leases: when it sent the last node heartbeat the cluster
+/// accepted, and how long the shard's node and job leases are.
+struct Lease {
+    renewed: Mutex<Instant>,
+    node_ms: AtomicU64,
+    job_ms: AtomicU64,
+}
+
+impl Lease {
+    fn new(renewed: Instant, node_ms: u64, job_ms: u64) -> Lease {
+        Lease {
+            renewed: Mutex::new(renewed),
+            node_ms: AtomicU64::new(node_ms),
+            job_ms: AtomicU64::new(job_ms),
+        }
+    }
+
+    /// A renewal sent at `sent` was accepted.
+    fn renewed(&self, sent: Instant) {
+        let mut r = lock(&self.renewed);
+        *r = (*r).max(sent);
+    }
+
+    /// When a lease that began at `from` and lasts `lease_ms` has its runners stopped:
+    /// (SIGTERM at, SIGKILL at) — SIGKILL `min(margin, lease/4)` before its end (a margin
+    /// longer than the lease itself would stop every attempt at once), SIGTERM a grace of
+    /// `min(grace, lease/4)` earlier.
+    fn schedule(
+        from: Instant,
+        lease_ms: u64,
+        margin: Duration,
+        grace: Duration,
+    ) -> (Instant, Instant) {
+        let lease = Duration::from_millis(lease_ms);
+        let kill_at = from + lease.saturating_sub(margin.min(lease / 4));
+        let term_at = kill_at - grace.min(lease / 4).min(kill_at - from);
+        (term_at, kill_at)
+    }
+
+    /// The node lease's stop schedule.
+    fn node_schedule(&self, cfg: &AgentConfig) -> (Instant, Instant) {
+        let from = *lock(&self.renewed);
+        Lease::schedule(
+            from,
+            self.node_ms.load(Ordering::Relaxed),
+            cfg.fence_margin,
+            cfg.grace,
+        )
+    }
+
+    /// The stop schedule of a job attempt whose last accepted heartbeat was sent at
+    /// `job_from`: whichever lease runs out first.
+    fn attempt_schedule(&self, cfg: &AgentConfig, job_from: Instant) -> (Instant, Instant) {
+        let node = self.node_schedule(cfg);
+        let job = Lease::schedule(
+            job_from,
+            self.job_ms.load(Ordering::Relaxed),
+            cfg.fence_margin,
+            cfg.grace,
+        );
+        node.min(job)
+    }
+
+    /// Whether the node's lease is running out (no new attempt may start).
+    fn lapsing(&self, cfg: &AgentConfig) -> bool {
+        Instant::now() >= self.node_schedule(cfg).0
+    }
 }
 
 /// How a heartbeat went.
 enum Beat {
-    Continue,
+    /// The cluster took it: the job's lease is renewed from the moment it was sent.
+    Accepted,
+    /// Not taken (the cluster could not be reached); the job runs on within its lease.
+    Unanswered,
     /// The job must stop here and no finish is to be reported.
     Stop(String),
 }
@@ -588,7 +839,7 @@ async fn heartbeat(shared: &Shared, a: &Assignment, seq: &mut u64, progress: (u3
                         captured = r.captured_attempt_micro,
                         "heartbeat"
                     );
-                    return Beat::Continue;
+                    return Beat::Accepted;
                 }
                 // The shard has seen this seq: an earlier agent process heartbeated this
                 // attempt. Jump ahead until a seq is new.
@@ -596,32 +847,51 @@ async fn heartbeat(shared: &Shared, a: &Assignment, seq: &mut u64, progress: (u3
             }
             Ok(other) => {
                 warn!(job = a.job.0, "unexpected heartbeat reply {other:?}");
-                return Beat::Continue;
+                return Beat::Unanswered;
+            }
+            Err(Error::Rejected(e @ CommandError::JobFinished)) => {
+                return Beat::Stop(format!("the job has already finished ({e})"))
             }
             Err(Error::Rejected(
                 e @ (CommandError::StaleAttempt { .. }
-                | CommandError::JobFinished
                 | CommandError::JobNotPlaced
                 | CommandError::UnknownJob),
             )) => return Beat::Stop(format!("heartbeat refused: {e}")),
             Err(e) => {
                 warn!(job = a.job.0, attempt = a.attempt, "heartbeat failed: {e}");
-                return Beat::Continue;
+                return Beat::Unanswered;
             }
         }
     }
-    Beat::Continue
+    Beat::Unanswered
 }
 
-/// Reports an attempt's exit, retrying (same request id) while the cluster is unreachable.
+/// What the agent reports about an attempt that ended here.
+#[derive(Clone, Copy, Debug)]
+enum Report {
+    /// The runner exited (or, while preempting, stopped): `FinishJob`.
+    Finished { success: bool },
+    /// The agent stopped it because it could not renew a lease: `JobFenced`.
+    Fenced,
+}
+
+/// Reports an attempt's end, retrying (same request id) while the cluster is unreachable.
 async fn report_finish(shared: &Shared, (org, job): JobKey, attempt: u32, success: bool) {
+    report(shared, (org, job), attempt, Report::Finished { success }).await
+}
+
+async fn report(shared: &Shared, (org, job): JobKey, attempt: u32, what: Report) {
     let id = shared.client.next_request_id();
     let started = Instant::now();
+    let success = matches!(what, Report::Finished { success: true });
     loop {
-        let cmd = Command::FinishJob {
-            job,
-            attempt,
-            success,
+        let cmd = match what {
+            Report::Finished { success } => Command::FinishJob {
+                job,
+                attempt,
+                success,
+            },
+            Report::Fenced => Command::JobFenced { job, attempt },
         };
         match shared
             .client
@@ -629,10 +899,13 @@ async fn report_finish(shared: &Shared, (org, job): JobKey, attempt: u32, succes
             .await
         {
             Ok(Reply::JobFinished(settlement)) => {
-                match settlement {
-                    Some(s) => info!(job = job.0, attempt, success, reason = ?s.reason,
+                match (settlement, what) {
+                    (Some(s), _) => info!(job = job.0, attempt, success, reason = ?s.reason,
                         captured = s.captured_micro, refunded = s.refunded_micro, "job finished"),
-                    None => info!(job = job.0, attempt, "preempted job stopped; requeued"),
+                    (None, Report::Fenced) => {
+                        info!(job = job.0, attempt, "fenced attempt reported; requeued")
+                    }
+                    (None, _) => info!(job = job.0, attempt, "preempted job stopped; requeued"),
                 }
                 return;
             }
@@ -640,10 +913,24 @@ async fn report_finish(shared: &Shared, (org, job): JobKey, attempt: u32, succes
                 warn!(job = job.0, attempt, "unexpected finish reply {other:?}");
                 return;
             }
+            Err(Error::Rejected(CommandError::JobFinished)) => {
+                info!(
+                    job = job.0,
+                    attempt, "the job had already finished and been settled: nothing to report"
+                );
+                return;
+            }
+            Err(Error::Rejected(e @ CommandError::StaleAttempt { .. })) => {
+                info!(
+                    job = job.0,
+                    attempt, "the attempt was already requeued or placed again ({e})"
+                );
+                return;
+            }
             Err(Error::Rejected(e)) => {
                 warn!(
                     job = job.0,
-                    attempt, "finish refused (the job has moved on): {e}"
+                    attempt, "report refused (the job has moved on): {e}"
                 );
                 return;
             }
@@ -685,14 +972,20 @@ async fn still_assigned(shared: &Shared, (org, job): JobKey, attempt: u32) -> Op
 enum End {
     /// The runner exited: report it.
     Exited { success: bool },
+    /// Stopped because a lease could not be renewed: report `JobFenced`.
+    Fenced,
     /// Stopped here; nothing to report.
     Dropped,
 }
 
 async fn job_task(shared: Arc<Shared>, a: Assignment, mut dir: watch::Receiver<Directive>) {
     let end = run_attempt(&shared, &a, &mut dir).await;
-    if let End::Exited { success } = end {
-        report_finish(&shared, a.key(), a.attempt, success).await;
+    // The runner is gone before anything is reported (a fenced attempt may be placed
+    // again as soon as the report lands).
+    match end {
+        End::Exited { success } => report_finish(&shared, a.key(), a.attempt, success).await,
+        End::Fenced => report(&shared, a.key(), a.attempt, Report::Fenced).await,
+        End::Dropped => {}
     }
     let _ = shared.done.send((a.key(), a.attempt));
 }
@@ -711,15 +1004,33 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
     let mut tick = tokio::time::interval(shared.cfg.heartbeat_interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut preempting = false;
-    let mut grace_until: Option<Instant> = None;
+    // Set once the runner is being stopped because a lease could not be renewed.
+    let mut fencing = false;
+    // When the runner gets SIGKILL (preemption grace or fence deadline).
+    let mut kill_at: Option<Instant> = None;
+    // The job's own lease counts from its last accepted heartbeat (its start, until one).
+    let mut job_renewed = Instant::now();
     let end = loop {
+        // Recomputed every turn: node renewals move it (the tick brings a turn at least
+        // every heartbeat interval).
+        let (term_at, fence_kill_at) = shared.lease.attempt_schedule(&shared.cfg, job_renewed);
         tokio::select! {
             exited = &mut exit => {
                 let exited = exited.unwrap_or(Exit { success: false, how: "lost".into() });
-                // The final progress: a checkpoint written while stopping counts.
-                if let Beat::Stop(why) = heartbeat(shared, a, &mut seq, runner.progress()).await {
+                // The final progress: a checkpoint written while stopping counts (a fenced
+                // attempt's cluster is unreachable: its report goes out when it answers).
+                let last = if fencing {
+                    Beat::Unanswered
+                } else {
+                    heartbeat(shared, a, &mut seq, runner.progress()).await
+                };
+                if let Beat::Stop(why) = last {
                     info!(job, attempt, "runner exited ({}), but {why}", exited.how);
                     break End::Dropped;
+                }
+                if fencing {
+                    info!(job, attempt, "runner stopped: the lease could not be renewed ({})", exited.how);
+                    break End::Fenced;
                 }
                 if preempting {
                     info!(job, attempt, "runner stopped for preemption ({})", exited.how);
@@ -728,15 +1039,32 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
                 info!(job, attempt, success = exited.success, "runner exited ({})", exited.how);
                 break End::Exited { success: exited.success };
             }
-            _ = tick.tick() => {
-                if let Beat::Stop(why) = heartbeat(shared, a, &mut seq, runner.progress()).await {
-                    warn!(job, attempt, "killing the runner: {why}");
-                    break kill_and_reap(&runner, &mut exit).await;
+            _ = tick.tick(), if !fencing => {
+                // A heartbeat to an unreachable cluster waits out the client's timeout:
+                // never past the moment the runner must be stopped.
+                let sent = Instant::now();
+                let beat = heartbeat(shared, a, &mut seq, runner.progress());
+                match tokio::time::timeout_at(term_at.max(sent), beat).await {
+                    Ok(Beat::Accepted) => job_renewed = job_renewed.max(sent),
+                    Ok(Beat::Unanswered) | Err(_) => {}
+                    Ok(Beat::Stop(why)) => {
+                        warn!(job, attempt, "killing the runner: {why}");
+                        break kill_and_reap(&runner, &mut exit).await;
+                    }
                 }
             }
-            _ = tokio::time::sleep_until(grace_until.unwrap_or_else(Instant::now)), if grace_until.is_some() => {
-                warn!(job, attempt, "grace period over: SIGKILL");
-                grace_until = None;
+            _ = tokio::time::sleep_until(term_at), if !fencing => {
+                // No renewal for too long: the cluster will re-place this job once the
+                // lease (and its margin) has run out. Stop it first.
+                fencing = true;
+                let left = fence_kill_at.saturating_duration_since(Instant::now());
+                warn!(job, attempt, ?left, "lease not renewed: SIGTERM, SIGKILL before the lease ends");
+                runner.terminate().await;
+                kill_at = Some(kill_at.map_or(fence_kill_at, |k| k.min(fence_kill_at)));
+            }
+            _ = tokio::time::sleep_until(kill_at.unwrap_or_else(Instant::now)), if kill_at.is_some() => {
+                warn!(job, attempt, fencing, preempting, "SIGKILL");
+                kill_at = None;
                 runner.kill().await;
             }
             changed = dir.changed() => {
@@ -753,7 +1081,8 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
                     Directive::Run => {}
                     Directive::Preempt if !preempting => {
                         preempting = true;
-                        grace_until = Some(Instant::now() + shared.cfg.grace);
+                        let grace_end = Instant::now() + shared.cfg.grace;
+                        kill_at = Some(kill_at.map_or(grace_end, |k| k.min(grace_end)));
                         info!(job, attempt, grace = ?shared.cfg.grace, "preempted: SIGTERM");
                         runner.terminate().await;
                     }
@@ -848,8 +1177,14 @@ impl Agent {
         self.start_new();
     }
 
-    /// Starts the attempts of the last set that are not running here.
+    /// Starts the attempts of the last set that are not running here — none while the
+    /// node's lease is running out (they would be stopped at once, and the cluster may
+    /// soon place them elsewhere).
     fn start_new(&mut self) {
+        if self.shared.lease.lapsing(&self.shared.cfg) {
+            debug!("the node's lease is running out: starting no attempt");
+            return;
+        }
         let set = std::mem::take(&mut self.last_set);
         for a in &set {
             if self.tasks.contains_key(&a.key())
@@ -897,14 +1232,17 @@ impl Agent {
     }
 }
 
-async fn register(admin: &Client, cfg: &AgentConfig) -> Result<()> {
+/// Registers the node; returns when the registration (which starts the node's lease) was
+/// sent.
+async fn register(admin: &Client, cfg: &AgentConfig) -> Result<Instant> {
     let mut backoff = Duration::from_millis(200);
     loop {
+        let sent = Instant::now();
         match admin.register_node(cfg.shard, cfg.node_spec()).await {
             Ok(()) => {
                 info!(node = cfg.node.0, shard = cfg.shard, gpu_type = %cfg.gpu_type,
                     gpus = cfg.gpus, "node registered");
-                return Ok(());
+                return Ok(sent);
             }
             Err(
                 e @ (Error::Rejected(_)
@@ -923,22 +1261,57 @@ async fn register(admin: &Client, cfg: &AgentConfig) -> Result<()> {
     }
 }
 
-async fn node_heartbeats(client: Client, admin: Client, cfg: AgentConfig) {
+/// Renews the node's lease every interval, recording when each accepted renewal was
+/// sent (the agent's fence counts from it).
+async fn node_heartbeats(client: Client, admin: Option<Client>, shared: Arc<Shared>) {
+    let cfg = &shared.cfg;
     let mut tick = tokio::time::interval(cfg.node_heartbeat_interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
+        let sent = Instant::now();
         match client.node_heartbeat(cfg.shard, cfg.node).await {
-            Ok(()) => {}
+            Ok(()) => shared.lease.renewed(sent),
             Err(Error::Rejected(CommandError::UnknownNode)) => {
                 warn!("the shard does not know this node: registering again");
-                if let Err(e) = admin.register_node(cfg.shard, cfg.node_spec()).await {
-                    warn!("registering the node failed: {e}");
+                match reregister_client(cfg, admin.as_ref()) {
+                    Some(admin) => match admin.register_node(cfg.shard, cfg.node_spec()).await {
+                        Ok(()) => shared.lease.renewed(sent),
+                        Err(e) => warn!("registering the node failed: {e}"),
+                    },
+                    None => error!(
+                        "no admin token to register the node again (--register-token-file): \
+                         the node takes no work until an operator registers it"
+                    ),
                 }
             }
             Err(e) => warn!("node heartbeat failed: {e}"),
         }
     }
+}
+
+/// The client to register the node again with: one built from the register-token file
+/// (read now), else the one kept from start-up (a token given otherwise), if any.
+fn reregister_client(cfg: &AgentConfig, kept: Option<&Client>) -> Option<Client> {
+    if let Some(path) = &cfg.register_token_file {
+        match std::fs::read_to_string(path) {
+            Ok(t) => {
+                return admin_client(cfg, Some(t.trim().to_string()))
+                    .map_err(|e| error!("building the registration client: {e}"))
+                    .ok()
+            }
+            Err(e) => warn!(path = %path.display(), "cannot read the register token: {e}"),
+        }
+    }
+    kept.cloned()
+}
+
+/// Reads the shard's node and job lease lengths into `lease` (they may be retuned).
+async fn refresh_leases(client: &Client, shard: u32, lease: &Lease) -> Result<()> {
+    let s = client.scheduler_settings(shard).await?;
+    lease.node_ms.store(s.node_lease_ms, Ordering::Relaxed);
+    lease.job_ms.store(s.job_lease_ms, Ordering::Relaxed);
+    Ok(())
 }
 
 /// Follows the assignment stream, moving to the next endpoint (with backoff) whenever
@@ -980,10 +1353,14 @@ async fn watch_sets(client: Client, cfg: AgentConfig, tx: mpsc::Sender<Vec<Assig
     }
 }
 
-/// Re-reads the assignment set (linearizable) now and then.
-async fn resync(client: Client, cfg: AgentConfig, tx: mpsc::Sender<Vec<Assignment>>) {
+/// Re-reads the assignment set (linearizable) and the lease lengths now and then.
+async fn resync(client: Client, shared: Arc<Shared>, tx: mpsc::Sender<Vec<Assignment>>) {
+    let cfg = &shared.cfg;
     loop {
         tokio::time::sleep(RESYNC_INTERVAL).await;
+        if let Err(e) = refresh_leases(&client, cfg.shard, &shared.lease).await {
+            debug!("reading the lease lengths failed: {e}");
+        }
         match client.assignments(cfg.shard, cfg.node).await {
             Ok(set) => {
                 if tx.send(set).await.is_err() {
@@ -995,21 +1372,30 @@ async fn resync(client: Client, cfg: AgentConfig, tx: mpsc::Sender<Vec<Assignmen
     }
 }
 
-fn clients(cfg: &AgentConfig) -> Result<(Client, Client)> {
-    let mut b = Client::builder()
+fn builder(cfg: &AgentConfig) -> crate::ClientBuilder {
+    Client::builder()
         .endpoints(cfg.endpoints.clone())
         .timeout(Duration::from_secs(5))
         .attempt_timeout(Duration::from_secs(2))
-        .retries(1_000);
-    let mut admin = b.clone().identity(Actor::Admin(PrincipalId(1)));
-    if let Some(t) = cfg.register_token.as_ref().or(cfg.token.as_ref()) {
-        admin = admin.token(t.clone());
-    }
+        .retries(1_000)
+}
+
+/// The agent's own client (its node's identity).
+fn agent_client(cfg: &AgentConfig) -> Result<Client> {
+    let mut b = builder(cfg).identity(Actor::Agent(cfg.node));
     if let Some(t) = &cfg.token {
         b = b.token(t.clone());
     }
-    let agent = b.identity(Actor::Agent(cfg.node)).build()?;
-    Ok((agent, admin.build()?))
+    b.build()
+}
+
+/// A client that registers the node: `token` (an admin token), else the agent's own.
+fn admin_client(cfg: &AgentConfig, token: Option<String>) -> Result<Client> {
+    let mut b = builder(cfg).identity(Actor::Admin(PrincipalId(1)));
+    if let Some(t) = token.or_else(|| cfg.token.clone()) {
+        b = b.token(t);
+    }
+    b.build()
 }
 
 /// Runs the agent until `shutdown` completes (see the module docs). Fails only at
@@ -1021,27 +1407,72 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     let work_dir = std::fs::canonicalize(&config.work_dir)
         .map_err(|e| Error::Config(format!("work dir {}: {e}", config.work_dir.display())))?;
     let config = AgentConfig { work_dir, ..config };
-    let (client, admin) = clients(&config)?;
     tokio::pin!(shutdown);
-    tokio::select! {
+    // A previous agent process's runners go before the node offers its GPUs again.
+    let orphans = tokio::select! {
+        n = stop_orphans(&config.work_dir, config.grace) => n,
+        _ = &mut shutdown => return Ok(()),
+    };
+    if orphans > 0 {
+        warn!(
+            orphans,
+            "stopped the runners a previous agent process left behind"
+        );
+    }
+    let client = agent_client(&config)?;
+    // The register token: the one given, else the file's (read once here).
+    let register_token = match (&config.register_token, &config.register_token_file) {
+        (Some(t), _) => Some(t.clone()),
+        (None, Some(path)) => Some(
+            std::fs::read_to_string(path)
+                .map_err(|e| Error::Config(format!("register token {}: {e}", path.display())))?
+                .trim()
+                .to_string(),
+        ),
+        (None, None) => None,
+    };
+    let admin = admin_client(&config, register_token)?;
+    let registered = tokio::select! {
         r = register(&admin, &config) => r?,
         _ = &mut shutdown => return Ok(()),
+    };
+    // Kept only when there is no file to read it from again (a token given otherwise).
+    let admin = config.register_token_file.is_none().then_some(admin);
+    let defaults = allot_statemachine::scheduler::SchedulerConfig::default();
+    let lease = Lease::new(registered, defaults.node_lease_ms, defaults.job_lease_ms);
+    loop {
+        tokio::select! {
+            r = refresh_leases(&client, config.shard, &lease) => match r {
+                Ok(()) => break,
+                Err(e) => {
+                    warn!("reading the shard's lease lengths failed, retrying: {e}");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            },
+            _ = &mut shutdown => return Ok(()),
+        }
     }
 
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let (sets_tx, mut sets_rx) = mpsc::channel(16);
-    let background = [
-        tokio::spawn(node_heartbeats(client.clone(), admin, config.clone())),
-        tokio::spawn(watch_sets(client.clone(), config.clone(), sets_tx.clone())),
-        tokio::spawn(resync(client.clone(), config.clone(), sets_tx)),
-    ];
     let grace = config.grace;
+    let shared = Arc::new(Shared {
+        cfg: config,
+        client: client.clone(),
+        done: done_tx,
+        lease,
+    });
+    let background = [
+        tokio::spawn(node_heartbeats(client.clone(), admin, shared.clone())),
+        tokio::spawn(watch_sets(
+            client.clone(),
+            shared.cfg.clone(),
+            sets_tx.clone(),
+        )),
+        tokio::spawn(resync(client, shared.clone(), sets_tx)),
+    ];
     let mut agent = Agent {
-        shared: Arc::new(Shared {
-            cfg: config,
-            client,
-            done: done_tx,
-        }),
+        shared,
         tasks: HashMap::new(),
         ended: HashMap::new(),
         ended_order: VecDeque::new(),
@@ -1085,6 +1516,27 @@ pub fn progress_file(work_dir: &Path, org: OrgId, job: JobId, attempt: u32) -> P
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn runners_stop_inside_every_lease_however_short() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let ms = Duration::from_millis;
+        // A long lease: SIGKILL the margin before its end, SIGTERM the grace before that.
+        assert_eq!(
+            Lease::schedule(t0, 30_000, s(5), s(5)),
+            (t0 + s(20), t0 + s(25))
+        );
+        // A 3 s lease with a 5 s margin: stopping at once would fence every attempt on
+        // its first heartbeat; a quarter of the lease is kept for each step instead.
+        assert_eq!(
+            Lease::schedule(t0, 3_000, s(5), s(5)),
+            (t0 + ms(1_500), t0 + ms(2_250))
+        );
+        // The grace never reaches back before the lease began.
+        let (term, kill) = Lease::schedule(t0, 1, s(5), s(5));
+        assert!(t0 <= term && term <= kill && kill <= t0 + ms(1));
+    }
 
     #[test]
     fn progress_lines_parse_or_are_ignored() {

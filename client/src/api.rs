@@ -406,6 +406,24 @@ impl Client {
         .await
     }
 
+    /// Reports that the agent stopped an attempt itself because it could not renew its
+    /// lease (it is requeued, billed to its last heartbeat).
+    pub async fn job_fenced(
+        &self,
+        shard: u32,
+        org: OrgId,
+        job: JobId,
+        attempt: u32,
+    ) -> Result<Reply> {
+        self.run_in(
+            shard,
+            Some(org),
+            self.next_request_id(),
+            Command::JobFenced { job, attempt },
+        )
+        .await
+    }
+
     /// Reports an attempt's exit (or, while preempting, that it stopped).
     pub async fn finish_job(
         &self,

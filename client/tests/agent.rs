@@ -7,6 +7,8 @@
 //! Needs the node binary: `cargo build -p allot-node --bin allot-node`. Set
 //! `ALLOT_TEST_AGENT_LOG=1` to see the agent's log of passing tests too.
 
+mod common;
+
 use allot_client::{AuditFilter, Client};
 use allot_node::local_cluster::{node_binary, LocalCluster};
 use allot_statemachine::scheduler::{Job, JobState, Reason};
@@ -16,9 +18,8 @@ use allot_statemachine::{
     Reply, Tier,
 };
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const SHARD: u32 = 0;
@@ -172,92 +173,30 @@ async fn audit_of(client: &Client, id: u64) -> Vec<AuditEvent> {
     out
 }
 
-/// The `allot-agent` binary as a child process, logging to a file. Stopped with SIGTERM
-/// when dropped; its log is printed if the test is failing (or ALLOT_TEST_AGENT_LOG is set).
-struct AgentProc {
-    child: Option<Child>,
-    log: PathBuf,
-}
+/// The agent of node `NODE` on shard `SHARD`.
+struct AgentProc;
 
 impl AgentProc {
-    fn start(endpoints: &[String], gpus: u32, dir: &Path, extra: &[&str]) -> AgentProc {
-        std::fs::create_dir_all(dir).unwrap();
-        let log = dir.join("agent.log");
-        let out = std::fs::File::create(&log).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_allot-agent"))
-            .arg("--endpoints")
-            .arg(endpoints.join(","))
-            .args(["--shard", &SHARD.to_string(), "--node", &NODE.to_string()])
-            .args(["--gpu-type", "A100", "--gpus", &gpus.to_string()])
-            .args([
-                "--mem-gb",
-                "80",
-                "--label",
-                "zone=test",
-                "--label",
-                "rack=r1",
-            ])
-            .args(["--node-heartbeat-interval", "1s", "-vv"])
-            .arg("--work-dir")
-            .arg(dir.join("work"))
-            .args(extra)
-            .env_remove("RUST_LOG")
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .spawn()
-            .unwrap();
-        AgentProc {
-            child: Some(child),
-            log,
-        }
-    }
-
-    /// SIGTERM, then waits for the exit (SIGKILL after `within`: `None`).
-    fn stop(&mut self, within: Duration) -> Option<ExitStatus> {
-        let mut c = self.child.take()?;
-        let _ = Command::new("kill")
-            .arg("-TERM")
-            .arg(c.id().to_string())
-            .status();
-        let deadline = Instant::now() + within;
-        loop {
-            if let Ok(Some(st)) = c.try_wait() {
-                return Some(st);
-            }
-            if Instant::now() > deadline {
-                let _ = c.kill();
-                let _ = c.wait();
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn assert_running(&mut self) {
-        if let Some(st) = self.child.as_mut().and_then(|c| c.try_wait().unwrap()) {
-            panic!("the agent exited: {st}");
-        }
-    }
-}
-
-impl Drop for AgentProc {
-    fn drop(&mut self) {
-        self.stop(Duration::from_secs(15));
-        if std::thread::panicking() || std::env::var_os("ALLOT_TEST_AGENT_LOG").is_some() {
-            if let Ok(f) = std::fs::File::open(&self.log) {
-                let lines: Vec<String> = BufReader::new(f).lines().map_while(Result::ok).collect();
-                eprintln!("---- agent log (last 200 lines) ----");
-                for l in lines.iter().rev().take(200).rev() {
-                    eprintln!("{l}");
-                }
-            }
-        }
+    fn start(
+        endpoints: &[String],
+        gpus: u32,
+        dir: &Path,
+        extra: &[&str],
+    ) -> common::agent::AgentProc {
+        common::agent::AgentProc::spawn(common::agent::AgentSpec {
+            endpoints,
+            shard: SHARD,
+            node: NODE,
+            gpus,
+            dir,
+            extra,
+            env: &[],
+        })
     }
 }
 
 /// Waits until the agent has registered its node with the configured shape.
-async fn wait_registered(client: &Client, agent: &mut AgentProc, gpus: u32) {
+async fn wait_registered(client: &Client, agent: &mut common::agent::AgentProc, gpus: u32) {
     let d = Deadline::new("the agent to register its node", Duration::from_secs(30));
     loop {
         agent.assert_running();

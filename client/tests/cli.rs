@@ -344,9 +344,32 @@ fn budgets_quotas_scheduler(eps: &str) {
             SHARD,
             "--node-failure-requeues",
             "1",
+            "--fence-margin",
+            "15s",
         ],
     );
     assert_eq!(u(&v[0]["settings"]["node_failure_requeues_max"]), 1);
+    assert_eq!(u(&v[0]["settings"]["fence_margin_ms"]), 15_000);
+    assert_eq!(
+        u(&v[0]["settings"]["grace_ms"]),
+        2_000,
+        "other settings kept"
+    );
+    // A margin beyond the lease bound is refused and changes nothing.
+    fails(
+        eps,
+        &[
+            "scheduler",
+            "configure",
+            "--shard",
+            SHARD,
+            "--fence-margin",
+            "3650d",
+        ],
+        1,
+    );
+    let v = json(eps, &["scheduler", "show", "--shard", SHARD]);
+    assert_eq!(u(&v[0]["settings"]["fence_margin_ms"]), 15_000);
     // Fair-share weights: a project of org 1 weighs 250, then back to the default.
     let v = json(
         eps,

@@ -5,20 +5,25 @@
 //! would expire credits and leases early. So:
 //!
 //! 1. **Target** — every node samples the wall clocks of its peers (the `Clock` RPC,
-//!    corrected by half the round trip) and the target is the *lower median* of the
-//!    fresh samples and its own clock, computed only when a majority of the cluster's
-//!    clocks is in the sample. With at most f of 2f+1 clocks wrong, the median lies within
-//!    the range of the correct clocks.
-//! 2. **Slew** — the leader advances logical time by its monotonic clock since the last
-//!    stamp, steered toward the target by at most `slew` × elapsed (faster or slower), and
-//!    never past the target when it is catching up. Without a majority sample it advances
-//!    by the monotonic clock alone.
-//! 3. **Continuity** — a new leader starts from the greater of the last applied time and
-//!    its own last stamp; the state machine applies `max(previous, stamp)`.
+//!    corrected by half the round trip). Of the m fresh samples (its own clock included),
+//!    the target is the (m − f)-th smallest, f = ⌊(n − 1)/2⌋ the clocks a cluster of n
+//!    voters tolerates being wrong, computed only when m is a majority of n. At most f
+//!    samples lie above it, so at least one correct clock is at or above it: however
+//!    many of the unreachable nodes are correct, a minority of fast clocks can never move
+//!    it ahead of every correct clock.
+//! 2. **Rate** — the leader advances logical time by its monotonic clock since the last
+//!    stamp (real time), steered toward the target by at most `slew` × elapsed (default
+//!    500 ppm, 0.05 %), never past it when catching up. Without a target it advances by
+//!    the monotonic clock alone.
+//! 3. **Taking office** — a new leader starts from the greater of the last applied time
+//!    and its own last stamp, and at its first stamp with a target adopts the target at
+//!    once if it is ahead (after an outage, time resumes at the real instant instead of
+//!    catching up fast for a long while); time never goes back.
 //!
-//! Bound (docs/DESIGN.md §28): logical time never runs ahead of the fastest correct clock
-//! by more than the sampling error (half a round trip plus the sample age).
-//! The one exception is genesis: the first stamp of an empty shard is the target itself.
+//! Bounds (docs/DESIGN.md §28, §45): billed time over any interval is within the slew
+//! of real elapsed time, and logical time never runs ahead of the fastest correct clock
+//! by more than the sampling error (half a round trip plus the sample age). The one other
+//! jump is genesis: the first stamp of an empty shard is the target itself.
 
 use crate::types::NodeId;
 use std::collections::BTreeMap;
@@ -93,8 +98,8 @@ impl ClusterClock {
         s.remove(&peer);
     }
 
-    /// The median of this node's clock and the fresh samples of `peers`, if they are a
-    /// majority of `cluster_size` clocks; `None` otherwise.
+    /// The target of this node's clock and the fresh samples of `peers` ([`median_target`]),
+    /// if they are a majority of `cluster_size` clocks; `None` otherwise.
     pub fn target_ms(&self, me: NodeId, peers: &[NodeId], cluster_size: usize) -> Option<u64> {
         let own = self.wall_ms();
         let s = self.samples.lock().unwrap_or_else(|p| p.into_inner());
@@ -113,14 +118,20 @@ impl ClusterClock {
     }
 }
 
-/// Lower median of `own + offsets`, if `offsets` (own included, as 0) are a majority.
+/// The target of `own + offsets` (own included, as 0), if the offsets are a majority
+/// of `cluster_size` clocks: the (m − f)-th smallest of the m samples, f = ⌊(n−1)/2⌋.
+/// With every clock sampled that is the lower median; with some unreachable it leans to
+/// the slower samples, so that the f possibly-wrong clocks can all be fast and still sit
+/// above it.
 pub fn median_target(own: u64, offsets: &mut [i64], cluster_size: usize) -> Option<u64> {
-    if offsets.len() * 2 <= cluster_size.max(1) {
+    let (m, n) = (offsets.len(), cluster_size.max(1));
+    if m * 2 <= n {
         return None;
     }
+    let f = (n - 1) / 2;
     offsets.sort_unstable();
-    let m = offsets[(offsets.len() - 1) / 2];
-    Some((own as i64).saturating_add(m).max(0) as u64)
+    let pick = offsets[m.saturating_sub(f + 1).min(m - 1)];
+    Some((own as i64).saturating_add(pick).max(0) as u64)
 }
 
 /// The leader's stamp state for one shard.
@@ -132,6 +143,9 @@ pub struct Stamper {
     last_ms: u64,
     last_mono: u64,
     term: Option<u64>,
+    /// Whether this term has stamped with a target yet (the first such stamp may jump
+    /// forward to it).
+    synced: bool,
 }
 
 impl Stamper {
@@ -141,6 +155,7 @@ impl Stamper {
             last_ms: 0,
             last_mono: 0,
             term: None,
+            synced: false,
         }
     }
 
@@ -152,17 +167,25 @@ impl Stamper {
             self.term = Some(term);
             self.last_ms = self.last_ms.max(applied_ms);
             self.last_mono = mono_ms;
+            self.synced = false;
         }
         self.last_ms = self.last_ms.max(applied_ms);
         let t = if self.last_ms == 0 {
             // Genesis: an empty shard takes the target (or, without one, our clock via
             // the caller's fallback), once.
+            self.synced = target.is_some();
             target.unwrap_or(0)
         } else {
             let dt = mono_ms.saturating_sub(self.last_mono);
             let base = self.last_ms + dt;
             match target {
                 None => base,
+                Some(target) if !self.synced => {
+                    // Took office (or the first target of the term): the cluster's time
+                    // at once when it is ahead — after an outage, no fast catch-up.
+                    self.synced = true;
+                    base.max(target)
+                }
                 Some(target) => {
                     let max_adj = dt.saturating_mul(self.slew_ppm) / 1_000_000;
                     if target >= base {
@@ -211,5 +234,69 @@ mod tests {
         let mut c = Stamper::new(1_000_000);
         c.stamp(1, 0, 0, Some(10_000));
         assert_eq!(c.stamp(1, 10_000, 1_000, Some(11_500)), 11_500);
+    }
+
+    /// Issue 21, finding 5: with two of five clocks fast and nodes unreachable, the
+    /// target is still a correct clock (the old lower median of a bare majority, three
+    /// samples with two fast, was fast).
+    #[test]
+    fn a_minority_of_fast_clocks_never_moves_the_target_even_with_nodes_down() {
+        let own = 1_000_000_000;
+        let fast = 600_000;
+        // Five voters, four sampled (one down): two correct (own included), two fast.
+        let mut four = vec![0, 0, fast, fast];
+        assert_eq!(median_target(own, &mut four, 5), Some(own));
+        // Three sampled: one correct, two fast.
+        let mut three = vec![0, fast, fast];
+        assert_eq!(median_target(own, &mut three, 5), Some(own));
+        // All five: two fast, three correct.
+        let mut five = vec![fast, 0, fast, 0, 0];
+        assert_eq!(median_target(own, &mut five, 5), Some(own));
+        // Two of five sampled is no majority.
+        let mut two = vec![0, fast];
+        assert_eq!(median_target(own, &mut two, 5), None);
+        // One slow clock among three (all sampled) does not move it either.
+        let mut slow = vec![0, -fast, 0];
+        assert_eq!(median_target(own, &mut slow, 3), Some(own));
+    }
+
+    /// Issue 21, finding 4: after a whole-cluster outage the new leader resumes at the
+    /// cluster's time at once, and then advances at the real rate (the old 20 % slew
+    /// billed 1.2× for five times the outage's length).
+    #[test]
+    fn after_an_outage_time_resumes_at_once_and_runs_at_the_real_rate() {
+        let t0 = 1_000_000_000;
+        // The shard's last applied time is t0; 60 s later a fresh process takes office.
+        let mut s = Stamper::new(500);
+        let first = s.stamp(7, t0, 5_000, None);
+        assert_eq!(first, t0, "no target yet: continue from the applied time");
+        let resumed = s.stamp(7, t0, 5_100, Some(t0 + 60_100));
+        assert_eq!(
+            resumed,
+            t0 + 60_100,
+            "the first stamp with a target adopts it"
+        );
+        // From now on: the monotonic clock, steered by at most 500 ppm.
+        let mut last = resumed;
+        for k in 1..=30u64 {
+            let mono = 5_100 + k * 1_000;
+            // The target runs 10 % fast (a skewed median): the rate moves by 0.05 % only.
+            let target = t0 + 60_100 + k * 1_100;
+            let t = s.stamp(7, last, mono, Some(target));
+            assert!(
+                t - last <= 1_000 && t - last >= 999,
+                "advanced {} ms in 1 s",
+                t - last
+            );
+            last = t;
+        }
+        assert!(last - resumed <= 30_015 && last - resumed >= 29_985);
+        // A new leader whose target is behind continues from the applied time, at the
+        // real rate less at most the slew.
+        let mut next = Stamper::new(500);
+        let a = next.stamp(8, last, 0, Some(last - 5_000));
+        assert_eq!(a, last);
+        let b = next.stamp(8, a, 10_000, Some(last - 5_000));
+        assert_eq!(b - a, 10_000 - 5);
     }
 }

@@ -147,8 +147,8 @@ struct RunArgs {
     #[arg(long, env = "ALLOT_SLOW_PROPOSAL_MS", default_value_t = 1000)]
     slow_proposal_ms: u64,
     /// Most a leader may steer logical time toward the cluster's median clock, in
-    /// parts per million of elapsed time.
-    #[arg(long, env = "ALLOT_CLOCK_SLEW_PPM", default_value_t = 200_000)]
+    /// parts per million of elapsed time: bills run within this of real time.
+    #[arg(long, env = "ALLOT_CLOCK_SLEW_PPM", default_value_t = 500)]
     clock_slew_ppm: u64,
     /// Write requests per second per tenant (an org, whichever of its tokens it uses;
     /// an agent's node) at this node's edge (0 disables).

@@ -50,7 +50,7 @@ impl Default for ProposerConfig {
             max_inflight: 8,
             queue: 65_536,
             tick: Duration::from_millis(1000),
-            slew_ppm: 200_000,
+            slew_ppm: 500,
             slow: Some(Duration::from_secs(1)),
         }
     }

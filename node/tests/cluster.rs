@@ -421,6 +421,106 @@ async fn skewed_clocks_neither_expire_credit_early_nor_stop_time() {
     }
 }
 
+/// Issue 21, finding 5: five nodes, two of them 10 minutes fast and quick to win
+/// elections; one node down, then two (the three left — two fast, one right — still a
+/// quorum). Logical time never runs ahead of real time by more than the bound, and a
+/// promotional credit is usable until its instant and gone after it. (With the median of
+/// a bare majority of samples, two fast clocks of three samples made the target fast.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_fast_clocks_of_five_with_nodes_down_move_nothing_early() {
+    let (_dir, mut c) = cluster("skew5", 5, 1);
+    for i in 0..2 {
+        c.nodes[i].extra_args = [
+            "--test-clock-offset-ms=600000",
+            "--election-min-ms",
+            "200",
+            "--election-max-ms",
+            "300",
+        ]
+        .map(String::from)
+        .to_vec();
+    }
+    for i in 2..5 {
+        c.nodes[i].extra_args = ["--election-min-ms", "1500", "--election-max-ms", "3000"]
+            .map(String::from)
+            .to_vec();
+    }
+    up(&mut c).await;
+    let client = allot_node::local_cluster::client(c.endpoints());
+    setup_shards(&client, 1).await;
+    c.kill(5);
+    let leader = c.leader_of(0).await.unwrap();
+    assert!(
+        leader <= 2,
+        "a fast node leads (else the test proves little): {leader}"
+    );
+
+    let expires_at = real_now_ms() + 10_000;
+    let mut g = workload::grant(50, Account::Project(PROJECT), 5_000_000);
+    g.kind = allot_statemachine::BucketKind::Promotional;
+    g.expires_at_ms = Some(expires_at);
+    let (outs, _) = client
+        .execute(
+            0,
+            &[workload::admin(
+                workload::rid(0, 5000),
+                allot_statemachine::Command::IssueGrant(g),
+            )],
+        )
+        .await
+        .unwrap();
+    assert!(outs[0].is_ok(), "{outs:?}");
+    let promo = || async {
+        match client
+            .query(
+                0,
+                &Query::Balance {
+                    org: ORG,
+                    account: Account::Project(PROJECT),
+                    horizon_ms: 0,
+                },
+            )
+            .await
+            .unwrap()
+        {
+            Answer::Balance(Some(b)) => b.promotional_available_micro,
+            other => panic!("{other:?}"),
+        }
+    };
+    let started = Instant::now();
+    let mut max_ahead: i64 = i64::MIN;
+    let mut second_down = false;
+    while real_now_ms() + SKEW_BOUND_MS < expires_at {
+        if !second_down && started.elapsed() > Duration::from_secs(2) {
+            // A correct node goes down too: two fast clocks of the three left. Then the
+            // (fast) leader restarts, so a new leader takes office and adopts the
+            // cluster's time from those three samples.
+            c.kill(4);
+            second_down = true;
+            let leader = c.leader_of(0).await.unwrap();
+            c.kill(leader);
+            c.start(leader).unwrap();
+            c.wait_leaders(Duration::from_secs(20)).await.unwrap();
+        }
+        let t = shard_time(&c, 0).await;
+        let now = real_now_ms();
+        max_ahead = max_ahead.max(t as i64 - now as i64);
+        assert!(
+            t <= now + SKEW_BOUND_MS,
+            "logical time {t} is ahead of real time {now}"
+        );
+        if real_now_ms() + SKEW_BOUND_MS < expires_at {
+            assert_eq!(promo().await, 5_000_000, "promotional credit expired early");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    println!("skew5: logical time at most {max_ahead} ms ahead of real time");
+    while real_now_ms() < expires_at + 3 * SKEW_BOUND_MS {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(promo().await, 0, "expired on time");
+}
+
 async fn shard_time(c: &LocalCluster, shard: u32) -> u64 {
     let leader = c.leader_of(shard).await.unwrap();
     let mut a = allot_node::local_cluster::admin(&c.node(leader).addr)

@@ -148,9 +148,12 @@ pub enum SettleReason {
     Failed,
     /// The user cancelled it: charged up to the settlement instant.
     Cancelled,
-    /// Platform-caused preemption: charged only up to the last checkpoint.
+    /// Preemption, which the platform decides: charged only up to the last checkpoint.
     Preempted,
-    /// The node failed (platform fault): charged only up to the last checkpoint.
+    /// The node lost the job — its lease ran out, or its agent stopped the job because it
+    /// could not renew the lease: charged up to the last accepted heartbeat (the GPU time
+    /// the cluster saw used; a workload cannot make its attempts free by crashing its
+    /// agent).
     NodeFailure,
     /// No heartbeat within the lease (e.g. the finish call was lost): charged up to the
     /// last accepted heartbeat, the last evidence that the job was running.
@@ -160,9 +163,15 @@ pub enum SettleReason {
 }
 
 impl SettleReason {
-    /// Platform-caused endings bill only work that a checkpoint preserved.
-    pub fn is_platform_fault(self) -> bool {
-        matches!(self, SettleReason::Preempted | SettleReason::NodeFailure)
+    /// The ending the platform itself declares (preemption) bills only the work a
+    /// checkpoint preserved.
+    pub fn bills_to_checkpoint(self) -> bool {
+        matches!(self, SettleReason::Preempted)
+    }
+
+    /// Endings the cluster only observes (a lease ran out) bill to the last heartbeat.
+    pub fn bills_to_last_heartbeat(self) -> bool {
+        matches!(self, SettleReason::NodeFailure | SettleReason::Lost)
     }
 }
 
@@ -322,6 +331,13 @@ pub enum Command {
         org: OrgId,
         plan: Option<Plan>,
     },
+    /// The agent stopped an attempt itself because it could not renew its lease (it
+    /// fences itself before the cluster may re-place the job): requeued like a node
+    /// failure, billed to the last heartbeat. Agent only.
+    JobFenced {
+        job: JobId,
+        attempt: u32,
+    },
 }
 
 /// One refused call at a node's edge.
@@ -469,6 +485,7 @@ impl Command {
             Command::RecordDenials { .. } => "record_denials",
             Command::SetShareWeight { .. } => "set_share_weight",
             Command::SetPlan { .. } => "set_plan",
+            Command::JobFenced { .. } => "job_fenced",
         }
     }
 
@@ -507,6 +524,7 @@ impl Command {
                 | Command::CancelJob { .. }
                 | Command::JobHeartbeat(_)
                 | Command::FinishJob { .. }
+                | Command::JobFenced { .. }
                 | Command::SetQuota { .. }
                 | Command::SetShareWeight { .. }
                 | Command::SetPlan { .. }

@@ -29,7 +29,7 @@
 //! };
 //! let out = apply(&mut state, &entry).unwrap();
 //! assert!(out.outcomes.iter().all(|o| o.is_ok()));
-//! let balance = state.ledger.balance(Account::Org(OrgId(1)), 1_000, 0).unwrap();
+//! let balance = state.ledger.balance(OrgId(1), Account::Org(OrgId(1)), 1_000, 0).unwrap();
 //! assert_eq!(balance.paid_available_micro, 5_000_000);
 //! assert!(check_invariants(&state).is_ok());
 //! ```

@@ -248,6 +248,7 @@ pub enum ConfigProblem {
     // Appended (the encoding is positional).
     NodeFailureRequeues,
     TierPrice,
+    FenceMargin,
 }
 
 /// What is wrong with a node registration.

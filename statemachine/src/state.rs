@@ -516,6 +516,9 @@ fn dispatch_scheduler(
             actor,
             ((need(ns)?, *job), *attempt, *success),
         ),
+        Command::JobFenced { job, attempt } => {
+            sched.fenced(ctx, ledger, cfg, actor, ((need(ns)?, *job), *attempt))
+        }
         Command::SetQuota { org, quota } => sched.set_quota(ledger, *org, *quota),
         Command::SetShareWeight { scope, weight } => {
             sched.set_share_weight(ledger, need(ns)?, *scope, *weight)
@@ -660,7 +663,9 @@ fn refs_of(
             Some(Account::Project(spec.project)),
             Some(HoldId(spec.job.0)),
         ),
-        Command::CancelJob { job } | Command::FinishJob { job, .. } => hold_refs(HoldId(job.0)),
+        Command::CancelJob { job }
+        | Command::FinishJob { job, .. }
+        | Command::JobFenced { job, .. } => hold_refs(HoldId(job.0)),
         Command::JobHeartbeat(hb) => hold_refs(HoldId(hb.job.0)),
         Command::SetQuota { org, .. } => (Some(Account::Org(*org)), None),
         Command::SetShareWeight { scope, .. } | Command::SetBudget { scope, .. } => {

@@ -616,7 +616,9 @@ pub fn infer_org(state: &State, command: &Command) -> Option<OrgId> {
         | Command::StartMeter { hold: h, .. }
         | Command::Settle { hold: h, .. } => hold(*h),
         Command::Heartbeat(hb) => hold(hb.hold),
-        Command::CancelJob { job: j } | Command::FinishJob { job: j, .. } => job(*j),
+        Command::CancelJob { job: j }
+        | Command::FinishJob { job: j, .. }
+        | Command::JobFenced { job: j, .. } => job(*j),
         Command::JobHeartbeat(hb) => job(hb.job),
         Command::SetBudget { scope, .. } | Command::SetShareWeight { scope, .. } => match scope {
             BudgetScope::Org(o) => Some(*o),
@@ -672,6 +674,7 @@ pub fn fixture_org(command: &Command) -> Option<OrgId> {
         | Command::Heartbeat(_)
         | Command::CancelJob { .. }
         | Command::FinishJob { .. }
+        | Command::JobFenced { .. }
         | Command::JobHeartbeat(_) => ORG,
         _ => return None,
     })

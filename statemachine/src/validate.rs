@@ -135,6 +135,7 @@ pub fn validate_command(command: &Command) -> Result<(), CommandError> {
         | Command::SetNodeDraining { .. }
         | Command::CancelJob { .. }
         | Command::FinishJob { .. }
+        | Command::JobFenced { .. }
         | Command::SetQuota { .. }
         | Command::RevokeToken { .. } => Ok(()),
         Command::SetPlan { plan, .. } => plan.as_ref().map_or(Ok(()), check_plan),
@@ -319,6 +320,7 @@ fn check_settings(s: &SchedulerSettings) -> Result<(), CommandError> {
     let lease = LEASE_MS_MIN..=LEASE_MS_MAX;
     check(lease.contains(&s.node_lease_ms), P::NodeLease)?;
     check(lease.contains(&s.job_lease_ms), P::JobLease)?;
+    check(s.fence_margin_ms <= LEASE_MS_MAX, P::FenceMargin)?;
     check(s.grace_ms <= GRACE_MS_MAX, P::Grace)?;
     check(s.min_runtime_ms <= RUNTIME_MS_MAX, P::MinRuntime)?;
     check(s.hysteresis_ms <= RUNTIME_MS_MAX, P::Hysteresis)?;

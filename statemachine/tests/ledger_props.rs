@@ -111,10 +111,13 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-const REASONS: [SettleReason; 6] = [
+/// Preemption twice: it is the one ending billed to the checkpoint, so the one that
+/// reverses captures.
+const REASONS: [SettleReason; 7] = [
     SettleReason::Succeeded,
     SettleReason::Failed,
     SettleReason::Cancelled,
+    SettleReason::Preempted,
     SettleReason::Preempted,
     SettleReason::NodeFailure,
     SettleReason::Lost,

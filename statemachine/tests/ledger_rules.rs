@@ -373,9 +373,11 @@ fn settlement_billing_by_reason() {
             reason: SettleReason::Preempted,
             expected_captured: credits(2),
         },
+        // The node lost the job (lease): billed to the last heartbeat like Lost, not to
+        // the checkpoint — a workload cannot make its attempts free by crashing its agent.
         Case {
             reason: SettleReason::NodeFailure,
-            expected_captured: credits(2),
+            expected_captured: credits(4),
         },
     ];
     for case in cases {
@@ -520,12 +522,12 @@ fn a_reversal_is_credited_to_the_period_it_was_billed_in() {
         amount_micro: credits(6),
     });
     h.ok(Command::ReleaseHold { hold: HoldId(2) });
-    // The first job's node fails: nothing after its (absent) checkpoint is billable, so
-    // November's 3 credits are reversed — in November, not December.
+    // The first job is preempted: nothing after its (absent) checkpoint is billable,
+    // so November's 3 credits are reversed — in November, not December.
     let Reply::Settled(s) = h.ok(Command::Settle {
         hold: HoldId(1),
         attempt: 1,
-        reason: SettleReason::NodeFailure,
+        reason: SettleReason::Preempted,
     }) else {
         panic!()
     };

@@ -222,7 +222,8 @@ fn job_lease_expiry_ends_a_job_as_lost_billed_to_its_last_heartbeat() {
         ledger::cost_micro(30_000, A100_PRICE, 1)
     );
     assert!(!h.hold(10).is_open());
-    // The late finish is refused: no double refund.
+    // The late finish is refused as "already finished" (issue 21: it used to answer
+    // UnknownJob, which the agent logged as an unknown job): no double refund.
     let late = h.run_as(
         Actor::Agent(NodeId(1)),
         Command::FinishJob {
@@ -231,7 +232,7 @@ fn job_lease_expiry_ends_a_job_as_lost_billed_to_its_last_heartbeat() {
             success: true,
         },
     );
-    assert_eq!(late, Err(CommandError::UnknownJob));
+    assert_eq!(late, Err(CommandError::JobFinished));
 }
 
 /// Job 10 (4 A100s) runs on node 1, checkpoints at 30 s, heartbeats at 55 s; then the
@@ -247,11 +248,13 @@ fn run_job_10_then_lose_its_node(h: &mut Harness) {
     h.tick();
 }
 
-/// A node that misses its lease is down: its jobs go back to the queue billed only to
-/// their last checkpoint (a platform fault), and run again as a new attempt when a node
-/// is available; the dead node's reports of the old attempt are fenced.
+/// A node that misses its lease is down (after the fence margin): its jobs go back to
+/// the queue billed to their last heartbeat — the GPU time the cluster saw used; only
+/// preemption, which the platform decides, bills to the checkpoint (issue 21, finding 8)
+/// — and run again as a new attempt when a node is available; the dead node's reports
+/// of the old attempt are fenced.
 #[test]
-fn node_lease_expiry_requeues_its_jobs_billed_to_the_checkpoint() {
+fn node_lease_expiry_requeues_its_jobs_billed_to_the_last_heartbeat() {
     let mut h = world_default_leases();
     run_job_10_then_lose_its_node(&mut h);
     assert_eq!(
@@ -263,10 +266,11 @@ fn node_lease_expiry_requeues_its_jobs_billed_to_the_checkpoint() {
         (j.state, j.last_reason, j.node_failures, j.attempt),
         (JobState::Queued, Reason::NodeDown, 1, 1)
     );
-    // Billed only to the checkpoint (30 s of 4 A100s); the hold stays open for the rerun.
+    // Billed to the last heartbeat (55 s of 4 A100s), not only to the checkpoint (30 s);
+    // the hold stays open for the rerun.
     assert_eq!(
         h.hold(10).captured,
-        ledger::cost_micro(30_000, A100_PRICE, 4)
+        ledger::cost_micro(55_000, A100_PRICE, 4)
     );
     assert!(h.hold(10).settled.is_none(), "the hold stays reserved");
     assert_eq!(h.state.scheduler.fleet_gpus, 0);
@@ -324,13 +328,13 @@ fn node_lease_expiry_requeues_its_jobs_billed_to_the_checkpoint() {
     assert_eq!(h.job(10).state, JobState::Succeeded);
     assert_eq!(
         h.hold(10).captured,
-        ledger::cost_micro(30_000, A100_PRICE, 4) + ledger::cost_micro(60_000, A100_PRICE, 4),
-        "each attempt billed on its own: 30 s to the checkpoint, then 60 s"
+        ledger::cost_micro(55_000, A100_PRICE, 4) + ledger::cost_micro(60_000, A100_PRICE, 4),
+        "each attempt billed on its own: 55 s to the last heartbeat, then 60 s"
     );
 }
 
-/// A job that has used up its node-failure requeues fails as a platform fault when its
-/// node goes down again (billed to its checkpoint, the rest refunded).
+/// A job that has used up its node-failure requeues fails when its node goes down again
+/// (billed to its last heartbeat, the rest refunded).
 #[test]
 fn a_job_out_of_node_failure_requeues_fails_as_a_platform_fault() {
     let mut config = Config::default();
@@ -343,7 +347,7 @@ fn a_job_out_of_node_failure_requeues_fails_as_a_platform_fault() {
         (JobState::Failed, Reason::NodeDown)
     );
     let hold = h.hold(10);
-    assert_eq!(hold.captured, ledger::cost_micro(30_000, A100_PRICE, 4));
+    assert_eq!(hold.captured, ledger::cost_micro(55_000, A100_PRICE, 4));
     assert!(hold.settled.is_some(), "settled: the rest is refunded");
     h.nodes_alive();
     assert!(h.state.scheduler.assignments(NodeId(1)).is_empty());
@@ -398,7 +402,8 @@ fn preemption_rules_grace_and_reservation() {
     );
     assert!(h.hold(10).is_open());
     assert_eq!(h.job(10).preemptions, 1);
-    // The old attempt's agent is fenced off: the job is no longer placed on its node.
+    // The old attempt's agent is fenced off: the job is waiting in the queue, placed
+    // nowhere (a typed answer, not "unknown job").
     assert_eq!(
         h.run_as(
             Actor::Agent(NodeId(1)),
@@ -410,7 +415,7 @@ fn preemption_rules_grace_and_reservation() {
                 checkpoint: 1
             })
         ),
-        Err(CommandError::UnknownJob)
+        Err(CommandError::JobNotPlaced)
     );
 }
 
@@ -1300,4 +1305,235 @@ fn a_reserved_gang_job_preempts_once_victims_are_eligible() {
     h.advance(h.state.config.scheduler.grace_ms);
     h.tick();
     assert_eq!(node_of(&h, 30), Some(1));
+}
+
+// ------------------------------------------------------------------ fencing (issue 21)
+
+/// Job 10 (1 A100) runs on node 1 (one GPU) with default leases (node 60 s, margin
+/// 10 s); its last heartbeat is at 20 s, after which node 1 falls silent. Node 2 (also
+/// one A100) stays alive. Returns the instant node 1's lease ends.
+fn silent_node_world() -> (Harness, u64) {
+    let mut h = world_default_leases();
+    h.fleet(&[(1, a100(), 1, 80)]);
+    submit(&mut h, Harness::job_spec(10, Tier::PAID, vec![a100()], 1));
+    h.advance(20_000);
+    h.nodes_alive();
+    h.job_heartbeat(10, 1, 0).unwrap();
+    let lease_end = h.state.scheduler.node(NodeId(1)).unwrap().lease_until_ms;
+    h.fleet(&[(2, a100(), 1, 80)]);
+    (h, lease_end)
+}
+
+/// Renews node 2's lease only (node 1 is silent).
+fn node_2_alive(h: &mut Harness) {
+    h.run_as(
+        Actor::Agent(NodeId(2)),
+        Command::NodeHeartbeat { node: NodeId(2) },
+    )
+    .unwrap();
+}
+
+/// A silent node's job is not re-placed until the fence margin has passed after its
+/// lease (issue 21, finding 1: it used to be re-placed at the lease's end, while the old
+/// runner could still be running); meanwhile the node takes no new work.
+#[test]
+fn a_silent_nodes_jobs_are_replaced_only_after_the_fence_margin() {
+    let (mut h, lease_end) = silent_node_world();
+    let margin = h.state.config.scheduler.fence_margin_ms;
+    assert!(margin > 0);
+    h.now = lease_end;
+    node_2_alive(&mut h);
+    let n1 = h.state.scheduler.node(NodeId(1)).unwrap();
+    assert!(n1.lapsed && n1.state == NodeState::Ready);
+    assert_eq!(
+        h.job(10).state,
+        JobState::Running,
+        "not re-placed at the lease's end"
+    );
+    // A new job goes to node 2, never to the lapsed node.
+    submit(&mut h, Harness::job_spec(11, Tier::PAID, vec![a100()], 1));
+    assert_eq!(node_of(&h, 11), Some(2));
+    h.ok(Command::FinishJob {
+        job: JobId(11),
+        attempt: 1,
+        success: true,
+    });
+    h.now = lease_end + margin - 1;
+    node_2_alive(&mut h);
+    assert_eq!(h.job(10).state, JobState::Running);
+    assert_eq!(node_of(&h, 10), Some(1));
+    // At lease + margin: node 1 is down, job 10 runs again on node 2 as attempt 2, its
+    // first attempt billed to its last heartbeat (20 s).
+    h.now = lease_end + margin;
+    node_2_alive(&mut h);
+    assert_eq!(
+        h.state.scheduler.node(NodeId(1)).unwrap().state,
+        NodeState::Down
+    );
+    assert_eq!((node_of(&h, 10), h.job(10).attempt), (Some(2), 2));
+    assert_eq!(h.job(10).last_reason, Reason::Placed);
+    assert_eq!(
+        h.hold(10).captured,
+        ledger::cost_micro(20_000, A100_PRICE, 1)
+    );
+}
+
+/// After a whole-cluster outage longer than every lease and the job's max duration,
+/// logical time resumes at the real instant and all of them are due in one entry: the
+/// job's node is silent too, so its fate decides — requeued as a platform fault, billed to
+/// its last heartbeat — rather than Lost by its job lease (fired first: it is shorter) or
+/// billed to now by its deadline for GPU time its agent, cut off, did not use.
+#[test]
+fn after_a_whole_cluster_outage_jobs_are_requeued_not_lost_nor_billed_for_it() {
+    // Both timers due before the node's fate is decided (lease 60 s + margin 10 s after
+    // the last node heartbeat at 20 s): a job lease of 30 s, a max duration of 50 s.
+    for (job_lease_ms, max_duration_ms) in [(30_000, 10 * 60_000), (180_000, 50_000)] {
+        let mut config = Config::default();
+        config.scheduler.job_lease_ms = job_lease_ms;
+        let mut h = Harness::world_with(config);
+        h.grant(1, P, BucketKind::Paid, credits(100_000), None);
+        h.fleet(&[(1, a100(), 1, 80)]);
+        let mut spec = Harness::job_spec(10, Tier::PAID, vec![a100()], 1);
+        spec.max_duration_ms = max_duration_ms;
+        submit(&mut h, spec);
+        h.advance(20_000);
+        h.nodes_alive();
+        h.job_heartbeat(10, 1, 0).unwrap();
+        let cfg = h.state.config.scheduler.clone();
+        assert!(20_000 + cfg.job_lease_ms.min(max_duration_ms) < 20_000 + cfg.node_lease_ms);
+        h.advance(10 * (cfg.job_lease_ms + cfg.node_lease_ms + cfg.fence_margin_ms));
+        h.tick();
+        let j = h.job(10);
+        assert_eq!(j.state, JobState::Queued, "{:?}", j.last_reason);
+        assert_eq!(j.last_reason, Reason::NodeDown);
+        assert_eq!(j.node_failures, 1);
+        assert_eq!(
+            h.hold(10).captured,
+            ledger::cost_micro(20_000, A100_PRICE, 1)
+        );
+        assert_eq!(
+            h.state.scheduler.node(NodeId(1)).unwrap().state,
+            NodeState::Down
+        );
+    }
+}
+
+/// With its node alive, a job's silence is the job's: its lease ends it as Lost.
+#[test]
+fn a_silent_job_on_a_live_node_is_lost_at_its_lease() {
+    let mut h = world_default_leases();
+    h.fleet(&[(1, a100(), 1, 80)]);
+    submit(&mut h, Harness::job_spec(10, Tier::PAID, vec![a100()], 1));
+    h.advance(20_000);
+    h.job_heartbeat(10, 1, 0).unwrap();
+    let job_lease = h.state.config.scheduler.job_lease_ms;
+    let mut t = 0;
+    while h.job(10).state == JobState::Running {
+        h.advance(5_000);
+        h.nodes_alive();
+        t += 5_000;
+        assert!(t <= job_lease + 5_000, "still running after its lease");
+    }
+    assert_eq!(h.job(10).state, JobState::Lost);
+    assert_eq!(h.job(10).last_reason, Reason::LeaseExpired);
+}
+
+/// A node back within the margin keeps its jobs; the attempts its agent stopped while
+/// it could not renew the lease are reported with `JobFenced` and requeued, billed to
+/// their last heartbeat; the report is fenced like any other.
+#[test]
+fn a_fenced_attempt_is_requeued_and_billed_to_its_last_heartbeat() {
+    let (mut h, lease_end) = silent_node_world();
+    h.now = lease_end + 1_000;
+    h.tick();
+    assert!(h.state.scheduler.node(NodeId(1)).unwrap().lapsed);
+    // Node 1's agent is back within the margin: the node takes work again.
+    h.run_as(
+        Actor::Agent(NodeId(1)),
+        Command::NodeHeartbeat { node: NodeId(1) },
+    )
+    .unwrap();
+    assert!(!h.state.scheduler.node(NodeId(1)).unwrap().lapsed);
+    assert_eq!(node_of(&h, 10), Some(1));
+    // Another node's agent cannot report it.
+    let fenced = |attempt| Command::JobFenced {
+        job: JobId(10),
+        attempt,
+    };
+    assert_eq!(
+        h.run_as(Actor::Agent(NodeId(2)), fenced(1)),
+        Err(CommandError::UnknownJob)
+    );
+    // The agent stopped attempt 1 when its lease ran short, and says so.
+    assert_eq!(
+        h.run_as(Actor::Agent(NodeId(1)), fenced(1)),
+        Ok(Reply::JobFinished(None))
+    );
+    let j = h.job(10);
+    assert_eq!(j.node_failures, 1);
+    assert_eq!(
+        h.hold(10).captured,
+        ledger::cost_micro(20_000, A100_PRICE, 1)
+    );
+    // Placed again (node 2 is free) as attempt 2; the old report's resend is stale.
+    assert_eq!(h.job(10).attempt, 2);
+    assert_eq!(
+        h.run_as(Actor::Agent(NodeId(1)), fenced(1)),
+        Err(CommandError::StaleAttempt {
+            given: 1,
+            current: 2
+        })
+    );
+    // A tenant cannot send it.
+    assert_eq!(
+        h.run_as(tenant(ORG), fenced(2)),
+        Err(CommandError::Unauthorized)
+    );
+}
+
+/// A queued job whose preferred GPU type lost its price runs on its next type; one with
+/// no priced type left fails (`Unpriced`) and its hold returns (issue 21, finding 6: it
+/// used to be parked on every pass, its credits held, forever).
+#[test]
+fn a_price_edit_never_strands_a_queued_job() {
+    let mut h = world();
+    h.fleet(&[(1, h100(), 1, 80), (2, a100(), 1, 80)]);
+    // Both nodes busy.
+    submit(&mut h, Harness::job_spec(1, Tier::PAID, vec![h100()], 1));
+    submit(&mut h, Harness::job_spec(2, Tier::PAID, vec![a100()], 1));
+    // Job 3 prefers H100, takes A100; job 4 takes H100 only.
+    submit(
+        &mut h,
+        Harness::job_spec(3, Tier::PAID, vec![h100(), a100()], 1),
+    );
+    submit(&mut h, Harness::job_spec(4, Tier::PAID, vec![h100()], 1));
+    let balance = h.bucket(1).remaining + h.bucket(1).held;
+    // H100 is withdrawn from the price table.
+    h.ok(Command::SetPrices {
+        prices: vec![(a100(), A100_PRICE)],
+    });
+    // The running H100 job keeps its price; both nodes free up.
+    h.advance(HOUR_MS);
+    h.finish_job(1, true).unwrap();
+    assert_eq!(
+        h.hold(1).captured,
+        ledger::cost_micro(HOUR_MS, H100_PRICE, 1)
+    );
+    h.finish_job(2, true).unwrap();
+    assert_eq!(node_of(&h, 3), Some(2), "its next type, which has a price");
+    assert_eq!(h.job(3).placement.as_ref().unwrap().gpu_type, a100());
+    let j4 = h.job(4);
+    assert_eq!(
+        (j4.state, j4.last_reason),
+        (JobState::Failed, Reason::Unpriced)
+    );
+    assert!(!h.hold(4).is_open());
+    assert_eq!(h.hold(4).captured, 0, "its whole hold returned");
+    // Nothing is held for job 4 any more.
+    assert_eq!(
+        h.bucket(1).remaining + h.bucket(1).held,
+        balance
+            - ledger::cost_micro(HOUR_MS, H100_PRICE, 1)
+            - ledger::cost_micro(HOUR_MS, A100_PRICE, 1)
+    );
 }

@@ -6,12 +6,13 @@
 //! `allot_client::agent`.
 //!
 //!   allot-agent --endpoints 127.0.0.1:7101,127.0.0.1:7102 --shard 0 --node 7 \
-//!       --gpu-type A100 --gpus 8 --mem-gb 80 -- /opt/jobs/run-job.sh
+//!       --gpu-type A100 --gpus 8 --mem-gb 80 --token-file /etc/allot/agent-token \
+//!       --work-dir /var/lib/allot-agent -- /opt/jobs/run-job.sh
 //!   allot-agent --endpoints 127.0.0.1:7101 --node 7 --simulate --sim-runtime 10s..30s
 
 use allot_client::agent::{self, AgentConfig, Mode, SimConfig};
 use allot_client::statemachine::{GpuType, NodeId};
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -34,10 +35,13 @@ fn label(s: &str) -> Result<(String, String), String> {
     name = "allot-agent",
     version,
     about = "The allot GPU node agent: runs the jobs the scheduler places on this node.",
-    after_help = "The job runner after `--` is started for every job attempt with \
-CUDA_VISIBLE_DEVICES (the assigned GPU indices), ALLOT_JOB_ID, ALLOT_ATTEMPT and \
-ALLOT_PROGRESS_FILE (write \"<progress_ppm> <checkpoint>\" there). Exit 0 reports \
-success. On preemption it gets SIGTERM, then SIGKILL after the grace period."
+    after_help = "The job runner after `--` is started for every job attempt with a clean \
+environment (the --runner-env variables only) plus CUDA_VISIBLE_DEVICES (the assigned GPU \
+indices), ALLOT_JOB_ID, ALLOT_ORG_ID, ALLOT_ATTEMPT and ALLOT_PROGRESS_FILE (write \
+\"<progress_ppm> <checkpoint>\" there). Exit 0 reports success. On preemption it gets \
+SIGTERM, then SIGKILL after the grace period; when the agent cannot renew its lease it \
+stops the runner the same way before the lease ends. Run the agent under systemd with \
+KillMode=control-group (docs/allot-agent.service)."
 )]
 struct Args {
     /// Cluster endpoints, host:port, comma-separated (any nodes of the cluster).
@@ -74,16 +78,34 @@ struct Args {
     /// Time between SIGTERM and SIGKILL on preemption and shutdown.
     #[arg(long, default_value = "30s", value_parser = duration)]
     grace: Duration,
-    /// Directory for progress files and runner logs (default: a temp dir per node).
+    /// Directory for progress files, runner logs and the records of running runners
+    /// (default: a temp dir per node). Keep it across restarts: a restarted agent stops
+    /// the runners recorded there before it registers.
     #[arg(long)]
     work_dir: Option<PathBuf>,
-    /// API token: an agent token for this node (`allotctl token create --scope
-    /// agent:<node>`) in a secured cluster.
+    /// File with the API token: an agent token for this node (`allotctl token create
+    /// --scope agent:<node>`) in a secured cluster.
+    #[arg(long, conflicts_with = "token")]
+    token_file: Option<PathBuf>,
+    /// File with an admin token, read to register the node (and to register it again
+    /// if the shard forgets it; the file may be removed after the first registration).
+    #[arg(long, conflicts_with = "register_token")]
+    register_token_file: Option<PathBuf>,
+    /// The API token itself (deprecated on the command line, where every local user can
+    /// read it: use --token-file, or the environment variable).
     #[arg(long, env = "ALLOT_AGENT_TOKEN", hide_env_values = true)]
     token: Option<String>,
-    /// Admin token used only to register the node (default: --token).
+    /// Admin token used only to register the node (deprecated on the command line: use
+    /// --register-token-file).
     #[arg(long, env = "ALLOT_AGENT_REGISTER_TOKEN", hide_env_values = true)]
     register_token: Option<String>,
+    /// Runners are killed this long before a lease the agent could not renew ends.
+    #[arg(long, default_value = "5s", value_parser = duration)]
+    fence_margin: Duration,
+    /// A variable runners get from the agent's environment (repeatable; default: PATH,
+    /// HOME, USER, LOGNAME, LANG, LC_ALL, TZ, TMPDIR). Never a credential.
+    #[arg(long = "runner-env", value_name = "NAME")]
+    runner_env: Vec<String>,
     /// Fake GPUs and job runtimes (no runner is started).
     #[arg(long)]
     simulate: bool,
@@ -137,8 +159,23 @@ async fn shutdown_signal() {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    let args = Args::parse();
+    let matches = Args::command().get_matches();
+    let args = match Args::from_arg_matches(&matches) {
+        Ok(a) => a,
+        Err(e) => e.exit(),
+    };
     init_logs(args.verbose);
+    for (id, file) in [
+        ("token", "--token-file"),
+        ("register_token", "--register-token-file"),
+    ] {
+        if matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine) {
+            tracing::warn!(
+                "--{} on the command line is visible to every local user in /proc: use {file}",
+                id.replace('_', "-")
+            );
+        }
+    }
     match run(args).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -146,6 +183,15 @@ async fn main() -> std::process::ExitCode {
             std::process::ExitCode::from(2)
         }
     }
+}
+
+/// A token from a file (surrounding whitespace trimmed).
+fn read_token(path: &std::path::Path) -> anyhow::Result<String> {
+    let t = std::fs::read_to_string(path)
+        .map_err(|e| anyhow::anyhow!("reading the token file {}: {e}", path.display()))?;
+    let t = t.trim();
+    anyhow::ensure!(!t.is_empty(), "the token file {} is empty", path.display());
+    Ok(t.to_string())
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
@@ -167,8 +213,16 @@ async fn run(args: Args) -> anyhow::Result<()> {
     };
     let node = NodeId(args.node);
     let mut config = AgentConfig::new(args.endpoints, node, mode);
-    config.token = args.token;
+    config.token = match &args.token_file {
+        Some(f) => Some(read_token(f)?),
+        None => args.token,
+    };
     config.register_token = args.register_token;
+    config.register_token_file = args.register_token_file;
+    config.fence_margin = args.fence_margin;
+    if !args.runner_env.is_empty() {
+        config.runner_env = args.runner_env;
+    }
     config.shard = args.shard;
     config.gpu_type = GpuType::new(&args.gpu_type);
     config.gpus = args.gpus;

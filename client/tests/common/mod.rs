@@ -2,6 +2,8 @@
 //! bound on its run time, parsing its JSON output, polling with a deadline.
 #![allow(dead_code)] // each test binary uses its own subset
 
+pub mod agent;
+
 use serde_json::Value;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

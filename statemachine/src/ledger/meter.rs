@@ -67,9 +67,9 @@ impl Meter {
 
     /// How much run time of this attempt a given ending bills.
     pub fn billable_ms(&self, reason: SettleReason, now: u64) -> u64 {
-        let end = if reason.is_platform_fault() {
+        let end = if reason.bills_to_checkpoint() {
             self.checkpoint_ms.unwrap_or(self.started_ms)
-        } else if reason == SettleReason::Lost {
+        } else if reason.bills_to_last_heartbeat() {
             self.last_heartbeat_ms
         } else {
             now

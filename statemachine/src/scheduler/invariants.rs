@@ -111,7 +111,7 @@ pub fn check(state: &State) -> Result<(), String> {
             .free_index
             .get(&n.gpu_type)
             .is_some_and(|x| x.contains(&(n.free_gpus(), *nid)));
-        if indexed != (n.state == NodeState::Ready && n.free_gpus() > 0) {
+        if indexed != (n.placeable() && n.free_gpus() > 0) {
             return Err(format!("{nid}: free index disagrees with the node"));
         }
     }
@@ -119,7 +119,7 @@ pub fn check(state: &State) -> Result<(), String> {
     let expected = s
         .nodes
         .values()
-        .filter(|n| n.state == NodeState::Ready && n.free_gpus() > 0)
+        .filter(|n| n.placeable() && n.free_gpus() > 0)
         .count();
     if indexed != expected {
         return Err(format!(

@@ -21,7 +21,7 @@ impl Scheduler {
     pub(crate) fn index(&mut self, id: NodeId) {
         if let Some(n) = self.nodes.get(&id) {
             let free = n.free_gpus();
-            if n.state == NodeState::Ready && free > 0 {
+            if n.placeable() && free > 0 {
                 self.free_index
                     .entry(n.gpu_type.clone())
                     .or_default()
@@ -44,12 +44,22 @@ impl Scheduler {
         });
     }
 
+    /// A renewed lease: a lapsed node takes work again (its agent was back within the
+    /// fence margin; it reports any attempt it stopped meanwhile with `JobFenced`).
     fn renew_node_lease(&mut self, id: NodeId, until: u64) {
+        let lapsed = self.nodes.get(&id).is_some_and(|n| n.lapsed);
+        if lapsed {
+            self.unindex(id);
+        }
         if let Some(n) = self.nodes.get_mut(&id) {
             self.timers
                 .remove(&(n.lease_until_ms, Timer::NodeLease(id)));
             n.lease_until_ms = until;
+            n.lapsed = false;
             self.timers.insert((until, Timer::NodeLease(id)));
+        }
+        if lapsed {
+            self.index(id);
         }
     }
 
@@ -92,6 +102,7 @@ impl Scheduler {
                 labels,
                 state: NodeState::Ready,
                 lease_until_ms: now + lease_ms,
+                lapsed: false,
                 slots: vec![None; spec.gpu_count as usize],
                 reserved_for: None,
             },

@@ -290,16 +290,40 @@ impl Scheduler {
         })
     }
 
-    /// The job, if `actor` may act on it (an agent only on jobs placed on its node).
+    /// The job, if `actor` may act on it (an agent only on jobs placed on its node). A
+    /// late report gets the answer for what became of the job: `JobFinished` once it
+    /// ended, `StaleAttempt` once the attempt the agent ran was requeued or moved.
     fn job_for(&self, actor: Actor, id: JobKey) -> Result<&Job, CommandError> {
+        self.job_for_attempt(actor, id, None)
+    }
+
+    fn job_for_attempt(
+        &self,
+        actor: Actor,
+        id: JobKey,
+        attempt: Option<u32>,
+    ) -> Result<&Job, CommandError> {
         let j = self.jobs.get(&id).ok_or(CommandError::UnknownJob)?;
-        if let Actor::Agent(node) = actor {
-            if j.placement.as_ref().map(|p| p.node) != Some(node) {
-                return Err(CommandError::UnknownJob);
-            }
-        }
         if j.state.is_final() {
             return Err(CommandError::JobFinished);
+        }
+        if let Actor::Agent(node) = actor {
+            let placed = j.placement.as_ref().map(|p| p.node);
+            if placed != Some(node) {
+                // An older attempt (one this node may have run) is stale; the current
+                // one, requeued and waiting, is not placed; any other report is about a
+                // job this node has nothing to do with.
+                return Err(match attempt {
+                    Some(given) if given >= 1 && given < j.attempt => CommandError::StaleAttempt {
+                        given,
+                        current: j.attempt,
+                    },
+                    Some(given) if given == j.attempt && placed.is_none() => {
+                        CommandError::JobNotPlaced
+                    }
+                    _ => CommandError::UnknownJob,
+                });
+            }
         }
         Ok(j)
     }
@@ -492,7 +516,7 @@ impl Scheduler {
         hb: &JobHeartbeat,
     ) -> Result<Reply, CommandError> {
         let id = (org, hb.job);
-        let j = self.job_for(actor, id)?;
+        let j = self.job_for_attempt(actor, id, Some(hb.attempt))?;
         Self::check_attempt(j, hb.attempt)?;
         let state = j.state;
         let reply = ledger.heartbeat(
@@ -538,7 +562,7 @@ impl Scheduler {
         actor: Actor,
         (id, attempt, success): (JobKey, u32, bool),
     ) -> Result<Reply, CommandError> {
-        let j = self.job_for(actor, id)?;
+        let j = self.job_for_attempt(actor, id, Some(attempt))?;
         Self::check_attempt(j, attempt)?;
         if j.state == JobState::Preempting && !success {
             // The agent stopped the job for preemption (after checkpointing).
@@ -567,6 +591,39 @@ impl Scheduler {
             cfg,
             id,
             Ending { settle, to, reason },
+        )))
+    }
+
+    /// The agent stopped the attempt itself (it could not renew its lease): a job being
+    /// preempted counts as stopped for the preemption; any other is requeued as a node
+    /// failure, billed to its last heartbeat.
+    pub(crate) fn fenced(
+        &mut self,
+        ctx: &mut Ctx,
+        ledger: &mut Ledger,
+        cfg: &SchedulerConfig,
+        actor: Actor,
+        (id, attempt): (JobKey, u32),
+    ) -> Result<Reply, CommandError> {
+        let j = self.job_for_attempt(actor, id, Some(attempt))?;
+        Self::check_attempt(j, attempt)?;
+        if j.state == JobState::Preempting {
+            self.requeue(
+                ctx,
+                ledger,
+                cfg,
+                id,
+                SettleReason::Preempted,
+                Reason::Requeued,
+            );
+            return Ok(Reply::JobFinished(None));
+        }
+        Ok(Reply::JobFinished(self.node_failure(
+            ctx,
+            ledger,
+            cfg,
+            id,
+            Reason::Fenced,
         )))
     }
 

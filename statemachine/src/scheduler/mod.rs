@@ -64,6 +64,11 @@ pub struct SchedulerConfig {
     pub policy: Policy,
     pub node_lease_ms: u64,
     pub job_lease_ms: u64,
+    /// How long past a missed node lease the cluster waits before it re-places the
+    /// node's jobs: the agent has stopped them by the lease's end (it fences itself), and
+    /// this margin covers the clocks' disagreement (DESIGN §45). Meanwhile the node takes
+    /// no new work.
+    pub fence_margin_ms: u64,
     /// Time a preempted job gets to checkpoint before its GPUs are reclaimed.
     pub grace_ms: u64,
     /// A job runs at least this long (this attempt) before it may be preempted.
@@ -75,8 +80,8 @@ pub struct SchedulerConfig {
     /// time since its last checkpoint, or since it started) is at most this many GPU-ms.
     pub preemption_loss_max_gpu_ms: u64,
     pub usage_half_life_ms: u64,
-    /// A job whose node misses its lease is requeued (billed to its last checkpoint) at
-    /// most this many times; after that it fails as a platform fault. 0: never requeued.
+    /// A job whose node misses its lease is requeued (billed to its last heartbeat) at
+    /// most this many times; after that it fails. 0: never requeued.
     pub node_failure_requeues_max: u32,
     pub default_quota: Quota,
     /// Bounds on one scheduling pass.
@@ -106,6 +111,7 @@ impl Default for SchedulerConfig {
             policy: Policy::Fair,
             node_lease_ms: 60_000,
             job_lease_ms: 180_000,
+            fence_margin_ms: 10_000,
             grace_ms: 30_000,
             min_runtime_ms: 60_000,
             hysteresis_ms: 60_000,
@@ -136,6 +142,13 @@ pub struct SchedulerSettings {
     pub usage_half_life_ms: u64,
     pub node_failure_requeues_max: u32,
     pub tiers: Vec<TierConfig>,
+    /// Absent in settings written before fencing: the default.
+    #[serde(default = "fence_margin_default")]
+    pub fence_margin_ms: u64,
+}
+
+fn fence_margin_default() -> u64 {
+    SchedulerConfig::default().fence_margin_ms
 }
 
 /// Bounds of [`SchedulerSettings`], by name.
@@ -177,6 +190,7 @@ impl SchedulerConfig {
             usage_half_life_ms: self.usage_half_life_ms,
             node_failure_requeues_max: self.node_failure_requeues_max,
             tiers: self.tiers.clone(),
+            fence_margin_ms: self.fence_margin_ms,
         }
     }
 
@@ -207,6 +221,7 @@ impl SchedulerConfig {
         self.usage_half_life_ms = s.usage_half_life_ms;
         self.node_failure_requeues_max = s.node_failure_requeues_max;
         self.tiers = s.tiers.clone();
+        self.fence_margin_ms = s.fence_margin_ms;
         Ok(())
     }
 }
@@ -227,6 +242,9 @@ pub struct GpuNode {
     pub labels: Vec<(String, String)>,
     pub state: NodeState,
     pub lease_until_ms: u64,
+    /// The lease ran out and has not been renewed: the node takes no new work, and its
+    /// jobs are re-placed `fence_margin_ms` after the lease's end unless it comes back.
+    pub lapsed: bool,
     /// Which job holds each GPU index.
     pub slots: Vec<Option<JobKey>>,
     /// Set while preempted GPUs are being freed for a waiting job.
@@ -234,6 +252,11 @@ pub struct GpuNode {
 }
 
 impl GpuNode {
+    /// Whether new work may go to this node: ready, and its lease current.
+    pub fn placeable(&self) -> bool {
+        self.state == NodeState::Ready && !self.lapsed
+    }
+
     pub fn free_gpus(&self) -> u32 {
         self.slots.iter().filter(|s| s.is_none()).count() as u32
     }
@@ -312,6 +335,12 @@ pub enum Reason {
     NodeDown,
     OutOfCredits,
     MaxDuration,
+    // Appended (the encoding is positional).
+    /// None of the job's GPU types has a price any more: it cannot be metered anywhere.
+    Unpriced,
+    /// The node's agent stopped the attempt itself: it could not renew its lease
+    /// (requeued like a node failure).
+    Fenced,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,8 +1,9 @@
 //! The scheduling pass, run at the end of every entry with bounded work: pick the next
 //! job by policy, place it best-fit, or (for a higher tier) preempt lower-tier work.
 
-use super::{JobState, Policy, Reason, Scheduler, SchedulerConfig, Timer};
-use crate::ids::{JobKey, NodeId, OrgId, Tier};
+use super::{Ending, JobState, Policy, Reason, Scheduler, SchedulerConfig, Timer};
+use crate::command::SettleReason;
+use crate::ids::{GpuType, JobKey, NodeId, OrgId, Tier};
 use crate::ledger::{Ctx, Ledger};
 use crate::limits::SHARE_WEIGHT_DEFAULT;
 use std::collections::{BTreeMap, VecDeque};
@@ -84,7 +85,25 @@ impl Scheduler {
                 parked.push(id);
                 continue;
             }
-            if let Some((node, indices)) = self.find_fit(id) {
+            // Only GPU types that still have a price can be metered: a job whose
+            // preferred type lost its price tries its next; one with none left fails
+            // (its hold returns) rather than wait forever.
+            let types = self.priced_types(ledger, id);
+            if types.is_empty() {
+                self.end(
+                    ctx,
+                    ledger,
+                    cfg,
+                    id,
+                    Ending {
+                        settle: SettleReason::Failed,
+                        to: JobState::Failed,
+                        reason: Reason::Unpriced,
+                    },
+                );
+                continue;
+            }
+            if let Some((node, indices)) = self.find_fit(id, &types) {
                 if self.place(ctx, ledger, cfg, id, node, indices).is_ok() {
                     placed += 1;
                     if let Some(org) = self.jobs.get(&id).map(|j| j.org) {
@@ -98,10 +117,10 @@ impl Scheduler {
             } else {
                 if cfg.policy != Policy::Fifo && searches < cfg.preemption_searches_per_pass_max {
                     searches += 1;
-                    self.try_preempt(ctx, ledger, cfg, id);
+                    self.try_preempt(ctx, ledger, cfg, id, &types);
                 }
                 if cfg.policy == Policy::Fair {
-                    self.try_reserve(cfg, id, &mut memo.reserve_full);
+                    self.try_reserve(cfg, id, &types, &mut memo.reserve_full);
                 }
             }
             self.dequeue(id);
@@ -110,6 +129,18 @@ impl Scheduler {
         for id in parked {
             self.enqueue(id);
         }
+    }
+
+    /// The job's acceptable GPU types that have a price now, in its order of preference.
+    fn priced_types(&self, ledger: &Ledger, id: JobKey) -> Vec<GpuType> {
+        self.jobs.get(&id).map_or_else(Vec::new, |j| {
+            j.spec
+                .gpu_types
+                .iter()
+                .filter(|t| ledger.price_of(t).is_some())
+                .cloned()
+                .collect()
+        })
     }
 
     fn org_score(&self, org: &OrgId, now: u64, h: u64) -> u64 {
@@ -254,7 +285,7 @@ impl Scheduler {
     /// Best fit: in preference order of GPU types, the ready node with the fewest free
     /// GPUs that still fit (keeping whole free nodes for large jobs), memory floor met,
     /// not reserved for another waiting job; ties by node id. GPUs: lowest free indices.
-    fn find_fit(&self, id: JobKey) -> Option<(NodeId, Vec<u8>)> {
+    fn find_fit(&self, id: JobKey, types: &[GpuType]) -> Option<(NodeId, Vec<u8>)> {
         let j = self.jobs.get(&id)?;
         let (gpus, floor) = (j.spec.gpus, j.spec.mem_floor_gb);
         let usable = |node: NodeId| {
@@ -282,7 +313,7 @@ impl Scheduler {
             let ready = self
                 .nodes
                 .get(&n)
-                .is_some_and(|x| x.state == super::NodeState::Ready);
+                .is_some_and(|x| x.placeable() && types.contains(&x.gpu_type));
             if ready {
                 usable(n)
             } else {
@@ -291,7 +322,7 @@ impl Scheduler {
         }) {
             return Some(fit);
         }
-        for t in &j.spec.gpu_types {
+        for t in types {
             let Some(set) = self.free_index.get(t) else {
                 continue;
             };
@@ -309,7 +340,13 @@ impl Scheduler {
     /// its jobs finish. Bounded by `reserved_nodes_max`.
     /// `full` is the pass's note that the budget is spent (set here, cleared by a
     /// placement), which spares a scan of every node per blocked candidate.
-    fn try_reserve(&mut self, cfg: &SchedulerConfig, id: JobKey, full: &mut bool) {
+    fn try_reserve(
+        &mut self,
+        cfg: &SchedulerConfig,
+        id: JobKey,
+        types: &[GpuType],
+        full: &mut bool,
+    ) {
         let Some(j) = self.jobs.get(&id) else { return };
         if *full || j.reserved_node.is_some() || j.spec.gpus < 2 {
             return;
@@ -325,12 +362,12 @@ impl Scheduler {
         }
         let (gpus, floor) = (j.spec.gpus, j.spec.mem_floor_gb);
         let mut best: Option<(u32, std::cmp::Reverse<NodeId>)> = None;
-        for t in &j.spec.gpu_types {
+        for t in types {
             for &node in self.type_nodes.get(t).into_iter().flatten() {
                 let Some(n) = self.nodes.get(&node) else {
                     continue;
                 };
-                if n.state != super::NodeState::Ready
+                if !n.placeable()
                     || n.gpu_count < gpus
                     || n.gpu_mem_gb < floor
                     || n.reserved_for.is_some()
@@ -364,7 +401,14 @@ impl Scheduler {
     /// node is reserved for the waiting job. A job whose own preemption is under way
     /// waits for it; a job holding only an anti-fragmentation reservation (waiting for a
     /// node to drain by itself) may still preempt, here or on another node.
-    fn try_preempt(&mut self, ctx: &mut Ctx, ledger: &Ledger, cfg: &SchedulerConfig, id: JobKey) {
+    fn try_preempt(
+        &mut self,
+        ctx: &mut Ctx,
+        ledger: &Ledger,
+        cfg: &SchedulerConfig,
+        id: JobKey,
+        types: &[GpuType],
+    ) {
         let Some(j) = self.jobs.get(&id) else { return };
         if j.reserved_node
             .is_some_and(|node| self.preempting_for(node, id))
@@ -373,12 +417,12 @@ impl Scheduler {
         }
         let (tier, gpus, floor, now) = (j.spec.tier, j.spec.gpus, j.spec.mem_floor_gb, ctx.now);
         let mut best: Option<((u64, usize, NodeId), Vec<JobKey>)> = None;
-        for t in &j.spec.gpu_types {
+        for t in types {
             for &node in self.type_nodes.get(t).into_iter().flatten() {
                 let Some(n) = self.nodes.get(&node) else {
                     continue;
                 };
-                if n.state != super::NodeState::Ready
+                if !n.placeable()
                     || n.gpu_mem_gb < floor
                     || n.gpu_count < gpus
                     || n.reserved_for.is_some_and(|r| r != id)

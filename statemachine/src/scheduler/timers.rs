@@ -1,7 +1,8 @@
-//! Time-driven transitions, run first in every entry on logical time: node leases
-//! (a node that misses its lease is down; its jobs go back to the queue, billed to their
-//! last checkpoint, up to `node_failure_requeues_max` times, then fail as platform
-//! faults), job leases (no heartbeat in time: Lost), preemption grace, and max duration.
+//! Time-driven transitions, run first in every entry on logical time: node leases (a
+//! node that misses its lease takes no new work; `fence_margin_ms` later, unless it came
+//! back, it is down and its jobs go back to the queue, billed to their last heartbeat, up
+//! to `node_failure_requeues_max` times, then fail), job leases (no heartbeat in time:
+//! Lost), preemption grace, and max duration.
 
 use super::{Ending, JobState, NodeState, Reason, Scheduler, SchedulerConfig, Timer};
 use crate::command::SettleReason;
@@ -9,6 +10,55 @@ use crate::ledger::{Ctx, Ledger};
 use crate::limits::TIMERS_PER_ENTRY_MAX;
 
 impl Scheduler {
+    /// A job whose node lost it (the lease ran out, or the agent stopped it when it could
+    /// not renew the lease): requeued as a new attempt, billed to its last heartbeat, or
+    /// failed once it used its requeues or its whole duration.
+    pub(crate) fn node_failure(
+        &mut self,
+        ctx: &mut Ctx,
+        ledger: &mut Ledger,
+        cfg: &SchedulerConfig,
+        job: crate::ids::JobKey,
+        reason: Reason,
+    ) -> Option<crate::outcome::Settlement> {
+        let retry = self.jobs.get(&job).is_some_and(|j| {
+            j.node_failures < cfg.node_failure_requeues_max && j.run_ms < j.spec.max_duration_ms
+        });
+        if retry {
+            self.requeue(ctx, ledger, cfg, job, SettleReason::NodeFailure, reason);
+            None
+        } else {
+            self.end(
+                ctx,
+                ledger,
+                cfg,
+                job,
+                Ending {
+                    settle: SettleReason::NodeFailure,
+                    to: JobState::Failed,
+                    reason,
+                },
+            )
+        }
+    }
+
+    /// When the fate of the silent node holding `job` is decided (its lease end plus the
+    /// fence margin); `None` if the job holds no GPUs or its node's lease has not run out.
+    fn node_silent_until(
+        &self,
+        job: crate::ids::JobKey,
+        cfg: &SchedulerConfig,
+        now: u64,
+    ) -> Option<u64> {
+        let j = self.jobs.get(&job)?;
+        if !j.state.holds_gpus() {
+            return None;
+        }
+        let n = self.nodes.get(&j.placement.as_ref()?.node)?;
+        (n.state != NodeState::Down && n.lease_until_ms <= now)
+            .then(|| n.lease_until_ms.saturating_add(cfg.fence_margin_ms))
+    }
+
     pub(crate) fn fire_timers(
         &mut self,
         ctx: &mut Ctx,
@@ -25,43 +75,45 @@ impl Scheduler {
             self.timers.pop_first();
             match timer {
                 Timer::NodeLease(node) => {
-                    let down = self
-                        .nodes
-                        .get(&node)
-                        .is_some_and(|n| n.state != NodeState::Down && n.lease_until_ms <= ctx.now);
-                    if down {
+                    let Some(n) = self.nodes.get(&node) else {
+                        continue;
+                    };
+                    if n.state == NodeState::Down {
+                        continue;
+                    }
+                    let (until, lapsed) = (n.lease_until_ms, n.lapsed);
+                    if !lapsed && until <= ctx.now {
+                        // The lease ran out: no new work here; the node's agent stops its
+                        // jobs by now (it fences itself), and the cluster re-places them
+                        // only once the margin for the clocks' disagreement has passed.
+                        self.unindex(node);
+                        if let Some(n) = self.nodes.get_mut(&node) {
+                            n.lapsed = true;
+                        }
+                        let at = until.saturating_add(cfg.fence_margin_ms);
+                        self.timers.insert((at, Timer::NodeLease(node)));
+                    } else if lapsed && until.saturating_add(cfg.fence_margin_ms) <= ctx.now {
                         for job in self.nodes.get(&node).map(|n| n.jobs()).unwrap_or_default() {
-                            let retry = self.jobs.get(&job).is_some_and(|j| {
-                                j.node_failures < cfg.node_failure_requeues_max
-                                    && j.run_ms < j.spec.max_duration_ms
-                            });
-                            if retry {
-                                self.requeue(
-                                    ctx,
-                                    ledger,
-                                    cfg,
-                                    job,
-                                    SettleReason::NodeFailure,
-                                    Reason::NodeDown,
-                                );
-                            } else {
-                                self.end(
-                                    ctx,
-                                    ledger,
-                                    cfg,
-                                    job,
-                                    Ending {
-                                        settle: SettleReason::NodeFailure,
-                                        to: JobState::Failed,
-                                        reason: Reason::NodeDown,
-                                    },
-                                );
-                            }
+                            self.node_failure(ctx, ledger, cfg, job, Reason::NodeDown);
                         }
                         self.set_node_state(node, NodeState::Down, ctx.effects);
                     }
                 }
                 Timer::JobLease(job) | Timer::Deadline(job) => {
+                    // A job whose node is silent too waits for the node's fate: once
+                    // down, it is requeued as a platform fault, billed to its last
+                    // heartbeat (after a whole-cluster outage logical time resumes at the
+                    // real instant and every lease and deadline is due at once — the jobs
+                    // that agents stopped for want of a lease are neither Lost nor billed
+                    // to now); if the node comes back, the timer fires then.
+                    if let Some(decided) = self.node_silent_until(job, cfg, ctx.now) {
+                        let kind = match timer {
+                            Timer::JobLease(_) => Timer::JobLease,
+                            _ => Timer::Deadline,
+                        };
+                        self.set_timer(job, kind, Some(decided.max(ctx.now).saturating_add(1)));
+                        continue;
+                    }
                     let Some(j) = self.jobs.get_mut(&job) else {
                         continue;
                     };

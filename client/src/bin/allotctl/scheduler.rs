@@ -34,10 +34,15 @@ pub struct ConfigureArgs {
     /// A placed job without a heartbeat for this long ends as Lost.
     #[arg(long, value_parser = values::duration_ms)]
     job_lease: Option<u64>,
-    /// A node without a heartbeat for this long is down (its jobs are requeued, billed to
-    /// their last checkpoint, or fail once they used up their requeues).
+    /// A node without a heartbeat for this long takes no new work; a fence margin later
+    /// it is down (its jobs are requeued, billed to their last heartbeat, or fail once
+    /// they used up their requeues).
     #[arg(long, value_parser = values::duration_ms)]
     node_lease: Option<u64>,
+    /// How long after a node's lease ran out its jobs are placed elsewhere (the agent has
+    /// stopped them by then; docs/DESIGN.md §45).
+    #[arg(long, value_parser = values::duration_ms)]
+    fence_margin: Option<u64>,
     /// Most times one job is requeued because its node went down (0: it fails at once).
     #[arg(long)]
     node_failure_requeues: Option<u32>,
@@ -78,6 +83,7 @@ async fn configure(ctx: &Ctx, a: ConfigureArgs) -> anyhow::Result<()> {
         a.grace,
         a.job_lease,
         a.node_lease,
+        a.fence_margin,
         a.hysteresis,
         a.half_life,
         a.preemptions_max.map(u64::from),
@@ -109,6 +115,7 @@ fn apply_changes(s: &mut SchedulerSettings, a: &ConfigureArgs) {
     set(&mut s.grace_ms, a.grace);
     set(&mut s.job_lease_ms, a.job_lease);
     set(&mut s.node_lease_ms, a.node_lease);
+    set(&mut s.fence_margin_ms, a.fence_margin);
     set(&mut s.hysteresis_ms, a.hysteresis);
     set(&mut s.usage_half_life_ms, a.half_life);
     if let Some(p) = a.preemptions_max {
@@ -138,6 +145,7 @@ fn print_settings(ctx: &Ctx, all: &[(u32, SchedulerSettings)]) -> anyhow::Result
         "grace",
         "job lease",
         "node lease",
+        "fence margin",
         "hysteresis",
         "preemptions max",
         "usage half-life",
@@ -154,6 +162,7 @@ fn print_settings(ctx: &Ctx, all: &[(u32, SchedulerSettings)]) -> anyhow::Result
             d(s.grace_ms),
             d(s.job_lease_ms),
             d(s.node_lease_ms),
+            d(s.fence_margin_ms),
             d(s.hysteresis_ms),
             s.preemptions_per_job_max.to_string(),
             d(s.usage_half_life_ms),
