@@ -22,6 +22,9 @@ cargo run --locked -q -p allot-statemachine --features sim --bin allot-sim -- --
 step "doc tests"
 cargo test --workspace --locked --doc
 
+step "Python client (pytest against a real 3-node cluster)"
+ALLOT_PROFILE=debug "${ALLOT_PYVENV:-$HOME/.cache/allot-pyvenv}/bin/pytest" -q clients/python/tests
+
 # Last, so its summary is the closing line.
 step "tests (nextest)"
 cargo nextest run --workspace --locked --no-fail-fast

@@ -11,6 +11,7 @@ use crate::server::Services;
 use allot_proto::admin_server::AdminServer;
 use allot_proto::agent_server::AgentServer;
 use allot_proto::allot_server::AllotServer;
+use allot_proto::api::v1::api_server::ApiServer;
 use allot_proto::raft_server::RaftServer;
 use std::future::Future;
 use std::sync::Arc;
@@ -33,6 +34,17 @@ pub async fn serve(
     reporter.set_serving::<AllotServer<Services>>().await;
     reporter.set_serving::<AdminServer<Services>>().await;
     reporter.set_serving::<AgentServer<Services>>().await;
+    reporter.set_serving::<ApiServer<Services>>().await;
+    // Server reflection: grpcurl and other generic clients list and call the services
+    // from the node itself.
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(allot_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let reflection_alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(allot_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()?;
     if let Some(m) = metrics {
         let node = node.clone();
         tokio::spawn(async move {
@@ -73,6 +85,13 @@ pub async fn serve(
         .http2_max_header_list_size(HEADER_LIST_BYTES_MAX)
         .http2_max_pending_accept_reset_streams(Some(64))
         .add_service(health)
+        .add_service(reflection)
+        .add_service(reflection_alpha)
+        .add_service(
+            ApiServer::new(services.clone())
+                .max_decoding_message_size(CLIENT_MESSAGE_MAX)
+                .max_encoding_message_size(REPLY_MESSAGE_MAX),
+        )
         .add_service(
             AllotServer::new(services.clone())
                 .max_decoding_message_size(CLIENT_MESSAGE_MAX)

@@ -117,7 +117,7 @@ fn forward_with<T>(node: &Node, msg: T, meta: &tonic::metadata::MetadataMap) -> 
 }
 
 impl Services {
-    fn observe(&self, method: &str, started: Instant, ok: bool) {
+    pub(crate) fn observe(&self, method: &str, started: Instant, ok: bool) {
         let m = &self.node.metrics;
         m.latency
             .with_label_values(&[method])
@@ -171,7 +171,7 @@ impl Services {
         auth::resolve(&self.node, shard, caller).ok()
     }
 
-    async fn execute_inner(
+    pub(crate) async fn execute_inner(
         &self,
         req: tonic::Request<ExecuteRequest>,
     ) -> Result<ExecuteReply, Status> {
@@ -210,7 +210,10 @@ impl Services {
         }
     }
 
-    async fn query_inner(&self, req: tonic::Request<QueryRequest>) -> Result<QueryReply, Status> {
+    pub(crate) async fn query_inner(
+        &self,
+        req: tonic::Request<QueryRequest>,
+    ) -> Result<QueryReply, Status> {
         let was_forwarded = forwarded(&req);
         let meta = req.metadata().clone();
         let caller = auth::caller(&self.node, auth::bearer(&meta)?);

@@ -10,6 +10,19 @@ pub mod v1 {
 
 pub use v1::*;
 
+/// The typed, language-neutral API (`proto/allot_api.proto`).
+pub mod api {
+    pub mod v1 {
+        tonic::include_proto!("allot.api.v1");
+    }
+}
+
+/// Conversions between the typed API's messages and the state machine's types.
+pub mod typed;
+
+/// Every service's file descriptors (for gRPC server reflection).
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("allot_descriptor");
+
 /// gRPC metadata keys of allot's wire contract (shared by node and client).
 pub mod meta {
     /// Marks a request another node already forwarded (one hop at most).

@@ -1,0 +1,409 @@
+"""The client: endpoints, leader hints, retries with backoff and jitter within a deadline,
+request ids chosen once per request and reused on every retry, typed errors.
+
+It behaves like the Rust client (``allot-client``):
+
+* **Endpoints** — any node answers: a follower forwards a write to its shard's leader.
+  When a node answers ``UNAVAILABLE`` with the leader's address (``allot-leader-addr``)
+  the next attempt goes there; otherwise the next endpoint in the list.
+* **Retries** — ``UNAVAILABLE``, ``RESOURCE_EXHAUSTED`` (after ``retry-after-ms`` when
+  given) and a lost answer (``DEADLINE_EXCEEDED`` of one attempt) are retried with full
+  jitter exponential backoff until the call's deadline. A mutating call is retried
+  with the **same request id**, so the shard applies it at most once and answers the
+  retry with the first answer.
+* **Errors** — a refusal raises :class:`Refused` with the reason name; credentials
+  problems :class:`Unauthenticated` / :class:`PermissionDenied`; an exhausted deadline
+  :class:`Unavailable`.
+* **Routing** — tenant calls name their org and the node routes them to its home shard;
+  pool and agent calls take ``shard=`` (the pool's shard).
+"""
+
+import random
+import secrets
+import time
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence
+
+import grpc
+
+from ._gen import allot_api_pb2 as pb
+from ._gen import allot_api_pb2_grpc as pbg
+from .errors import AllotError, PermissionDenied, Refused, Unauthenticated, Unavailable
+
+_KINDS = {
+    "paid": pb.BUCKET_KIND_PAID,
+    "promotional": pb.BUCKET_KIND_PROMOTIONAL,
+    "granted": pb.BUCKET_KIND_GRANTED,
+}
+
+_RETRIED = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+def new_request_id() -> int:
+    """A fresh idempotency key: 63 random bits, never 0."""
+    return secrets.randbits(63) or 1
+
+
+def _reason_name(value: int) -> str:
+    name = pb.Reason.Name(value) if value in pb.Reason.values() else f"REASON_{value}"
+    return name[len("REASON_"):] if name.startswith("REASON_") else name
+
+
+def job_state_name(value: int) -> str:
+    """``JOB_STATE_RUNNING`` → ``"RUNNING"``."""
+    return pb.JobState.Name(value)[len("JOB_STATE_"):]
+
+
+class Client:
+    """A connection to an allot cluster.
+
+    :param endpoints: ``host:port`` of any of its nodes.
+    :param token: API token (``authorization: Bearer``); ``None`` in a dev cluster.
+    :param dev_actor: dev mode only — whom calls run as (``"admin"``, ``"org:7"``,
+        ``"agent:3"``).
+    :param timeout: the deadline of one call, retries included, in seconds.
+    :param attempt_timeout: the deadline of one attempt, in seconds.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        token: Optional[str] = None,
+        dev_actor: str = "",
+        timeout: float = 10.0,
+        attempt_timeout: float = 3.0,
+        backoff_base: float = 0.02,
+        backoff_max: float = 1.0,
+    ):
+        if not endpoints:
+            raise ValueError("at least one endpoint")
+        self.endpoints: List[str] = list(endpoints)
+        self.token = token
+        self.dev_actor = dev_actor
+        self.timeout = timeout
+        self.attempt_timeout = attempt_timeout
+        self.backoff_base = backoff_base
+        self.backoff_max = backoff_max
+        self._channels: Dict[str, grpc.Channel] = {}
+        self._next = 0
+        self._preferred: Optional[str] = None
+
+    # ------------------------------------------------------------------ plumbing
+
+    def close(self) -> None:
+        for ch in self._channels.values():
+            ch.close()
+        self._channels.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _stub(self, endpoint: str) -> pbg.ApiStub:
+        ch = self._channels.get(endpoint)
+        if ch is None:
+            ch = grpc.insecure_channel(endpoint)
+            self._channels[endpoint] = ch
+        return pbg.ApiStub(ch)
+
+    def _metadata(self):
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def _endpoint(self) -> str:
+        if self._preferred is not None:
+            return self._preferred
+        ep = self.endpoints[self._next % len(self.endpoints)]
+        return ep
+
+    def _rotate(self) -> None:
+        self._preferred = None
+        self._next += 1
+
+    def _call(self, method: str, request):
+        """One RPC with retries within the deadline; the same request (and so the same
+        request id) is resent on every attempt."""
+        deadline = time.monotonic() + self.timeout
+        attempt = 0
+        last: Optional[grpc.RpcError] = None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            endpoint = self._endpoint()
+            try:
+                rpc = getattr(self._stub(endpoint), method)
+                return rpc(request, timeout=min(left, self.attempt_timeout), metadata=self._metadata())
+            except grpc.RpcError as e:  # noqa: PERF203 (retry loop)
+                last = e
+                code = e.code()
+                trailers = dict(e.trailing_metadata() or ())
+                if code not in _RETRIED:
+                    raise _typed(e, trailers) from None
+                leader = trailers.get("allot-leader-addr")
+                if leader and code == grpc.StatusCode.UNAVAILABLE:
+                    if leader not in self.endpoints:
+                        self.endpoints.append(leader)
+                    self._preferred = leader
+                else:
+                    self._rotate()
+                wait = random.uniform(0, min(self.backoff_max, self.backoff_base * (2 ** attempt)))
+                if "retry-after-ms" in trailers:
+                    try:
+                        wait = max(wait, int(trailers["retry-after-ms"]) / 1000.0)
+                    except ValueError:
+                        pass
+                attempt += 1
+                time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
+        detail = last.details() if last is not None else "no attempt"
+        raise Unavailable("UNAVAILABLE", f"no answer within {self.timeout}s: {detail}")
+
+    def _call_header(self, request_id: Optional[int], shard: Optional[int]) -> pb.Call:
+        call = pb.Call(request_id=request_id or new_request_id(), dev_actor=self.dev_actor)
+        if shard is not None:
+            call.shard = shard
+        return call
+
+    def _command(self, method: str, request) -> pb.CommandReply:
+        reply = self._call(method, request)
+        if reply.WhichOneof("result") == "error":
+            err = reply.error
+            raise Refused(_reason_name(err.reason), err.message, dict(err.details))
+        return reply
+
+    @staticmethod
+    def _read(shard: Optional[int], stale_ok: bool) -> pb.Read:
+        r = pb.Read(stale_ok=stale_ok)
+        if shard is not None:
+            r.shard = shard
+        return r
+
+    # ------------------------------------------------------------------ ledger
+
+    def create_org(self, org: int, request_id: Optional[int] = None) -> pb.CommandReply:
+        return self._command("CreateOrg", pb.CreateOrgRequest(call=self._call_header(request_id, None), org=org))
+
+    def create_project(self, org: int, project: int, request_id: Optional[int] = None) -> pb.CommandReply:
+        return self._command(
+            "CreateProject",
+            pb.CreateProjectRequest(call=self._call_header(request_id, None), org=org, project=project),
+        )
+
+    def create_user(self, org: int, user: int, request_id: Optional[int] = None) -> pb.CommandReply:
+        return self._command(
+            "CreateUser", pb.CreateUserRequest(call=self._call_header(request_id, None), org=org, user=user)
+        )
+
+    def issue_grant(
+        self,
+        org: int,
+        bucket: int,
+        amount_micro: int,
+        kind: str = "paid",
+        project: Optional[int] = None,
+        expires_at_ms: Optional[int] = None,
+        priority: int = 0,
+        source_ref: str = "",
+        request_id: Optional[int] = None,
+    ) -> pb.CommandReply:
+        """Credits for an org's account (or one of its projects'), in micro-credits."""
+        owner = pb.Account(org=org)
+        if project is not None:
+            owner.project = project
+        req = pb.IssueGrantRequest(
+            call=self._call_header(request_id, None),
+            bucket=bucket,
+            owner=owner,
+            kind=_KINDS[kind],
+            amount_micro=amount_micro,
+            priority=priority,
+            source_ref=source_ref,
+        )
+        if expires_at_ms is not None:
+            req.expires_at_ms = expires_at_ms
+        return self._command("IssueGrant", req)
+
+    def set_prices(self, prices: Dict[str, int], shard: int, request_id: Optional[int] = None) -> int:
+        """Replaces a shard's price table (micro-credits per GPU-hour); returns its version."""
+        req = pb.SetPricesRequest(
+            call=self._call_header(request_id, shard),
+            prices=[pb.GpuPrice(gpu_type=t, micro_per_gpu_hour=p) for t, p in sorted(prices.items())],
+        )
+        return self._command("SetPrices", req).prices_set.version
+
+    def balance(
+        self,
+        org: int,
+        project: Optional[int] = None,
+        horizon_ms: int = 0,
+        stale_ok: bool = False,
+    ) -> Optional[pb.Balance]:
+        """The account's balance with its breakdown by kind; ``None``: no such account."""
+        account = pb.Account(org=org)
+        if project is not None:
+            account.project = project
+        reply = self._call(
+            "Balance",
+            pb.BalanceRequest(read=self._read(None, stale_ok), account=account, horizon_ms=horizon_ms),
+        )
+        return reply.balance if reply.HasField("balance") else None
+
+    # ------------------------------------------------------------------ jobs
+
+    def submit_job(
+        self,
+        org: int,
+        job: int,
+        project: int,
+        user: int,
+        tier: int,
+        gpu_types: Iterable[str],
+        gpus: int,
+        max_duration_ms: int,
+        mem_floor_gb: int = 0,
+        preemptible: bool = True,
+        checkpointable: bool = False,
+        request_id: Optional[int] = None,
+    ) -> pb.JobSubmitted:
+        spec = pb.JobSpec(
+            job=job,
+            project=project,
+            user=user,
+            tier=tier,
+            gpu_types=list(gpu_types),
+            gpus=gpus,
+            mem_floor_gb=mem_floor_gb,
+            preemptible=preemptible,
+            checkpointable=checkpointable,
+            max_duration_ms=max_duration_ms,
+        )
+        reply = self._command(
+            "SubmitJob", pb.SubmitJobRequest(call=self._call_header(request_id, None), org=org, spec=spec)
+        )
+        return reply.job_submitted
+
+    def cancel_job(self, org: int, job: int, request_id: Optional[int] = None) -> pb.CommandReply:
+        return self._command(
+            "CancelJob", pb.CancelJobRequest(call=self._call_header(request_id, None), org=org, job=job)
+        )
+
+    def get_job(self, org: int, job: int, stale_ok: bool = False) -> Optional[pb.Job]:
+        reply = self._call("GetJob", pb.GetJobRequest(read=self._read(None, stale_ok), org=org, job=job))
+        return reply.job if reply.HasField("job") else None
+
+    def wait_job(self, org: int, job: int, states: Iterable[str], timeout: float = 30.0, poll: float = 0.1) -> pb.Job:
+        """Polls until the job is in one of ``states`` (names such as ``"RUNNING"``)."""
+        wanted = set(states)
+        end = time.monotonic() + timeout
+        while True:
+            j = self.get_job(org, job)
+            if j is not None and job_state_name(j.state) in wanted:
+                return j
+            if time.monotonic() >= end:
+                seen = job_state_name(j.state) if j is not None else "absent"
+                raise AllotError("TIMEOUT", f"job {job} of org {org} is {seen}, not {sorted(wanted)}")
+            time.sleep(poll)
+
+    # ------------------------------------------------------------------ nodes and agents
+
+    def register_node(
+        self,
+        node: int,
+        gpu_type: str,
+        gpus: int,
+        mem_gb: int,
+        shard: int,
+        labels: Optional[Dict[str, str]] = None,
+        request_id: Optional[int] = None,
+    ) -> pb.CommandReply:
+        return self._command(
+            "RegisterNode",
+            pb.RegisterNodeRequest(
+                call=self._call_header(request_id, shard),
+                node=node,
+                gpu_type=gpu_type,
+                gpus=gpus,
+                mem_gb=mem_gb,
+                labels=labels or {},
+            ),
+        )
+
+    def node_heartbeat(self, node: int, shard: int, request_id: Optional[int] = None) -> pb.CommandReply:
+        return self._command(
+            "NodeHeartbeat", pb.NodeHeartbeatRequest(call=self._call_header(request_id, shard), node=node)
+        )
+
+    def job_heartbeat(
+        self,
+        org: int,
+        job: int,
+        attempt: int,
+        seq: int,
+        shard: int,
+        progress_ppm: int = 0,
+        checkpoint: int = 0,
+        request_id: Optional[int] = None,
+    ) -> pb.HeartbeatResult:
+        reply = self._command(
+            "JobHeartbeat",
+            pb.JobHeartbeatRequest(
+                call=self._call_header(request_id, shard),
+                org=org,
+                job=job,
+                attempt=attempt,
+                seq=seq,
+                progress_ppm=progress_ppm,
+                checkpoint=checkpoint,
+            ),
+        )
+        return reply.heartbeat
+
+    def finish_job(
+        self, org: int, job: int, attempt: int, success: bool, shard: int, request_id: Optional[int] = None
+    ) -> Optional[pb.Settlement]:
+        reply = self._command(
+            "FinishJob",
+            pb.FinishJobRequest(
+                call=self._call_header(request_id, shard), org=org, job=job, attempt=attempt, success=success
+            ),
+        )
+        s = reply.settled
+        return s.settlement if s.HasField("settlement") else None
+
+    # ------------------------------------------------------------------ audit
+
+    def audit(
+        self, org: Optional[int] = None, from_seq: int = 0, limit: int = 500, shard: Optional[int] = None
+    ) -> pb.AuditReply:
+        req = pb.AuditRequest(read=self._read(shard, False), from_seq=from_seq, limit=limit)
+        if org is not None:
+            req.org = org
+        return self._call("Audit", req)
+
+    def audit_events(self, org: Optional[int] = None, shard: Optional[int] = None) -> Iterator[pb.AuditEvent]:
+        """Every event of the trail (an org's, on its home shard), page by page, up to the
+        head when called."""
+        seq = 0
+        while True:
+            page = self.audit(org=org, from_seq=seq, shard=shard)
+            yield from page.events
+            if page.next_seq >= page.head_seq or page.next_seq == seq:
+                return
+            seq = page.next_seq
+
+
+def _typed(e: grpc.RpcError, trailers: Dict[str, str]) -> AllotError:
+    code = e.code()
+    reason = trailers.get("allot-reason") or code.name
+    details = {}
+    if "allot-field" in trailers:
+        details["field"] = trailers["allot-field"]
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return Unauthenticated(reason, e.details() or "", details)
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return PermissionDenied(reason, e.details() or "", details)
+    return Refused(reason, e.details() or "", details)

@@ -1,0 +1,150 @@
+"""The Python client against a real 3-node allot cluster (scripts/cluster.sh, dev mode).
+
+The cluster is started once for the module on its own ports (ALLOT_PY_PORT, default
+7401) and stopped at the end. Two shards, so routing by org is exercised: org 5's home
+shard is 1, org 6's is 0.
+"""
+
+import os
+import pathlib
+import subprocess
+import tempfile
+
+import pytest
+
+from allot import Client, Refused, new_request_id, pb
+from allot.client import job_state_name
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+PORT = int(os.environ.get("ALLOT_PY_PORT", "7401"))
+C = 1_000_000  # micro-credits per credit
+
+
+@pytest.fixture(scope="module")
+def endpoints():
+    data = tempfile.mkdtemp(prefix="allot-py-")
+    env = dict(os.environ, ALLOT_PROFILE=os.environ.get("ALLOT_PROFILE", "debug"))
+    up = [str(ROOT / "scripts" / "cluster.sh"), "up", "--dir", data, "--port", str(PORT), "--shards", "2"]
+    subprocess.run(up, check=True, env=env, stdout=subprocess.DEVNULL)
+    try:
+        admin = Client([f"127.0.0.1:{PORT}"], dev_actor="admin")
+        for shard in (0, 1):
+            assert admin.set_prices({"A100": 3_600 * C, "H100": 7_200 * C}, shard=shard) >= 1
+        yield [f"127.0.0.1:{PORT + i}" for i in range(3)]
+    finally:
+        subprocess.run([str(ROOT / "scripts" / "cluster.sh"), "down", "--dir", data], env=env, check=False,
+                       stdout=subprocess.DEVNULL)
+
+
+def tenant(c: Client, org: int):
+    c.create_org(org)
+    c.create_project(org, org * 10)
+    c.create_user(org, org * 100)
+
+
+def test_grant_balance_job_lifecycle_and_audit(endpoints):
+    admin = Client(endpoints, dev_actor="admin")
+    org, project, user = 5, 50, 500
+    shard = 1  # org 5's home shard of 2
+    tenant(admin, org)
+    # A grant retried with the same request id is applied once.
+    rid = new_request_id()
+    admin.issue_grant(org=org, project=project, bucket=1, amount_micro=100 * C, kind="paid", request_id=rid,
+                      source_ref="po-1")
+    admin.issue_grant(org=org, project=project, bucket=1, amount_micro=100 * C, kind="paid", request_id=rid,
+                      source_ref="po-1")
+    admin.issue_grant(org=org, project=project, bucket=2, amount_micro=10 * C, kind="promotional")
+    b = admin.balance(org=org, project=project)
+    assert b.paid_available_micro == 100 * C
+    assert b.promotional_available_micro == 10 * C
+    assert b.available_micro == 110 * C
+    assert b.held_micro == 0
+
+    # A GPU node on the org's home shard, and its agent.
+    admin.register_node(node=1, gpu_type="A100", gpus=2, mem_gb=80, shard=shard)
+    agent = Client(endpoints, dev_actor="agent:1")
+    agent.node_heartbeat(node=1, shard=shard)
+
+    submitted = admin.submit_job(org=org, job=77, project=project, user=user, tier=1, gpu_types=["A100"],
+                                 gpus=1, max_duration_ms=60_000)
+    assert submitted.job == 77
+    assert submitted.hold_micro > 0
+    placed = admin.wait_job(org, 77, {"PLACED", "RUNNING"})
+    assert placed.placement.node == 1
+    assert placed.attempt == 1
+    assert admin.balance(org=org, project=project).held_micro == submitted.hold_micro
+
+    hb = agent.job_heartbeat(org=org, job=77, attempt=1, seq=1, progress_ppm=500_000, shard=shard)
+    assert hb.accepted
+    running = admin.wait_job(org, 77, {"RUNNING"})
+    assert job_state_name(running.state) == "RUNNING"
+    # A repeated sequence number changes nothing.
+    again = agent.job_heartbeat(org=org, job=77, attempt=1, seq=1, shard=shard)
+    assert not again.accepted
+
+    settlement = agent.finish_job(org=org, job=77, attempt=1, success=True, shard=shard)
+    assert settlement is not None
+    assert settlement.reason == pb.SETTLE_REASON_SUCCEEDED
+    assert settlement.captured_micro + settlement.refunded_micro + settlement.forfeited_micro == submitted.hold_micro
+    done = admin.get_job(org, 77)
+    assert job_state_name(done.state) == "SUCCEEDED"
+    after = admin.balance(org=org, project=project)
+    assert after.held_micro == 0
+    assert after.consumed_micro == settlement.captured_micro
+    assert after.available_micro == 110 * C - settlement.captured_micro
+
+    # The audit trail, typed: the grant, the job's transitions, the settlement, in order.
+    events = list(admin.audit_events(org=org))
+    seqs = [e.seq for e in events]
+    assert seqs == sorted(seqs)
+    kinds = {e.kind for e in events}
+    assert {"Issued", "HoldDrawn", "JobTransition", "Captured", "Refunded"} <= kinds, kinds
+    grants = [e for e in events if e.kind == "Issued"]
+    assert len(grants) == 2, grants  # the retried grant is issued once
+    assert all(e.org == org for e in events if e.HasField("org"))
+    assert all(len(e.hash) == 64 for e in events)
+    for prev, nxt in zip(events, events[1:]):
+        if nxt.seq == prev.seq + 1:
+            assert nxt.prev_hash == prev.hash
+
+
+def test_refusals_are_typed_and_change_nothing(endpoints):
+    admin = Client(endpoints, dev_actor="admin")
+    tenant(admin, 6)  # home shard 0
+    admin.register_node(node=2, gpu_type="A100", gpus=1, mem_gb=80, shard=0)
+    with pytest.raises(Refused) as e:
+        admin.submit_job(org=6, job=1, project=60, user=600, tier=1, gpu_types=["A100"], gpus=1,
+                         max_duration_ms=60_000)
+    assert e.value.reason == "INSUFFICIENT_CREDITS"
+    assert "needed" in e.value.details
+    assert admin.get_job(6, 1) is None
+    with pytest.raises(Refused) as e:
+        admin.create_org(6)
+    assert e.value.reason == "ALREADY_EXISTS"
+    # Another org's ids answer as unknown; an unknown org's balance is absent.
+    assert admin.balance(org=999) is None
+    # A field the state machine refuses at the edge (validation), before the log.
+    with pytest.raises(Refused) as e:
+        admin.issue_grant(org=6, bucket=9, amount_micro=0)
+    assert e.value.reason == "AMOUNT_ZERO"
+    # A malformed call names its field.
+    stub_client = Client(endpoints, dev_actor="admin")
+    with pytest.raises(Refused) as e:
+        stub_client._call("CreateOrg", pb.CreateOrgRequest(call=pb.Call(request_id=0), org=8))
+    assert e.value.reason == "INVALID_ARGUMENT"
+    assert e.value.details.get("field") == "call.request_id"
+    with pytest.raises(Refused) as e:
+        stub_client._call(
+            "IssueGrant",
+            pb.IssueGrantRequest(call=pb.Call(request_id=new_request_id()), bucket=3,
+                                 owner=pb.Account(org=6), kind=42, amount_micro=1),
+        )
+    assert e.value.details.get("field") == "kind"
+    assert admin.balance(org=6).available_micro == 0
+
+
+def test_a_dead_endpoint_in_the_list_is_skipped(endpoints):
+    # The first endpoint refuses connections: the client moves on within its deadline.
+    c = Client(["127.0.0.1:1"] + endpoints, dev_actor="admin", timeout=10.0)
+    c.create_org(9)
+    assert c.balance(org=9) is not None
