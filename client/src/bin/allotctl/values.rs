@@ -4,8 +4,8 @@
 use allot_client::{parse_credits, parse_duration_ms};
 use allot_statemachine::scheduler::JobState;
 use allot_statemachine::{
-    Account, Actor, BucketKind, BudgetMode, BudgetPeriod, BudgetScope, GpuType, NodeId, OrgId,
-    PrincipalId, ProjectId, UserId,
+    Account, Actor, BucketKind, BudgetMode, BudgetPeriod, BudgetScope, GpuType, OrgId, ProjectId,
+    UserId,
 };
 use std::time::Duration;
 
@@ -53,19 +53,11 @@ pub fn since_ms(s: &str) -> Result<u64, String> {
 
 /// `admin`, `org:<id>` (a tenant of that org, principal 1) or `agent:<node id>`.
 pub fn identity(s: &str) -> Result<Actor, String> {
-    let bad = || format!("identity {s:?}: expected admin, org:<id> or agent:<node id>");
-    if s == "admin" {
-        return Ok(Actor::Admin(PrincipalId(1)));
-    }
-    let (kind, id) = s.split_once(':').ok_or_else(bad)?;
-    let id: u64 = id.parse().map_err(|_| bad())?;
-    match kind {
-        "org" => Ok(Actor::Tenant {
-            org: OrgId(id),
-            principal: PrincipalId(1),
-        }),
-        "agent" => Ok(Actor::Agent(NodeId(id))),
-        _ => Err(bad()),
+    // The same parser as the typed API's `dev_actor` field: one rule for the text.
+    match allot_proto::typed::dev_actor(s, "identity") {
+        Ok(Some(actor)) => Ok(actor),
+        Ok(None) => Err("identity: expected admin, org:<id> or agent:<node>".into()),
+        Err(e) => Err(e.to_string()),
     }
 }
 
