@@ -5,7 +5,7 @@
 use crate::error::{Error, Result};
 use crate::transport::Client;
 use allot_proto::{AuditRequest, WatchRequest};
-use allot_statemachine::ledger::{Balance, PriceTable, Totals};
+use allot_statemachine::ledger::{Balance, BucketView, PriceTable, Totals};
 use allot_statemachine::query::{
     Answer, BudgetView, JobFilter, JobsPage, Query, TenancyView, TierQueue, UsageQuery, UsageRow,
 };
@@ -165,6 +165,42 @@ impl Client {
     /// issuing the same grant again is answered as the first time).
     pub async fn issue_grant(&self, org: OrgId, grant: Grant) -> Result<BucketId> {
         match self.run_for_org(org, Command::IssueGrant(grant)).await? {
+            Reply::GrantIssued { bucket } => Ok(bucket),
+            other => unexpected("issue grant", other),
+        }
+    }
+
+    /// An account's buckets in spend order, and the logical time they were read at.
+    pub async fn buckets_at(&self, org: OrgId, account: Account) -> Result<(Vec<BucketView>, u64)> {
+        let shard = self.shard_of_org(org).await?;
+        match self
+            .query_timed(shard, &Query::Buckets { org, account }, false)
+            .await?
+        {
+            (Answer::Buckets(Some(b)), now) => Ok((b, now)),
+            (Answer::Buckets(None), _) => Err(Error::NotFound(account.to_string())),
+            (other, _) => unexpected("buckets", other),
+        }
+    }
+
+    /// An account's buckets in spend order.
+    pub async fn buckets(&self, org: OrgId, account: Account) -> Result<Vec<BucketView>> {
+        Ok(self.buckets_at(org, account).await?.0)
+    }
+
+    /// Issues a grant whose bucket expires `expires_in_ms` after the logical time the
+    /// cluster applies it at (the grant's `expires_at_ms` is ignored).
+    pub async fn issue_grant_in(
+        &self,
+        org: OrgId,
+        grant: Grant,
+        expires_in_ms: u64,
+    ) -> Result<BucketId> {
+        let command = Command::IssueGrantIn {
+            grant,
+            expires_in_ms,
+        };
+        match self.run_for_org(org, command).await? {
             Reply::GrantIssued { bucket } => Ok(bucket),
             other => unexpected("issue grant", other),
         }

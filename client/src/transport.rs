@@ -41,6 +41,8 @@ pub struct ClientBuilder {
     shards: Option<u32>,
     /// PEM of the CA that signs the nodes' certificates: connect over TLS.
     tls_ca: Option<Vec<u8>>,
+    /// The first request id: ids are then `first, first + 1, ...` in call order.
+    request_ids_from: Option<u128>,
 }
 
 impl Default for ClientBuilder {
@@ -57,6 +59,7 @@ impl Default for ClientBuilder {
             connect_timeout: Duration::from_millis(500),
             shards: None,
             tls_ca: None,
+            request_ids_from: None,
         }
     }
 }
@@ -129,6 +132,16 @@ impl ClientBuilder {
         self
     }
 
+    /// Request ids `first, first + 1, ...` in the order the client's calls ask for
+    /// them, instead of a random prefix and a counter: the same program run again with
+    /// the same `first` resends every mutation with the id it had the first time, so a
+    /// retry by hand after an unknown fate (a timeout) applies nothing twice
+    /// (`allotctl --request-id`). `first` must not be zero.
+    pub fn request_ids_from(mut self, first: u128) -> Self {
+        self.request_ids_from = Some(first);
+        self
+    }
+
     pub fn build(self) -> Result<Client> {
         if self.endpoints.is_empty() {
             return Err(Error::Config("no endpoints".into()));
@@ -157,6 +170,9 @@ impl ClientBuilder {
         };
         if self.shards == Some(0) {
             return Err(Error::Config("shards must be positive".into()));
+        }
+        if self.request_ids_from == Some(0) {
+            return Err(Error::Config("request ids must not be zero".into()));
         }
         Ok(Client {
             inner: Arc::new(Inner {
@@ -254,13 +270,17 @@ impl Client {
     /// A new request id: 64 random bits for this client, then a counter. Generate one
     /// per logical operation and reuse it on every retry of that operation.
     pub fn next_request_id(&self) -> u128 {
-        let n = self.inner.id_counter.fetch_add(1, Ordering::Relaxed) + 1;
-        (u128::from(self.inner.id_prefix) << 64) | u128::from(n)
+        let n = self.inner.id_counter.fetch_add(1, Ordering::Relaxed);
+        match self.inner.settings.request_ids_from {
+            Some(first) => first.wrapping_add(u128::from(n)),
+            None => (u128::from(self.inner.id_prefix) << 64) | u128::from(n + 1),
+        }
     }
 
     /// A client with the same settings and its own connections and request ids.
     pub fn fresh(&self) -> Client {
         let mut b = self.inner.settings.clone();
+        b.request_ids_from = None;
         b.shards = match self.inner.shards.load(Ordering::Relaxed) {
             0 => b.shards,
             n => Some(n),
@@ -450,6 +470,11 @@ impl Client {
     /// A query through the shard's leader: linearizable (read index), or `stale` from
     /// whichever replica answers first.
     pub async fn query_with(&self, shard: u32, q: &Query, stale: bool) -> Result<Answer> {
+        Ok(self.query_timed(shard, q, stale).await?.0)
+    }
+
+    /// A query with the logical time of the state that answered it.
+    pub async fn query_timed(&self, shard: u32, q: &Query, stale: bool) -> Result<(Answer, u64)> {
         let bytes = codec::encode(q);
         let consistency = if stale {
             Consistency::Stale
@@ -469,7 +494,15 @@ impl Client {
                 async move { c.query(msg).await.map(|r| r.into_inner()) }
             })
             .await?;
-        codec::decode(&reply.answer).map_err(|e| Error::Decode(e.to_string()))
+        let answer = codec::decode(&reply.answer).map_err(|e| Error::Decode(e.to_string()))?;
+        Ok((answer, reply.logical_time_ms))
+    }
+
+    /// The shard's logical time now (ms since the Unix epoch): the clock expiries,
+    /// leases and budget periods run on, read through the leader. Relative times
+    /// ("expires in 7 days") are added to it, not to this machine's clock.
+    pub async fn logical_time_ms(&self, shard: u32) -> Result<u64> {
+        Ok(self.query_timed(shard, &Query::Prices, false).await?.1)
     }
 
     /// A linearizable query.
@@ -540,6 +573,9 @@ impl Client {
                     return Ok(n);
                 }
                 Ok(_) => last = format!("{addr}: hosts no shards"),
+                // The cluster answered and refused the caller: that is the answer, not
+                // an unreachable endpoint.
+                Err(e @ (Error::Unauthenticated(_) | Error::PermissionDenied(_))) => return Err(e),
                 Err(e) => last = format!("{addr}: {e}"),
             }
         }

@@ -3,7 +3,7 @@
 
 use crate::error::{Error, Result};
 
-pub const MICRO_PER_CREDIT: u64 = 1_000_000;
+pub use allot_statemachine::units::{credits as format_credits, MICRO_PER_CREDIT};
 
 /// Parses an amount of credits (`12`, `12.5`, `0.000001`) into micro-credits exactly.
 /// More than six decimals, signs, exponents or overflow are errors.
@@ -37,15 +37,6 @@ pub fn parse_credits(s: &str) -> Result<u64> {
         .checked_mul(MICRO_PER_CREDIT)
         .and_then(|w| w.checked_add(frac_micro))
         .ok_or_else(|| bad("too large"))
-}
-
-/// Formats micro-credits as credits with six decimals.
-pub fn format_credits(micro: u64) -> String {
-    format!(
-        "{}.{:06}",
-        micro / MICRO_PER_CREDIT,
-        micro % MICRO_PER_CREDIT
-    )
 }
 
 /// Parses `1500ms`, `90s`, `30m`, `2h`, `7d` (a bare number is seconds) into ms.

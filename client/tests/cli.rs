@@ -70,6 +70,7 @@ async fn allotctl_drives_a_real_cluster() {
     audit_trail(&eps);
     bad_input_changes_nothing(&eps);
     replicas_agree(&eps);
+    operator_commands(&eps);
     bench(&eps);
     membership(dir.path(), &eps);
 }
@@ -827,6 +828,153 @@ fn replicas_agree(eps: &str) {
     }
     let one = json(eps, &["shard", "hash", "--shard", "0"]);
     assert_eq!(one.as_array().unwrap().len(), 3);
+}
+
+/// `check`, `balance --buckets`, `--request-id` retries, `grant issue --expires-in` on
+/// the cluster's logical time, every scheduler setting, refusals without debug text.
+fn operator_commands(eps: &str) {
+    // check: every replica of every shard, invariants and equal hashes.
+    let rows = json(eps, &["check"]);
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 6, "{rows:?}");
+    assert!(
+        rows.iter()
+            .all(|r| r["invariants"] == "ok" && r["hash_agrees"] == true && r["error"].is_null()),
+        "{rows:?}"
+    );
+    let o = ctl(eps, &["check", "--shard", "0"]);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    assert!(o.stdout.starts_with("ENDPOINT") && o.stdout.lines().count() == 4);
+
+    // A relative expiry is evaluated when the cluster applies the grant, and a hand
+    // retry with the same --request-id is answered, not applied twice.
+    let before = u(&json(eps, &["balance", "--org", "1", "--project", "11"])["available_micro"]);
+    let grant = [
+        "--request-id",
+        "0x5eed",
+        "grant",
+        "issue",
+        "--org",
+        "1",
+        "--owner",
+        "project:11",
+        "--kind",
+        "granted",
+        "--amount",
+        "2",
+        "--expires-in",
+        "1h",
+        "--source-ref",
+        "retry-me",
+    ];
+    let first = json(eps, &grant);
+    let again = json(eps, &grant);
+    assert_eq!(first["bucket"], again["bucket"]);
+    assert_eq!(first["expires_at_ms"], again["expires_at_ms"]);
+    let b = json(
+        eps,
+        &["balance", "--org", "1", "--project", "11", "--buckets"],
+    );
+    assert_eq!(u(&b["available_micro"]), before + 2 * C, "issued once");
+    let buckets = b["buckets"].as_array().unwrap();
+    let mine = buckets
+        .iter()
+        .find(|x| x["bucket"] == first["bucket"])
+        .unwrap();
+    assert_eq!(mine["kind"], "Granted");
+    assert_eq!(mine["source_ref"], "retry-me");
+    assert_eq!(u(&mine["remaining_micro"]), 2 * C);
+    assert_eq!(u(&mine["held_micro"]), 0);
+    let paid = buckets.iter().find(|x| u(&x["bucket"]) == 100).unwrap();
+    assert_eq!(paid["source_ref"], "purchase-1");
+    // Exactly one hour after the logical time of the entry that issued it.
+    let events = json(
+        eps,
+        &["audit", "--org", "1", "--project", "11", "--limit", "1000"],
+    );
+    let issued = events
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["body"]["Issued"]["bucket"] == first["bucket"])
+        .unwrap_or_else(|| panic!("no audit event of the grant: {events:?}"));
+    assert_eq!(
+        u(&mine["expires_at_ms"]),
+        u(&issued["time_ms"]) + 3_600_000,
+        "{issued:?}"
+    );
+    let o = ctl(
+        eps,
+        &["balance", "--org", "1", "--project", "11", "--buckets"],
+    );
+    assert!(
+        o.stdout.contains("retry-me") && o.stdout.contains("SOURCE"),
+        "{}",
+        o.stdout
+    );
+    let e = fails(
+        eps,
+        &["--request-id", "0", "org", "create", "--org", "9"],
+        2,
+    );
+    assert!(e.contains("must not be zero"), "{e}");
+
+    // Every setting of the configure command, tiers included.
+    let v = json(
+        eps,
+        &[
+            "scheduler",
+            "configure",
+            "--shard",
+            SHARD,
+            "--preemption-loss-max",
+            "4h",
+            "--tier",
+            "paid:weight=3,max-wait=2h,price=120",
+            "--tier",
+            "0:ceiling=60",
+        ],
+    );
+    let s = &v[0]["settings"];
+    assert_eq!(u(&s["preemption_loss_max_gpu_ms"]), 4 * 3_600_000);
+    assert_eq!(u(&s["tiers"][1]["weight"]), 3);
+    assert_eq!(u(&s["tiers"][1]["max_wait_ms"]), 2 * 3_600_000);
+    assert_eq!(u(&s["tiers"][1]["price_pct"]), 120);
+    assert_eq!(u(&s["tiers"][0]["ceiling_pct"]), 60);
+    // Refused whole by the shard, and named without Rust debug text.
+    let e = fails(
+        eps,
+        &[
+            "scheduler",
+            "configure",
+            "--shard",
+            SHARD,
+            "--tier",
+            "paid:floor=99",
+        ],
+        1,
+    );
+    assert!(
+        e.contains("tier share") && e.contains("[InvalidConfig]"),
+        "{e}"
+    );
+    let e = fails(
+        eps,
+        &["scheduler", "configure", "--tier", "gold:weight=2"],
+        2,
+    );
+    assert!(e.contains("free, paid, enterprise"), "{e}");
+    json(
+        eps,
+        &[
+            "scheduler",
+            "configure",
+            "--shard",
+            SHARD,
+            "--tier",
+            "paid:price=100",
+        ],
+    );
 }
 
 fn bench(eps: &str) {

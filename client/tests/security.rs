@@ -115,6 +115,28 @@ async fn tenant_isolation_revocation_and_agent_scope_on_a_real_cluster() {
     assert!(is_unauthenticated(&e), "{e:?}");
     let out = ctl(&eps, &["org", "create", "--org", "1"]);
     assert_ne!(out.code, 0, "{}", out.stdout);
+    // The operator is told the token is missing, not that the cluster is unreachable.
+    assert!(
+        out.stderr.contains("requires a token") && !out.stderr.contains("unreachable"),
+        "{}",
+        out.stderr
+    );
+    let out = ctl(
+        &eps,
+        &[
+            "--token",
+            "not-a-token-of-this-cluster-0123456789",
+            "org",
+            "create",
+            "--org",
+            "1",
+        ],
+    );
+    assert!(
+        out.stderr.contains("refused the token") && !out.stderr.contains("unreachable"),
+        "{}",
+        out.stderr
+    );
 
     // The admin sets up two orgs with credit, a GPU node, prices.
     let admin = client(c.endpoints(), Some(&admin_token));

@@ -249,6 +249,7 @@ pub fn grant_to(org: OrgId, g: &Grant) -> pb::IssueGrantRequest {
         priority: u32::from(g.priority),
         policy: g.policy.as_ref().map(policy_to),
         source_ref: g.source_ref.clone().unwrap_or_default(),
+        expires_in_ms: None,
     }
 }
 
@@ -500,7 +501,21 @@ typed_command!(pb::CreateUserRequest, |r| Ok((
 )));
 typed_command!(pb::IssueGrantRequest, |r| {
     let org = r.owner.as_ref().map(|o| OrgId(o.org));
-    Ok((Command::IssueGrant(grant_from(r)?), org))
+    let grant = grant_from(r)?;
+    let command = match (r.expires_at_ms, r.expires_in_ms) {
+        (Some(_), Some(_)) => {
+            return Err(bad(
+                "expires_in_ms",
+                "set at most one of expires_at_ms and expires_in_ms",
+            ))
+        }
+        (_, Some(expires_in_ms)) => Command::IssueGrantIn {
+            grant,
+            expires_in_ms,
+        },
+        (_, None) => Command::IssueGrant(grant),
+    };
+    Ok((command, org))
 });
 typed_command!(pb::SetPricesRequest, |r| Ok((
     Command::SetPrices {

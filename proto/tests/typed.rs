@@ -92,8 +92,15 @@ proptest! {
         prop_assert_eq!(typed::grant_from(&m).unwrap(), g.clone());
         // As a command, with the org it acts in.
         let (c, o) = m.command().unwrap();
-        prop_assert_eq!(c, Command::IssueGrant(g));
+        prop_assert_eq!(c, Command::IssueGrant(g.clone()));
         prop_assert_eq!(o, Some(OrgId(org)));
+        // A relative expiry is its own command (evaluated on the cluster's clock); with
+        // an absolute one as well it is refused, naming the field.
+        let relative = pb::IssueGrantRequest { expires_at_ms: None, expires_in_ms: Some(amount), ..m.clone() };
+        let (c, _) = wire(&relative).command().unwrap();
+        prop_assert_eq!(c, Command::IssueGrantIn { grant: Grant { expires_at_ms: None, ..g }, expires_in_ms: amount });
+        let both = pb::IssueGrantRequest { expires_at_ms: Some(1), expires_in_ms: Some(1), ..m };
+        prop_assert_eq!(both.command().unwrap_err().field, "expires_in_ms");
     }
 
     #[test]

@@ -56,6 +56,7 @@ fn admin_only(command: &Command) -> bool {
         Command::CreateOrg { .. }
             | Command::SetPrices { .. }
             | Command::IssueGrant(_)
+            | Command::IssueGrantIn { .. }
             | Command::StartMeter { .. }
             | Command::ConfigureScheduler(_)
             | Command::RegisterNode(_)

@@ -114,6 +114,17 @@ pub enum BudgetScope {
     User(UserId),
 }
 
+impl std::fmt::Display for BudgetScope {
+    /// `org:7`, `project:70`, `user:700`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BudgetScope::Org(o) => o.fmt(f),
+            BudgetScope::Project(p) => p.fmt(f),
+            BudgetScope::User(u) => u.fmt(f),
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum BudgetPeriod {
     /// A UTC calendar day of logical time.
@@ -338,6 +349,15 @@ pub enum Command {
         job: JobId,
         attempt: u32,
     },
+    /// `IssueGrant` whose bucket expires `expires_in_ms` after the logical time the
+    /// command is applied at (the grant's own `expires_at_ms` is ignored): a relative
+    /// expiry on the cluster's clock, and the same bytes on every retry, so a retried
+    /// request id is answered, not refused as reused. Applied as the `IssueGrant` it
+    /// resolves to.
+    IssueGrantIn {
+        grant: Grant,
+        expires_in_ms: u64,
+    },
 }
 
 /// One refused call at a node's edge.
@@ -451,6 +471,22 @@ pub struct Plan {
 }
 
 impl Command {
+    /// The command as apply runs it at logical time `now`: a relative expiry becomes
+    /// the instant it names (`IssueGrantIn` → `IssueGrant`); every other command is
+    /// itself. Borrowed unless it changed.
+    pub fn resolved_at(&self, now: u64) -> std::borrow::Cow<'_, Command> {
+        match self {
+            Command::IssueGrantIn {
+                grant,
+                expires_in_ms,
+            } => std::borrow::Cow::Owned(Command::IssueGrant(Grant {
+                expires_at_ms: Some(now.saturating_add(*expires_in_ms)),
+                ..grant.clone()
+            })),
+            c => std::borrow::Cow::Borrowed(c),
+        }
+    }
+
     /// A stable short name for logs, metrics and audit queries.
     pub fn name(&self) -> &'static str {
         match self {
@@ -458,7 +494,7 @@ impl Command {
             Command::CreateProject { .. } => "create_project",
             Command::CreateUser { .. } => "create_user",
             Command::SetPrices { .. } => "set_prices",
-            Command::IssueGrant(_) => "issue_grant",
+            Command::IssueGrant(_) | Command::IssueGrantIn { .. } => "issue_grant",
             Command::SetBudget { .. } => "set_budget",
             Command::CreateHold(_) => "create_hold",
             Command::Capture { .. } => "capture",
@@ -501,7 +537,7 @@ impl Command {
             | Command::CreateUser { org, .. }
             | Command::SetQuota { org, .. }
             | Command::SetPlan { org, .. } => Some(*org),
-            Command::IssueGrant(g) => of_account(&g.owner),
+            Command::IssueGrant(g) | Command::IssueGrantIn { grant: g, .. } => of_account(&g.owner),
             Command::Transfer { from, to, .. } => of_account(from).or(of_account(to)),
             Command::SetBudget { scope, .. } | Command::SetShareWeight { scope, .. } => match scope
             {

@@ -53,6 +53,7 @@ pub mod security;
 pub mod state;
 pub mod testkit;
 pub mod tombstones;
+pub mod units;
 pub mod validate;
 
 pub use audit::{verify_chain, AuditChain, AuditEvent, EventBody};

@@ -47,7 +47,7 @@ pub enum CommandError {
     AmountZero,
     #[error("amount exceeds the per-command maximum")]
     AmountTooLarge,
-    #[error("invalid GPU type name {0:?}")]
+    #[error("invalid GPU type name {:?}", .0.0)]
     InvalidGpuType(GpuType),
     #[error("GPU count must be between 1 and 8")]
     InvalidGpuCount,
@@ -93,7 +93,7 @@ pub enum CommandError {
     UnknownNode,
     #[error("the node is down")]
     NodeDown,
-    #[error("invalid node: {0:?}")]
+    #[error("invalid node: {0}")]
     InvalidNode(NodeProblem),
     #[error("unknown job")]
     UnknownJob,
@@ -101,7 +101,7 @@ pub enum CommandError {
     NodeShapeConflict,
     #[error("no registered node type can ever meet this job's GPU type, count and memory")]
     Unsatisfiable,
-    #[error("invalid job: {0:?}")]
+    #[error("invalid job: {0}")]
     InvalidJob(JobProblem),
     #[error("unknown tier")]
     UnknownTier,
@@ -109,17 +109,17 @@ pub enum CommandError {
     JobFinished,
     #[error("the job is not placed on a node")]
     JobNotPlaced,
-    #[error("admission quota exceeded: {0:?}")]
+    #[error("the org's quota of {0} is exceeded")]
     QuotaExceeded(QuotaKind),
     #[error("the hold is not being metered")]
     HoldNotMetered,
     #[error("attempt {given} is not the current attempt {current}")]
     StaleAttempt { given: u32, current: u32 },
-    #[error("capture of {requested} exceeds the {held} still held")]
+    #[error("capture of {} credits exceeds the {} still held", crate::units::credits(*requested), crate::units::credits(*held))]
     CaptureExceedsHold { requested: u64, held: u64 },
-    #[error("insufficient credits: {available} available, {needed} needed")]
+    #[error("insufficient credits: {} available, {} needed", crate::units::credits(*available), crate::units::credits(*needed))]
     InsufficientCredits { available: u64, needed: u64 },
-    #[error("hard budget of {scope:?} exceeded: limit {limit}, used {used}, asked {asked}")]
+    #[error("hard budget of {scope} exceeded: limit {} credits, used {}, asked {}", crate::units::credits(*limit), crate::units::credits(*used), crate::units::credits(*asked))]
     BudgetExceeded {
         scope: BudgetScope,
         limit: u64,
@@ -129,10 +129,10 @@ pub enum CommandError {
     #[error("arithmetic overflow")]
     Overflow,
     // -- limits --
-    #[error("limit reached: {0:?}")]
+    #[error("limit reached: {0}")]
     LimitReached(Limit),
     // Appended (the encoding is positional): a request-validation error.
-    #[error("invalid scheduler settings: {0:?}")]
+    #[error("invalid scheduler settings: {0}")]
     InvalidConfig(ConfigProblem),
     // -- security (appended: the encoding is positional) --
     /// Missing, unknown, expired or revoked token, or a claimed identity on a secured
@@ -161,7 +161,7 @@ pub enum CommandError {
     #[error("the request's organisation and the command's differ")]
     OrgMismatch,
     /// The org's plan does not entitle it (or the project) to the tier.
-    #[error("the plan does not entitle this org or project to tier {0:?}")]
+    #[error("the plan does not entitle this org or project to tier {}", .0.0)]
     TierNotEntitled(crate::ids::Tier),
 }
 
@@ -372,4 +372,139 @@ pub enum Reply {
     // Appended (the encoding is positional).
     ShareWeightSet,
     PlanSet,
+}
+
+/// Lower-case words from a variant's name (`IdempotencyEntries` → "idempotency
+/// entries"): how these enums read in error messages, without Rust debug text.
+fn words(f: &mut std::fmt::Formatter<'_>, name: &str) -> std::fmt::Result {
+    for (i, c) in name.chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            f.write_str(" ")?;
+        }
+        write!(f, "{}", c.to_ascii_lowercase())?;
+    }
+    Ok(())
+}
+
+macro_rules! display_as_words {
+    ($($t:ty),*) => {$(
+        impl std::fmt::Display for $t {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                words(f, &format!("{self:?}"))
+            }
+        }
+    )*};
+}
+
+display_as_words!(Limit, ConfigProblem, NodeProblem, JobProblem, QuotaKind);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::{OrgId, ProjectId, Tier, UserId};
+
+    /// Every refusal's message reads as text: no Rust debug forms such as
+    /// `Org(OrgId(7))`, `GpuType("x")` or `Tier(2)`, and amounts in credits.
+    #[test]
+    fn refusals_read_without_debug_text() {
+        let gpu = GpuType::new("A100");
+        let mut all = vec![
+            CommandError::InvalidGpuType(GpuType::new("bad type")),
+            CommandError::UnknownPrice(gpu.clone()),
+            CommandError::UnknownGpuType(gpu),
+            CommandError::TierNotEntitled(Tier(2)),
+            CommandError::StaleAttempt {
+                given: 1,
+                current: 2,
+            },
+            CommandError::CaptureExceedsHold {
+                requested: 3_000_000,
+                held: 1_500_000,
+            },
+            CommandError::InsufficientCredits {
+                available: 1,
+                needed: 2_000_000,
+            },
+        ];
+        for scope in [
+            BudgetScope::Org(OrgId(7)),
+            BudgetScope::Project(ProjectId(70)),
+            BudgetScope::User(UserId(700)),
+        ] {
+            all.push(CommandError::BudgetExceeded {
+                scope,
+                limit: 1_000_000,
+                used: 0,
+                asked: 2_000_000,
+            });
+        }
+        all.extend(
+            [
+                NodeProblem::GpuCount,
+                NodeProblem::Memory,
+                NodeProblem::Label,
+            ]
+            .map(CommandError::InvalidNode),
+        );
+        all.extend(
+            [
+                JobProblem::NoGpuTypes,
+                JobProblem::MaxDuration,
+                JobProblem::MemoryFloor,
+            ]
+            .map(CommandError::InvalidJob),
+        );
+        all.extend(
+            [
+                QuotaKind::QueuedJobs,
+                QuotaKind::HoldsOpen,
+                QuotaKind::Records,
+                QuotaKind::Buckets,
+                QuotaKind::Principals,
+                QuotaKind::Projects,
+                QuotaKind::Users,
+            ]
+            .map(CommandError::QuotaExceeded),
+        );
+        all.extend(
+            [
+                Limit::IdempotencyEntries,
+                Limit::BucketsPerAccount,
+                Limit::CommandBytes,
+            ]
+            .map(CommandError::LimitReached),
+        );
+        all.extend(
+            [
+                ConfigProblem::TierShare,
+                ConfigProblem::FenceMargin,
+                ConfigProblem::NodeLease,
+            ]
+            .map(CommandError::InvalidConfig),
+        );
+        for e in &all {
+            let text = e.to_string();
+            for debug in ["Id(", "GpuType(", "Tier(", "{", "::", "Org(", "Project("] {
+                assert!(!text.contains(debug), "{e:?} reads {text:?}");
+            }
+        }
+        let budget = CommandError::BudgetExceeded {
+            scope: BudgetScope::Org(OrgId(7)),
+            limit: 1_000_000,
+            used: 0,
+            asked: 2_500_000,
+        };
+        assert_eq!(
+            budget.to_string(),
+            "hard budget of org:7 exceeded: limit 1.000000 credits, used 0.000000, asked 2.500000"
+        );
+        assert_eq!(
+            CommandError::LimitReached(Limit::IdempotencyEntries).to_string(),
+            "limit reached: idempotency entries"
+        );
+        assert_eq!(
+            CommandError::TierNotEntitled(Tier(2)).to_string(),
+            "the plan does not entitle this org or project to tier 2"
+        );
+    }
 }

@@ -61,6 +61,12 @@ pub enum Query {
     /// An org's quota and plan with what it uses of each quota (its own org token, or an
     /// admin): how close a tenant is to each bound before it meets it.
     Tenancy(OrgId),
+    /// An account's buckets, in spend order (`balance --buckets`); visible like its
+    /// balance.
+    Buckets {
+        org: OrgId,
+        account: Account,
+    },
 }
 
 /// An org's quota, plan and current use of each quota.
@@ -197,6 +203,8 @@ pub enum Answer {
     Principals(Vec<(Option<OrgId>, crate::security::Scope, bool)>),
     /// `None`: unknown org.
     Tenancy(Option<Box<TenancyView>>),
+    /// None: no such account (or another org's).
+    Buckets(Option<Vec<crate::ledger::BucketView>>),
 }
 
 /// Why a query was refused (the node answers PERMISSION_DENIED / UNAUTHENTICATED).
@@ -229,6 +237,7 @@ impl Query {
             Query::Usage(_) => "usage",
             Query::Principals(_) => "principals",
             Query::Tenancy(_) => "tenancy",
+            Query::Buckets { .. } => "buckets",
         }
     }
 }
@@ -281,6 +290,7 @@ pub fn answer_as(state: &State, caller: Actor, q: &Query) -> Result<Answer, Quer
         Query::Balance {
             org: o, account, ..
         } if !in_scope(*o, *account) => Answer::Balance(None),
+        Query::Buckets { org: o, account } if !in_scope(*o, *account) => Answer::Buckets(None),
         Query::Job(o, id) => Answer::Job(
             state
                 .scheduler
@@ -355,9 +365,11 @@ pub fn answer_as(state: &State, caller: Actor, q: &Query) -> Result<Answer, Quer
                 .map(|t| (t.tier, t.queued as usize))
                 .collect(),
         ),
-        Query::Balance { .. } | Query::Fleet | Query::Prices | Query::SchedulerSettings => {
-            answer(state, q)
-        }
+        Query::Balance { .. }
+        | Query::Buckets { .. }
+        | Query::Fleet
+        | Query::Prices
+        | Query::SchedulerSettings => answer(state, q),
         // An org's own quotas and plan: its org token (a narrower one is confined to its
         // project and has no business with the org's bounds).
         Query::Tenancy(o) if *o == org && !narrow => answer(state, q),
@@ -384,6 +396,9 @@ pub fn answer(state: &State, q: &Query) -> Answer {
                 .ledger
                 .balance(*org, *account, state.time_ms, *horizon_ms),
         ),
+        Query::Buckets { org, account } => {
+            Answer::Buckets(state.ledger.bucket_views(*org, *account, state.time_ms))
+        }
         Query::Job(org, id) => Answer::Job(sched.job(*org, *id).cloned().map(Box::new)),
         Query::Assignments(node) => Answer::Assignments(sched.assignments(*node)),
         Query::QueueDepth => Answer::QueueDepth(sched.queue_depth()),

@@ -325,6 +325,7 @@ fn execute(
     now: u64,
     effects: &mut Vec<PendingEvent>,
 ) -> Outcome {
+    let command = &*command.resolved_at(now);
     let mark = effects.len();
     let quota = ns
         .map(|o| state.scheduler.quota(&state.config.scheduler, o))
@@ -650,7 +651,7 @@ fn refs_of(
         Command::CreateOrg { org } => (Some(Account::Org(*org)), None),
         Command::CreateProject { project, .. } => (Some(Account::Project(*project)), None),
         Command::CreateUser { org, .. } => (Some(Account::Org(*org)), None),
-        Command::IssueGrant(g) => (Some(g.owner), None),
+        Command::IssueGrant(g) | Command::IssueGrantIn { grant: g, .. } => (Some(g.owner), None),
         Command::CreateHold(s) => (Some(Account::Project(s.project)), Some(s.hold)),
         Command::Capture { hold, .. }
         | Command::TopUp { hold, .. }

@@ -606,7 +606,7 @@ pub fn infer_org(state: &State, command: &Command) -> Option<OrgId> {
         Account::Project(p) => project(*p),
     };
     match command {
-        Command::IssueGrant(g) => account(&g.owner),
+        Command::IssueGrant(g) | Command::IssueGrantIn { grant: g, .. } => account(&g.owner),
         Command::Transfer { from, to, .. } => account(from).or(account(to)),
         Command::CreateHold(h) => project(h.project),
         Command::SubmitJob(j) => project(j.project),
@@ -657,7 +657,7 @@ pub fn fixture_org(command: &Command) -> Option<OrgId> {
         Account::Project(p) => other(*p, None),
     };
     Some(match command {
-        Command::IssueGrant(g) => account(&g.owner),
+        Command::IssueGrant(g) | Command::IssueGrantIn { grant: g, .. } => account(&g.owner),
         Command::Transfer { from, .. } => account(from),
         Command::CreateHold(h) => other(h.project, Some(h.user)),
         Command::SubmitJob(j) => other(j.project, Some(j.user)),

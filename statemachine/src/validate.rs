@@ -56,7 +56,7 @@ pub fn validate_command(command: &Command) -> Result<(), CommandError> {
             }
             Ok(())
         }
-        Command::IssueGrant(g) => {
+        Command::IssueGrant(g) | Command::IssueGrantIn { grant: g, .. } => {
             check_amount(g.amount_micro)?;
             check_id(g.bucket.0)?;
             if g.source_ref

@@ -929,3 +929,73 @@ fn logical_time_is_monotonic() {
     assert_eq!(h.state.time_ms, T0_MS + 20 * HOUR_MS);
     assert!(h.bucket(1).is_expired);
 }
+
+/// `IssueGrantIn`: the bucket expires the given time after the logical time of the
+/// entry that applies it; a retry of the same request (same bytes) is answered with the
+/// first outcome even at a later time; zero is an expiry in the past; tenants may not.
+#[test]
+fn a_relative_expiry_is_evaluated_on_the_applying_entrys_logical_time() {
+    let mut h = Harness::world();
+    h.advance(12_345);
+    let grant = Grant {
+        bucket: BucketId(77),
+        owner: P,
+        kind: BucketKind::Promotional,
+        amount_micro: credits(4),
+        // Ignored: the relative expiry decides.
+        expires_at_ms: Some(1),
+        priority: 5,
+        policy: None,
+        source_ref: Some("promo".into()),
+    };
+    let command = Command::IssueGrantIn {
+        grant: grant.clone(),
+        expires_in_ms: 3_600_000,
+    };
+    let applied_at = h.now;
+    let request = Request {
+        actor: ADMIN,
+        request_id: 9_001,
+        org: Some(ORG),
+        command: command.clone(),
+    };
+    let first = h.apply(vec![request.clone()]).remove(0);
+    assert_eq!(
+        first,
+        Ok(Reply::GrantIssued {
+            bucket: BucketId(77)
+        })
+    );
+    assert_eq!(h.bucket(77).expires_at_ms, Some(applied_at + 3_600_000));
+    // The retry, later: answered as the first time, nothing issued twice.
+    h.advance(60_000);
+    let issued = h.state.ledger.totals.issued;
+    assert_eq!(h.apply(vec![request]).remove(0), first);
+    assert_eq!(h.state.ledger.totals.issued, issued);
+    assert_eq!(h.bucket(77).expires_at_ms, Some(applied_at + 3_600_000));
+    // It expires on the logical clock: spendable just before, expired from the instant.
+    h.advance(3_600_000 - 60_000 - 1);
+    h.tick();
+    assert!(h.bucket(77).spendable_at(h.now));
+    h.advance(1);
+    h.tick();
+    assert!(!h.bucket(77).spendable_at(h.now));
+    // Zero is now: an expiry that is not in the future.
+    let zero = Command::IssueGrantIn {
+        grant: Grant {
+            bucket: BucketId(78),
+            ..grant.clone()
+        },
+        expires_in_ms: 0,
+    };
+    assert_eq!(h.run(zero), Err(CommandError::ExpiryInPast));
+    // A tenant cannot grant itself credit this way either.
+    let mine = Command::IssueGrantIn {
+        grant: Grant {
+            bucket: BucketId(79),
+            ..grant
+        },
+        expires_in_ms: 1_000,
+    };
+    assert_eq!(h.run_as(tenant(ORG), mine), Err(CommandError::Unauthorized));
+}

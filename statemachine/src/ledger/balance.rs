@@ -30,6 +30,30 @@ pub struct Balance {
     pub upcoming_expirations: Vec<UpcomingExpiry>,
 }
 
+/// One bucket of an account as `balance --buckets` shows it: where its credit came
+/// from, what is left and held, and when it expires.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BucketView {
+    pub bucket: BucketId,
+    pub kind: BucketKind,
+    /// Spend order's first key (lower first).
+    pub priority: u8,
+    pub expires_at_ms: Option<u64>,
+    pub policy: Option<crate::command::BucketPolicy>,
+    pub source_ref: Option<String>,
+    /// Spendable now: `remaining_micro`; past its expiry it counts as expired.
+    pub spendable: bool,
+    pub remaining_micro: u64,
+    pub held_micro: u64,
+    pub issued_micro: u64,
+    pub moved_in_micro: u64,
+    pub consumed_micro: u64,
+    pub expired_micro: u64,
+    pub moved_out_micro: u64,
+    /// Nothing left, held or drawn: archived a retention after this instant.
+    pub closed_at_ms: Option<u64>,
+}
+
 impl Balance {
     pub fn available_micro(&self) -> u64 {
         self.paid_available_micro + self.promotional_available_micro + self.granted_available_micro
@@ -37,6 +61,40 @@ impl Balance {
 }
 
 impl Books {
+    /// `account`'s own buckets (at most `BUCKETS_PER_ACCOUNT_MAX` are kept per account;
+    /// archived ones are in the account's figures only), in spend order at `now`.
+    pub fn bucket_views(&self, org: OrgId, account: Account, now: u64) -> Option<Vec<BucketView>> {
+        let rec = self.account(org, account)?;
+        let mut buckets: Vec<&super::Bucket> = rec
+            .buckets
+            .iter()
+            .filter_map(|id| self.buckets.get(id))
+            .collect();
+        buckets.sort_by_key(|b| b.spend_key());
+        Some(
+            buckets
+                .into_iter()
+                .map(|b| BucketView {
+                    bucket: b.id,
+                    kind: b.kind,
+                    priority: b.priority,
+                    expires_at_ms: b.expires_at_ms,
+                    policy: b.policy.clone(),
+                    source_ref: b.source_ref.clone(),
+                    spendable: b.spendable_at(now),
+                    remaining_micro: b.remaining,
+                    held_micro: b.held,
+                    issued_micro: b.issued,
+                    moved_in_micro: b.moved_in,
+                    consumed_micro: b.consumed,
+                    expired_micro: b.expired,
+                    moved_out_micro: b.moved_out,
+                    closed_at_ms: b.closed_at_ms,
+                })
+                .collect(),
+        )
+    }
+
     /// The balance of `account`'s own buckets at `now`. Credit past its expiry instant
     /// counts as expired even before the expiry pass has processed its bucket.
     pub fn balance(

@@ -13,7 +13,7 @@ mod meter;
 mod tenancy;
 
 pub(crate) use crate::validate::check_amount;
-pub use balance::{Balance, UpcomingExpiry};
+pub use balance::{Balance, BucketView, UpcomingExpiry};
 pub use budget::{Budget, Usage};
 pub(crate) use meter::MeterStart;
 pub use meter::{cost_micro, tier_price, Meter};

@@ -60,6 +60,13 @@ pub struct Global {
     /// --token the token's identity is used and this is ignored.
     #[arg(long = "as", global = true, env = "ALLOTCTL_AS", default_value = "admin", value_parser = values::identity)]
     pub identity: Actor,
+    /// The request id of the command's first mutation (decimal, or hex with 0x); its
+    /// further mutations take the next ids in order. Run the same command again with
+    /// the same id after an unknown outcome (a timeout, a lost connection): each shard
+    /// answers what it applied the first time and applies nothing twice. Default: fresh
+    /// random ids.
+    #[arg(long, global = true, env = "ALLOTCTL_REQUEST_ID", value_parser = values::request_id)]
+    pub request_id: Option<u128>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -76,6 +83,9 @@ pub enum Cmd {
     /// Health of each endpoint.
     #[command(subcommand)]
     Endpoint(crate::cluster::EndpointCmd),
+    /// Checks every replica of every shard: the ledger's invariants (conservation
+    /// included) and equal state hashes at one applied index. Exit 1 on any failure.
+    Check(crate::cluster::CheckArgs),
     /// Replica state hashes, to compare replicas.
     #[command(subcommand)]
     Shard(crate::cluster::ShardCmd),

@@ -331,10 +331,6 @@ fn details(ev: &AuditEvent) -> String {
             scope,
             limit_micro,
             used_micro,
-        } => format!(
-            "{scope:?}: used {} of {}",
-            cr(*used_micro),
-            cr(*limit_micro)
-        ),
+        } => format!("{scope}: used {} of {}", cr(*used_micro), cr(*limit_micro)),
     }
 }

@@ -438,3 +438,145 @@ fn check_hashes(rows: &[HashRow]) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+// ---------------------------------------------------------------- check
+
+#[derive(Args, Debug)]
+pub struct CheckArgs {
+    /// One shard (default: every shard).
+    #[arg(long)]
+    shard: Option<u32>,
+}
+
+#[derive(Debug, Serialize)]
+struct CheckRow {
+    endpoint: String,
+    shard: u32,
+    applied_index: Option<u64>,
+    /// The ledger's conservation laws and every cross-check (`check_invariants`) on
+    /// this replica's applied state: "ok", or the first violation.
+    invariants: Option<String>,
+    /// Whether this replica's state hash equals the other replicas' at one applied
+    /// index: null when the replicas did not stand at one index within --timeout.
+    hash_agrees: Option<bool>,
+    error: Option<String>,
+}
+
+/// `allotctl check`: the invariants (conservation included) on every replica of every
+/// shard, and the replicas' state hashes compared at one applied index. Exit 1 on a
+/// violation, on replicas that differ, or on a replica that did not answer.
+pub async fn check(ctx: &Ctx, a: CheckArgs) -> anyhow::Result<()> {
+    use allot_statemachine::query::{Answer, Query};
+    let shards = ctx.shards_or_all(a.shard).await?;
+    // Hashes first, waiting (within --timeout) for each shard's replicas to stand at
+    // one applied index: a quiet cluster settles at once.
+    let deadline = Instant::now() + ctx.timeout;
+    let hashes = loop {
+        let rows = read_hashes(ctx, &shards).await?;
+        if settled(&rows) || Instant::now() >= deadline {
+            break rows;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let agree = |shard: u32, endpoint: &str| -> Option<bool> {
+        let rs: Vec<&HashRow> = hashes
+            .iter()
+            .filter(|r| r.shard == shard && r.state_hash.is_some())
+            .collect();
+        if !settled(
+            &hashes
+                .iter()
+                .filter(|r| r.shard == shard)
+                .cloned()
+                .collect::<Vec<_>>(),
+        ) {
+            return None;
+        }
+        let mine = rs.iter().find(|r| r.endpoint == endpoint)?;
+        Some(rs.iter().all(|r| r.state_hash == mine.state_hash))
+    };
+    let mut rows = Vec::new();
+    for addr in ctx.client.endpoints() {
+        for &shard in &shards {
+            let answer = ctx
+                .client
+                .query_replica(addr, shard, &Query::Invariants)
+                .await;
+            let applied = hashes
+                .iter()
+                .find(|r| r.shard == shard && &r.endpoint == addr)
+                .and_then(|r| r.applied_index);
+            rows.push(match answer {
+                Ok(Answer::Invariants(r)) => CheckRow {
+                    endpoint: addr.clone(),
+                    shard,
+                    applied_index: applied,
+                    invariants: Some(r.err().unwrap_or_else(|| "ok".into())),
+                    hash_agrees: agree(shard, addr),
+                    error: None,
+                },
+                Ok(other) => CheckRow {
+                    endpoint: addr.clone(),
+                    shard,
+                    applied_index: applied,
+                    invariants: None,
+                    hash_agrees: None,
+                    error: Some(format!("unexpected answer {other:?}")),
+                },
+                Err(e) => CheckRow {
+                    endpoint: addr.clone(),
+                    shard,
+                    applied_index: applied,
+                    invariants: None,
+                    hash_agrees: None,
+                    error: Some(crate::failure::render(&anyhow::Error::new(e))),
+                },
+            });
+        }
+    }
+    let mut t = Table::new(&[
+        "ENDPOINT",
+        "SHARD",
+        "APPLIED",
+        "INVARIANTS",
+        "REPLICAS AGREE",
+        "ERROR",
+    ]);
+    for r in &rows {
+        t.row(vec![
+            r.endpoint.clone(),
+            r.shard.to_string(),
+            opt(r.applied_index),
+            r.invariants.clone().unwrap_or_else(|| "-".into()),
+            match r.hash_agrees {
+                Some(true) => "yes".into(),
+                Some(false) => "NO".into(),
+                None => "not compared (replicas at different indexes)".into(),
+            },
+            r.error.clone().unwrap_or_default(),
+        ]);
+    }
+    show(ctx.format, &rows, &[t])?;
+    let failed: Vec<String> = rows
+        .iter()
+        .filter_map(|r| {
+            let what = if let Some(e) = &r.error {
+                format!("did not answer ({e})")
+            } else if r.invariants.as_deref() != Some("ok") {
+                format!(
+                    "violates an invariant: {}",
+                    r.invariants.as_deref().unwrap_or("-")
+                )
+            } else if r.hash_agrees == Some(false) {
+                "differs from the other replicas".to_string()
+            } else {
+                return None;
+            };
+            Some(format!("{} shard {}: {what}", r.endpoint, r.shard))
+        })
+        .collect();
+    if !failed.is_empty() {
+        anyhow::bail!("check failed: {}", failed.join("; "));
+    }
+    Ok(())
+}

@@ -16,6 +16,9 @@ pub struct Ctx {
     pub client: Client,
     pub format: Format,
     pub timeout: Duration,
+    /// `--request-id`: new objects' default ids derive from it (see [`Ctx::new_id`]).
+    request_id: Option<u128>,
+    ids_taken: std::sync::atomic::AtomicU64,
 }
 
 impl Ctx {
@@ -40,6 +43,9 @@ impl Ctx {
             .connect_timeout(g.timeout.min(Duration::from_millis(1_000)))
             .backoff(Duration::from_millis(50), Duration::from_millis(1_000))
             .retries(g.retries);
+        if let Some(id) = g.request_id {
+            b = b.request_ids_from(id);
+        }
         if let Some(t) = &g.token {
             b = b.token(t.clone());
         }
@@ -53,7 +59,23 @@ impl Ctx {
             client,
             format: g.output,
             timeout: g.timeout,
+            request_id: g.request_id,
+            ids_taken: Default::default(),
         })
+    }
+
+    /// The id of a new object (bucket, job, principal) the command was not given one
+    /// for: fresh, or with `--request-id` derived from it, so the same command run again
+    /// with the same request id names the same objects (the retry is answered, not
+    /// refused as a reused request id with another payload).
+    pub fn new_id(&self) -> u64 {
+        let n = self
+            .ids_taken
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        match self.request_id {
+            Some(r) => derived_id(r, n),
+            None => fresh_id(),
+        }
     }
 
     pub fn json(&self) -> bool {
@@ -177,6 +199,18 @@ fn retryable(s: &tonic::Status) -> bool {
     )
 }
 
+/// The `n`-th object id derived from a request id: splitmix64 over its halves and `n`,
+/// under 2^63 (ids above are reserved), never 0.
+fn derived_id(request_id: u128, n: u64) -> u64 {
+    let mut z = (request_id as u64)
+        ^ ((request_id >> 64) as u64).rotate_left(32)
+        ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z & (u64::MAX >> 1)).max(1)
+}
+
 /// A fresh id for a new object (bucket, job, hold) when none is given: the clock in
 /// milliseconds with 20 random bits below it, under 2^63 (ids above are reserved).
 pub fn fresh_id() -> u64 {
@@ -184,4 +218,18 @@ pub fn fresh_id() -> u64 {
     h.write_u64(crate::timefmt::now_ms());
     let random = h.finish() & 0xF_FFFF;
     ((crate::timefmt::now_ms() << 20) | random) & (u64::MAX >> 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::derived_id;
+
+    #[test]
+    fn derived_ids_repeat_per_request_id_and_differ_otherwise() {
+        assert_eq!(derived_id(0x77, 0), derived_id(0x77, 0));
+        assert_ne!(derived_id(0x77, 0), derived_id(0x77, 1));
+        assert_ne!(derived_id(0x77, 0), derived_id(0x78, 0));
+        assert_ne!(derived_id(1 << 64, 0), derived_id(1, 0));
+        assert!(derived_id(u128::MAX, 3) < 1 << 63);
+    }
 }

@@ -1,6 +1,6 @@
 //! Credits: grants, balances, budgets, prices and shard totals.
 
-use crate::connect::{fresh_id, Ctx};
+use crate::connect::Ctx;
 use crate::failure::usage;
 use crate::output::{cr, show, Table};
 use crate::timefmt::{format_ms, now_ms, relative};
@@ -34,7 +34,7 @@ pub struct GrantArgs {
     /// When the unspent remainder expires: unix ms or 2025-01-31T12:00:00Z.
     #[arg(long, value_parser = values::instant_ms, conflicts_with = "expires_in")]
     expires_at: Option<u64>,
-    /// Expiry relative to now (30m, 7d).
+    /// Expiry relative to now on the cluster's logical time (30m, 7d).
     #[arg(long, value_parser = values::duration_ms)]
     expires_in: Option<u64>,
     /// Spend order's first key: lower is spent first.
@@ -65,6 +65,9 @@ pub struct BalanceArgs {
     /// List buckets expiring within this horizon.
     #[arg(long, default_value = "7d", value_parser = values::duration_ms)]
     horizon: u64,
+    /// Also list every bucket: kind, remaining, held, expiry, source, spend order.
+    #[arg(long)]
+    buckets: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -128,30 +131,38 @@ pub struct TotalsArgs {
 pub async fn run_grant(ctx: &Ctx, cmd: GrantCmd) -> anyhow::Result<()> {
     let GrantCmd::Issue(a) = cmd;
     let org = OrgId(a.org);
-    let expires_at_ms = match (a.expires_at, a.expires_in) {
-        (Some(at), _) => Some(at),
-        (None, Some(d)) => Some(now_ms() + d),
-        (None, None) => None,
-    };
     let policy = grant_policy(ctx, org, &a).await?;
     if a.source_ref.as_ref().is_some_and(|s| s.len() > 128) {
         return Err(usage("--source-ref: at most 128 bytes"));
     }
     let grant = Grant {
-        bucket: BucketId(a.bucket.unwrap_or_else(fresh_id)),
+        bucket: BucketId(a.bucket.unwrap_or_else(|| ctx.new_id())),
         owner: a.owner.account(org),
         kind: a.kind,
         amount_micro: a.amount,
-        expires_at_ms,
+        expires_at_ms: a.expires_at,
         priority: a.priority,
         policy,
         source_ref: a.source_ref.clone(),
     };
-    let bucket = ctx
+    let issued = match a.expires_in {
+        // Evaluated on the cluster's logical time when applied (the clock expiry runs
+        // on), not on this machine's clock; a retry resends the same relative expiry.
+        Some(d) => ctx.client.issue_grant_in(org, grant.clone(), d).await,
+        None => ctx.client.issue_grant(org, grant.clone()).await,
+    };
+    let bucket = issued.with_context(|| format!("issuing a grant to {}", grant.owner))?;
+    // Show the bucket as the cluster holds it (its expiry is the cluster's instant).
+    let bucket_view = ctx
         .client
-        .issue_grant(org, grant.clone())
+        .buckets(org, grant.owner)
         .await
-        .with_context(|| format!("issuing a grant to {}", grant.owner))?;
+        .ok()
+        .and_then(|bs| bs.into_iter().find(|b| b.bucket == bucket));
+    let grant = Grant {
+        expires_at_ms: bucket_view.map_or(grant.expires_at_ms, |b| b.expires_at_ms),
+        ..grant
+    };
     print_grant(ctx, org, bucket, &grant)
 }
 
@@ -241,7 +252,51 @@ pub async fn balance(ctx: &Ctx, a: BalanceArgs) -> anyhow::Result<()> {
             relative(u.expires_at_ms, now),
         ]);
     }
-    show(ctx.format, &json, &[t, exp])
+    if !a.buckets {
+        return show(ctx.format, &json, &[t, exp]);
+    }
+    let (buckets, cluster_now) = ctx
+        .client
+        .buckets_at(org, account)
+        .await
+        .with_context(|| format!("buckets of {account}"))?;
+    if let Some(m) = json.as_object_mut() {
+        m.insert("buckets".into(), serde_json::to_value(&buckets)?);
+    }
+    let mut bt = Table::new(&[
+        "BUCKET",
+        "KIND",
+        "PRIORITY",
+        "REMAINING",
+        "HELD",
+        "CONSUMED",
+        "EXPIRES",
+        "SOURCE",
+        "STATE",
+    ]);
+    for b in &buckets {
+        let state = if b.closed_at_ms.is_some() {
+            "closed"
+        } else if !b.spendable {
+            "expired"
+        } else {
+            "live"
+        };
+        bt.row(vec![
+            b.bucket.0.to_string(),
+            format!("{:?}", b.kind),
+            b.priority.to_string(),
+            cr(b.remaining_micro),
+            cr(b.held_micro),
+            cr(b.consumed_micro),
+            b.expires_at_ms.map_or("never".into(), |at| {
+                format!("{} ({})", format_ms(at), relative(at, cluster_now))
+            }),
+            b.source_ref.clone().unwrap_or_else(|| "-".into()),
+            state.into(),
+        ]);
+    }
+    show(ctx.format, &json, &[t, exp, bt])
 }
 
 // ---------------------------------------------------------------- budgets
@@ -268,15 +323,15 @@ async fn budget_set(ctx: &Ctx, a: BudgetSetArgs) -> anyhow::Result<()> {
     ctx.client
         .set_budget(org, scope, spec)
         .await
-        .with_context(|| format!("setting the budget of {scope:?}"))?;
+        .with_context(|| format!("setting the budget of {scope}"))?;
     budget_show(ctx, org, a.scope).await
 }
 
 async fn budget_show(ctx: &Ctx, org: OrgId, scope: Scope) -> anyhow::Result<()> {
     let scope = scope.budget_scope(org);
     let v = ctx.client.budget(org, scope).await.map_err(|e| match e {
-        allot_client::Error::NotFound(_) => anyhow::anyhow!("unknown {scope:?} in {org}"),
-        e => anyhow::Error::new(e).context(format!("budget of {scope:?}")),
+        allot_client::Error::NotFound(_) => anyhow::anyhow!("unknown {scope} in {org}"),
+        e => anyhow::Error::new(e).context(format!("budget of {scope}")),
     })?;
     let json = serde_json::json!({
         "scope": scope,
@@ -285,7 +340,7 @@ async fn budget_show(ctx: &Ctx, org: OrgId, scope: Scope) -> anyhow::Result<()> 
         "usage": v.usage,
     });
     let t = Table::fields([
-        ("scope", format!("{scope:?}")),
+        ("scope", scope.to_string()),
         (
             "limit",
             v.budget.map_or("none".into(), |b| cr(b.limit_micro)),

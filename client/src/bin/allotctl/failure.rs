@@ -48,9 +48,27 @@ pub fn render(e: &anyhow::Error) -> String {
     parts.join(": ")
 }
 
+/// Whether the command was given a token (`--token` / `ALLOTCTL_TOKEN`): it decides
+/// what an `UNAUTHENTICATED` answer means to the operator.
+static TOKEN_GIVEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+pub fn set_token_given(given: bool) {
+    let _ = TOKEN_GIVEN.set(given);
+}
+
 fn client_error(e: &Error) -> String {
     match e {
         Error::Rejected(c) => format!("rejected by the cluster: {c} [{}]", code(c)),
+        Error::Unauthenticated(_) if TOKEN_GIVEN.get() == Some(&true) => {
+            "the cluster refused the token (unknown, revoked or expired) [Unauthenticated]".into()
+        }
+        Error::Unauthenticated(_) => "the cluster requires a token: give --token or set \
+             ALLOTCTL_TOKEN (the cluster is secured; --as works only on dev-mode nodes) \
+             [Unauthenticated]"
+            .into(),
+        Error::PermissionDenied(_) => {
+            "the token's scope does not allow this call [PermissionDenied]".into()
+        }
         Error::Unavailable { .. } => format!(
             "cluster unreachable or without a leader ({e}); check --endpoints and that the nodes run"
         ),

@@ -1,6 +1,6 @@
 //! GPU jobs: `job submit|status|list|cancel`.
 
-use crate::connect::{fresh_id, tier_name, Ctx};
+use crate::connect::{tier_name, Ctx};
 use crate::failure::usage;
 use crate::output::{cr, list, show, Table};
 use crate::timefmt::{format_duration_ms, format_ms};
@@ -96,7 +96,7 @@ async fn submit(ctx: &Ctx, a: SubmitArgs) -> anyhow::Result<()> {
     let tier = ctx
         .resolve_tiers(shard, std::slice::from_ref(&a.tier))
         .await?[0];
-    let job = JobId(a.job.unwrap_or_else(fresh_id));
+    let job = JobId(a.job.unwrap_or_else(|| ctx.new_id()));
     let spec = JobSpec {
         job,
         project: ProjectId(a.project),

@@ -28,6 +28,7 @@ use connect::Ctx;
 
 fn main() {
     let cli = Cli::parse();
+    failure::set_token_given(cli.global.token.is_some());
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -54,6 +55,7 @@ async fn dispatch(ctx: &Ctx, cmd: Cmd) -> anyhow::Result<()> {
         Cmd::Token(c) => tokens::run(ctx, c).await,
         Cmd::Endpoint(c) => cluster::run_endpoint(ctx, c).await,
         Cmd::Shard(c) => cluster::run_shard(ctx, c).await,
+        Cmd::Check(a) => cluster::check(ctx, a).await,
         Cmd::Backup(c) => backup::run(ctx, c).await,
         Cmd::Org(c) => tenancy::run_org(ctx, c).await,
         Cmd::Project(c) => tenancy::run_project(ctx, c).await,

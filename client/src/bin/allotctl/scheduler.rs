@@ -55,6 +55,17 @@ pub struct ConfigureArgs {
     /// Half-life of the decayed usage behind fair share.
     #[arg(long, value_parser = values::duration_ms)]
     half_life: Option<u64>,
+    /// Preemption loss cap: a running job is a victim only while the work it would lose
+    /// (GPUs × time since its last checkpoint) is at most this much GPU time (e.g. 2h =
+    /// two GPU-hours).
+    #[arg(long, value_parser = values::duration_ms)]
+    preemption_loss_max: Option<u64>,
+    /// Retunes one tier (repeatable): <tier name or number>:<key>=<value>,... with keys
+    /// weight, floor (percent), ceiling (percent), max-wait (duration), price (percent
+    /// of list), e.g. --tier paid:weight=3,floor=20,max-wait=2h. Keys not given keep
+    /// their values; the shard validates the whole set (floors add up to at most 100).
+    #[arg(long = "tier", value_parser = values::tier_change)]
+    tiers: Vec<values::TierChange>,
 }
 
 #[derive(Args, Debug)]
@@ -88,14 +99,15 @@ async fn configure(ctx: &Ctx, a: ConfigureArgs) -> anyhow::Result<()> {
         a.half_life,
         a.preemptions_max.map(u64::from),
         a.node_failure_requeues.map(u64::from),
+        a.preemption_loss_max,
     ];
-    if changes.iter().all(Option::is_none) {
+    if changes.iter().all(Option::is_none) && a.tiers.is_empty() {
         return Err(usage("nothing to change: give at least one setting"));
     }
     let mut all = Vec::new();
     for shard in ctx.shards_or_all(a.shard).await? {
         let mut s = ctx.client.scheduler_settings(shard).await?;
-        apply_changes(&mut s, &a);
+        apply_changes(&mut s, &a)?;
         ctx.client
             .configure_scheduler(shard, s.clone())
             .await
@@ -105,7 +117,7 @@ async fn configure(ctx: &Ctx, a: ConfigureArgs) -> anyhow::Result<()> {
     print_settings(ctx, &all)
 }
 
-fn apply_changes(s: &mut SchedulerSettings, a: &ConfigureArgs) {
+fn apply_changes(s: &mut SchedulerSettings, a: &ConfigureArgs) -> anyhow::Result<()> {
     let set = |field: &mut u64, v: Option<u64>| {
         if let Some(v) = v {
             *field = v;
@@ -124,6 +136,45 @@ fn apply_changes(s: &mut SchedulerSettings, a: &ConfigureArgs) {
     if let Some(r) = a.node_failure_requeues {
         s.node_failure_requeues_max = r;
     }
+    set(&mut s.preemption_loss_max_gpu_ms, a.preemption_loss_max);
+    for change in &a.tiers {
+        let i = match &change.tier {
+            values::TierArg::Number(n) => *n as usize,
+            values::TierArg::Name(name) => s
+                .tiers
+                .iter()
+                .position(|t| t.name.eq_ignore_ascii_case(name))
+                .ok_or_else(|| {
+                    let names: Vec<&str> = s.tiers.iter().map(|t| t.name.as_str()).collect();
+                    usage(format!(
+                        "--tier {name}: this shard's tiers are {} (or a number)",
+                        names.join(", ")
+                    ))
+                })?,
+        };
+        let n = s.tiers.len();
+        let t = s.tiers.get_mut(i).ok_or_else(|| {
+            usage(format!(
+                "--tier {i}: this shard has tiers 0..{n} (tiers are retuned, not added)"
+            ))
+        })?;
+        if let Some(v) = change.weight {
+            t.weight = v;
+        }
+        if let Some(v) = change.floor_pct {
+            t.floor_pct = v;
+        }
+        if let Some(v) = change.ceiling_pct {
+            t.ceiling_pct = v;
+        }
+        if let Some(v) = change.max_wait_ms {
+            t.max_wait_ms = v;
+        }
+        if let Some(v) = change.price_pct {
+            t.price_pct = v;
+        }
+    }
+    Ok(())
 }
 
 fn print_settings(ctx: &Ctx, all: &[(u32, SchedulerSettings)]) -> anyhow::Result<()> {
@@ -139,6 +190,7 @@ fn print_settings(ctx: &Ctx, all: &[(u32, SchedulerSettings)]) -> anyhow::Result
         "FLOOR %",
         "CEILING %",
         "MAX WAIT",
+        "PRICE %",
     ]);
     let mut rows: Vec<Vec<String>> = [
         "min runtime",
@@ -150,6 +202,7 @@ fn print_settings(ctx: &Ctx, all: &[(u32, SchedulerSettings)]) -> anyhow::Result
         "preemptions max",
         "usage half-life",
         "node-failure requeues",
+        "preemption loss max (GPU time)",
     ]
     .iter()
     .map(|n| vec![n.to_string()])
@@ -167,6 +220,7 @@ fn print_settings(ctx: &Ctx, all: &[(u32, SchedulerSettings)]) -> anyhow::Result
             s.preemptions_per_job_max.to_string(),
             d(s.usage_half_life_ms),
             s.node_failure_requeues_max.to_string(),
+            d(s.preemption_loss_max_gpu_ms),
         ];
         for (row, v) in rows.iter_mut().zip(values) {
             row.push(v);
@@ -179,6 +233,7 @@ fn print_settings(ctx: &Ctx, all: &[(u32, SchedulerSettings)]) -> anyhow::Result
                 tc.floor_pct.to_string(),
                 tc.ceiling_pct.to_string(),
                 d(tc.max_wait_ms),
+                tc.price_pct.to_string(),
             ]);
         }
     }

@@ -207,13 +207,10 @@ pub async fn run_share(ctx: &Ctx, cmd: ShareCmd) -> anyhow::Result<()> {
     ctx.client
         .set_share_weight(org, scope, weight)
         .await
-        .with_context(|| format!("setting the share weight of {scope:?}"))?;
+        .with_context(|| format!("setting the share weight of {scope}"))?;
     let shown = weight.unwrap_or(allot_statemachine::limits::SHARE_WEIGHT_DEFAULT);
     let json = serde_json::json!({"org": org.0, "scope": scope, "weight": shown});
-    let t = Table::fields([
-        ("scope", format!("{scope:?}")),
-        ("weight", shown.to_string()),
-    ]);
+    let t = Table::fields([("scope", scope.to_string()), ("weight", shown.to_string())]);
     show(ctx.format, &json, &[t])
 }
 

@@ -2,7 +2,7 @@
 //! CSPRNG and shown once; only their SHA-256 reaches the cluster: an org's tokens on
 //! its home shard, the operator's (admin, agent) on every shard.
 
-use crate::connect::{fresh_id, Ctx};
+use crate::connect::Ctx;
 use crate::output::{show, Table};
 use crate::timefmt::now_ms;
 use crate::values;
@@ -33,10 +33,6 @@ pub struct CreateArgs {
     /// The token stops working after this long (30d, 12h); default: no expiry.
     #[arg(long, value_parser = values::duration_ms)]
     expires_in: Option<u64>,
-    /// Use this request id (and `--token-file`) to complete a creation that failed
-    /// part of the way: the shards that applied it answer as before.
-    #[arg(long)]
-    request_id: Option<u128>,
     /// Install the token in this file (at least 32 characters) instead of a new one.
     #[arg(long)]
     token_file: Option<std::path::PathBuf>,
@@ -134,7 +130,7 @@ pub fn token_scope(s: &str) -> Result<Scope, String> {
 pub async fn run(ctx: &Ctx, cmd: TokenCmd) -> anyhow::Result<()> {
     let (what, principal, token) = match cmd {
         TokenCmd::Create(a) => {
-            let principal = PrincipalId(a.principal.unwrap_or_else(fresh_id));
+            let principal = PrincipalId(a.principal.unwrap_or_else(|| ctx.new_id()));
             let expires = a.expires_in.map(|d| now_ms() + d);
             let token = match &a.token_file {
                 Some(f) => {
@@ -147,7 +143,9 @@ pub async fn run(ctx: &Ctx, cmd: TokenCmd) -> anyhow::Result<()> {
                 }
                 None => allot_client::security::generate_token()?,
             };
-            let id = a.request_id.unwrap_or_else(|| ctx.client.next_request_id());
+            // With the global --request-id (and --token-file) a creation that failed
+            // part of the way completes: the shards that applied it answer as before.
+            let id = ctx.client.next_request_id();
             ctx.client
                 .create_token_with(principal, a.scope, expires, &token, id)
                 .await?;

@@ -61,6 +61,79 @@ pub fn identity(s: &str) -> Result<Actor, String> {
     }
 }
 
+/// One tier's changes for `scheduler configure --tier`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TierChange {
+    pub tier: TierArg,
+    pub weight: Option<u32>,
+    pub floor_pct: Option<u32>,
+    pub ceiling_pct: Option<u32>,
+    pub max_wait_ms: Option<u64>,
+    pub price_pct: Option<u32>,
+}
+
+/// `<tier>:<key>=<value>,...` (keys weight, floor, ceiling, max-wait, price).
+pub fn tier_change(s: &str) -> Result<TierChange, String> {
+    let bad = |why: String| {
+        format!("--tier {s:?}: {why} (expected e.g. paid:weight=3,floor=20,max-wait=2h)")
+    };
+    let (tier, settings) = s
+        .split_once(':')
+        .ok_or_else(|| bad("missing ':' after the tier".into()))?;
+    let mut c = TierChange {
+        tier: self::tier(tier).map_err(bad)?,
+        weight: None,
+        floor_pct: None,
+        ceiling_pct: None,
+        max_wait_ms: None,
+        price_pct: None,
+    };
+    for kv in settings.split(',').filter(|kv| !kv.is_empty()) {
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| bad(format!("{kv:?} is not key=value")))?;
+        let num = |v: &str| {
+            v.parse::<u32>()
+                .map_err(|_| bad(format!("{k}={v}: expected a whole number")))
+        };
+        match k {
+            "weight" => c.weight = Some(num(v)?),
+            "floor" => c.floor_pct = Some(num(v)?),
+            "ceiling" => c.ceiling_pct = Some(num(v)?),
+            "price" => c.price_pct = Some(num(v)?),
+            "max-wait" | "max_wait" => c.max_wait_ms = Some(duration_ms(v).map_err(bad)?),
+            _ => {
+                return Err(bad(format!(
+                    "unknown key {k:?}: weight, floor, ceiling, max-wait or price"
+                )))
+            }
+        }
+    }
+    if [c.weight, c.floor_pct, c.ceiling_pct, c.price_pct]
+        .iter()
+        .all(Option::is_none)
+        && c.max_wait_ms.is_none()
+    {
+        return Err(bad("no setting given".into()));
+    }
+    Ok(c)
+}
+
+/// A request id: decimal, or hexadecimal after `0x` (as `audit` prints them); not zero.
+pub fn request_id(s: &str) -> Result<u128, String> {
+    let parsed = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u128::from_str_radix(hex, 16),
+        None => s.parse::<u128>(),
+    };
+    match parsed {
+        Ok(0) => Err("request id: must not be zero".into()),
+        Ok(id) => Ok(id),
+        Err(_) => Err(format!(
+            "request id {s:?}: expected a decimal number or 0x followed by hex digits (128 bits)"
+        )),
+    }
+}
+
 /// A Raft member: `<node id>=<host:port>`.
 pub fn member(s: &str) -> Result<(u64, String), String> {
     let bad = || format!("member {s:?}: expected <node id>=<host:port>, e.g. 1=10.0.0.1:7101");
@@ -165,7 +238,7 @@ impl Scope {
 }
 
 /// A tier by name (resolved against the shard's scheduler settings) or number.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TierArg {
     Name(String),
     Number(u8),
