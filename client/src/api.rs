@@ -236,6 +236,20 @@ impl Client {
             .map(drop)
     }
 
+    /// Sets (`Some`) or removes an alert on an org's, project's or user's available
+    /// credit and budget use: each crossing appends a `LowBalance` or `BudgetThreshold`
+    /// audit event (once per crossing; `allot_statemachine::alerts`).
+    pub async fn set_alert(
+        &self,
+        org: OrgId,
+        scope: BudgetScope,
+        alert: Option<allot_statemachine::alerts::AlertSpec>,
+    ) -> Result<()> {
+        self.run_for_org(org, Command::SetAlert { scope, alert })
+            .await
+            .map(drop)
+    }
+
     pub async fn budget(&self, org: OrgId, scope: BudgetScope) -> Result<BudgetView> {
         match self.query_org(org, &Query::Budget(org, scope)).await? {
             Answer::Budget(Some(b)) => Ok(b),

@@ -919,6 +919,75 @@ fn operator_commands(eps: &str) {
     );
     assert!(e.contains("must not be zero"), "{e}");
 
+    // An alert on a project already below its threshold fires once, at once.
+    let alert = [
+        "budget",
+        "alert",
+        "--org",
+        "1",
+        "--scope",
+        "project:11",
+        "--low-balance",
+        "100000",
+    ];
+    let v = json(eps, &alert);
+    assert_eq!(u(&v["alert"]["low_balance_micro"]), 100_000 * C);
+    json(
+        eps,
+        &[
+            "grant",
+            "issue",
+            "--org",
+            "1",
+            "--owner",
+            "project:11",
+            "--kind",
+            "paid",
+            "--amount",
+            "1",
+        ],
+    );
+    let lows = |eps: &str| {
+        json(
+            eps,
+            &["audit", "--org", "1", "--project", "11", "--limit", "10000"],
+        )
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "low_balance")
+        .count()
+    };
+    assert_eq!(lows(eps), 1, "below and still below: one event");
+    let e = fails(
+        eps,
+        &[
+            "budget",
+            "alert",
+            "--org",
+            "1",
+            "--scope",
+            "project:11",
+            "--budget-pcts",
+            "80,50",
+        ],
+        1,
+    );
+    assert!(e.contains("[DuplicateEntry]"), "{e}");
+    let v = json(
+        eps,
+        &[
+            "budget",
+            "alert",
+            "--org",
+            "1",
+            "--scope",
+            "project:11",
+            "--clear",
+        ],
+    );
+    assert!(v["alert"].is_null());
+
     // Every setting of the configure command, tiers included.
     let v = json(
         eps,

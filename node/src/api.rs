@@ -12,6 +12,8 @@ use allot_proto::typed::{self, FieldError, TypedCommand};
 use allot_proto::{AuditRequest, Consistency, ExecuteRequest, QueryRequest};
 use allot_statemachine::query::{Answer, Query};
 use allot_statemachine::{codec, Actor, JobId, OrgId, Outcome, PrincipalId, Request};
+use std::pin::Pin;
+use tokio_stream::Stream;
 use tonic::metadata::MetadataValue;
 use tonic::{Request as Call, Response, Status};
 
@@ -27,6 +29,15 @@ fn invalid(e: FieldError) -> Status {
         s.metadata_mut().insert(FIELD, v);
     }
     s
+}
+
+/// Decrements an open-streams gauge when the stream's task ends.
+struct Dec(prometheus::IntGauge);
+
+impl Drop for Dec {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 fn malformed(what: &str, e: impl std::fmt::Display) -> Status {
@@ -115,8 +126,142 @@ impl Services {
     }
 }
 
+/// Events one `WatchEvents` page reads (each is then sent as its own message).
+const WATCH_PAGE: u32 = 1_000;
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::AuditEvent, Status>> + Send>>;
+
+impl Services {
+    /// One page of audit events through `Allot.Audit`'s path (credentials, the tenant's
+    /// confinement to its org, the read rate limit), typed.
+    async fn events_page(
+        &self,
+        meta: &tonic::metadata::MetadataMap,
+        shard: u32,
+        org: Option<u64>,
+        from_seq: u64,
+        limit: u32,
+    ) -> Result<(Vec<pb::AuditEvent>, u64, u64), Status> {
+        let mut call = Call::new(AuditRequest {
+            shard,
+            from_seq,
+            limit,
+            org,
+            ..AuditRequest::default()
+        });
+        *call.metadata_mut() = meta.clone();
+        let reply = Allot::audit(self, call).await?.into_inner();
+        let events = reply
+            .events
+            .iter()
+            .map(|raw| {
+                codec::decode::<allot_statemachine::AuditEvent>(raw)
+                    .map(|e| typed::audit_event_to(&e))
+                    .map_err(|e| malformed("audit event", e))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok((events, reply.next_seq, reply.head_seq))
+    }
+}
+
 #[tonic::async_trait]
 impl Api for Services {
+    type WatchEventsStream = EventStream;
+
+    async fn set_alert(&self, req: Call<pb::SetAlertRequest>) -> Reply<pb::CommandReply> {
+        self.command_rpc("api.set_alert", req).await
+    }
+
+    /// The first page is read before the stream opens, so a refused caller (no token,
+    /// another org's shard...) gets the refusal as the call's status. Then the stream
+    /// follows the shard's applied index: at least once, in sequence order, bounded per
+    /// principal like every stream, ended as soon as the client goes away.
+    async fn watch_events(
+        &self,
+        req: Call<pb::WatchEventsRequest>,
+    ) -> Result<Response<EventStream>, Status> {
+        let started = std::time::Instant::now();
+        let (meta, _, m) = req.into_parts();
+        let shard_id = self.route(m.shard, m.org.map(OrgId));
+        let shard = self
+            .node
+            .shard(shard_id)
+            .ok_or_else(|| Status::not_found(format!("unknown shard {shard_id}")))?;
+        let first = self
+            .events_page(&meta, shard_id, m.org, m.from_seq, WATCH_PAGE)
+            .await;
+        self.observe("api.watch_events", started, first.is_ok());
+        let first = first?;
+        let who = crate::auth::authenticate(
+            &self.node,
+            shard_id,
+            crate::auth::caller(&self.node, crate::auth::bearer(&meta)?),
+            "watch_events",
+        )?;
+        let slot = crate::ratelimit::key_of(Some(who))
+            .map(|k| self.limiter.open_stream(k))
+            .transpose()?;
+        let mut applied = shard.view.applied_watch();
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let svc = self.clone();
+        let open = self.node.metrics.streams.clone();
+        open.inc();
+        tokio::spawn(async move {
+            let _slot = slot;
+            let _open = Dec(open);
+            let mut cursor = m.from_seq;
+            let mut page: Result<_, Status> = Ok(first);
+            loop {
+                let (events, next, head) = match page {
+                    Ok(p) => p,
+                    Err(s) if s.code() == tonic::Code::ResourceExhausted => {
+                        // Rate limited: the stream waits its turn instead of failing.
+                        let pause = s
+                            .metadata()
+                            .get(allot_proto::meta::RETRY_AFTER_MS)
+                            .and_then(|v| v.to_str().ok()?.parse().ok())
+                            .unwrap_or(200u64);
+                        tokio::select! {
+                            _ = tokio::time::sleep(std::time::Duration::from_millis(pause)) => {}
+                            _ = tx.closed() => return,
+                        }
+                        page = svc
+                            .events_page(&meta, shard_id, m.org, cursor, WATCH_PAGE)
+                            .await;
+                        continue;
+                    }
+                    Err(s) => {
+                        let _ = tx.send(Err(s)).await;
+                        return;
+                    }
+                };
+                let empty = events.is_empty();
+                for ev in events {
+                    if tx.send(Ok(ev)).await.is_err() {
+                        return;
+                    }
+                }
+                if next >= head {
+                    // Caught up: wait for the shard to apply more (or the client to go).
+                    tokio::select! {
+                        changed = applied.changed() => if changed.is_err() { return },
+                        _ = tx.closed() => return,
+                    }
+                } else if empty {
+                    // The local trail is behind the applied state for a moment.
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+                cursor = next;
+                page = svc
+                    .events_page(&meta, shard_id, m.org, cursor, WATCH_PAGE)
+                    .await;
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
     async fn create_org(&self, req: Call<pb::CreateOrgRequest>) -> Reply<pb::CommandReply> {
         self.command_rpc("api.create_org", req).await
     }
@@ -207,31 +352,16 @@ impl Api for Services {
     }
 
     async fn audit(&self, req: Call<pb::AuditRequest>) -> Result<Response<pb::AuditReply>, Status> {
-        let (meta, ext, m) = req.into_parts();
+        let (meta, _, m) = req.into_parts();
         let (shard, _) = typed::read_header(m.read.as_ref());
-        let inner = AuditRequest {
-            shard: self.route(shard, m.org.map(OrgId)),
-            from_seq: m.from_seq,
-            limit: m.limit,
-            org: m.org,
-            ..AuditRequest::default()
-        };
-        let reply = Allot::audit(self, Call::from_parts(meta, ext, inner))
-            .await?
-            .into_inner();
-        let events = reply
-            .events
-            .iter()
-            .map(|raw| {
-                codec::decode::<allot_statemachine::AuditEvent>(raw)
-                    .map(|e| typed::audit_event_to(&e))
-                    .map_err(|e| malformed("audit event", e))
-            })
-            .collect::<Result<_, _>>()?;
+        let shard = self.route(shard, m.org.map(OrgId));
+        let (events, next_seq, head_seq) = self
+            .events_page(&meta, shard, m.org, m.from_seq, m.limit)
+            .await?;
         Ok(Response::new(pb::AuditReply {
             events,
-            next_seq: reply.next_seq,
-            head_seq: reply.head_seq,
+            next_seq,
+            head_seq,
         }))
     }
 }

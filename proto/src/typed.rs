@@ -12,9 +12,9 @@ use allot_statemachine::audit::AuditEvent;
 use allot_statemachine::ledger::{Balance, UpcomingExpiry};
 use allot_statemachine::scheduler::{Job, JobState, Placement};
 use allot_statemachine::{
-    Account, Actor, BucketId, BucketKind, BucketPolicy, Command, CommandError, GpuType, Grant,
-    HeartbeatReply, JobHeartbeat, JobId, JobSpec, NodeId, NodeSpec, OrgId, Outcome, PrincipalId,
-    ProjectId, Reply, RequestId, SettleReason, Settlement, Tier, UserId,
+    Account, Actor, BucketId, BucketKind, BucketPolicy, BudgetScope, Command, CommandError,
+    GpuType, Grant, HeartbeatReply, JobHeartbeat, JobId, JobSpec, NodeId, NodeSpec, OrgId, Outcome,
+    PrincipalId, ProjectId, Reply, RequestId, SettleReason, Settlement, Tier, UserId,
 };
 use std::collections::BTreeMap;
 
@@ -531,6 +531,20 @@ typed_command!(pb::SubmitJobRequest, |r| Ok((
     Command::SubmitJob(job_spec_from(r.spec.as_ref())?),
     Some(OrgId(r.org))
 )));
+typed_command!(pb::SetAlertRequest, |r| {
+    let org = OrgId(r.org);
+    let scope = match (r.project, r.user) {
+        (Some(_), Some(_)) => return Err(bad("user", "set at most one of project and user")),
+        (Some(p), None) => BudgetScope::Project(ProjectId(p)),
+        (None, Some(u)) => BudgetScope::User(UserId(u)),
+        (None, None) => BudgetScope::Org(org),
+    };
+    let alert = (!r.remove).then(|| allot_statemachine::alerts::AlertSpec {
+        low_balance_micro: r.low_balance_micro,
+        budget_pcts: r.budget_pcts.clone(),
+    });
+    Ok((Command::SetAlert { scope, alert }, Some(org)))
+});
 typed_command!(pb::CancelJobRequest, |r| Ok((
     Command::CancelJob { job: JobId(r.job) },
     Some(OrgId(r.org))
@@ -597,6 +611,7 @@ pub fn outcome_to(o: &Outcome) -> pb::command_reply::Result {
         Ok(Reply::NodeRegistered) => R::NodeRegistered(pb::Empty {}),
         Ok(Reply::NodeUpdated) => R::NodeUpdated(pb::Empty {}),
         Ok(Reply::PricesSet { version }) => R::PricesSet(pb::PricesSet { version: *version }),
+        Ok(Reply::AlertSet) => R::AlertSet(pb::Empty {}),
         // Replies of commands outside the typed API's commands: none of its RPCs
         // produces them, and they carry nothing a caller of these RPCs needs.
         Ok(_) => R::Created(pb::Empty {}),

@@ -101,6 +101,20 @@ pub enum EventBody {
     BucketArchived {
         bucket: BucketId,
     },
+    /// The account's available credit fell below its alert's threshold (the event's
+    /// account); once per crossing (`crate::alerts`).
+    LowBalance {
+        threshold_micro: u64,
+        available_micro: u64,
+    },
+    /// A budget's use in its period reached `pct` percent of its limit; once per
+    /// threshold per period (`crate::alerts`).
+    BudgetThreshold {
+        scope: BudgetScope,
+        pct: u32,
+        limit_micro: u64,
+        used_micro: u64,
+    },
 }
 
 /// An event before it is numbered and chained.

@@ -10,7 +10,11 @@ use serde::{de::DeserializeOwned, Serialize};
 /// node-failure requeues), so blobs of format 1 — snapshots, logged commands, audit rows
 /// — no longer decode; they are refused by version instead of misread. There is no
 /// in-place upgrade: a format-1 cluster moves by replaying its commands or starting anew.
-pub const FORMAT_VERSION: u8 = 2;
+///
+/// 3: the state gained the alerts table (`crate::alerts`), audit events `LowBalance` and
+/// `BudgetThreshold`, commands `IssueGrantIn` and `SetAlert` (appended: format-2 log
+/// entries and audit rows would decode, but snapshots would not, so the byte moves).
+pub const FORMAT_VERSION: u8 = 3;
 /// The largest blob decode accepts (guards against hostile length prefixes).
 pub const DECODE_BYTES_MAX: u64 = 4 << 30;
 

@@ -358,6 +358,13 @@ pub enum Command {
         grant: Grant,
         expires_in_ms: u64,
     },
+    /// Sets (`Some`, armed afresh) or removes an alert on an org's, project's or user's
+    /// available credit and budget use (`crate::alerts`): a crossing appends a
+    /// `LowBalance` or `BudgetThreshold` event. The org (its token) or an admin.
+    SetAlert {
+        scope: BudgetScope,
+        alert: Option<crate::alerts::AlertSpec>,
+    },
 }
 
 /// One refused call at a node's edge.
@@ -522,6 +529,7 @@ impl Command {
             Command::SetShareWeight { .. } => "set_share_weight",
             Command::SetPlan { .. } => "set_plan",
             Command::JobFenced { .. } => "job_fenced",
+            Command::SetAlert { .. } => "set_alert",
         }
     }
 
@@ -539,8 +547,9 @@ impl Command {
             | Command::SetPlan { org, .. } => Some(*org),
             Command::IssueGrant(g) | Command::IssueGrantIn { grant: g, .. } => of_account(&g.owner),
             Command::Transfer { from, to, .. } => of_account(from).or(of_account(to)),
-            Command::SetBudget { scope, .. } | Command::SetShareWeight { scope, .. } => match scope
-            {
+            Command::SetBudget { scope, .. }
+            | Command::SetShareWeight { scope, .. }
+            | Command::SetAlert { scope, .. } => match scope {
                 BudgetScope::Org(o) => Some(*o),
                 _ => None,
             },

@@ -34,6 +34,7 @@
 //! assert!(check_invariants(&state).is_ok());
 //! ```
 
+pub mod alerts;
 pub mod audit;
 mod authz;
 pub mod backup;

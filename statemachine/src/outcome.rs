@@ -34,6 +34,10 @@ pub enum Limit {
     CommandBytes,
     /// Projects with their own tiers in one plan (`PLAN_PROJECTS_MAX`).
     PlanProjects,
+    /// Alerts of one org or of the shard (`alerts::ALERTS_PER_ORG_MAX`, `ALERTS_MAX`).
+    Alerts,
+    /// Budget percentages in one alert (`alerts::ALERT_PCTS_MAX`).
+    AlertPcts,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
@@ -163,6 +167,10 @@ pub enum CommandError {
     /// The org's plan does not entitle it (or the project) to the tier.
     #[error("the plan does not entitle this org or project to tier {}", .0.0)]
     TierNotEntitled(crate::ids::Tier),
+    /// An alert without a threshold, a low-balance threshold on a user (no account), or
+    /// a budget percentage outside 1..=1000.
+    #[error("invalid alert: give a low-balance threshold (org or project) or budget percentages 1..=1000")]
+    InvalidAlert,
 }
 
 impl CommandError {
@@ -223,6 +231,7 @@ impl CommandError {
             CommandError::OrgRequired => "ORG_REQUIRED",
             CommandError::OrgMismatch => "ORG_MISMATCH",
             CommandError::TierNotEntitled(_) => "TIER_NOT_ENTITLED",
+            CommandError::InvalidAlert => "INVALID_ALERT",
         }
     }
 }
@@ -372,6 +381,7 @@ pub enum Reply {
     // Appended (the encoding is positional).
     ShareWeightSet,
     PlanSet,
+    AlertSet,
 }
 
 /// Lower-case words from a variant's name (`IdempotencyEntries` → "idempotency

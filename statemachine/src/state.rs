@@ -55,6 +55,8 @@ pub struct State {
     pub audit: AuditChain,
     /// API tokens (digests) and whether the shard is secured.
     pub security: Security,
+    /// Low-balance and budget-threshold alerts (`crate::alerts`).
+    pub alerts: crate::alerts::Alerts,
 }
 
 /// What applying one entry produced: one outcome per request, in order, and the audit
@@ -87,6 +89,7 @@ impl State {
             idempotency: IdempotencyTable::new(config.idempotency_retention_ms),
             audit: AuditChain::default(),
             security: Security::default(),
+            alerts: Default::default(),
             config,
         }
     }
@@ -238,6 +241,15 @@ pub fn apply_into(
             .audit
             .append(&system, ev, &mut out.events, &mut scratch);
     }
+    // Alerts whose scopes this entry's events touched, as the entry left them.
+    state
+        .alerts
+        .evaluate(&state.ledger, &out.events, now, &mut effects);
+    for ev in effects.drain(..) {
+        state
+            .audit
+            .append(&system, ev, &mut out.events, &mut scratch);
+    }
     Ok(())
 }
 
@@ -346,6 +358,16 @@ fn execute(
                 .scheduler
                 .apply_settings(settings)
                 .map(|()| Reply::SchedulerConfigured),
+            Command::SetAlert { scope, alert } => {
+                let org = need(ns)?;
+                crate::authz::scope_exists(&state.ledger, org, *scope)?;
+                state.alerts.set(org, *scope, alert.clone())?;
+                // Thresholds already passed fire at once.
+                state
+                    .alerts
+                    .check((org, *scope), &state.ledger, now, ctx.effects);
+                Ok(Reply::AlertSet)
+            }
             command if command.is_scheduler() => dispatch_scheduler(state, actor, ns, command, ctx),
             command if command.is_security() => dispatch_security(state, ns, &quota, command, ctx),
             command => {
@@ -669,7 +691,9 @@ fn refs_of(
         | Command::JobFenced { job, .. } => hold_refs(HoldId(job.0)),
         Command::JobHeartbeat(hb) => hold_refs(HoldId(hb.job.0)),
         Command::SetQuota { org, .. } => (Some(Account::Org(*org)), None),
-        Command::SetShareWeight { scope, .. } | Command::SetBudget { scope, .. } => {
+        Command::SetShareWeight { scope, .. }
+        | Command::SetBudget { scope, .. }
+        | Command::SetAlert { scope, .. } => {
             let account = match scope {
                 BudgetScope::Org(o) => Some(Account::Org(*o)),
                 BudgetScope::Project(p) => Some(Account::Project(*p)),

@@ -298,6 +298,8 @@ impl Harness {
             .filter_map(|e| match &e.body {
                 Command { .. }
                 | BudgetAlert { .. }
+                | LowBalance { .. }
+                | BudgetThreshold { .. }
                 | JobTransition { .. }
                 | NodeStateChanged { .. }
                 | Denied { .. } => None,
@@ -456,6 +458,8 @@ pub fn replay_buckets(
             }
             Command { .. }
             | BudgetAlert { .. }
+            | LowBalance { .. }
+            | BudgetThreshold { .. }
             | JobTransition { .. }
             | NodeStateChanged { .. }
             | Denied { .. } => {}
@@ -620,7 +624,9 @@ pub fn infer_org(state: &State, command: &Command) -> Option<OrgId> {
         | Command::FinishJob { job: j, .. }
         | Command::JobFenced { job: j, .. } => job(*j),
         Command::JobHeartbeat(hb) => job(hb.job),
-        Command::SetBudget { scope, .. } | Command::SetShareWeight { scope, .. } => match scope {
+        Command::SetBudget { scope, .. }
+        | Command::SetShareWeight { scope, .. }
+        | Command::SetAlert { scope, .. } => match scope {
             BudgetScope::Org(o) => Some(*o),
             BudgetScope::Project(p) => project(*p),
             BudgetScope::User(u) => user(*u),
@@ -661,7 +667,9 @@ pub fn fixture_org(command: &Command) -> Option<OrgId> {
         Command::Transfer { from, .. } => account(from),
         Command::CreateHold(h) => other(h.project, Some(h.user)),
         Command::SubmitJob(j) => other(j.project, Some(j.user)),
-        Command::SetBudget { scope, .. } | Command::SetShareWeight { scope, .. } => match scope {
+        Command::SetBudget { scope, .. }
+        | Command::SetShareWeight { scope, .. }
+        | Command::SetAlert { scope, .. } => match scope {
             BudgetScope::Org(o) => *o,
             BudgetScope::Project(p) => other(*p, None),
             BudgetScope::User(u) => other(PROJECT, Some(*u)),

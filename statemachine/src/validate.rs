@@ -56,6 +56,10 @@ pub fn validate_command(command: &Command) -> Result<(), CommandError> {
             }
             Ok(())
         }
+        Command::SetAlert {
+            scope,
+            alert: Some(alert),
+        } => alert.validate(*scope),
         Command::IssueGrant(g) | Command::IssueGrantIn { grant: g, .. } => {
             check_amount(g.amount_micro)?;
             check_id(g.bucket.0)?;
@@ -128,6 +132,7 @@ pub fn validate_command(command: &Command) -> Result<(), CommandError> {
             Ok(())
         }
         Command::SetBudget { .. }
+        | Command::SetAlert { alert: None, .. }
         | Command::ReleaseHold { .. }
         | Command::Settle { .. }
         | Command::Tick

@@ -148,3 +148,40 @@ def test_a_dead_endpoint_in_the_list_is_skipped(endpoints):
     c = Client(["127.0.0.1:1"] + endpoints, dev_actor="admin", timeout=10.0)
     c.create_org(9)
     assert c.balance(org=9) is not None
+
+
+def test_alerts_fire_once_and_watch_events_resumes(endpoints):
+    admin = Client(endpoints, dev_actor="admin")
+    org, project = 7, 70  # home shard 1
+    tenant(admin, org)
+    admin.issue_grant(org=org, project=project, bucket=71, amount_micro=10 * C, kind="paid")
+    # Below 20 credits already: the alert fires once, at once.
+    reply = admin.set_alert(org=org, project=project, low_balance_micro=20 * C)
+    assert reply.WhichOneof("result") == "alert_set"
+    events = admin.watch_events(org=org)
+    seen = []
+    for ev in events:
+        seen.append(ev)
+        if ev.kind == "LowBalance":
+            break
+    events.close()
+    low = seen[-1]
+    assert low.fields["available_micro"] == str(10 * C)
+    assert low.fields["threshold_micro"] == str(20 * C)
+    # Still below after another grant: no second event. Back above and below again
+    # would be a second crossing; here a resumed watcher sees the grant, not an alert.
+    admin.issue_grant(org=org, project=project, bucket=72, amount_micro=1 * C, kind="paid")
+    resumed = admin.watch_events(org=org, from_seq=low.seq + 1)
+    more = []
+    for ev in resumed:
+        more.append(ev)
+        if ev.kind == "Issued":
+            break
+    resumed.close()
+    trail = list(admin.audit_events(org=org))
+    assert [e.seq for e in seen + more] == [e.seq for e in trail][: len(seen) + len(more)]
+    assert [e.kind for e in trail].count("LowBalance") == 1
+    # Bad alerts are typed refusals.
+    with pytest.raises(Refused) as err:
+        admin.set_alert(org=org, project=project, budget_pcts=[80, 50])
+    assert err.value.reason == "DUPLICATE_ENTRY"

@@ -94,7 +94,7 @@ pub struct Budget {
     pub alerted_period: Option<u32>,
 }
 
-fn period_index(period: BudgetPeriod, now: u64) -> u32 {
+pub(crate) fn period_index(period: BudgetPeriod, now: u64) -> u32 {
     match period {
         BudgetPeriod::Day => day_index(now),
         BudgetPeriod::Month => month_index(now),

@@ -14,6 +14,7 @@ mod tenancy;
 
 pub(crate) use crate::validate::check_amount;
 pub use balance::{Balance, BucketView, UpcomingExpiry};
+pub(crate) use budget::period_index;
 pub use budget::{Budget, Usage};
 pub(crate) use meter::MeterStart;
 pub use meter::{cost_micro, tier_price, Meter};

@@ -253,6 +253,8 @@ fn kind(b: &EventBody) -> &'static str {
         EventBody::BudgetAlert { .. } => "budget_alert",
         EventBody::Denied { .. } => "denied",
         EventBody::BucketArchived { .. } => "bucket_archived",
+        EventBody::LowBalance { .. } => "low_balance",
+        EventBody::BudgetThreshold { .. } => "budget_threshold",
     }
 }
 
@@ -332,5 +334,24 @@ fn details(ev: &AuditEvent) -> String {
             limit_micro,
             used_micro,
         } => format!("{scope}: used {} of {}", cr(*used_micro), cr(*limit_micro)),
+        EventBody::LowBalance {
+            threshold_micro,
+            available_micro,
+        } => format!(
+            "{}: available {} fell below {}",
+            ev.account.map_or("-".into(), |a| a.to_string()),
+            cr(*available_micro),
+            cr(*threshold_micro)
+        ),
+        EventBody::BudgetThreshold {
+            scope,
+            pct,
+            limit_micro,
+            used_micro,
+        } => format!(
+            "{scope}: budget {pct}% reached (used {} of {})",
+            cr(*used_micro),
+            cr(*limit_micro)
+        ),
     }
 }

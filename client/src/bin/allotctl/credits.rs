@@ -76,6 +76,28 @@ pub enum BudgetCmd {
     Set(BudgetSetArgs),
     /// A budget and its spend counters.
     Show(BudgetShowArgs),
+    /// Sets (or with --clear removes) an alert: a `low_balance` audit event when the
+    /// available credit falls below --low-balance, a `budget_threshold` one when the
+    /// budget's use reaches each of --budget-pcts; once per crossing (watch them with
+    /// `audit --follow` or the API's WatchEvents).
+    Alert(AlertArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct AlertArgs {
+    #[arg(long)]
+    org: u64,
+    /// org, project:<id> or user:<id> (a user has a budget but no balance).
+    #[arg(long, default_value = "org", value_parser = values::scope)]
+    scope: Scope,
+    /// Credits: alert when the available credit falls below this.
+    #[arg(long, value_parser = values::credits)]
+    low_balance: Option<u64>,
+    /// Percentages of the budget's limit, ascending (comma-separated), e.g. 50,80,100.
+    #[arg(long, value_delimiter = ',')]
+    budget_pcts: Vec<u32>,
+    #[arg(long, conflicts_with_all = ["low_balance", "budget_pcts"])]
+    clear: bool,
 }
 
 #[derive(Args, Debug)]
@@ -305,6 +327,7 @@ pub async fn run_budget(ctx: &Ctx, cmd: BudgetCmd) -> anyhow::Result<()> {
     match cmd {
         BudgetCmd::Set(a) => budget_set(ctx, a).await,
         BudgetCmd::Show(a) => budget_show(ctx, OrgId(a.org), a.scope).await,
+        BudgetCmd::Alert(a) => alert_set(ctx, a).await,
     }
 }
 
@@ -325,6 +348,27 @@ async fn budget_set(ctx: &Ctx, a: BudgetSetArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("setting the budget of {scope}"))?;
     budget_show(ctx, org, a.scope).await
+}
+
+async fn alert_set(ctx: &Ctx, a: AlertArgs) -> anyhow::Result<()> {
+    let org = OrgId(a.org);
+    let scope = a.scope.budget_scope(org);
+    let spec = (!a.clear).then(|| allot_statemachine::alerts::AlertSpec {
+        low_balance_micro: a.low_balance,
+        budget_pcts: a.budget_pcts.clone(),
+    });
+    ctx.client
+        .set_alert(org, scope, spec.clone())
+        .await
+        .with_context(|| format!("setting the alert of {scope}"))?;
+    let json = serde_json::json!({ "scope": scope.to_string(), "alert": spec });
+    let t = Table::fields([
+        ("scope", scope.to_string()),
+        ("low balance", a.low_balance.map_or("-".into(), cr)),
+        ("budget %", crate::output::list(&a.budget_pcts)),
+        ("state", if a.clear { "removed" } else { "set" }.into()),
+    ]);
+    show(ctx.format, &json, &[t])
 }
 
 async fn budget_show(ctx: &Ctx, org: OrgId, scope: Scope) -> anyhow::Result<()> {

@@ -396,6 +396,61 @@ class Client:
             seq = page.next_seq
 
 
+    # ------------------------------------------------------------------ alerts and events
+
+    def set_alert(
+        self,
+        org: int,
+        project: Optional[int] = None,
+        user: Optional[int] = None,
+        low_balance_micro: Optional[int] = None,
+        budget_pcts: Iterable[int] = (),
+        remove: bool = False,
+        request_id: Optional[int] = None,
+    ) -> pb.CommandReply:
+        """An alert on an org's (or a project's, or a user's) available credit and budget
+        use: each crossing appends a LowBalance or BudgetThreshold event, once."""
+        req = pb.SetAlertRequest(call=self._call_header(request_id, None), org=org,
+                                 budget_pcts=list(budget_pcts), remove=remove)
+        if project is not None:
+            req.project = project
+        if user is not None:
+            req.user = user
+        if low_balance_micro is not None:
+            req.low_balance_micro = low_balance_micro
+        return self._command("SetAlert", req)
+
+    def watch_events(
+        self, org: Optional[int] = None, shard: Optional[int] = None, from_seq: int = 0
+    ) -> Iterator[pb.AuditEvent]:
+        """The audit events as they are applied, from `from_seq` on, forever. The stream
+        is at least once; this generator reconnects (another endpoint, backing off)
+        from the last sequence it yielded + 1, so each event is yielded once, in order.
+        Keep the last `seq` you processed to resume after a restart."""
+        next_seq = from_seq
+        attempt = 0
+        while True:
+            req = pb.WatchEventsRequest(from_seq=next_seq)
+            if org is not None:
+                req.org = org
+            if shard is not None:
+                req.shard = shard
+            endpoint = self._endpoint()
+            try:
+                for ev in self._stub(endpoint).WatchEvents(req, metadata=self._metadata()):
+                    attempt = 0
+                    if ev.seq < next_seq:
+                        continue  # a duplicate after a reconnect
+                    next_seq = ev.seq + 1
+                    yield ev
+            except grpc.RpcError as e:
+                if e.code() not in _RETRIED:
+                    raise _typed(e, dict(e.trailing_metadata() or ())) from None
+            self._rotate()
+            time.sleep(random.uniform(0, min(self.backoff_max, self.backoff_base * (2 ** attempt))))
+            attempt += 1
+
+
 def _typed(e: grpc.RpcError, trailers: Dict[str, str]) -> AllotError:
     code = e.code()
     reason = trailers.get("allot-reason") or code.name
