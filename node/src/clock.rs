@@ -18,7 +18,9 @@
 //! 3. **Taking office** — a new leader starts from the greater of the last applied time
 //!    and its own last stamp, and at its first stamp with a target adopts the target at
 //!    once if it is ahead (after an outage, time resumes at the real instant instead of
-//!    catching up fast for a long while); time never goes back.
+//!    catching up fast for a long while); time never goes back. Until it has a target
+//!    it stamps nothing (`Stamper::needs_target`: proposals answer `ClockNotReady`,
+//!    retryable), so no entry is stamped at the pre-outage time and billed the jump.
 //!
 //! Bounds (docs/DESIGN.md §28, §45): billed time over any interval is within the slew
 //! of real elapsed time, and logical time never runs ahead of the fastest correct clock
@@ -159,6 +161,14 @@ impl Stamper {
         }
     }
 
+    /// Whether a stamp in `term` needs a clock target first: a leader that took office
+    /// (after an outage, a restart, a failover) must not stamp from the last applied time
+    /// before it knows the cluster's time, or the entries in between (a job placed and
+    /// metered) would be billed the jump to it.
+    pub fn needs_target(&self, term: u64) -> bool {
+        self.term != Some(term) || !self.synced
+    }
+
     /// The logical time of the next entry proposed in `term`, given the shard's applied
     /// time, the monotonic clock now and the cluster time target (if known).
     pub fn stamp(&mut self, term: u64, applied_ms: u64, mono_ms: u64, target: Option<u64>) -> u64 {
@@ -205,6 +215,21 @@ impl Stamper {
 
 #[cfg(test)]
 mod tests {
+    /// A leader new in office stamps nothing until it has a target (the CI failure of
+    /// the outage test: entries stamped at the pre-outage time, then the jump billed).
+    #[test]
+    fn a_new_term_needs_a_target_before_its_first_stamp() {
+        let mut st = Stamper::new(500);
+        st.stamp(1, 1_000, 0, Some(1_000));
+        assert!(!st.needs_target(1));
+        assert!(st.needs_target(2), "a new term");
+        // Without a target the term stays unsynced; with one, it adopts it at once.
+        st.stamp(2, 1_000, 10, None);
+        assert!(st.needs_target(2));
+        assert_eq!(st.stamp(2, 1_000, 20, Some(61_000)), 61_000);
+        assert!(!st.needs_target(2));
+    }
+
     use super::*;
 
     #[test]

@@ -250,8 +250,10 @@ impl ProposerTask {
                 let nodes: Vec<NodeId> = m.membership_config.membership().voter_ids().collect();
                 self.clock.target_ms(self.me, &nodes, nodes.len())
             };
-            if applied_ms == 0 && target.is_none() {
-                // Genesis without a majority clock sample: no stamp can be trusted yet.
+            if target.is_none() && (applied_ms == 0 || stamper.needs_target(term)) {
+                // Genesis, or a leader new in office, without a majority clock sample:
+                // no stamp can be trusted yet (the caller retries; samples arrive
+                // within the sampling interval from the majority that elected it).
                 for p in group {
                     let _ = p.reply.send(Err(ProposeError::ClockNotReady));
                 }
