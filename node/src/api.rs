@@ -31,15 +31,6 @@ fn invalid(e: FieldError) -> Status {
     s
 }
 
-/// Decrements an open-streams gauge when the stream's task ends.
-struct Dec(prometheus::IntGauge);
-
-impl Drop for Dec {
-    fn drop(&mut self) {
-        self.0.dec();
-    }
-}
-
 fn malformed(what: &str, e: impl std::fmt::Display) -> Status {
     Status::internal(format!("{what}: {e}"))
 }
@@ -208,7 +199,7 @@ impl Api for Services {
         open.inc();
         tokio::spawn(async move {
             let _slot = slot;
-            let _open = Dec(open);
+            let _open = crate::server::scopeguard(move || open.dec());
             let mut cursor = m.from_seq;
             let mut page: Result<_, Status> = Ok(first);
             loop {

@@ -382,7 +382,7 @@ fn whole_shard(q: &Query) -> bool {
 }
 
 /// Runs `f` when dropped.
-fn scopeguard(f: impl FnOnce()) -> impl Drop {
+pub(crate) fn scopeguard(f: impl FnOnce()) -> impl Drop {
     struct Guard<F: FnOnce()>(Option<F>);
     impl<F: FnOnce()> Drop for Guard<F> {
         fn drop(&mut self) {

@@ -25,14 +25,7 @@ use crate::outcome::{CommandError, Limit};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Most alerts of one org (one per org, project or user scope).
-pub const ALERTS_PER_ORG_MAX: usize = 10_000;
-/// Most alerts in a shard.
-pub const ALERTS_MAX: usize = 1_000_000;
-/// Most budget percentages one alert lists.
-pub const ALERT_PCTS_MAX: usize = 8;
-/// A budget percentage is 1..=1000 (soft budgets may be passed).
-pub const ALERT_PCT_MAX: u32 = 1_000;
+use crate::limits::{ALERTS_MAX, ALERTS_PER_ORG_MAX, ALERT_PCTS_MAX, ALERT_PCT_MAX};
 
 /// What one alert watches. Set with `Command::SetAlert`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

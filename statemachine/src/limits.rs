@@ -52,6 +52,14 @@ pub const PRICE_TABLE_TYPES_MAX: usize = 64;
 pub const GPU_TYPE_LEN_MAX: usize = 16;
 /// Projects with their own tiers in one org's plan.
 pub const PLAN_PROJECTS_MAX: usize = 256;
+/// Alerts of one org (one per org, project or user scope): `LimitReached(Alerts)`.
+pub const ALERTS_PER_ORG_MAX: usize = 10_000;
+/// Alerts in a shard: `LimitReached(Alerts)`.
+pub const ALERTS_MAX: usize = 1_000_000;
+/// Budget percentages one alert lists: `LimitReached(AlertPcts)`.
+pub const ALERT_PCTS_MAX: usize = 8;
+/// Largest budget percentage of an alert (soft budgets may be passed): `InvalidAlert`.
+pub const ALERT_PCT_MAX: u32 = 1_000;
 /// GPU types one bucket policy or one hold may name.
 pub const GPU_TYPES_PER_LIST_MAX: usize = 16;
 /// Tiers one bucket policy may name.

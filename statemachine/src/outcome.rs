@@ -34,9 +34,9 @@ pub enum Limit {
     CommandBytes,
     /// Projects with their own tiers in one plan (`PLAN_PROJECTS_MAX`).
     PlanProjects,
-    /// Alerts of one org or of the shard (`alerts::ALERTS_PER_ORG_MAX`, `ALERTS_MAX`).
+    /// Alerts of one org or of the shard (`limits::ALERTS_PER_ORG_MAX`, `ALERTS_MAX`).
     Alerts,
-    /// Budget percentages in one alert (`alerts::ALERT_PCTS_MAX`).
+    /// Budget percentages in one alert (`limits::ALERT_PCTS_MAX`).
     AlertPcts,
 }
 
