@@ -4,14 +4,15 @@
 
 use crate::error::{Error, Result};
 use crate::transport::Client;
-use allot_proto::{AuditRequest, WatchRequest};
+use allot_proto::api::v1 as pb;
+use allot_proto::typed;
 use allot_statemachine::ledger::{Balance, BucketView, PriceTable, Totals};
 use allot_statemachine::query::{
     Answer, BudgetView, JobFilter, JobsPage, Query, TenancyView, TierQueue, UsageQuery, UsageRow,
 };
 use allot_statemachine::scheduler::{GpuNode, Job, JobState, SchedulerSettings};
 use allot_statemachine::{
-    codec, Account, AuditEvent, BucketId, BudgetScope, BudgetSpec, Command, GpuType, Grant, HoldId,
+    Account, AuditEvent, BucketId, BudgetScope, BudgetSpec, Command, GpuType, Grant, HoldId,
     HoldSpec, JobHeartbeat, JobId, JobSpec, NodeId, NodeSpec, OrgId, Plan, ProjectId, Quota, Reply,
     Request, RequestId, UserId,
 };
@@ -514,19 +515,24 @@ impl Client {
         node: NodeId,
     ) -> Result<AssignmentStream> {
         let stream = self
-            .agent_at(addr)?
-            .watch_assignments(self.authorized(WatchRequest {
+            .api_at(addr)?
+            .watch_assignments(self.authorized(pb::WatchAssignmentsRequest {
                 shard,
-                node_id: node.0.to_string(),
+                node: node.0,
             }))
             .await
             .map_err(|s| Error::from_status(&s))?
             .into_inner();
         Ok(Box::pin(stream.map(|m| {
             let m = m.map_err(|s| Error::from_status(&s))?;
-            let raw: Vec<allot_statemachine::scheduler::AssignmentRow> =
-                codec::decode(&m.assignments).map_err(|e| Error::Decode(e.to_string()))?;
-            Ok(raw.into_iter().map(assignment).collect())
+            m.assignments
+                .iter()
+                .map(|a| {
+                    typed::query::assignment_from(a, "assignments")
+                        .map(assignment)
+                        .map_err(|e| Error::Decode(e.to_string()))
+                })
+                .collect()
         })))
     }
 
@@ -540,11 +546,11 @@ impl Client {
         from_seq: u64,
         limit: u32,
     ) -> Result<AuditPage> {
-        let reply = self
+        let (events, next_seq, head_seq) = self
             .audit_page(
                 shard,
-                AuditRequest {
-                    shard,
+                pb::AuditRequest {
+                    read: None,
                     from_seq,
                     limit,
                     org: filter.org.map(|o| o.0),
@@ -555,15 +561,10 @@ impl Client {
                 },
             )
             .await?;
-        let events = reply
-            .events
-            .iter()
-            .map(|b| codec::decode(b).map_err(|e| Error::Decode(e.to_string())))
-            .collect::<Result<Vec<AuditEvent>>>()?;
         Ok(AuditPage {
             events,
-            next_seq: reply.next_seq,
-            head_seq: reply.head_seq,
+            next_seq,
+            head_seq,
         })
     }
 

@@ -52,12 +52,13 @@ impl Error {
 
     pub(crate) fn from_status(s: &tonic::Status) -> Error {
         // A request the node's edge refused with the state machine's own validation
-        // (nothing was proposed): the same typed error apply would have given.
+        // (nothing was proposed): the same typed error apply would have given, as the
+        // typed API's JSON form of it.
         if let Some(e) = s
             .metadata()
-            .get_bin(allot_proto::meta::ERROR_BIN)
+            .get_bin(allot_proto::meta::ERROR_JSON)
             .and_then(|v| v.to_bytes().ok())
-            .and_then(|b| allot_statemachine::codec::decode::<CommandError>(&b).ok())
+            .and_then(|b| serde_json::from_slice::<CommandError>(&b).ok())
         {
             return Error::Rejected(e);
         }

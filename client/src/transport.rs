@@ -8,13 +8,13 @@
 
 use crate::error::{Error, Result};
 use allot_proto::admin_client::AdminClient;
-use allot_proto::allot_client::AllotClient;
+use allot_proto::api::v1 as pb;
+use allot_proto::api::v1::api_client::ApiClient;
 use allot_proto::meta;
-use allot_proto::{
-    AuditReply, AuditRequest, Consistency, ExecuteRequest, QueryRequest, StatusReply, StatusRequest,
-};
+use allot_proto::typed;
+use allot_proto::{StatusReply, StatusRequest};
 use allot_statemachine::query::{Answer, Query};
-use allot_statemachine::{codec, Actor, Outcome, PrincipalId, Request};
+use allot_statemachine::{Actor, Outcome, PrincipalId, Request};
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -25,6 +25,28 @@ use tonic::transport::{Channel, Endpoint};
 
 /// Largest message the client sends or accepts.
 const MESSAGE_MAX: usize = 64 << 20;
+
+/// A typed-API client on a channel, with the client's message bounds.
+fn api_client(ch: Channel) -> ApiClient<Channel> {
+    ApiClient::new(ch)
+        .max_decoding_message_size(MESSAGE_MAX)
+        .max_encoding_message_size(MESSAGE_MAX)
+}
+
+/// A typed query of `shard`: linearizable, or `stale` from the replica asked.
+fn query_request(shard: u32, stale: bool, q: &pb::query_request::Query) -> pb::QueryRequest {
+    pb::QueryRequest {
+        read: Some(pb::Read {
+            shard: Some(shard),
+            stale_ok: stale,
+        }),
+        query: Some(*q),
+    }
+}
+
+fn answer_of(reply: &pb::QueryReply) -> Result<Answer> {
+    typed::query::answer_from(reply.answer.as_ref()).map_err(|e| Error::Decode(e.to_string()))
+}
 
 /// Settings of a [`Client`]; see [`Client::builder`].
 #[derive(Clone, Debug)]
@@ -339,10 +361,9 @@ impl Client {
         r
     }
 
-    fn allot(&self, addr: &str) -> Result<AllotClient<Channel>> {
-        Ok(AllotClient::new(self.channel(addr)?)
-            .max_decoding_message_size(MESSAGE_MAX)
-            .max_encoding_message_size(MESSAGE_MAX))
+    /// A client of one endpoint's typed API.
+    pub fn api_at(&self, addr: &str) -> Result<ApiClient<Channel>> {
+        Ok(api_client(self.channel(addr)?))
     }
 
     /// A raw gRPC client of one endpoint's admin service.
@@ -373,7 +394,7 @@ impl Client {
     /// succeeds, fails for good, or the retry budget or deadline runs out.
     pub(crate) async fn with_retries<T, F, Fut>(&self, shard: u32, mut call: F) -> Result<T>
     where
-        F: FnMut(AllotClient<Channel>, Duration) -> Fut,
+        F: FnMut(Channel, Duration) -> Fut,
         Fut: std::future::Future<Output = Result<T, tonic::Status>>,
     {
         let s = &self.inner.settings;
@@ -399,7 +420,7 @@ impl Client {
                 });
             let per_attempt = s.attempt_timeout.min(remaining);
             let mut retry_after = None;
-            match tokio::time::timeout(per_attempt, call(self.allot(&addr)?, per_attempt)).await {
+            match tokio::time::timeout(per_attempt, call(self.channel(&addr)?, per_attempt)).await {
                 Ok(Ok(v)) => {
                     lock(&self.inner.leaders).insert(shard, addr);
                     return Ok(v);
@@ -435,34 +456,47 @@ impl Client {
         }
     }
 
-    /// Executes requests on a shard (one `Execute` call, all in one log entry when they
-    /// fit) and returns their outcomes in order and the log index they were applied at.
-    /// The requests' ids are the caller's: reuse them to retry.
+    /// Executes requests on a shard (one `Execute` call of the typed API, all in one log
+    /// entry when they fit) and returns their outcomes in order and the log index they
+    /// were applied at. The requests' ids are the caller's: reuse them to retry.
     pub async fn execute(&self, shard: u32, requests: &[Request]) -> Result<(Vec<Outcome>, u64)> {
-        let encoded: Vec<Vec<u8>> = requests.iter().map(codec::encode).collect();
+        let commands = requests
+            .iter()
+            .map(|r| {
+                typed::command_to(r).ok_or_else(|| {
+                    Error::Config(format!(
+                        "{} is the nodes' own command, not sent by clients",
+                        r.command.name()
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         let reply = self
-            .with_retries(shard, |mut c, t| {
+            .with_retries(shard, |ch, t| {
+                let mut c = api_client(ch);
                 let msg = self.request(
-                    ExecuteRequest {
-                        shard,
-                        requests: encoded.clone(),
+                    pb::ExecuteRequest {
+                        shard: Some(shard),
+                        commands: commands.clone(),
                     },
                     t,
                 );
                 async move { c.execute(msg).await.map(|r| r.into_inner()) }
             })
             .await?;
-        if reply.outcomes.len() != requests.len() {
+        if reply.replies.len() != requests.len() {
             return Err(Error::Unexpected(format!(
                 "{} outcomes for {} requests",
-                reply.outcomes.len(),
+                reply.replies.len(),
                 requests.len()
             )));
         }
         let outcomes = reply
-            .outcomes
+            .replies
             .iter()
-            .map(|b| codec::decode(b).map_err(|e| Error::Decode(e.to_string())))
+            .map(|r| {
+                typed::outcome_from(r.result.as_ref()).map_err(|e| Error::Decode(e.to_string()))
+            })
             .collect::<Result<Vec<Outcome>>>()?;
         Ok((outcomes, reply.log_index))
     }
@@ -475,27 +509,15 @@ impl Client {
 
     /// A query with the logical time of the state that answered it.
     pub async fn query_timed(&self, shard: u32, q: &Query, stale: bool) -> Result<(Answer, u64)> {
-        let bytes = codec::encode(q);
-        let consistency = if stale {
-            Consistency::Stale
-        } else {
-            Consistency::Linearizable
-        };
+        let query = typed::query::query_to(q);
         let reply = self
-            .with_retries(shard, |mut c, t| {
-                let msg = self.request(
-                    QueryRequest {
-                        shard,
-                        consistency: consistency as i32,
-                        query: bytes.clone(),
-                    },
-                    t,
-                );
+            .with_retries(shard, |ch, t| {
+                let mut c = api_client(ch);
+                let msg = self.request(query_request(shard, stale, &query), t);
                 async move { c.query(msg).await.map(|r| r.into_inner()) }
             })
             .await?;
-        let answer = codec::decode(&reply.answer).map_err(|e| Error::Decode(e.to_string()))?;
-        Ok((answer, reply.logical_time_ms))
+        Ok((answer_of(&reply)?, reply.logical_time_ms))
     }
 
     /// The shard's logical time now (ms since the Unix epoch): the clock expiries,
@@ -513,30 +535,45 @@ impl Client {
     /// A stale query answered by one given replica from its applied state (no retries).
     pub async fn query_replica(&self, addr: &str, shard: u32, q: &Query) -> Result<Answer> {
         let t = self.inner.settings.attempt_timeout;
-        let msg = self.request(
-            QueryRequest {
-                shard,
-                consistency: Consistency::Stale as i32,
-                query: codec::encode(q),
-            },
-            t,
-        );
+        let msg = self.request(query_request(shard, true, &typed::query::query_to(q)), t);
         let reply = self
-            .allot(addr)?
+            .api_at(addr)?
             .query(msg)
             .await
             .map_err(|s| Error::from_status(&s))?
             .into_inner();
-        codec::decode(&reply.answer).map_err(|e| Error::Decode(e.to_string()))
+        answer_of(&reply)
     }
 
-    /// One page of a shard's audit events (filters in `req`; its `shard` is set here).
-    pub async fn audit_page(&self, shard: u32, req: AuditRequest) -> Result<AuditReply> {
-        self.with_retries(shard, |mut c, t| {
-            let msg = self.request(AuditRequest { shard, ..req }, t);
-            async move { c.audit(msg).await.map(|r| r.into_inner()) }
-        })
-        .await
+    /// One page of a shard's audit events (filters in `req`; its read header is set
+    /// here), each event exact.
+    pub async fn audit_page(
+        &self,
+        shard: u32,
+        req: pb::AuditRequest,
+    ) -> Result<(Vec<allot_statemachine::AuditEvent>, u64, u64)> {
+        let reply = self
+            .with_retries(shard, |ch, t| {
+                let mut c = api_client(ch);
+                let msg = self.request(
+                    pb::AuditRequest {
+                        read: Some(pb::Read {
+                            shard: Some(shard),
+                            stale_ok: true,
+                        }),
+                        ..req
+                    },
+                    t,
+                );
+                async move { c.audit(msg).await.map(|r| r.into_inner()) }
+            })
+            .await?;
+        let events = reply
+            .events
+            .iter()
+            .map(|e| typed::audit_event_from(e).map_err(|e| Error::Decode(e.to_string())))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((events, reply.next_seq, reply.head_seq))
     }
 
     /// The status of one endpoint (its node id and every shard it hosts).

@@ -12,6 +12,7 @@ use allot_proto::typed::{self, FieldError, TypedCommand};
 use allot_proto::{AuditRequest, Consistency, ExecuteRequest, QueryRequest};
 use allot_statemachine::query::{Answer, Query};
 use allot_statemachine::{codec, Actor, JobId, OrgId, Outcome, PrincipalId, Request};
+use prost::Message as _;
 use std::pin::Pin;
 use tokio_stream::Stream;
 use tonic::metadata::MetadataValue;
@@ -45,43 +46,97 @@ impl Services {
         })
     }
 
-    /// Runs one typed command through `Allot.Execute`'s path.
-    async fn typed_command<T: TypedCommand>(
+    /// Runs typed commands (each converted, or the field it cannot take) through
+    /// `Allot.Execute`'s path on one shard: the size bound, the state machine's own
+    /// validation, credentials, rate limit, proposer or leader. The shard is `shard`,
+    /// else the home shard of the first command's org.
+    async fn run_typed<T>(
+        &self,
+        req: &Call<T>,
+        shard: Option<u32>,
+        items: Vec<(usize, Result<Converted, FieldError>)>,
+    ) -> Result<(Vec<Outcome>, u64, u64), Status> {
+        let first_org = items
+            .first()
+            .and_then(|(_, c)| c.as_ref().ok())
+            .and_then(|(_, _, org)| *org);
+        let shard_id = self.route(shard, first_org);
+        let bearer = crate::auth::bearer(req.metadata())?;
+        let n = items.len();
+        let requests = crate::edge::admit_each(
+            &self.node,
+            shard_id,
+            bearer,
+            items.into_iter(),
+            |i, (len, converted)| {
+                crate::edge::check_size(i, len)?;
+                let (header, command, org) = converted.map_err(|e| invalid_at(i, n, e))?;
+                if header.shard.is_some_and(|s| s != shard_id) {
+                    return Err(invalid_at(
+                        i,
+                        n,
+                        FieldError {
+                            field: "call.shard".into(),
+                            problem: format!("the call runs on shard {shard_id}"),
+                        },
+                    ));
+                }
+                Ok(Request {
+                    // Replaced by the token's digest when the call has one
+                    // (`auth::stamp`); in dev mode the claimed identity, by default the
+                    // operator.
+                    actor: header.dev_actor.unwrap_or(Actor::Admin(PrincipalId(1))),
+                    request_id: header.request_id,
+                    org,
+                    command,
+                })
+            },
+        )?;
+        let shard = self
+            .node
+            .shard(shard_id)
+            .ok_or_else(|| Status::not_found(format!("unknown shard {shard_id}")))?;
+        // The codec form a follower forwards to its leader (internal), built only when
+        // this replica is not the leader.
+        let leader = shard.raft.metrics().borrow().current_leader == Some(self.node.id);
+        let forward = (!leader).then(|| ExecuteRequest {
+            shard: shard_id,
+            requests: requests.iter().map(codec::encode).collect(),
+        });
+        let done = self
+            .execute_admitted(req, shard, requests, || forward)
+            .await?;
+        Ok((done.outcomes, done.log_index, done.logical_time_ms))
+    }
+
+    /// Runs one typed command.
+    async fn typed_command<T: TypedCommand + prost::Message>(
         &self,
         req: Call<T>,
     ) -> Result<pb::CommandReply, Status> {
-        let (meta, ext, msg) = req.into_parts();
-        let header = typed::header(msg.call()).map_err(invalid)?;
-        let (command, org) = msg.command().map_err(invalid)?;
-        let request = Request {
-            // Replaced by the token's digest when the call has one (`auth::stamp`); in dev
-            // mode the claimed identity, by default the operator.
-            actor: header.dev_actor.unwrap_or(Actor::Admin(PrincipalId(1))),
-            request_id: header.request_id,
-            org,
-            command,
-        };
-        let exec = ExecuteRequest {
-            shard: self.route(header.shard, org),
-            requests: vec![codec::encode(&request)],
-        };
-        let reply = self
-            .execute_inner(Call::from_parts(meta, ext, exec))
-            .await?;
-        let raw = reply
-            .outcomes
+        let msg = req.get_ref();
+        let shard = msg.call().and_then(|c| c.shard);
+        let item = typed::header(msg.call()).and_then(|h| {
+            let (command, org) = msg.command()?;
+            Ok((h, command, org))
+        });
+        let items = vec![(msg.encoded_len(), item)];
+        let (outcomes, log_index, logical_time_ms) = self
+            .run_typed(&req, shard, items)
+            .await
+            .map_err(typed_status)?;
+        let outcome = outcomes
             .first()
             .ok_or_else(|| Status::internal("no outcome"))?;
-        let outcome: Outcome = codec::decode(raw).map_err(|e| malformed("outcome", e))?;
         Ok(pb::CommandReply {
-            log_index: reply.log_index,
-            logical_time_ms: reply.logical_time_ms,
-            result: Some(typed::outcome_to(&outcome)),
+            log_index,
+            logical_time_ms,
+            result: Some(typed::outcome_to(outcome)),
         })
     }
 
     /// A typed command RPC, observed like every other call.
-    async fn command_rpc<T: TypedCommand>(
+    async fn command_rpc<T: TypedCommand + prost::Message>(
         &self,
         method: &str,
         req: Call<T>,
@@ -92,7 +147,7 @@ impl Services {
         r.map(Response::new)
     }
 
-    /// Runs one query through `Allot.Query`'s path: (answer, applied index, time).
+    /// Answers one query through `Allot.Query`'s path: (answer, applied index, time).
     async fn typed_query<T>(
         &self,
         req: &Call<T>,
@@ -101,26 +156,53 @@ impl Services {
         query: Query,
     ) -> Result<(Answer, u64, u64), Status> {
         let (shard, stale_ok) = typed::read_header(read);
-        let mut q = Call::new(QueryRequest {
-            shard: self.route(shard, org),
-            consistency: if stale_ok {
-                Consistency::Stale
-            } else {
-                Consistency::Linearizable
-            } as i32,
-            query: codec::encode(&query),
-        });
-        *q.metadata_mut() = req.metadata().clone();
-        let reply = self.query_inner(q).await?;
-        let answer: Answer = codec::decode(&reply.answer).map_err(|e| malformed("answer", e))?;
-        Ok((answer, reply.applied_index, reply.logical_time_ms))
+        let shard = self.route(shard, org);
+        let forward = || {
+            Some(QueryRequest {
+                shard,
+                consistency: Consistency::Linearizable as i32,
+                query: codec::encode(&query),
+            })
+        };
+        let q = query.clone();
+        self.answer(req, shard, !stale_ok, q, forward)
+            .await
+            .map_err(typed_status)
     }
+}
+
+/// A converted batch entry: its header, command and org.
+type Converted = (typed::Header, allot_statemachine::Command, Option<OrgId>);
+
+/// A field of command `index` (of `n`) the server cannot take.
+fn invalid_at(index: usize, n: usize, e: FieldError) -> Status {
+    let e = if n > 1 {
+        FieldError {
+            field: format!("commands[{index}].{}", e.field),
+            problem: e.problem,
+        }
+    } else {
+        e
+    };
+    let mut s = invalid(e);
+    if let Ok(v) = MetadataValue::try_from(index.to_string()) {
+        s.metadata_mut().insert(allot_proto::meta::REQUEST_INDEX, v);
+    }
+    s
+}
+
+/// A refusal as the typed API sends it: its reason, the refused request's index and
+/// its error as JSON, without `Allot.Execute`'s codec bytes.
+fn typed_status(mut s: Status) -> Status {
+    s.metadata_mut().remove_bin(allot_proto::meta::ERROR_BIN);
+    s
 }
 
 /// Events one `WatchEvents` page reads (each is then sent as its own message).
 const WATCH_PAGE: u32 = 1_000;
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::AuditEvent, Status>> + Send>>;
+type AssignmentStream = Pin<Box<dyn Stream<Item = Result<pb::AssignmentsUpdate, Status>> + Send>>;
 
 impl Services {
     /// One page of audit events through `Allot.Audit`'s path (credentials, the tenant's
@@ -128,18 +210,9 @@ impl Services {
     async fn events_page(
         &self,
         meta: &tonic::metadata::MetadataMap,
-        shard: u32,
-        org: Option<u64>,
-        from_seq: u64,
-        limit: u32,
+        filter: AuditRequest,
     ) -> Result<(Vec<pb::AuditEvent>, u64, u64), Status> {
-        let mut call = Call::new(AuditRequest {
-            shard,
-            from_seq,
-            limit,
-            org,
-            ..AuditRequest::default()
-        });
+        let mut call = Call::new(filter);
         *call.metadata_mut() = meta.clone();
         let reply = Allot::audit(self, call).await?.into_inner();
         let events = reply
@@ -158,6 +231,74 @@ impl Services {
 #[tonic::async_trait]
 impl Api for Services {
     type WatchEventsStream = EventStream;
+
+    /// Any read: converted, routed by the org it names (else `read.shard`), answered
+    /// through `Allot.Query`'s path.
+    async fn query(&self, req: Call<pb::QueryRequest>) -> Reply<pb::QueryReply> {
+        let started = std::time::Instant::now();
+        let r = async {
+            let m = req.get_ref();
+            let query = typed::query::query_from(m.query.as_ref()).map_err(invalid)?;
+            let org = typed::query::query_org(&query);
+            let (answer, applied_index, logical_time_ms) =
+                self.typed_query(&req, m.read.as_ref(), org, query).await?;
+            Ok(pb::QueryReply {
+                applied_index,
+                logical_time_ms,
+                answer: Some(typed::query::answer_to(&answer)),
+            })
+        }
+        .await;
+        self.observe("api.query", started, r.is_ok());
+        r.map(Response::new)
+    }
+
+    type WatchAssignmentsStream = AssignmentStream;
+
+    async fn watch_assignments(
+        &self,
+        req: Call<pb::WatchAssignmentsRequest>,
+    ) -> Result<Response<AssignmentStream>, Status> {
+        let (shard, node) = (req.get_ref().shard, req.get_ref().node);
+        let rx = self.assignments_stream(&req, shard, node, |rows, applied_index| {
+            pb::AssignmentsUpdate {
+                assignments: rows.iter().map(typed::query::assignment_to).collect(),
+                applied_index,
+            }
+        })?;
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    /// A batch of typed commands on one shard: one proposal, one log entry.
+    async fn execute(&self, req: Call<pb::ExecuteRequest>) -> Reply<pb::ExecuteReply> {
+        let started = std::time::Instant::now();
+        let m = req.get_ref();
+        let items = m
+            .commands
+            .iter()
+            .map(|c| (c.encoded_len(), typed::command_from(c)))
+            .collect();
+        let r = self
+            .run_typed(&req, m.shard, items)
+            .await
+            .map_err(typed_status)
+            .map(|(outcomes, log_index, logical_time_ms)| pb::ExecuteReply {
+                replies: outcomes
+                    .iter()
+                    .map(|o| pb::CommandReply {
+                        log_index,
+                        logical_time_ms,
+                        result: Some(typed::outcome_to(o)),
+                    })
+                    .collect(),
+                log_index,
+                logical_time_ms,
+            });
+        self.observe("api.execute", started, r.is_ok());
+        r.map(Response::new)
+    }
 
     async fn set_alert(&self, req: Call<pb::SetAlertRequest>) -> Reply<pb::CommandReply> {
         self.command_rpc("api.set_alert", req).await
@@ -178,9 +319,14 @@ impl Api for Services {
             .node
             .shard(shard_id)
             .ok_or_else(|| Status::not_found(format!("unknown shard {shard_id}")))?;
-        let first = self
-            .events_page(&meta, shard_id, m.org, m.from_seq, WATCH_PAGE)
-            .await;
+        let page = move |from_seq| AuditRequest {
+            shard: shard_id,
+            from_seq,
+            limit: WATCH_PAGE,
+            org: m.org,
+            ..AuditRequest::default()
+        };
+        let first = self.events_page(&meta, page(m.from_seq)).await;
         self.observe("api.watch_events", started, first.is_ok());
         let first = first?;
         let who = crate::auth::authenticate(
@@ -197,6 +343,7 @@ impl Api for Services {
         let svc = self.clone();
         let open = self.node.metrics.streams.clone();
         open.inc();
+        let next_page = page;
         tokio::spawn(async move {
             let _slot = slot;
             let _open = crate::server::scopeguard(move || open.dec());
@@ -216,9 +363,7 @@ impl Api for Services {
                             _ = tokio::time::sleep(std::time::Duration::from_millis(pause)) => {}
                             _ = tx.closed() => return,
                         }
-                        page = svc
-                            .events_page(&meta, shard_id, m.org, cursor, WATCH_PAGE)
-                            .await;
+                        page = svc.events_page(&meta, next_page(cursor)).await;
                         continue;
                     }
                     Err(s) => {
@@ -243,9 +388,7 @@ impl Api for Services {
                     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
                 }
                 cursor = next;
-                page = svc
-                    .events_page(&meta, shard_id, m.org, cursor, WATCH_PAGE)
-                    .await;
+                page = svc.events_page(&meta, next_page(cursor)).await;
             }
         });
         Ok(Response::new(Box::pin(
@@ -303,7 +446,17 @@ impl Api for Services {
     ) -> Result<Response<pb::BalanceReply>, Status> {
         let m = req.get_ref();
         let account = typed::account_from(m.account.as_ref(), "account").map_err(invalid)?;
-        let org = OrgId(m.account.as_ref().map_or(0, |a| a.org));
+        let org = m
+            .account
+            .as_ref()
+            .and_then(|a| a.org)
+            .map(OrgId)
+            .ok_or_else(|| {
+                invalid(FieldError {
+                    field: "account.org".into(),
+                    problem: "required".into(),
+                })
+            })?;
         let query = Query::Balance {
             org,
             account,
@@ -346,9 +499,17 @@ impl Api for Services {
         let (meta, _, m) = req.into_parts();
         let (shard, _) = typed::read_header(m.read.as_ref());
         let shard = self.route(shard, m.org.map(OrgId));
-        let (events, next_seq, head_seq) = self
-            .events_page(&meta, shard, m.org, m.from_seq, m.limit)
-            .await?;
+        let filter = AuditRequest {
+            shard,
+            from_seq: m.from_seq,
+            limit: m.limit,
+            org: m.org,
+            project: m.project,
+            hold: m.hold,
+            from_ms: m.from_ms,
+            to_ms: m.to_ms,
+        };
+        let (events, next_seq, head_seq) = self.events_page(&meta, filter).await?;
         Ok(Response::new(pb::AuditReply {
             events,
             next_seq,

@@ -28,9 +28,10 @@ pub fn with_reason(mut s: Status, reason: &str) -> Status {
 }
 
 /// The state machine refused request `index` of the call before it was proposed
-/// (`INVALID_ARGUMENT`). The typed error travels in `allot-error-bin` (codec bytes of
-/// the `CommandError`) and its name in `allot-reason`, so a client reports it exactly as
-/// it would the same refusal from apply.
+/// (`INVALID_ARGUMENT`). The typed error travels as JSON in `allot-error-json-bin` (the
+/// typed API's `Error.details_json`) — and, for `Allot.Execute`'s callers, as codec bytes
+/// in `allot-error-bin` — and its name in `allot-reason`, so a client reports it exactly
+/// as it would the same refusal from apply.
 pub fn rejected(index: usize, e: &CommandError) -> Status {
     let mut s = with_reason(
         Status::invalid_argument(format!("request {index}: {e}")),
@@ -39,6 +40,10 @@ pub fn rejected(index: usize, e: &CommandError) -> Status {
     s.metadata_mut().insert_bin(
         meta::ERROR_BIN,
         BinaryMetadataValue::from_bytes(&codec::encode(e)),
+    );
+    s.metadata_mut().insert_bin(
+        meta::ERROR_JSON,
+        BinaryMetadataValue::from_bytes(allot_proto::typed::error_to(e).details_json.as_bytes()),
     );
     if let Ok(v) = MetadataValue::try_from(index.to_string()) {
         s.metadata_mut().insert(meta::REQUEST_INDEX, v);
@@ -55,7 +60,40 @@ pub fn decode_requests(
     bearer: Option<TokenDigest>,
     raw: &[Vec<u8>],
 ) -> Result<Vec<Request>, Status> {
-    if raw.is_empty() {
+    admit_each(node, shard, bearer, raw.iter(), |i, b| {
+        check_size(i, b.len())?;
+        codec::decode(b).map_err(|e| {
+            with_reason(
+                Status::invalid_argument(format!("request {i}: {e}")),
+                "MALFORMED",
+            )
+        })
+    })
+}
+
+/// A request's encoded size against [`REQUEST_BYTES_MAX`] (checked before it is
+/// decoded or converted).
+pub fn check_size(index: usize, len: usize) -> Result<(), Status> {
+    if len > REQUEST_BYTES_MAX {
+        return Err(rejected(
+            index,
+            &CommandError::LimitReached(Limit::CommandBytes),
+        ));
+    }
+    Ok(())
+}
+
+/// The one admission path of a call's requests, whatever their wire form: the count
+/// bound, then each one read by `read` (its size bound, decoding or conversion), stamped
+/// with its caller and validated by the state machine's own rules.
+pub fn admit_each<R>(
+    node: &Node,
+    shard: u32,
+    bearer: Option<TokenDigest>,
+    raw: impl ExactSizeIterator<Item = R>,
+    mut read: impl FnMut(usize, R) -> Result<Request, Status>,
+) -> Result<Vec<Request>, Status> {
+    if raw.len() == 0 {
         return Err(with_reason(
             Status::invalid_argument("no requests"),
             "NO_REQUESTS",
@@ -71,19 +109,8 @@ pub fn decode_requests(
         ));
     }
     let mut requests = Vec::with_capacity(raw.len());
-    for (i, b) in raw.iter().enumerate() {
-        if b.len() > REQUEST_BYTES_MAX {
-            return Err(rejected(
-                i,
-                &CommandError::LimitReached(Limit::CommandBytes),
-            ));
-        }
-        let mut r: Request = codec::decode(b).map_err(|e| {
-            with_reason(
-                Status::invalid_argument(format!("request {i}: {e}")),
-                "MALFORMED",
-            )
-        })?;
+    for (i, b) in raw.enumerate() {
+        let mut r = read(i, b)?;
         auth::stamp(node, shard, bearer, &mut r)?;
         validate::validate(&r).map_err(|e| rejected(i, &e))?;
         requests.push(r);

@@ -6,7 +6,7 @@ use crate::edge;
 use crate::network::{AppendWire, SnapshotChunk};
 use crate::node::{Node, Shard};
 use crate::peer;
-use crate::proposer::{leader_of, ProposeError};
+use crate::proposer::{leader_of, Committed, ProposeError};
 use crate::ratelimit::RateLimiter;
 use crate::ratelimit::{key_of, Class, Key};
 use crate::store;
@@ -26,7 +26,8 @@ use allot_proto::allot_server::Allot;
 use allot_proto::raft_server::Raft as RaftService;
 use allot_proto::*;
 use allot_statemachine::query::{self, Query};
-use allot_statemachine::{codec, Actor, DenialReason, HoldId, ProjectId};
+use allot_statemachine::scheduler::AssignmentRow;
+use allot_statemachine::{codec, Actor, DenialReason, HoldId, ProjectId, Request};
 use openraft::raft::SnapshotResponse;
 use openraft::BasicNode;
 use std::collections::{BTreeMap, BTreeSet};
@@ -89,6 +90,12 @@ pub fn status_of(e: ProposeError) -> Status {
 
 /// Whether the call carries the forwarded marker: it is not forwarded a second time
 /// (whoever sent it; a client that sets it only gets NotLeader sooner).
+/// A call's metadata and extensions (an empty body in their place), and its message.
+fn split<T>(req: tonic::Request<T>) -> (tonic::Request<()>, T) {
+    let (meta, ext, msg) = req.into_parts();
+    (tonic::Request::from_parts(meta, ext, ()), msg)
+}
+
 fn forwarded<T>(req: &tonic::Request<T>) -> bool {
     req.metadata().get(FORWARDED).is_some()
 }
@@ -175,36 +182,68 @@ impl Services {
         &self,
         req: tonic::Request<ExecuteRequest>,
     ) -> Result<ExecuteReply, Status> {
-        let was_forwarded = forwarded(&req);
-        let meta = req.metadata().clone();
-        let bearer = auth::bearer(&meta)?;
+        let bearer = auth::bearer(req.metadata())?;
         let shard = shard_of(&self.node, req.get_ref().shard)?;
-        #[allow(unused_mut)]
-        let mut requests =
-            edge::decode_requests(&self.node, shard.id, bearer, &req.get_ref().requests)
-                .inspect_err(|s| self.refused("execute", s))?;
+        let requests = edge::decode_requests(&self.node, shard.id, bearer, &req.get_ref().requests)
+            .inspect_err(|s| self.refused("execute", s))?;
+        let (req, msg) = split(req);
+        let done = self
+            .execute_admitted(&req, shard, requests, || Some(msg))
+            .await?;
+        Ok(ExecuteReply {
+            outcomes: done.outcomes.iter().map(codec::encode).collect(),
+            log_index: done.log_index,
+            logical_time_ms: done.logical_time_ms,
+        })
+    }
+
+    /// Runs requests the edge admitted (decoded, stamped with their callers, validated)
+    /// on `shard`: credentials, the tenant's rate limit, then the proposer — or, on a
+    /// follower, once forwarded to the leader as `forward()` builds the call (`None`: not
+    /// forwarded; the caller is told who leads). Shared by `Allot.Execute` and the typed
+    /// `Api`.
+    pub(crate) async fn execute_admitted<T>(
+        &self,
+        req: &tonic::Request<T>,
+        shard: &Shard,
+        #[allow(unused_mut)] mut requests: Vec<Request>,
+        forward: impl FnOnce() -> Option<ExecuteRequest>,
+    ) -> Result<Committed, Status> {
+        let was_forwarded = forwarded(req);
         let leader = shard.raft.metrics().borrow().current_leader == Some(self.node.id);
         let actors = edge::credentials(&self.node, shard, &requests, leader).await?;
         let need: Vec<(Option<Actor>, u32)> = actors.into_iter().map(|a| (a, 1)).collect();
-        self.limit(&req, Class::Write, &need)?;
-        let msg = req.into_inner();
+        self.limit(req, Class::Write, &need)?;
         #[cfg(feature = "chaos")]
         crate::chaos::rewrite_request_ids(&mut requests);
         match shard.proposer.propose(requests).await {
-            Ok(c) => Ok(ExecuteReply {
-                outcomes: c.outcomes.iter().map(codec::encode).collect(),
-                log_index: c.log_index,
-                logical_time_ms: c.logical_time_ms,
-            }),
-            Err(ProposeError::NotLeader {
-                addr: Some(addr), ..
-            }) if !was_forwarded => {
+            Ok(c) => Ok(c),
+            Err(e @ ProposeError::NotLeader { addr: Some(_), .. }) if !was_forwarded => {
                 // Forward once; the leader answers (or says who leads now).
-                let mut client = self.leader_client(&addr).await?;
-                client
-                    .execute(forward_with(&self.node, msg, &meta))
-                    .await
-                    .map(|r| r.into_inner())
+                let ProposeError::NotLeader {
+                    addr: Some(addr), ..
+                } = &e
+                else {
+                    return Err(status_of(e));
+                };
+                let mut client = self.leader_client(addr).await?;
+                let Some(msg) = forward() else {
+                    return Err(status_of(e));
+                };
+                let reply = client
+                    .execute(forward_with(&self.node, msg, req.metadata()))
+                    .await?
+                    .into_inner();
+                Ok(Committed {
+                    outcomes: reply
+                        .outcomes
+                        .iter()
+                        .map(|b| codec::decode(b))
+                        .collect::<Result<_, _>>()
+                        .map_err(|e| Status::internal(format!("the leader's outcome: {e}")))?,
+                    log_index: reply.log_index,
+                    logical_time_ms: reply.logical_time_ms,
+                })
             }
             Err(e) => Err(status_of(e)),
         }
@@ -214,26 +253,56 @@ impl Services {
         &self,
         req: tonic::Request<QueryRequest>,
     ) -> Result<QueryReply, Status> {
-        let was_forwarded = forwarded(&req);
-        let meta = req.metadata().clone();
-        let caller = auth::caller(&self.node, auth::bearer(&meta)?);
-        let shard = shard_of(&self.node, req.get_ref().shard)?;
-        self.limit(&req, Class::Read, &[(self.reader(shard.id, caller), 1)])?;
-        let msg = req.into_inner();
+        let (req, msg) = split(req);
         let q: Query = codec::decode(&msg.query)
             .map_err(|e| Status::invalid_argument(format!("query: {e}")))?;
-        if msg.consistency() == Consistency::Linearizable {
+        let linearizable = msg.consistency() == Consistency::Linearizable;
+        let (answer, applied_index, logical_time_ms) = self
+            .answer(&req, msg.shard, linearizable, q, || Some(msg))
+            .await?;
+        Ok(QueryReply {
+            answer: codec::encode(&answer),
+            applied_index,
+            logical_time_ms,
+        })
+    }
+
+    /// Answers a decoded query on `shard` (the read rate limit; linearizable through the
+    /// leader's read index, or this replica's state): (answer, applied index, logical
+    /// time). A follower that cannot confirm forwards `forward()` to the leader once.
+    /// Shared by `Allot.Query` and the typed `Api`.
+    pub(crate) async fn answer<T>(
+        &self,
+        req: &tonic::Request<T>,
+        shard: ShardId,
+        linearizable: bool,
+        q: Query,
+        forward: impl FnOnce() -> Option<QueryRequest>,
+    ) -> Result<(query::Answer, u64, u64), Status> {
+        let was_forwarded = forwarded(req);
+        let meta = req.metadata();
+        let caller = auth::caller(&self.node, auth::bearer(meta)?);
+        let shard = shard_of(&self.node, shard)?;
+        self.limit(req, Class::Read, &[(self.reader(shard.id, caller), 1)])?;
+        if linearizable {
             if let Err(e) = shard.raft.ensure_linearizable().await {
                 let err = crate::proposer::from_raft_error(&shard.raft, e);
                 return match err {
                     ProposeError::NotLeader {
-                        addr: Some(addr), ..
+                        addr: Some(ref addr),
+                        ..
                     } if !was_forwarded => {
-                        let mut client = self.leader_client(&addr).await?;
-                        client
-                            .query(forward_with(&self.node, msg, &meta))
-                            .await
-                            .map(|r| r.into_inner())
+                        let mut client = self.leader_client(addr).await?;
+                        let Some(msg) = forward() else {
+                            return Err(status_of(err));
+                        };
+                        let reply = client
+                            .query(forward_with(&self.node, msg, meta))
+                            .await?
+                            .into_inner();
+                        let answer = codec::decode(&reply.answer)
+                            .map_err(|e| Status::internal(format!("the leader's answer: {e}")))?;
+                        Ok((answer, reply.applied_index, reply.logical_time_ms))
                     }
                     e => Err(status_of(e)),
                 };
@@ -255,11 +324,7 @@ impl Services {
                 tokio::task::spawn_blocking(move || (query::answer(&state, &q), state.time_ms))
                     .await
                     .map_err(|e| Status::internal(format!("query: {e}")))?;
-            return Ok(QueryReply {
-                answer: codec::encode(&answer),
-                applied_index: applied.map(|l| l.index).unwrap_or(0),
-                logical_time_ms: time_ms,
-            });
+            return Ok((answer, applied.map(|l| l.index).unwrap_or(0), time_ms));
         }
         let g = shard.view.read();
         let answer = query::answer_as(&g.state, caller, &q).map_err(|e| {
@@ -280,11 +345,11 @@ impl Services {
                 reason,
             )
         })?;
-        Ok(QueryReply {
-            answer: codec::encode(&answer),
-            applied_index: g.last_applied.map(|l| l.index).unwrap_or(0),
-            logical_time_ms: g.state.time_ms,
-        })
+        Ok((
+            answer,
+            g.last_applied.map(|l| l.index).unwrap_or(0),
+            g.state.time_ms,
+        ))
     }
 }
 
@@ -407,15 +472,39 @@ impl Agent for Services {
         &self,
         req: tonic::Request<WatchRequest>,
     ) -> Result<tonic::Response<AssignmentStream>, Status> {
-        let caller = auth::caller(&self.node, auth::bearer(req.metadata())?);
-        let shard = shard_of(&self.node, req.get_ref().shard)?;
-        let reader = self.reader(shard.id, caller);
-        self.limit(&req, Class::Read, &[(reader, 1)])?;
-        let msg = req.into_inner();
-        let node_id: u64 = msg
+        let node_id: u64 = req
+            .get_ref()
             .node_id
             .parse()
             .map_err(|_| Status::invalid_argument("node_id must be a number"))?;
+        let shard = req.get_ref().shard;
+        let rx = self.assignments_stream(&req, shard, node_id, |rows, idx| Assignments {
+            assignments: codec::encode(rows),
+            applied_index: idx,
+        })?;
+        Ok(tonic::Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+}
+
+impl Services {
+    /// A GPU node's assignments as a stream of whole sets: the current one, then a new
+    /// one whenever the set changes, each as `message` builds it (the codec form of
+    /// `Agent.WatchAssignments`, the typed `Api.WatchAssignments`). Only the node's own
+    /// agent or an admin may watch; bounded per principal; ended as soon as the client
+    /// goes away.
+    pub(crate) fn assignments_stream<T, M: Send + 'static>(
+        &self,
+        req: &tonic::Request<T>,
+        shard: ShardId,
+        node_id: u64,
+        message: impl Fn(&Vec<AssignmentRow>, u64) -> M + Send + 'static,
+    ) -> Result<tokio::sync::mpsc::Receiver<Result<M, Status>>, Status> {
+        let caller = auth::caller(&self.node, auth::bearer(req.metadata())?);
+        let shard = shard_of(&self.node, shard)?;
+        let reader = self.reader(shard.id, caller);
+        self.limit(req, Class::Read, &[(reader, 1)])?;
         // Only the node's own agent (or an admin) may watch its assignments.
         let who = auth::authenticate(&self.node, shard.id, caller, "watch_assignments")?;
         match who {
@@ -450,25 +539,19 @@ impl Agent for Services {
         tokio::spawn(async move {
             let _slot = slot;
             let _open = scopeguard(move || open.dec());
-            let mut last: Option<Vec<u8>> = None;
+            let mut last: Option<Vec<AssignmentRow>> = None;
             loop {
-                let (bytes, idx) = {
+                let (rows, idx) = {
                     let g = view.read();
                     let a = g
                         .state
                         .scheduler
                         .assignments(allot_statemachine::NodeId(node_id));
-                    (
-                        codec::encode(&a),
-                        g.last_applied.map(|l| l.index).unwrap_or(0),
-                    )
+                    (a, g.last_applied.map(|l| l.index).unwrap_or(0))
                 };
-                if last.as_ref() != Some(&bytes) {
-                    last = Some(bytes.clone());
-                    let msg = Assignments {
-                        assignments: bytes,
-                        applied_index: idx,
-                    };
+                if last.as_ref() != Some(&rows) {
+                    let msg = message(&rows, idx);
+                    last = Some(rows);
                     if tx.send(Ok(msg)).await.is_err() {
                         return;
                     }
@@ -481,9 +564,7 @@ impl Agent for Services {
                 }
             }
         });
-        Ok(tonic::Response::new(Box::pin(
-            tokio_stream::wrappers::ReceiverStream::new(rx),
-        )))
+        Ok(rx)
     }
 }
 

@@ -584,6 +584,7 @@ async fn the_typed_api_is_reflected_healthy_and_idempotent_on_every_node() {
             request_id: id,
             shard: None,
             dev_actor: "admin".into(),
+            request_id_high: 0,
         })
     };
     // UNAVAILABLE (the new shard's clock not sampled yet) is the documented retryable
@@ -614,7 +615,7 @@ async fn the_typed_api_is_reflected_healthy_and_idempotent_on_every_node() {
         call: call(id),
         bucket: 1,
         owner: Some(pb::Account {
-            org: 3,
+            org: Some(3),
             project: None,
         }),
         kind: pb::BucketKind::Paid as i32,
@@ -637,7 +638,7 @@ async fn the_typed_api_is_reflected_healthy_and_idempotent_on_every_node() {
         .balance(pb::BalanceRequest {
             read: None,
             account: Some(pb::Account {
-                org: 3,
+                org: Some(3),
                 project: None,
             }),
             horizon_ms: 0,
@@ -683,6 +684,7 @@ async fn the_typed_api_is_reflected_healthy_and_idempotent_on_every_node() {
             from_seq: 0,
             limit: 100,
             org: Some(3),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -786,10 +788,10 @@ async fn watch_events_resumes_without_gaps_and_alerts_fire_once_per_crossing() {
         .set_alert(pb::SetAlertRequest {
             call: Some(pb::Call {
                 request_id: 77,
-                shard: None,
                 dev_actor: "admin".into(),
+                ..Default::default()
             }),
-            org: 5,
+            org: Some(5),
             project: Some(51),
             low_balance_micro: Some(4_000_000),
             budget_pcts: vec![50],
@@ -833,6 +835,7 @@ async fn watch_events_resumes_without_gaps_and_alerts_fire_once_per_crossing() {
             from_seq: 0,
             limit: 1_000,
             org: Some(5),
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -180,15 +180,7 @@ impl Hostile {
     /// The shard's audit chain length as its leader sees it.
     async fn head_seq(&self, shard: u32) -> u64 {
         self.admin
-            .audit_page(
-                shard,
-                AuditRequest {
-                    shard,
-                    from_seq: u64::MAX,
-                    limit: 1,
-                    ..Default::default()
-                },
-            )
+            .audit(shard, ::allot_client::AuditFilter::default(), u64::MAX, 1)
             .await
             .unwrap()
             .head_seq

@@ -42,6 +42,9 @@ pub mod meta {
     /// bytes of its `CommandError`, and the index of the request in the call.
     pub const ERROR_BIN: &str = "allot-error-bin";
     pub const REQUEST_INDEX: &str = "allot-request-index";
+    /// The same refusal as JSON (the typed API's `Error.details_json`); the typed API
+    /// sends this one only.
+    pub const ERROR_JSON: &str = "allot-error-json-bin";
 }
 
 /// The shard directory: an organisation's home shard. Tenants' commands and queries go

@@ -127,7 +127,7 @@ proptest! {
         };
         let m = wire(&typed::job_spec_to(&s));
         prop_assert_eq!(typed::job_spec_from(Some(&m)).unwrap(), s.clone());
-        let req = wire(&pb::SubmitJobRequest { call: None, org: 9, spec: Some(m) });
+        let req = wire(&pb::SubmitJobRequest { call: None, org: Some(9), spec: Some(m) });
         prop_assert_eq!(req.command().unwrap(), (Command::SubmitJob(s), Some(OrgId(9))));
     }
 
@@ -137,23 +137,35 @@ proptest! {
         ty in gpu_type(),
         count in any::<u32>(),
         mem in any::<u32>(),
-        labels in proptest::collection::btree_map("[a-z]{1,8}", "[a-z0-9]{0,8}", 0..6),
+        labels in proptest::collection::vec(("[a-z]{0,3}", "[a-z0-9]{0,8}"), 0..6),
     ) {
+        // Any labels, in any order, repeated keys too: exactly as sent (the state
+        // machine judges them, the conversion does not merge or sort them).
         let n = NodeSpec {
             node: NodeId(node),
             gpu_type: ty,
             gpu_count: count,
             gpu_mem_gb: mem,
-            labels: labels.into_iter().collect(),
+            labels,
         };
         let m = wire(&typed::node_spec_to(&n));
-        prop_assert_eq!(typed::node_spec_from(&m), n);
+        prop_assert_eq!(typed::node_spec_from(&m).unwrap(), n.clone());
+        // The map form (older clients) arrives sorted by key; both at once is refused.
+        let mut as_map = m.clone();
+        as_map.labels = n.labels.iter().cloned().collect();
+        as_map.label_list.clear();
+        let sorted: std::collections::BTreeMap<_, _> = n.labels.iter().cloned().collect();
+        prop_assert_eq!(typed::node_spec_from(&as_map).unwrap().labels, sorted.into_iter().collect::<Vec<_>>());
+        if !n.labels.is_empty() {
+            as_map.label_list = m.label_list.clone();
+            prop_assert_eq!(typed::node_spec_from(&as_map).unwrap_err().field, "label_list");
+        }
     }
 
     #[test]
     fn job_heartbeats_round_trip(org in any::<u64>(), job in any::<u64>(), attempt in any::<u32>(), seq in any::<u64>(), ppm in any::<u32>(), cp in any::<u64>()) {
         let h = JobHeartbeat { job: JobId(job), attempt, seq, progress_ppm: ppm, checkpoint: cp };
-        let m = wire(&typed::job_heartbeat_to(OrgId(org), &h));
+        let m = wire(&typed::job_heartbeat_to(Some(OrgId(org)), &h));
         prop_assert_eq!(typed::job_heartbeat_from(&m), h);
         prop_assert_eq!(m.command().unwrap(), (Command::JobHeartbeat(h), Some(OrgId(org))));
     }
@@ -276,7 +288,7 @@ fn newer_clients_unknown_fields_and_values_are_handled_as_documented() {
             request_id: 42,
             ..Default::default()
         }),
-        org: 3,
+        org: Some(3),
         spec: Some(spec),
     };
     let mut bytes = req.encode_to_vec();
