@@ -242,6 +242,15 @@ impl Query {
     }
 }
 
+/// A job as its own org may see it: the job it was preempted for is named only if it is
+/// the same org's (another org's job id is that org's business).
+fn tenant_view(mut j: Job, org: OrgId) -> Job {
+    if j.preempted_for.is_some_and(|(o, _)| o != org) {
+        j.preempted_for = None;
+    }
+    j
+}
+
 /// [`answer`] for `caller` (a claimed or bearer actor, resolved here against the
 /// replicated token table). A tenant sees only its own org (a project token only its
 /// project, a user token only its project's and its own): another org's account, job
@@ -300,8 +309,7 @@ pub fn answer_as(state: &State, caller: Actor, q: &Query) -> Result<Answer, Quer
                         && project.is_none_or(|p| j.spec.project == p)
                         && user.is_none_or(|u| j.spec.user == u)
                 })
-                .cloned()
-                .map(Box::new),
+                .map(|j| Box::new(tenant_view(j.clone(), org))),
         ),
         Query::Jobs(filter) => {
             let mut f = filter.clone();
@@ -318,7 +326,9 @@ pub fn answer_as(state: &State, caller: Actor, q: &Query) -> Result<Answer, Quer
             f.org = Some(org);
             f.project = f.project.or(project);
             f.user = f.user.or(user);
-            Answer::Jobs(jobs_page(state, &f))
+            let mut page = jobs_page(state, &f);
+            page.jobs = page.jobs.into_iter().map(|j| tenant_view(j, org)).collect();
+            Answer::Jobs(page)
         }
         Query::Budget(o, scope) => {
             let visible = *o == org

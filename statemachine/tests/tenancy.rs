@@ -910,3 +910,58 @@ proptest! {
         }
     }
 }
+
+/// A job preempted for another org's job: the preempted org's reads do not name the
+/// other org's job (which org, which job); the operator's do.
+#[test]
+fn a_preempted_job_does_not_reveal_the_other_orgs_job_to_its_tenant() {
+    let mut h = funded();
+    h.ok(Command::SetPlan {
+        org: OTHER_ORG,
+        plan: Some(all_tiers()),
+    });
+    let mut mine = job_in(ORG, 70, Tier::FREE);
+    mine.gpus = 8;
+    assert!(h.run_as(tenant(ORG), Command::SubmitJob(mine)).is_ok());
+    for seq in 1..=6 {
+        h.advance(60_000);
+        h.nodes_alive();
+        h.job_heartbeat(70, seq, seq).unwrap();
+    }
+    let mut theirs = job_in(OTHER_ORG, 71, Tier::ENTERPRISE);
+    theirs.gpus = 8;
+    assert!(h
+        .run_as(tenant(OTHER_ORG), Command::SubmitJob(theirs))
+        .is_ok());
+    let victim = h.state.scheduler.job(ORG, JobId(70)).unwrap();
+    assert_eq!(victim.state, scheduler::JobState::Preempting);
+    assert_eq!(victim.preempted_for, Some((OTHER_ORG, JobId(71))));
+
+    let Ok(Answer::Job(Some(seen))) = answer_as(&h.state, tenant(ORG), &Query::Job(ORG, JobId(70)))
+    else {
+        panic!("the org sees its own job")
+    };
+    assert_eq!(seen.preempted_for, None);
+    assert_eq!(seen.state, scheduler::JobState::Preempting);
+    let Ok(Answer::Jobs(page)) = answer_as(
+        &h.state,
+        tenant(ORG),
+        &Query::Jobs(JobFilter {
+            org: Some(ORG),
+            ..JobFilter::default()
+        }),
+    ) else {
+        panic!("the org lists its own jobs")
+    };
+    let listed = page.jobs.iter().find(|j| j.spec.job == JobId(70)).unwrap();
+    assert_eq!(listed.preempted_for, None);
+    // The operator sees why.
+    let Ok(Answer::Job(Some(seen))) = answer_as(
+        &h.state,
+        Actor::Admin(PrincipalId(1)),
+        &Query::Job(ORG, JobId(70)),
+    ) else {
+        panic!("the operator sees every job")
+    };
+    assert_eq!(seen.preempted_for, Some((OTHER_ORG, JobId(71))));
+}
