@@ -185,3 +185,36 @@ def test_alerts_fire_once_and_watch_events_resumes(endpoints):
     with pytest.raises(Refused) as err:
         admin.set_alert(org=org, project=project, budget_pcts=[80, 50])
     assert err.value.reason == "DUPLICATE_ENTRY"
+
+
+def test_any_command_in_a_batch_and_any_read(endpoints):
+    admin = Client(endpoints, dev_actor="admin")
+    org, project, user = 11, 110, 1100  # home shard 1 of 2
+    tenant(admin, org)
+    admin.issue_grant(org=org, project=project, bucket=1101, amount_micro=50 * C, kind="paid")
+    # An explicit hold, a capture, a top-up and a release in one call: one log entry.
+    replies = admin.execute([
+        pb.Command(create_hold=pb.CreateHoldRequest(org=org, hold=9, project=project, user=user, tier=1,
+                                                    gpu_types=["A100"], amount_micro=10 * C)),
+        pb.Command(capture=pb.CaptureRequest(org=org, hold=9, amount_micro=4 * C)),
+        pb.Command(top_up=pb.TopUpRequest(org=org, hold=9, amount_micro=1 * C)),
+        pb.Command(release_hold=pb.ReleaseHoldRequest(org=org, hold=9)),
+        # Refused on its own (unknown hold): the others still apply.
+        pb.Command(capture=pb.CaptureRequest(org=org, hold=999, amount_micro=1)),
+    ], shard=1)
+    kinds = [r.WhichOneof("result") for r in replies]
+    assert kinds == ["hold_created", "captured", "topped_up", "settled", "error"], kinds
+    assert replies[0].hold_created.hold == 9
+    assert replies[1].captured.captured_micro == 4 * C
+    assert replies[3].settled.by == pb.SETTLED_BY_SETTLE
+    assert len({r.log_index for r in replies}) == 1
+    assert replies[4].error.reason == pb.REASON_UNKNOWN_HOLD
+    b = admin.balance(org=org, project=project)
+    assert b.consumed_micro == 4 * C and b.held_micro == 0
+    # Any read: the org's buckets and a page of its jobs, typed.
+    buckets = admin.query(buckets=pb.BucketsQuery(org=org, account=pb.Account(org=org, project=project)))
+    assert buckets.WhichOneof("answer") == "buckets"
+    jobs = admin.query(jobs=pb.JobFilter(org=org, limit=10))
+    assert jobs.WhichOneof("answer") == "jobs" and len(jobs.jobs.jobs) == 0
+    totals = admin.query(shard=1, totals=pb.Empty())
+    assert totals.WhichOneof("answer") == "totals"

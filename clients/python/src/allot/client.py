@@ -175,6 +175,37 @@ class Client:
             raise Refused(_reason_name(err.reason), err.message, dict(err.details))
         return reply
 
+    def execute(self, commands: Iterable[pb.Command], shard: Optional[int] = None) -> List[pb.CommandReply]:
+        """Any commands in one call (one log entry): each ``pb.Command`` holds one arm,
+        e.g. ``pb.Command(capture=pb.CaptureRequest(org=7, hold=9, amount_micro=5))``.
+        A command without a ``call`` header gets one with a fresh request id, set once
+        here and resent unchanged on every retry. Refusals are per command (the
+        ``error`` arm of its reply); nothing is raised for them."""
+        batch = []
+        for c in commands:
+            arm = c.WhichOneof("command")
+            if arm is None:
+                raise ValueError("a command needs one arm")
+            inner = getattr(c, arm)
+            if not inner.HasField("call"):
+                inner.call.CopyFrom(self._call_header(None, None))
+            batch.append(c)
+        req = pb.ExecuteRequest(commands=batch)
+        if shard is not None:
+            req.shard = shard
+        return list(self._call("Execute", req).replies)
+
+    def query(self, shard: Optional[int] = None, stale_ok: bool = False, **arm) -> pb.QueryReply:
+        """Any read: one keyword naming the query's arm, e.g.
+        ``query(jobs=pb.JobFilter(org=7, limit=10))`` or ``query(shard=0, totals=pb.Empty())``.
+        Routed by the org the query names, else to ``shard``."""
+        if len(arm) != 1:
+            raise ValueError("name exactly one query, e.g. jobs=pb.JobFilter(...)")
+        (name, value), = arm.items()
+        req = pb.QueryRequest(read=self._read(shard, stale_ok))
+        getattr(req, name).CopyFrom(value)
+        return self._call("Query", req)
+
     @staticmethod
     def _read(shard: Optional[int], stale_ok: bool) -> pb.Read:
         r = pb.Read(stale_ok=stale_ok)
