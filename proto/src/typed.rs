@@ -293,23 +293,17 @@ pub fn account_in(org: Option<OrgId>, a: Account) -> pb::Account {
     }
 }
 
-fn policy_from(p: Option<&pb::BucketPolicy>) -> Result<Option<BucketPolicy>, FieldError> {
-    let Some(p) = p else { return Ok(None) };
-    let tiers = p
-        .tiers
-        .iter()
-        .map(|t| narrow::<u8>(*t, "policy.tiers").map(Tier))
-        .collect::<Result<_, _>>()?;
-    Ok(Some(BucketPolicy {
+pub(crate) fn policy_from(p: &pb::BucketPolicy, field: &str) -> Result<BucketPolicy, FieldError> {
+    Ok(BucketPolicy {
         gpu_types: p.gpu_types.iter().map(|g| GpuType(g.clone())).collect(),
-        tiers,
-    }))
+        tiers: tiers_from(&p.tiers, &format!("{field}.tiers"))?,
+    })
 }
 
-fn policy_to(p: &BucketPolicy) -> pb::BucketPolicy {
+pub(crate) fn policy_to(p: &BucketPolicy) -> pb::BucketPolicy {
     pb::BucketPolicy {
         gpu_types: p.gpu_types.iter().map(|g| g.0.clone()).collect(),
-        tiers: p.tiers.iter().map(|t| u32::from(t.0)).collect(),
+        tiers: tiers_to(&p.tiers),
     }
 }
 
@@ -321,7 +315,11 @@ pub fn grant_from(r: &pb::IssueGrantRequest) -> Result<Grant, FieldError> {
         amount_micro: r.amount_micro,
         expires_at_ms: r.expires_at_ms,
         priority: narrow(r.priority, "priority")?,
-        policy: policy_from(r.policy.as_ref())?,
+        policy: r
+            .policy
+            .as_ref()
+            .map(|p| policy_from(p, "policy"))
+            .transpose()?,
         source_ref: (!r.source_ref.is_empty()).then(|| r.source_ref.clone()),
     })
 }
@@ -815,13 +813,15 @@ pub fn quota_from(q: &pb::Quota) -> Quota {
     }
 }
 
-fn tiers_from(t: &[u32], field: &str) -> Result<Vec<Tier>, FieldError> {
+/// Tiers from a repeated field, each narrowed to its Rust range (`field[i]` named).
+pub(crate) fn tiers_from(t: &[u32], field: &str) -> Result<Vec<Tier>, FieldError> {
     t.iter()
-        .map(|t| narrow::<u8>(*t, field).map(Tier))
+        .enumerate()
+        .map(|(i, t)| narrow::<u8>(*t, &format!("{field}[{i}]")).map(Tier))
         .collect()
 }
 
-fn tiers_to(t: &[Tier]) -> Vec<u32> {
+pub(crate) fn tiers_to(t: &[Tier]) -> Vec<u32> {
     t.iter().map(|t| u32::from(t.0)).collect()
 }
 

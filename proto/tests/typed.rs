@@ -9,24 +9,13 @@ use allot_proto::typed::{self, TypedCommand};
 use allot_statemachine::ledger::{Balance, UpcomingExpiry};
 use allot_statemachine::{
     Account, BucketId, BucketKind, BucketPolicy, Command, GpuType, Grant, HeartbeatReply,
-    JobHeartbeat, JobId, JobSpec, NodeId, NodeSpec, OrgId, ProjectId, SettleReason, Settlement,
-    Tier, UserId,
+    JobHeartbeat, JobId, JobSpec, NodeId, NodeSpec, OrgId, ProjectId, Tier, UserId,
 };
 use proptest::prelude::*;
 use prost::Message;
 
-/// Through the wire: encoded and decoded again.
-fn wire<M: Message + Default>(m: &M) -> M {
-    M::decode(m.encode_to_vec().as_slice()).expect("decodes")
-}
-
-fn kind() -> impl Strategy<Value = BucketKind> {
-    prop_oneof![
-        Just(BucketKind::Paid),
-        Just(BucketKind::Promotional),
-        Just(BucketKind::Granted)
-    ]
-}
+mod common;
+use common::*;
 
 fn gpu_type() -> impl Strategy<Value = GpuType> {
     "[A-Z0-9_-]{1,12}".prop_map(GpuType)
@@ -37,28 +26,6 @@ fn account() -> impl Strategy<Value = Account> {
         any::<u64>().prop_map(|o| Account::Org(OrgId(o))),
         any::<u64>().prop_map(|p| Account::Project(ProjectId(p))),
     ]
-}
-
-fn settle_reason() -> impl Strategy<Value = SettleReason> {
-    prop_oneof![
-        Just(SettleReason::Succeeded),
-        Just(SettleReason::Failed),
-        Just(SettleReason::Cancelled),
-        Just(SettleReason::Preempted),
-        Just(SettleReason::NodeFailure),
-        Just(SettleReason::Lost),
-        Just(SettleReason::OutOfCredits),
-    ]
-}
-
-fn settlement() -> impl Strategy<Value = Settlement> {
-    (settle_reason(), any::<[u64; 4]>()).prop_map(|(reason, [c, r, f, u])| Settlement {
-        reason,
-        captured_micro: c,
-        refunded_micro: r,
-        forfeited_micro: f,
-        uncollected_micro: u,
-    })
 }
 
 proptest! {

@@ -10,19 +10,16 @@ use allot_proto::typed::audit::{actor_from, actor_to, event_body_from, event_bod
 use allot_statemachine::audit::EventBody;
 use allot_statemachine::scheduler::{JobState, NodeState, Reason};
 use allot_statemachine::{
-    Actor, BucketId, BudgetScope, CommandError, DenialReason, DrawReport, GpuType, HeartbeatReply,
-    HoldId, JobId, Limit, NodeId, OrgId, Outcome, PrincipalId, ProjectId, Reply, SettleReason,
-    Settlement, Tier, TokenDigest, UserId,
+    Actor, BucketId, BudgetScope, CommandError, DenialReason, DrawReport, GpuType, HoldId, JobId,
+    Limit, NodeId, OrgId, Outcome, PrincipalId, ProjectId, Reply, Tier, TokenDigest, UserId,
 };
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 use proptest::test_runner::TestRunner;
 use prost::Message;
 
-/// Through the wire: encoded and decoded again.
-fn wire<M: Message + Default>(m: &M) -> M {
-    M::decode(m.encode_to_vec().as_slice()).expect("decodes")
-}
+mod common;
+use common::*;
 
 /// A newer writer's message: this one's bytes and a field (1000, varint) this schema
 /// does not have.
@@ -56,20 +53,6 @@ fn actor() -> impl Strategy<Value = Actor> {
             user: UserId(u),
             principal: PrincipalId(p),
         }),
-    ]
-}
-
-fn job_state() -> impl Strategy<Value = JobState> {
-    prop_oneof![
-        Just(JobState::Queued),
-        Just(JobState::Placed),
-        Just(JobState::Running),
-        Just(JobState::Preempting),
-        Just(JobState::Succeeded),
-        Just(JobState::Failed),
-        Just(JobState::Lost),
-        Just(JobState::Cancelled),
-        Just(JobState::Rejected),
     ]
 }
 
@@ -120,40 +103,6 @@ fn budget_scope() -> impl Strategy<Value = BudgetScope> {
     ]
 }
 
-fn settlement() -> impl Strategy<Value = Settlement> {
-    let reason = prop_oneof![
-        Just(SettleReason::Succeeded),
-        Just(SettleReason::Failed),
-        Just(SettleReason::Cancelled),
-        Just(SettleReason::Preempted),
-        Just(SettleReason::NodeFailure),
-        Just(SettleReason::Lost),
-        Just(SettleReason::OutOfCredits),
-    ];
-    (reason, any::<[u64; 4]>()).prop_map(|(reason, [c, r, f, u])| Settlement {
-        reason,
-        captured_micro: c,
-        refunded_micro: r,
-        forfeited_micro: f,
-        uncollected_micro: u,
-    })
-}
-
-fn heartbeat() -> impl Strategy<Value = HeartbeatReply> {
-    (
-        any::<bool>(),
-        any::<[u64; 3]>(),
-        proptest::option::of(settlement()),
-    )
-        .prop_map(|(accepted, [d, a, h], stop)| HeartbeatReply {
-            accepted,
-            captured_delta_micro: d,
-            captured_attempt_micro: a,
-            held_micro: h,
-            stop,
-        })
-}
-
 /// Outcomes of several kinds: replies with and without fields, and refusals with and
 /// without fields.
 fn outcome() -> impl Strategy<Value = Outcome> {
@@ -173,8 +122,8 @@ fn outcome() -> impl Strategy<Value = Outcome> {
         proptest::option::of(settlement()).prop_map(|s| Ok(Reply::JobCancelled(s))),
         proptest::option::of(settlement()).prop_map(|s| Ok(Reply::JobFinished(s))),
         settlement().prop_map(|s| Ok(Reply::Settled(s))),
-        heartbeat().prop_map(|h| Ok(Reply::Heartbeat(h))),
-        heartbeat().prop_map(|h| Ok(Reply::JobHeartbeat(h))),
+        heartbeat_reply().prop_map(|h| Ok(Reply::Heartbeat(h))),
+        heartbeat_reply().prop_map(|h| Ok(Reply::JobHeartbeat(h))),
         (
             any::<u64>(),
             proptest::collection::vec(any::<(u64, u64)>(), 0..4)

@@ -5,15 +5,13 @@
 use allot_proto::api::v1 as pb;
 use allot_proto::typed;
 use allot_statemachine::alerts::AlertSpec;
-use allot_statemachine::scheduler::{JobState, SchedulerSettings, TierConfig};
+use allot_statemachine::scheduler::{SchedulerSettings, TierConfig};
 use allot_statemachine::security::Scope as TokenScope;
 use allot_statemachine::*;
 use proptest::prelude::*;
-use prost::Message;
 
-fn wire<M: Message + Default>(m: &M) -> M {
-    M::decode(m.encode_to_vec().as_slice()).expect("decodes")
-}
+mod common;
+use common::*;
 
 fn gpu_type() -> impl Strategy<Value = GpuType> {
     "[A-Z0-9_-]{1,12}".prop_map(GpuType)
@@ -25,51 +23,6 @@ fn gpu_types() -> impl Strategy<Value = Vec<GpuType>> {
 
 fn tiers() -> impl Strategy<Value = Vec<Tier>> {
     proptest::collection::vec(any::<u8>().prop_map(Tier), 0..4)
-}
-
-fn kind() -> impl Strategy<Value = BucketKind> {
-    prop_oneof![
-        Just(BucketKind::Paid),
-        Just(BucketKind::Promotional),
-        Just(BucketKind::Granted)
-    ]
-}
-
-fn settle_reason() -> impl Strategy<Value = SettleReason> {
-    prop_oneof![
-        Just(SettleReason::Succeeded),
-        Just(SettleReason::Failed),
-        Just(SettleReason::Cancelled),
-        Just(SettleReason::Preempted),
-        Just(SettleReason::NodeFailure),
-        Just(SettleReason::Lost),
-        Just(SettleReason::OutOfCredits),
-    ]
-}
-
-fn settlement() -> impl Strategy<Value = Settlement> {
-    (settle_reason(), any::<[u64; 4]>()).prop_map(|(reason, [c, r, f, u])| Settlement {
-        reason,
-        captured_micro: c,
-        refunded_micro: r,
-        forfeited_micro: f,
-        uncollected_micro: u,
-    })
-}
-
-fn heartbeat_reply() -> impl Strategy<Value = HeartbeatReply> {
-    (
-        any::<bool>(),
-        any::<[u64; 3]>(),
-        proptest::option::of(settlement()),
-    )
-        .prop_map(|(accepted, [d, a, h], stop)| HeartbeatReply {
-            accepted,
-            captured_delta_micro: d,
-            captured_attempt_micro: a,
-            held_micro: h,
-            stop,
-        })
 }
 
 /// A scope in `org`.
@@ -95,20 +48,6 @@ fn token_scope() -> impl Strategy<Value = TokenScope> {
             user: UserId(u)
         }),
         any::<u64>().prop_map(|n| TokenScope::Agent(NodeId(n))),
-    ]
-}
-
-fn job_state() -> impl Strategy<Value = JobState> {
-    prop_oneof![
-        Just(JobState::Queued),
-        Just(JobState::Placed),
-        Just(JobState::Running),
-        Just(JobState::Preempting),
-        Just(JobState::Succeeded),
-        Just(JobState::Failed),
-        Just(JobState::Lost),
-        Just(JobState::Cancelled),
-        Just(JobState::Rejected),
     ]
 }
 

@@ -16,19 +16,16 @@ use allot_statemachine::scheduler::{
 };
 use allot_statemachine::security::Scope;
 use allot_statemachine::{
-    Account, BucketId, BucketKind, BucketPolicy, BudgetMode, BudgetPeriod, BudgetScope, BudgetSpec,
-    GpuType, JobId, JobKey, JobSpec, NodeId, OrgId, Plan, PrincipalId, ProjectId, Quota, Tier,
-    UserId,
+    Account, BucketId, BucketPolicy, BudgetMode, BudgetPeriod, BudgetScope, BudgetSpec, GpuType,
+    JobId, JobKey, JobSpec, NodeId, OrgId, Plan, PrincipalId, ProjectId, Quota, Tier, UserId,
 };
 use proptest::collection::{btree_map, vec};
 use proptest::option::of;
 use proptest::prelude::*;
 use prost::Message;
 
-/// Through the wire: encoded and decoded again.
-fn wire<M: Message + Default>(m: &M) -> M {
-    M::decode(m.encode_to_vec().as_slice()).expect("decodes")
-}
+mod common;
+use common::*;
 
 /// A query through a whole `QueryRequest` on the wire, and back.
 fn query_round_trip(q: &Query) -> Result<Query, allot_proto::typed::FieldError> {
@@ -109,28 +106,6 @@ fn account() -> impl Strategy<Value = Account> {
     prop_oneof![
         org().prop_map(Account::Org),
         n64().prop_map(|p| Account::Project(ProjectId(p))),
-    ]
-}
-
-fn kind() -> impl Strategy<Value = BucketKind> {
-    prop_oneof![
-        Just(BucketKind::Paid),
-        Just(BucketKind::Promotional),
-        Just(BucketKind::Granted)
-    ]
-}
-
-fn job_state() -> impl Strategy<Value = JobState> {
-    prop_oneof![
-        Just(JobState::Queued),
-        Just(JobState::Placed),
-        Just(JobState::Running),
-        Just(JobState::Preempting),
-        Just(JobState::Succeeded),
-        Just(JobState::Failed),
-        Just(JobState::Lost),
-        Just(JobState::Cancelled),
-        Just(JobState::Rejected),
     ]
 }
 

@@ -8,7 +8,7 @@
 //! from the request or reply (`jobs.state`, `job.job.job.spec.tier`,
 //! `nodes.nodes[2].slots[0].job`).
 
-use super::{bad, narrow, required, FieldError};
+use super::{bad, narrow, policy_from, policy_to, required, tiers_from, tiers_to, FieldError};
 use crate::api::v1 as pb;
 use allot_statemachine::ledger::{BucketView, PriceTable, Totals, Usage};
 use allot_statemachine::query::{
@@ -17,8 +17,8 @@ use allot_statemachine::query::{
 };
 use allot_statemachine::scheduler::{AssignmentRow, GpuNode, Job, NodeState, Placement, Reason};
 use allot_statemachine::{
-    BucketId, BucketPolicy, BudgetScope, GpuType, JobId, JobKey, NodeId, OrgId, PrincipalId,
-    ProjectId, Tier, UserId,
+    BucketId, BudgetScope, GpuType, JobId, JobKey, NodeId, OrgId, PrincipalId, ProjectId, Tier,
+    UserId,
 };
 use pb::query_reply::Answer as A;
 use pb::query_request::Query as Q;
@@ -45,17 +45,6 @@ fn nth(path: &str, i: usize) -> String {
 
 fn tier_from(v: u32, field: &str) -> Result<Tier, FieldError> {
     narrow::<u8>(v, field).map(Tier)
-}
-
-fn tiers_from(v: &[u32], field: &str) -> Result<Vec<Tier>, FieldError> {
-    v.iter()
-        .enumerate()
-        .map(|(i, t)| tier_from(*t, &nth(field, i)))
-        .collect()
-}
-
-fn tiers_to(t: &[Tier]) -> Vec<u32> {
-    t.iter().map(|t| u32::from(t.0)).collect()
 }
 
 /// A `usize` count goes out as uint64 (exact on every target Rust supports here).
@@ -212,20 +201,6 @@ pub fn job_reason_from(r: Option<&pb::JobReason>, field: &str) -> Result<Reason,
                 format!("unknown value {}", r.kind),
             ))
         }
-    })
-}
-
-fn policy_to(p: &BucketPolicy) -> pb::BucketPolicy {
-    pb::BucketPolicy {
-        gpu_types: p.gpu_types.iter().map(|g| g.0.clone()).collect(),
-        tiers: tiers_to(&p.tiers),
-    }
-}
-
-fn policy_from(p: &pb::BucketPolicy, field: &str) -> Result<BucketPolicy, FieldError> {
-    Ok(BucketPolicy {
-        gpu_types: p.gpu_types.iter().map(|g| GpuType(g.clone())).collect(),
-        tiers: tiers_from(&p.tiers, &dot(field, "tiers"))?,
     })
 }
 
