@@ -198,7 +198,14 @@ pub struct AgentConfig {
     /// A file with the admin token for registering the node again if the shard forgets
     /// it, read only then (default: `register_token`, or none).
     pub register_token_file: Option<PathBuf>,
+    /// This agent process's incarnation (`NodeSpec::incarnation`), chosen by [`run`]
+    /// ([`next_incarnation`]); 0 until then.
+    pub incarnation: u64,
 }
+
+/// The environment variables the agent reads its own credentials from: never passed to
+/// a runner, even when named in `runner_env`.
+pub const AGENT_CREDENTIAL_VARS: [&str; 2] = ["ALLOT_AGENT_TOKEN", "ALLOT_AGENT_REGISTER_TOKEN"];
 
 /// The variables a runner gets from the agent's environment by default.
 pub const RUNNER_ENV_DEFAULT: [&str; 8] = [
@@ -225,6 +232,7 @@ impl AgentConfig {
             fence_margin: Duration::from_secs(5),
             runner_env: RUNNER_ENV_DEFAULT.iter().map(|s| s.to_string()).collect(),
             register_token_file: None,
+            incarnation: 0,
         }
     }
 
@@ -248,6 +256,13 @@ impl AgentConfig {
                 bad("the simulated runtime range is empty (min above max)")
             }
             Mode::Simulate(s) if s.fail_pct > 100 => bad("--sim-fail-pct is a percentage"),
+            _ if self
+                .runner_env
+                .iter()
+                .any(|v| AGENT_CREDENTIAL_VARS.contains(&v.as_str())) =>
+            {
+                bad("--runner-env names the agent's own credential variable: runners never get it")
+            }
             _ => Ok(()),
         }
     }
@@ -261,6 +276,7 @@ impl AgentConfig {
             gpu_count: self.gpus,
             gpu_mem_gb: self.mem_gb,
             labels,
+            incarnation: self.incarnation,
         }
     }
 }
@@ -413,6 +429,38 @@ fn start_time(pid: u32) -> Option<u64> {
 /// The records of this agent's runners (`<work dir>/runners/<pgid>`).
 fn runners_dir(work_dir: &Path) -> PathBuf {
     work_dir.join("runners")
+}
+
+/// Picks this agent process's incarnation and records it in `work_dir` (durably, before
+/// it is used): above every incarnation recorded there, and at least the wall clock in
+/// milliseconds, so a replacement machine with an empty work dir still registers above
+/// the node's previous agent (whose clock was not far ahead). A registration naming a
+/// higher incarnation ends the previous process's attempts; a lower one is refused.
+pub fn next_incarnation(work_dir: &Path) -> Result<u64> {
+    use std::io::Write;
+    let path = work_dir.join("incarnation");
+    let last = match std::fs::read_to_string(&path) {
+        Ok(s) => s
+            .trim()
+            .parse::<u64>()
+            .map_err(|_| Error::Config(format!("{}: not an incarnation number", path.display())))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+        Err(e) => return Err(Error::Config(format!("{}: {e}", path.display()))),
+    };
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let next = now_ms.max(last.saturating_add(1));
+    let io = |e: std::io::Error| Error::Config(format!("{}: {e}", path.display()));
+    let tmp = work_dir.join("incarnation.tmp");
+    let mut f = std::fs::File::create(&tmp).map_err(io)?;
+    f.write_all(next.to_string().as_bytes()).map_err(io)?;
+    f.sync_all().map_err(io)?;
+    std::fs::rename(&tmp, &path).map_err(io)?;
+    std::fs::File::open(work_dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io)?;
+    Ok(next)
 }
 
 /// Records a started runner so a later incarnation of the agent can stop it.
@@ -1406,7 +1454,12 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         .map_err(|e| Error::Config(format!("work dir {}: {e}", config.work_dir.display())))?;
     let work_dir = std::fs::canonicalize(&config.work_dir)
         .map_err(|e| Error::Config(format!("work dir {}: {e}", config.work_dir.display())))?;
-    let config = AgentConfig { work_dir, ..config };
+    let incarnation = next_incarnation(&work_dir)?;
+    let config = AgentConfig {
+        work_dir,
+        incarnation,
+        ..config
+    };
     tokio::pin!(shutdown);
     // A previous agent process's runners go before the node offers its GPUs again.
     let orphans = tokio::select! {
@@ -1516,6 +1569,52 @@ pub fn progress_file(work_dir: &Path, org: OrgId, job: JobId, attempt: u32) -> P
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each agent process's incarnation is above the last one recorded in its work dir,
+    /// even when the recorded one is ahead of the clock, and at least the clock (ms).
+    #[test]
+    fn incarnations_only_go_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        let a = next_incarnation(dir.path()).unwrap();
+        assert!(a >= now_ms, "{a} < {now_ms}");
+        let b = next_incarnation(dir.path()).unwrap();
+        assert!(b > a, "{b} <= {a}");
+        // A recorded incarnation ahead of the clock (a clock stepped back) still rises.
+        let ahead = now_ms + 86_400_000;
+        std::fs::write(dir.path().join("incarnation"), ahead.to_string()).unwrap();
+        assert_eq!(next_incarnation(dir.path()).unwrap(), ahead + 1);
+        // A damaged record is an error, not a silent restart from the clock.
+        std::fs::write(dir.path().join("incarnation"), "x").unwrap();
+        assert!(matches!(
+            next_incarnation(dir.path()),
+            Err(Error::Config(_))
+        ));
+    }
+
+    /// The agent's own credential variables cannot be allow-listed for runners.
+    #[test]
+    fn runners_never_get_the_agents_credential_variables() {
+        for var in AGENT_CREDENTIAL_VARS {
+            let mut c = AgentConfig::new(
+                vec!["x:1".into()],
+                NodeId(1),
+                Mode::Simulate(SimConfig::default()),
+            );
+            c.runner_env.push(var.to_string());
+            assert!(matches!(c.validate(), Err(Error::Config(_))), "{var}");
+        }
+        let mut c = AgentConfig::new(
+            vec!["x:1".into()],
+            NodeId(1),
+            Mode::Simulate(SimConfig::default()),
+        );
+        c.runner_env.push("HF_TOKEN".into());
+        assert!(c.validate().is_ok(), "a job's own token may be passed on");
+    }
 
     #[test]
     fn runners_stop_inside_every_lease_however_short() {

@@ -33,17 +33,6 @@ fn api_client(ch: Channel) -> ApiClient<Channel> {
         .max_encoding_message_size(MESSAGE_MAX)
 }
 
-/// A typed query of `shard`: linearizable, or `stale` from the replica asked.
-fn query_request(shard: u32, stale: bool, q: &pb::query_request::Query) -> pb::QueryRequest {
-    pb::QueryRequest {
-        read: Some(pb::Read {
-            shard: Some(shard),
-            stale_ok: stale,
-        }),
-        query: Some(*q),
-    }
-}
-
 fn answer_of(reply: &pb::QueryReply) -> Result<Answer> {
     typed::query::answer_from(reply.answer.as_ref()).map_err(|e| Error::Decode(e.to_string()))
 }
@@ -371,13 +360,6 @@ impl Client {
         Ok(AdminClient::new(self.channel(addr)?))
     }
 
-    /// A raw gRPC client of one endpoint's agent service.
-    pub fn agent_at(&self, addr: &str) -> Result<allot_proto::agent_client::AgentClient<Channel>> {
-        Ok(allot_proto::agent_client::AgentClient::new(
-            self.channel(addr)?,
-        ))
-    }
-
     /// The backoff before attempt `n + 1`: full jitter over `base × 2^n`, capped.
     fn backoff(&self, n: u32, retry_after: Option<Duration>) -> Duration {
         let s = &self.inner.settings;
@@ -460,44 +442,22 @@ impl Client {
     /// entry when they fit) and returns their outcomes in order and the log index they
     /// were applied at. The requests' ids are the caller's: reuse them to retry.
     pub async fn execute(&self, shard: u32, requests: &[Request]) -> Result<(Vec<Outcome>, u64)> {
-        let commands = requests
-            .iter()
-            .map(|r| {
-                typed::command_to(r).ok_or_else(|| {
-                    Error::Config(format!(
-                        "{} is the nodes' own command, not sent by clients",
-                        r.command.name()
-                    ))
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let call = typed::execute_request(Some(shard), requests).ok_or_else(|| {
+            let internal = requests.iter().find(|r| typed::command_to(r).is_none());
+            Error::Config(format!(
+                "{} is the nodes' own command, not sent by clients",
+                internal.map_or("a command", |r| r.command.name())
+            ))
+        })?;
         let reply = self
             .with_retries(shard, |ch, t| {
                 let mut c = api_client(ch);
-                let msg = self.request(
-                    pb::ExecuteRequest {
-                        shard: Some(shard),
-                        commands: commands.clone(),
-                    },
-                    t,
-                );
+                let msg = self.request(call.clone(), t);
                 async move { c.execute(msg).await.map(|r| r.into_inner()) }
             })
             .await?;
-        if reply.replies.len() != requests.len() {
-            return Err(Error::Unexpected(format!(
-                "{} outcomes for {} requests",
-                reply.replies.len(),
-                requests.len()
-            )));
-        }
-        let outcomes = reply
-            .replies
-            .iter()
-            .map(|r| {
-                typed::outcome_from(r.result.as_ref()).map_err(|e| Error::Decode(e.to_string()))
-            })
-            .collect::<Result<Vec<Outcome>>>()?;
+        let outcomes = typed::outcomes_from(&reply, requests.len())
+            .map_err(|e| Error::Unexpected(e.to_string()))?;
         Ok((outcomes, reply.log_index))
     }
 
@@ -509,11 +469,11 @@ impl Client {
 
     /// A query with the logical time of the state that answered it.
     pub async fn query_timed(&self, shard: u32, q: &Query, stale: bool) -> Result<(Answer, u64)> {
-        let query = typed::query::query_to(q);
+        let query = typed::query::query_request(shard, stale, q);
         let reply = self
             .with_retries(shard, |ch, t| {
                 let mut c = api_client(ch);
-                let msg = self.request(query_request(shard, stale, &query), t);
+                let msg = self.request(query, t);
                 async move { c.query(msg).await.map(|r| r.into_inner()) }
             })
             .await?;
@@ -535,7 +495,7 @@ impl Client {
     /// A stale query answered by one given replica from its applied state (no retries).
     pub async fn query_replica(&self, addr: &str, shard: u32, q: &Query) -> Result<Answer> {
         let t = self.inner.settings.attempt_timeout;
-        let msg = self.request(query_request(shard, true, &typed::query::query_to(q)), t);
+        let msg = self.request(typed::query::query_request(shard, true, q), t);
         let reply = self
             .api_at(addr)?
             .query(msg)

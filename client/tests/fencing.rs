@@ -392,7 +392,12 @@ async fn a_partitioned_agent_stops_its_runner_before_the_job_runs_elsewhere() {
     assert!(b.consumed_micro <= gpu_ms + 1_000, "billed more than run");
     assert!(b.consumed_micro >= (ms(end2 - start2) as u64).saturating_sub(1_000));
     assert_eq!(b.held_micro, 0, "settled: nothing left held");
+    // Per attempt, from the trail: captures (net of reversals) belong to the attempt of
+    // the last transition before them (the requeue's final capture to attempt 1, until
+    // attempt 2 is placed).
     let mut ended = 0;
+    let mut attempt = 0u32;
+    let mut billed = [0i64; 3];
     client
         .audit_export(
             SHARD,
@@ -402,8 +407,18 @@ async fn a_partitioned_agent_stops_its_runner_before_the_job_runs_elsewhere() {
             },
             0,
             |e| {
-                if let EventBody::JobTransition { to, .. } = &e.body {
-                    ended += to.is_final() as u32;
+                match &e.body {
+                    EventBody::JobTransition { to, attempt: a, .. } => {
+                        ended += to.is_final() as u32;
+                        attempt = *a;
+                    }
+                    EventBody::Captured { amount_micro, .. } => {
+                        billed[attempt.min(2) as usize] += *amount_micro as i64
+                    }
+                    EventBody::CaptureReversed { amount_micro, .. } => {
+                        billed[attempt.min(2) as usize] -= *amount_micro as i64
+                    }
+                    _ => {}
                 }
                 Ok(())
             },
@@ -411,6 +426,24 @@ async fn a_partitioned_agent_stops_its_runner_before_the_job_runs_elsewhere() {
         .await
         .unwrap();
     assert_eq!(ended, 1, "the job ended (and was settled) once");
+    let (life1, life2) = (ms(last1 - start1) as i64, ms(end2 - start2) as i64);
+    println!(
+        "fence: attempt 1 billed {} GPU-ms of {life1} lived, attempt 2 billed {} of {life2}",
+        billed[1], billed[2]
+    );
+    assert_eq!(billed[0], 0, "nothing billed before the first placement");
+    assert_eq!(
+        billed[1] + billed[2],
+        b.consumed_micro as i64,
+        "every capture belongs to one attempt"
+    );
+    // Each attempt is billed once, never past its runner's life (attempt 1 to its last
+    // heartbeat before the cut; attempt 2 to its finish, within a heartbeat interval).
+    assert!((0..=life1 + 100).contains(&billed[1]), "attempt 1: {billed:?}");
+    assert!(
+        (life2 - 1_000..=life2 + 1_000).contains(&billed[2]),
+        "attempt 2: {billed:?}"
+    );
     drop(a1);
     drop(a2);
 }
@@ -480,6 +513,33 @@ async fn a_restarted_agent_stops_its_orphaned_runner_before_registering() {
         !std::path::Path::new(&format!("/proc/{pid}")).exists(),
         "the orphaned runner is gone"
     );
+    // The restarted agent is a new incarnation: attempt 1 ended at its registration, and
+    // what runs now is a new placement, attempt 2. A late report of the dead process
+    // (attempt 1) is stale and changes nothing.
+    let restarted = ev
+        .iter()
+        .find(|e| e.0 == "start" && e.3 != pid)
+        .expect("the new runner");
+    assert_eq!(restarted.2, 2, "a new attempt, not attempt 1 re-run");
+    let late = Request {
+        actor: Actor::Agent(NodeId(1)),
+        request_id: 0xdead_0001,
+        org: Some(ORG),
+        command: Command::FinishJob {
+            job: JobId(1),
+            attempt: 1,
+            success: true,
+        },
+    };
+    let (outs, _) = client.execute(SHARD, &[late]).await.unwrap();
+    assert_eq!(
+        outs[0],
+        Err(CommandError::StaleAttempt {
+            given: 1,
+            current: 2
+        })
+    );
+    assert_eq!(job(&client, 1).await.state, JobState::Running);
     std::fs::write(
         out.join(format!("go-1-{}", job(&client, 1).await.attempt)),
         "",

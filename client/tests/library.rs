@@ -65,6 +65,7 @@ async fn world(c: &Client) -> u32 {
             gpu_count: 8,
             gpu_mem_gb: 80,
             labels: vec![],
+            incarnation: 0,
         },
     )
     .await

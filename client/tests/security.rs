@@ -177,6 +177,7 @@ async fn tenant_isolation_revocation_and_agent_scope_on_a_real_cluster() {
                 gpu_count: 8,
                 gpu_mem_gb: 80,
                 labels: vec![],
+                incarnation: 0,
             },
         )
         .await

@@ -396,6 +396,7 @@ async fn one_org_flooding_its_quotas_leaves_another_unharmed() {
                 gpu_count: 8,
                 gpu_mem_gb: 80,
                 labels: vec![],
+                incarnation: 0,
             },
         )
         .await

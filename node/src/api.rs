@@ -1,17 +1,15 @@
-//! The typed API (`allot.api.v1.Api`, `proto/allot_api.proto`): each call is converted
-//! (`allot_proto::typed`, the one conversion module) into the request the `Allot`
-//! service takes and run through the very same path — the state machine's validation at
-//! the edge, credentials, rate limits, forwarding to the leader, idempotency — so the two
-//! APIs cannot disagree about a rule. Only the conversion is new here.
+//! The typed API (`allot.api.v1.Api`, `proto/allot_api.proto`), the one client and agent
+//! API: each call is converted (`allot_proto::typed`, the one conversion module) into the
+//! state machine's requests or query and run through the node's shared paths
+//! (`crate::server`): the state machine's validation at the edge, credentials, rate
+//! limits, forwarding to the leader, idempotency. Only the conversion lives here.
 
 use crate::server::Services;
-use allot_proto::allot_server::Allot;
 use allot_proto::api::v1 as pb;
 use allot_proto::api::v1::api_server::Api;
 use allot_proto::typed::{self, FieldError, TypedCommand};
-use allot_proto::{AuditRequest, Consistency, ExecuteRequest, QueryRequest};
 use allot_statemachine::query::{Answer, Query};
-use allot_statemachine::{codec, Actor, JobId, OrgId, Outcome, PrincipalId, Request};
+use allot_statemachine::{Actor, JobId, OrgId, Outcome, PrincipalId, Request};
 use prost::Message as _;
 use std::pin::Pin;
 use tokio_stream::Stream;
@@ -46,8 +44,8 @@ impl Services {
         })
     }
 
-    /// Runs typed commands (each converted, or the field it cannot take) through
-    /// `Allot.Execute`'s path on one shard: the size bound, the state machine's own
+    /// Runs typed commands (each converted, or the field it cannot take) on one shard:
+    /// the size bound, the state machine's own
     /// validation, credentials, rate limit, proposer or leader. The shard is `shard`,
     /// else the home shard of the first command's org.
     async fn run_typed<T>(
@@ -63,7 +61,7 @@ impl Services {
         let shard_id = self.route(shard, first_org);
         let bearer = crate::auth::bearer(req.metadata())?;
         let n = items.len();
-        let requests = crate::edge::admit_each(
+        let admitted = crate::edge::admit_each(
             &self.node,
             shard_id,
             bearer,
@@ -91,21 +89,13 @@ impl Services {
                     command,
                 })
             },
-        )?;
+        );
+        let requests = admitted.inspect_err(|s| self.refused("api.execute", s))?;
         let shard = self
             .node
             .shard(shard_id)
             .ok_or_else(|| Status::not_found(format!("unknown shard {shard_id}")))?;
-        // The codec form a follower forwards to its leader (internal), built only when
-        // this replica is not the leader.
-        let leader = shard.raft.metrics().borrow().current_leader == Some(self.node.id);
-        let forward = (!leader).then(|| ExecuteRequest {
-            shard: shard_id,
-            requests: requests.iter().map(codec::encode).collect(),
-        });
-        let done = self
-            .execute_admitted(req, shard, requests, || forward)
-            .await?;
+        let done = self.execute_admitted(req, shard, requests).await?;
         Ok((done.outcomes, done.log_index, done.logical_time_ms))
     }
 
@@ -121,10 +111,7 @@ impl Services {
             Ok((h, command, org))
         });
         let items = vec![(msg.encoded_len(), item)];
-        let (outcomes, log_index, logical_time_ms) = self
-            .run_typed(&req, shard, items)
-            .await
-            .map_err(typed_status)?;
+        let (outcomes, log_index, logical_time_ms) = self.run_typed(&req, shard, items).await?;
         let outcome = outcomes
             .first()
             .ok_or_else(|| Status::internal("no outcome"))?;
@@ -147,7 +134,7 @@ impl Services {
         r.map(Response::new)
     }
 
-    /// Answers one query through `Allot.Query`'s path: (answer, applied index, time).
+    /// Answers one query (`Services::answer`): (answer, applied index, time).
     async fn typed_query<T>(
         &self,
         req: &Call<T>,
@@ -157,17 +144,7 @@ impl Services {
     ) -> Result<(Answer, u64, u64), Status> {
         let (shard, stale_ok) = typed::read_header(read);
         let shard = self.route(shard, org);
-        let forward = || {
-            Some(QueryRequest {
-                shard,
-                consistency: Consistency::Linearizable as i32,
-                query: codec::encode(&query),
-            })
-        };
-        let q = query.clone();
-        self.answer(req, shard, !stale_ok, q, forward)
-            .await
-            .map_err(typed_status)
+        self.answer(req, shard, !stale_ok, query).await
     }
 }
 
@@ -191,13 +168,6 @@ fn invalid_at(index: usize, n: usize, e: FieldError) -> Status {
     s
 }
 
-/// A refusal as the typed API sends it: its reason, the refused request's index and
-/// its error as JSON, without `Allot.Execute`'s codec bytes.
-fn typed_status(mut s: Status) -> Status {
-    s.metadata_mut().remove_bin(allot_proto::meta::ERROR_BIN);
-    s
-}
-
 /// Events one `WatchEvents` page reads (each is then sent as its own message).
 const WATCH_PAGE: u32 = 1_000;
 
@@ -205,26 +175,22 @@ type EventStream = Pin<Box<dyn Stream<Item = Result<pb::AuditEvent, Status>> + S
 type AssignmentStream = Pin<Box<dyn Stream<Item = Result<pb::AssignmentsUpdate, Status>> + Send>>;
 
 impl Services {
-    /// One page of audit events through `Allot.Audit`'s path (credentials, the tenant's
-    /// confinement to its org, the read rate limit), typed.
+    /// One page of `shard`'s audit events (`Services::audit_page`: credentials, the
+    /// tenant's confinement to its org, the read rate limit), typed.
     async fn events_page(
         &self,
         meta: &tonic::metadata::MetadataMap,
-        filter: AuditRequest,
+        shard: u32,
+        filter: &pb::AuditRequest,
     ) -> Result<(Vec<pb::AuditEvent>, u64, u64), Status> {
-        let mut call = Call::new(filter);
+        let mut call = Call::new(());
         *call.metadata_mut() = meta.clone();
-        let reply = Allot::audit(self, call).await?.into_inner();
-        let events = reply
-            .events
-            .iter()
-            .map(|raw| {
-                codec::decode::<allot_statemachine::AuditEvent>(raw)
-                    .map(|e| typed::audit_event_to(&e))
-                    .map_err(|e| malformed("audit event", e))
-            })
-            .collect::<Result<_, _>>()?;
-        Ok((events, reply.next_seq, reply.head_seq))
+        let (events, next, head) = self.audit_page(&call, shard, filter).await?;
+        Ok((
+            events.iter().map(typed::audit_event_to).collect(),
+            next,
+            head,
+        ))
     }
 }
 
@@ -233,7 +199,7 @@ impl Api for Services {
     type WatchEventsStream = EventStream;
 
     /// Any read: converted, routed by the org it names (else `read.shard`), answered
-    /// through `Allot.Query`'s path.
+    /// through `Services::answer`.
     async fn query(&self, req: Call<pb::QueryRequest>) -> Reply<pb::QueryReply> {
         let started = std::time::Instant::now();
         let r = async {
@@ -260,12 +226,7 @@ impl Api for Services {
         req: Call<pb::WatchAssignmentsRequest>,
     ) -> Result<Response<AssignmentStream>, Status> {
         let (shard, node) = (req.get_ref().shard, req.get_ref().node);
-        let rx = self.assignments_stream(&req, shard, node, |rows, applied_index| {
-            pb::AssignmentsUpdate {
-                assignments: rows.iter().map(typed::query::assignment_to).collect(),
-                applied_index,
-            }
-        })?;
+        let rx = self.assignments_stream(&req, shard, node)?;
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
@@ -280,11 +241,8 @@ impl Api for Services {
             .iter()
             .map(|c| (c.encoded_len(), typed::command_from(c)))
             .collect();
-        let r = self
-            .run_typed(&req, m.shard, items)
-            .await
-            .map_err(typed_status)
-            .map(|(outcomes, log_index, logical_time_ms)| pb::ExecuteReply {
+        let r = self.run_typed(&req, m.shard, items).await.map(
+            |(outcomes, log_index, logical_time_ms)| pb::ExecuteReply {
                 replies: outcomes
                     .iter()
                     .map(|o| pb::CommandReply {
@@ -295,7 +253,8 @@ impl Api for Services {
                     .collect(),
                 log_index,
                 logical_time_ms,
-            });
+            },
+        );
         self.observe("api.execute", started, r.is_ok());
         r.map(Response::new)
     }
@@ -319,14 +278,13 @@ impl Api for Services {
             .node
             .shard(shard_id)
             .ok_or_else(|| Status::not_found(format!("unknown shard {shard_id}")))?;
-        let page = move |from_seq| AuditRequest {
-            shard: shard_id,
+        let page = move |from_seq| pb::AuditRequest {
             from_seq,
             limit: WATCH_PAGE,
             org: m.org,
-            ..AuditRequest::default()
+            ..pb::AuditRequest::default()
         };
-        let first = self.events_page(&meta, page(m.from_seq)).await;
+        let first = self.events_page(&meta, shard_id, &page(m.from_seq)).await;
         self.observe("api.watch_events", started, first.is_ok());
         let first = first?;
         let who = crate::auth::authenticate(
@@ -363,7 +321,7 @@ impl Api for Services {
                             _ = tokio::time::sleep(std::time::Duration::from_millis(pause)) => {}
                             _ = tx.closed() => return,
                         }
-                        page = svc.events_page(&meta, next_page(cursor)).await;
+                        page = svc.events_page(&meta, shard_id, &next_page(cursor)).await;
                         continue;
                     }
                     Err(s) => {
@@ -388,7 +346,7 @@ impl Api for Services {
                     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
                 }
                 cursor = next;
-                page = svc.events_page(&meta, next_page(cursor)).await;
+                page = svc.events_page(&meta, shard_id, &next_page(cursor)).await;
             }
         });
         Ok(Response::new(Box::pin(
@@ -496,20 +454,11 @@ impl Api for Services {
     }
 
     async fn audit(&self, req: Call<pb::AuditRequest>) -> Result<Response<pb::AuditReply>, Status> {
-        let (meta, _, m) = req.into_parts();
+        let m = req.get_ref();
         let (shard, _) = typed::read_header(m.read.as_ref());
         let shard = self.route(shard, m.org.map(OrgId));
-        let filter = AuditRequest {
-            shard,
-            from_seq: m.from_seq,
-            limit: m.limit,
-            org: m.org,
-            project: m.project,
-            hold: m.hold,
-            from_ms: m.from_ms,
-            to_ms: m.to_ms,
-        };
-        let (events, next_seq, head_seq) = self.events_page(&meta, filter).await?;
+        let (events, next_seq, head_seq) = self.audit_page(&req, shard, m).await?;
+        let events = events.iter().map(typed::audit_event_to).collect();
         Ok(Response::new(pb::AuditReply {
             events,
             next_seq,

@@ -29,17 +29,12 @@ pub fn with_reason(mut s: Status, reason: &str) -> Status {
 
 /// The state machine refused request `index` of the call before it was proposed
 /// (`INVALID_ARGUMENT`). The typed error travels as JSON in `allot-error-json-bin` (the
-/// typed API's `Error.details_json`) — and, for `Allot.Execute`'s callers, as codec bytes
-/// in `allot-error-bin` — and its name in `allot-reason`, so a client reports it exactly
-/// as it would the same refusal from apply.
+/// typed API's `Error.details_json`) and its name in `allot-reason`, so a client reports
+/// it exactly as it would the same refusal from apply.
 pub fn rejected(index: usize, e: &CommandError) -> Status {
     let mut s = with_reason(
         Status::invalid_argument(format!("request {index}: {e}")),
         e.reason(),
-    );
-    s.metadata_mut().insert_bin(
-        meta::ERROR_BIN,
-        BinaryMetadataValue::from_bytes(&codec::encode(e)),
     );
     s.metadata_mut().insert_bin(
         meta::ERROR_JSON,

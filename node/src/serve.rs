@@ -1,4 +1,4 @@
-//! Running a node: the gRPC listener (client, agent, admin, Raft, health) and the
+//! Running a node: the gRPC listener (typed API, admin, Raft, health, reflection) and the
 //! Prometheus listener, until a shutdown signal.
 
 use crate::limits::{
@@ -9,8 +9,6 @@ use crate::node::Node;
 use crate::ratelimit::RateLimiter;
 use crate::server::Services;
 use allot_proto::admin_server::AdminServer;
-use allot_proto::agent_server::AgentServer;
-use allot_proto::allot_server::AllotServer;
 use allot_proto::api::v1::api_server::ApiServer;
 use allot_proto::raft_server::RaftServer;
 use std::future::Future;
@@ -31,9 +29,7 @@ pub async fn serve(
         limiter: Arc::new(limiter),
     };
     let (reporter, health) = tonic_health::server::health_reporter();
-    reporter.set_serving::<AllotServer<Services>>().await;
     reporter.set_serving::<AdminServer<Services>>().await;
-    reporter.set_serving::<AgentServer<Services>>().await;
     reporter.set_serving::<ApiServer<Services>>().await;
     // Server reflection: grpcurl and other generic clients list and call the services
     // from the node itself.
@@ -89,16 +85,6 @@ pub async fn serve(
         .add_service(reflection_alpha)
         .add_service(
             ApiServer::new(services.clone())
-                .max_decoding_message_size(CLIENT_MESSAGE_MAX)
-                .max_encoding_message_size(REPLY_MESSAGE_MAX),
-        )
-        .add_service(
-            AllotServer::new(services.clone())
-                .max_decoding_message_size(CLIENT_MESSAGE_MAX)
-                .max_encoding_message_size(REPLY_MESSAGE_MAX),
-        )
-        .add_service(
-            AgentServer::new(services.clone())
                 .max_decoding_message_size(CLIENT_MESSAGE_MAX)
                 .max_encoding_message_size(REPLY_MESSAGE_MAX),
         )

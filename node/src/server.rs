@@ -1,5 +1,7 @@
-//! The gRPC services of a node: client (`Allot`), `Agent`, `Admin` and the internal `Raft`
-//! transport, all on one listener; `/metrics` on another.
+//! The gRPC services of a node: the typed client and agent API (`crate::api`), `Admin`
+//! and the internal `Raft` transport, all on one listener; `/metrics` on another. Here:
+//! the paths every client call shares (admission, forwarding to the leader, reads, audit
+//! pages, assignment streams), `Admin` and `Raft`.
 
 use crate::auth;
 use crate::edge;
@@ -20,10 +22,10 @@ fn class_label(c: Class) -> &'static str {
 }
 use allot_proto::admin_client::AdminClient;
 use allot_proto::admin_server::Admin;
-use allot_proto::agent_server::Agent;
-use allot_proto::allot_client::AllotClient;
-use allot_proto::allot_server::Allot;
+use allot_proto::api::v1 as pb;
+use allot_proto::api::v1::api_client::ApiClient;
 use allot_proto::raft_server::Raft as RaftService;
+use allot_proto::typed;
 use allot_proto::*;
 use allot_statemachine::query::{self, Query};
 use allot_statemachine::scheduler::AssignmentRow;
@@ -90,12 +92,6 @@ pub fn status_of(e: ProposeError) -> Status {
 
 /// Whether the call carries the forwarded marker: it is not forwarded a second time
 /// (whoever sent it; a client that sets it only gets NotLeader sooner).
-/// A call's metadata and extensions (an empty body in their place), and its message.
-fn split<T>(req: tonic::Request<T>) -> (tonic::Request<()>, T) {
-    let (meta, ext, msg) = req.into_parts();
-    (tonic::Request::from_parts(meta, ext, ()), msg)
-}
-
 fn forwarded<T>(req: &tonic::Request<T>) -> bool {
     req.metadata().get(FORWARDED).is_some()
 }
@@ -137,13 +133,13 @@ impl Services {
     async fn leader_client(
         &self,
         addr: &str,
-    ) -> Result<AllotClient<tonic::transport::Channel>, Status> {
+    ) -> Result<ApiClient<tonic::transport::Channel>, Status> {
         let ch = self
             .node
             .channels
             .get(addr)
             .map_err(|e| Status::unavailable(format!("leader address {addr}: {e}")))?;
-        Ok(AllotClient::new(ch)
+        Ok(ApiClient::new(ch)
             .max_decoding_message_size(REPLY_MESSAGE_MAX)
             .max_encoding_message_size(CLIENT_MESSAGE_MAX))
     }
@@ -178,40 +174,25 @@ impl Services {
         auth::resolve(&self.node, shard, caller).ok()
     }
 
-    pub(crate) async fn execute_inner(
-        &self,
-        req: tonic::Request<ExecuteRequest>,
-    ) -> Result<ExecuteReply, Status> {
-        let bearer = auth::bearer(req.metadata())?;
-        let shard = shard_of(&self.node, req.get_ref().shard)?;
-        let requests = edge::decode_requests(&self.node, shard.id, bearer, &req.get_ref().requests)
-            .inspect_err(|s| self.refused("execute", s))?;
-        let (req, msg) = split(req);
-        let done = self
-            .execute_admitted(&req, shard, requests, || Some(msg))
-            .await?;
-        Ok(ExecuteReply {
-            outcomes: done.outcomes.iter().map(codec::encode).collect(),
-            log_index: done.log_index,
-            logical_time_ms: done.logical_time_ms,
-        })
-    }
-
-    /// Runs requests the edge admitted (decoded, stamped with their callers, validated)
+    /// Runs requests the edge admitted (converted, stamped with their callers, validated)
     /// on `shard`: credentials, the tenant's rate limit, then the proposer — or, on a
-    /// follower, once forwarded to the leader as `forward()` builds the call (`None`: not
-    /// forwarded; the caller is told who leads). Shared by `Allot.Execute` and the typed
-    /// `Api`.
+    /// follower, forwarded once to the leader as an `Api.Execute` call carrying the
+    /// caller's token (the leader admits it again; a follower never vouches for a
+    /// caller). Every command of the typed API runs through here.
     pub(crate) async fn execute_admitted<T>(
         &self,
         req: &tonic::Request<T>,
         shard: &Shard,
         #[allow(unused_mut)] mut requests: Vec<Request>,
-        forward: impl FnOnce() -> Option<ExecuteRequest>,
     ) -> Result<Committed, Status> {
         let was_forwarded = forwarded(req);
         let leader = shard.raft.metrics().borrow().current_leader == Some(self.node.id);
         let actors = edge::credentials(&self.node, shard, &requests, leader).await?;
+        // The call a follower forwards, built before the requests go to the proposer
+        // (only when this replica does not lead).
+        let forward = (!leader && !was_forwarded)
+            .then(|| typed::execute_request(Some(shard.id), &requests))
+            .flatten();
         let need: Vec<(Option<Actor>, u32)> = actors.into_iter().map(|a| (a, 1)).collect();
         self.limit(req, Class::Write, &need)?;
         #[cfg(feature = "chaos")]
@@ -226,21 +207,18 @@ impl Services {
                 else {
                     return Err(status_of(e));
                 };
-                let mut client = self.leader_client(addr).await?;
-                let Some(msg) = forward() else {
+                let Some(msg) = forward else {
                     return Err(status_of(e));
                 };
+                let n = msg.commands.len();
+                let mut client = self.leader_client(addr).await?;
                 let reply = client
                     .execute(forward_with(&self.node, msg, req.metadata()))
                     .await?
                     .into_inner();
                 Ok(Committed {
-                    outcomes: reply
-                        .outcomes
-                        .iter()
-                        .map(|b| codec::decode(b))
-                        .collect::<Result<_, _>>()
-                        .map_err(|e| Status::internal(format!("the leader's outcome: {e}")))?,
+                    outcomes: typed::outcomes_from(&reply, n)
+                        .map_err(|e| Status::internal(format!("the leader's reply: {e}")))?,
                     log_index: reply.log_index,
                     logical_time_ms: reply.logical_time_ms,
                 })
@@ -249,35 +227,16 @@ impl Services {
         }
     }
 
-    pub(crate) async fn query_inner(
-        &self,
-        req: tonic::Request<QueryRequest>,
-    ) -> Result<QueryReply, Status> {
-        let (req, msg) = split(req);
-        let q: Query = codec::decode(&msg.query)
-            .map_err(|e| Status::invalid_argument(format!("query: {e}")))?;
-        let linearizable = msg.consistency() == Consistency::Linearizable;
-        let (answer, applied_index, logical_time_ms) = self
-            .answer(&req, msg.shard, linearizable, q, || Some(msg))
-            .await?;
-        Ok(QueryReply {
-            answer: codec::encode(&answer),
-            applied_index,
-            logical_time_ms,
-        })
-    }
-
-    /// Answers a decoded query on `shard` (the read rate limit; linearizable through the
-    /// leader's read index, or this replica's state): (answer, applied index, logical
-    /// time). A follower that cannot confirm forwards `forward()` to the leader once.
-    /// Shared by `Allot.Query` and the typed `Api`.
+    /// Answers a query on `shard` (the read rate limit; linearizable through the leader's
+    /// read index, or this replica's state): (answer, applied index, logical time). A
+    /// follower that cannot confirm forwards it to the leader once, as `Api.Query`.
+    /// Every read of the typed API runs through here.
     pub(crate) async fn answer<T>(
         &self,
         req: &tonic::Request<T>,
         shard: ShardId,
         linearizable: bool,
         q: Query,
-        forward: impl FnOnce() -> Option<QueryRequest>,
     ) -> Result<(query::Answer, u64, u64), Status> {
         let was_forwarded = forwarded(req);
         let meta = req.metadata();
@@ -293,14 +252,12 @@ impl Services {
                         ..
                     } if !was_forwarded => {
                         let mut client = self.leader_client(addr).await?;
-                        let Some(msg) = forward() else {
-                            return Err(status_of(err));
-                        };
+                        let msg = typed::query::query_request(shard.id, false, &q);
                         let reply = client
                             .query(forward_with(&self.node, msg, meta))
                             .await?
                             .into_inner();
-                        let answer = codec::decode(&reply.answer)
+                        let answer = typed::query::answer_from(reply.answer.as_ref())
                             .map_err(|e| Status::internal(format!("the leader's answer: {e}")))?;
                         Ok((answer, reply.applied_index, reply.logical_time_ms))
                     }
@@ -353,38 +310,21 @@ impl Services {
     }
 }
 
-#[tonic::async_trait]
-impl Allot for Services {
-    async fn execute(
+impl Services {
+    /// One page of `shard`'s audit events matching `filter` (its `read` header is not
+    /// used): the caller's credentials, the read rate limit, and a tenant's confinement
+    /// to its own org (a project token to its project) — filters naming another org or
+    /// project match nothing, as unknown ids do. (events, next_seq, head_seq).
+    pub(crate) async fn audit_page<T>(
         &self,
-        req: tonic::Request<ExecuteRequest>,
-    ) -> Result<tonic::Response<ExecuteReply>, Status> {
-        let started = Instant::now();
-        let r = self.execute_inner(req).await;
-        self.observe("execute", started, r.is_ok());
-        r.map(tonic::Response::new)
-    }
-
-    async fn query(
-        &self,
-        req: tonic::Request<QueryRequest>,
-    ) -> Result<tonic::Response<QueryReply>, Status> {
-        let started = Instant::now();
-        let r = self.query_inner(req).await;
-        self.observe("query", started, r.is_ok());
-        r.map(tonic::Response::new)
-    }
-
-    async fn audit(
-        &self,
-        req: tonic::Request<AuditRequest>,
-    ) -> Result<tonic::Response<AuditReply>, Status> {
+        req: &tonic::Request<T>,
+        shard: ShardId,
+        filter: &pb::AuditRequest,
+    ) -> Result<(Vec<allot_statemachine::AuditEvent>, u64, u64), Status> {
         let caller = auth::caller(&self.node, auth::bearer(req.metadata())?);
-        let shard = shard_of(&self.node, req.get_ref().shard)?;
-        self.limit(&req, Class::Read, &[(self.reader(shard.id, caller), 1)])?;
-        let mut msg = req.into_inner();
-        // A tenant reads only its own org's events (a project token its project's);
-        // filters naming another org or project match nothing, like unknown ids.
+        let shard = shard_of(&self.node, shard)?;
+        self.limit(req, Class::Read, &[(self.reader(shard.id, caller), 1)])?;
+        let (mut org, mut project) = (filter.org, filter.project);
         let (org_only, project_only) =
             match auth::authenticate(&self.node, shard.id, caller, "audit")? {
                 Actor::Admin(_) => (None, None),
@@ -394,31 +334,29 @@ impl Allot for Services {
             };
         let mut nothing = false;
         if let Some(o) = org_only {
-            nothing |= msg.org.is_some_and(|m| m != o);
-            msg.org = Some(o);
+            nothing |= org.is_some_and(|m| m != o);
+            org = Some(o);
         }
         if let Some(p) = project_only {
-            nothing |= msg.project.is_some_and(|m| m != p);
-            msg.project = Some(p);
+            nothing |= project.is_some_and(|m| m != p);
+            project = Some(p);
         }
         let head_seq = shard.view.read().state.audit.next_seq;
-        let limit = (msg.limit as usize).clamp(1, AUDIT_PAGE_MAX);
+        let limit = (filter.limit as usize).clamp(1, AUDIT_PAGE_MAX);
         let keep = |ev: &allot_statemachine::AuditEvent| {
             !nothing
-                && msg
-                    .org
-                    .is_none_or(|o| ev.org == Some(allot_statemachine::OrgId(o)))
-                && msg.project.is_none_or(|p| {
+                && org.is_none_or(|o| ev.org == Some(allot_statemachine::OrgId(o)))
+                && project.is_none_or(|p| {
                     ev.account == Some(allot_statemachine::Account::Project(ProjectId(p)))
                 })
-                && msg.hold.is_none_or(|h| ev.hold == Some(HoldId(h)))
-                && ev.time_ms >= msg.from_ms
-                && (msg.to_ms == 0 || ev.time_ms < msg.to_ms)
+                && filter.hold.is_none_or(|h| ev.hold == Some(HoldId(h)))
+                && ev.time_ms >= filter.from_ms
+                && (filter.to_ms == 0 || ev.time_ms < filter.to_ms)
         };
-        let (events, next_seq) = store::read_audit(
+        let (rows, next_seq) = store::read_audit(
             &self.node.db,
-            msg.shard,
-            msg.from_seq,
+            shard.id,
+            filter.from_seq,
             limit,
             AUDIT_SCAN_MAX,
             keep,
@@ -427,11 +365,12 @@ impl Allot for Services {
             store::AuditReadError::Gap { .. } => Status::unavailable(e.to_string()),
             e => Status::internal(format!("audit store: {e}")),
         })?;
-        Ok(tonic::Response::new(AuditReply {
-            events,
-            next_seq,
-            head_seq,
-        }))
+        let events = rows
+            .iter()
+            .map(|raw| codec::decode(raw))
+            .collect::<Result<_, _>>()
+            .map_err(|e| Status::internal(format!("audit store: {e}")))?;
+        Ok((events, next_seq, head_seq))
     }
 }
 
@@ -459,48 +398,20 @@ pub(crate) fn scopeguard(f: impl FnOnce()) -> impl Drop {
     Guard(Some(f))
 }
 
-type AssignmentStream = Pin<Box<dyn Stream<Item = Result<Assignments, Status>> + Send>>;
 type BackupStream = Pin<Box<dyn Stream<Item = Result<BackupChunk, Status>> + Send>>;
 /// Backup chunks stay well under every gRPC message bound.
 const BACKUP_CHUNK_BYTES: usize = 1 << 20;
 
-#[tonic::async_trait]
-impl Agent for Services {
-    type WatchAssignmentsStream = AssignmentStream;
-
-    async fn watch_assignments(
-        &self,
-        req: tonic::Request<WatchRequest>,
-    ) -> Result<tonic::Response<AssignmentStream>, Status> {
-        let node_id: u64 = req
-            .get_ref()
-            .node_id
-            .parse()
-            .map_err(|_| Status::invalid_argument("node_id must be a number"))?;
-        let shard = req.get_ref().shard;
-        let rx = self.assignments_stream(&req, shard, node_id, |rows, idx| Assignments {
-            assignments: codec::encode(rows),
-            applied_index: idx,
-        })?;
-        Ok(tonic::Response::new(Box::pin(
-            tokio_stream::wrappers::ReceiverStream::new(rx),
-        )))
-    }
-}
-
 impl Services {
-    /// A GPU node's assignments as a stream of whole sets: the current one, then a new
-    /// one whenever the set changes, each as `message` builds it (the codec form of
-    /// `Agent.WatchAssignments`, the typed `Api.WatchAssignments`). Only the node's own
-    /// agent or an admin may watch; bounded per principal; ended as soon as the client
-    /// goes away.
-    pub(crate) fn assignments_stream<T, M: Send + 'static>(
+    /// A GPU node's assignments as a stream of whole sets (`Api.WatchAssignments`): the
+    /// current one, then a new one whenever the set changes. Only the node's own agent or
+    /// an admin may watch; bounded per principal; ended as soon as the client goes away.
+    pub(crate) fn assignments_stream<T>(
         &self,
         req: &tonic::Request<T>,
         shard: ShardId,
         node_id: u64,
-        message: impl Fn(&Vec<AssignmentRow>, u64) -> M + Send + 'static,
-    ) -> Result<tokio::sync::mpsc::Receiver<Result<M, Status>>, Status> {
+    ) -> Result<tokio::sync::mpsc::Receiver<Result<pb::AssignmentsUpdate, Status>>, Status> {
         let caller = auth::caller(&self.node, auth::bearer(req.metadata())?);
         let shard = shard_of(&self.node, shard)?;
         let reader = self.reader(shard.id, caller);
@@ -550,7 +461,10 @@ impl Services {
                     (a, g.last_applied.map(|l| l.index).unwrap_or(0))
                 };
                 if last.as_ref() != Some(&rows) {
-                    let msg = message(&rows, idx);
+                    let msg = pb::AssignmentsUpdate {
+                        assignments: rows.iter().map(typed::query::assignment_to).collect(),
+                        applied_index: idx,
+                    };
                     last = Some(rows);
                     if tx.send(Ok(msg)).await.is_err() {
                         return;
@@ -872,7 +786,7 @@ impl Services {
     }
 
     /// A refusal at the edge, counted by reason.
-    fn refused(&self, api: &str, s: &Status) {
+    pub(crate) fn refused(&self, api: &str, s: &Status) {
         let reason = s
             .metadata()
             .get(allot_proto::meta::REASON)

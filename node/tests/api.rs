@@ -5,16 +5,20 @@
 use allot_node::local_cluster::{admin, Client, LocalCluster};
 use allot_node::server::{FORWARDED, LEADER_ADDR};
 use allot_node::workload;
-use allot_proto::allot_client::AllotClient;
+use allot_proto::api::v1 as pb;
+use allot_proto::api::v1::api_client::ApiClient;
+use allot_proto::typed;
 use allot_proto::*;
 use allot_statemachine::query::{Answer, Query};
 use allot_statemachine::testkit::{a100, tenant, Harness, ORG};
-use allot_statemachine::{codec, AuditChain, AuditEvent, Command, JobId, NodeSpec, Request, Tier};
+use allot_statemachine::{AuditChain, AuditEvent, Command, JobId, NodeSpec, Request, Tier};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use tonic::metadata::MetadataValue;
 use tonic::transport::Channel;
 use tonic::Code;
+
+mod common;
 
 async fn cluster() -> (tempfile::TempDir, LocalCluster) {
     let dir = tempfile::Builder::new()
@@ -34,20 +38,17 @@ async fn cluster() -> (tempfile::TempDir, LocalCluster) {
     (dir, c)
 }
 
-async fn raw(addr: &str) -> AllotClient<Channel> {
+async fn raw(addr: &str) -> ApiClient<Channel> {
     let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .unwrap()
         .connect()
         .await
         .unwrap();
-    AllotClient::new(ch).max_encoding_message_size(64 << 20)
+    ApiClient::new(ch).max_encoding_message_size(64 << 20)
 }
 
-fn exec(shard: u32, reqs: &[Request]) -> ExecuteRequest {
-    ExecuteRequest {
-        shard,
-        requests: reqs.iter().map(codec::encode).collect(),
-    }
+fn exec(shard: u32, reqs: &[Request]) -> pb::ExecuteRequest {
+    typed::execute_request(Some(shard), reqs).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -79,7 +80,7 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
         .await
         .unwrap()
         .into_inner();
-    let first: allot_statemachine::Outcome = codec::decode(&r.outcomes[0]).unwrap();
+    let first = typed::outcomes_from(&r, 1).unwrap().remove(0);
     assert!(first.is_ok(), "{first:?}");
     // Already forwarded once: the follower answers NotLeader with the leader's address.
     let mut req = tonic::Request::new(exec(0, std::slice::from_ref(&grant)));
@@ -125,6 +126,7 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
         gpu_count: 8,
         gpu_mem_gb: 80,
         labels: vec![],
+        incarnation: 0,
     };
     let (o, _) = client
         .execute(
@@ -142,10 +144,10 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
         .connect()
         .await
         .unwrap();
-    let mut stream = allot_proto::agent_client::AgentClient::new(agent_ch)
-        .watch_assignments(WatchRequest {
+    let mut stream = ApiClient::new(agent_ch)
+        .watch_assignments(pb::WatchAssignmentsRequest {
             shard: 0,
-            node_id: "500".into(),
+            node: 500,
         })
         .await
         .unwrap()
@@ -162,8 +164,11 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
     let placed = tokio::time::timeout(Duration::from_secs(10), async {
         loop {
             let m = stream.message().await.unwrap().expect("stream open");
-            let a: Vec<allot_statemachine::scheduler::AssignmentRow> =
-                codec::decode(&m.assignments).unwrap();
+            let a: Vec<allot_statemachine::scheduler::AssignmentRow> = m
+                .assignments
+                .iter()
+                .map(|a| typed::query::assignment_from(a, "assignments").unwrap())
+                .collect();
             if let Some(x) = a.into_iter().find(|x| x.0 .1 == JobId(900)) {
                 return x;
             }
@@ -177,8 +182,11 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
     // The audit store holds a verifiable chain from genesis.
     let r = raw(&leader_addr)
         .await
-        .audit(AuditRequest {
-            shard: 0,
+        .audit(pb::AuditRequest {
+            read: Some(pb::Read {
+                shard: Some(0),
+                stale_ok: true,
+            }),
             from_seq: 0,
             limit: 10_000,
             ..Default::default()
@@ -186,7 +194,11 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
         .await
         .unwrap()
         .into_inner();
-    let events: Vec<AuditEvent> = r.events.iter().map(|b| codec::decode(b).unwrap()).collect();
+    let events: Vec<AuditEvent> = r
+        .events
+        .iter()
+        .map(|e| typed::audit_event_from(e).unwrap())
+        .collect();
     assert!(events.len() > 10);
     allot_statemachine::verify_chain(&AuditChain::default(), &events)
         .expect("audit chain verifies");
@@ -199,7 +211,7 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
         .unwrap();
     let h = tonic_health::pb::health_client::HealthClient::new(ch)
         .check(tonic_health::pb::HealthCheckRequest {
-            service: "allot.v1.Allot".into(),
+            service: "allot.api.v1.Api".into(),
         })
         .await
         .unwrap()
@@ -255,36 +267,43 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    // An entry with no command set.
     let e = l
-        .execute(ExecuteRequest {
-            shard: 0,
-            requests: vec![b"\x01garbage".to_vec()],
+        .execute(pb::ExecuteRequest {
+            shard: Some(0),
+            commands: vec![pb::Command::default()],
         })
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     let e = l
-        .execute(ExecuteRequest {
-            shard: 0,
-            requests: vec![],
+        .execute(pb::ExecuteRequest {
+            shard: Some(0),
+            commands: vec![],
         })
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
-    let many = vec![codec::encode(&grant); allot_node::server::REQUESTS_PER_CALL_MAX + 1];
-    let e = l
-        .execute(ExecuteRequest {
-            shard: 0,
-            requests: many,
-        })
-        .await
-        .unwrap_err();
+    let many = vec![grant.clone(); allot_node::server::REQUESTS_PER_CALL_MAX + 1];
+    let e = l.execute(exec(0, &many)).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
-    let huge = vec![vec![7u8; 1 << 20]; 9];
+    let huge = vec![
+        pb::Command {
+            command: Some(pb::command::Command::CreateOrg(pb::CreateOrgRequest {
+                call: Some(pb::Call {
+                    request_id: 1,
+                    dev_actor: "x".repeat(1 << 20),
+                    ..Default::default()
+                }),
+                org: 1,
+            })),
+        };
+        9
+    ];
     let e = l
-        .execute(ExecuteRequest {
-            shard: 0,
-            requests: huge,
+        .execute(pb::ExecuteRequest {
+            shard: Some(0),
+            commands: huge,
         })
         .await
         .unwrap_err();
@@ -293,10 +312,9 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
         "{e:?}"
     );
     let e = l
-        .query(QueryRequest {
-            shard: 0,
-            consistency: 0,
-            query: b"nope".to_vec(),
+        .query(pb::QueryRequest {
+            read: None,
+            query: None,
         })
         .await
         .unwrap_err();
@@ -373,54 +391,16 @@ async fn http_get(addr: &str, path: &str) -> String {
 
 /// Sends raw bytes that do not decode as `ExecuteRequest` and returns the status code.
 async fn malformed_protobuf(addr: &str) -> Code {
-    use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
-    #[derive(Default)]
-    struct Raw;
-    struct RawEnc;
-    struct RawDec;
-    impl Encoder for RawEnc {
-        type Item = Vec<u8>;
-        type Error = tonic::Status;
-        fn encode(&mut self, item: Vec<u8>, dst: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
-            use bytes::BufMut;
-            dst.put_slice(&item);
-            Ok(())
-        }
-    }
-    impl Decoder for RawDec {
-        type Item = Vec<u8>;
-        type Error = tonic::Status;
-        fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Vec<u8>>, tonic::Status> {
-            use bytes::Buf;
-            let n = src.remaining();
-            Ok(Some(src.copy_to_bytes(n).to_vec()))
-        }
-    }
-    impl Codec for Raw {
-        type Encode = Vec<u8>;
-        type Decode = Vec<u8>;
-        type Encoder = RawEnc;
-        type Decoder = RawDec;
-        fn encoder(&mut self) -> RawEnc {
-            RawEnc
-        }
-        fn decoder(&mut self) -> RawDec {
-            RawDec
-        }
-    }
     let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .unwrap()
         .connect()
         .await
         .unwrap();
-    let mut g = tonic::client::Grpc::new(ch);
-    g.ready().await.unwrap();
     // Field 1 declared as a 10-byte varint that never terminates: invalid protobuf.
     let body = vec![
         0x08, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
     ];
-    let path = tonic::codegen::http::uri::PathAndQuery::from_static("/allot.v1.Allot/Execute");
-    match g.unary(tonic::Request::new(body), path, Raw).await {
+    match common::raw_unary(ch, "/allot.api.v1.Api/Execute", tonic::Request::new(body)).await {
         Ok(_) => Code::Ok,
         Err(s) => s.code(),
     }
@@ -548,10 +528,14 @@ async fn the_typed_api_is_reflected_healthy_and_idempotent_on_every_node() {
         let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
         for s in [
             "allot.api.v1.Api",
-            "allot.v1.Allot",
+            "allot.v1.Admin",
             "grpc.health.v1.Health",
         ] {
             assert!(names.iter().any(|n| n == s), "{s} not in {names:?}");
+        }
+        // The state machine's codec bytes are no longer served to clients or agents.
+        for s in ["allot.v1.Allot", "allot.v1.Agent"] {
+            assert!(!names.iter().any(|n| n == s), "{s} still served: {names:?}");
         }
         let h = tonic_health::pb::health_client::HealthClient::new(ch)
             .check(tonic_health::pb::HealthCheckRequest {

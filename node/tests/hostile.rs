@@ -4,7 +4,7 @@
 //! bounded, nothing refused is applied, every shard commits afterwards.
 //!
 //! `fuzz_every_service` runs a short quick mode in the suite; set `ALLOT_FUZZ_SECS`
-//! (and `ALLOT_FUZZ_SEED`) for a soak run.
+//! (and `ALLOT_FUZZ_SEED`) for a soak run (`scripts/soak.sh fuzz`).
 
 use allot_node::limits::{RAFT_MESSAGE_MAX, SNAPSHOT_BYTES_MAX, TERM_MAX};
 use allot_node::local_cluster::{node_binary, LocalCluster};
@@ -12,15 +12,20 @@ use allot_node::network::{AppendWire, SnapshotChunk};
 use allot_node::peer::PEER_SECRET;
 use allot_node::types::{Batch, LogEntry, LogId, SnapshotMeta, Vote};
 use allot_proto::admin_client::AdminClient;
-use allot_proto::agent_client::AgentClient;
-use allot_proto::allot_client::AllotClient;
+use allot_proto::api::v1 as pb;
+use allot_proto::api::v1::api_client::ApiClient;
 use allot_proto::raft_client::RaftClient;
+use allot_proto::typed;
 use allot_proto::*;
 use allot_statemachine::limits::COMMAND_BYTES_MAX;
 use allot_statemachine::*;
+use prost::Message as _;
 use std::time::{Duration, Instant};
 use tonic::transport::Channel;
 use tonic::Code;
+
+mod common;
+use common::{raw_streaming, raw_unary};
 
 // ---------------------------------------------------------------- harness
 
@@ -67,8 +72,8 @@ async fn channel(addr: &str) -> Channel {
         .unwrap()
 }
 
-fn allot(ch: Channel) -> AllotClient<Channel> {
-    AllotClient::new(ch)
+fn api(ch: Channel) -> ApiClient<Channel> {
+    ApiClient::new(ch)
         .max_encoding_message_size(usize::MAX)
         .max_decoding_message_size(64 << 20)
 }
@@ -102,11 +107,8 @@ fn reason(s: &tonic::Status) -> &str {
         .unwrap_or("")
 }
 
-fn exec(shard: u32, reqs: &[Request]) -> ExecuteRequest {
-    ExecuteRequest {
-        shard,
-        requests: reqs.iter().map(codec::encode).collect(),
-    }
+fn exec(shard: u32, reqs: &[Request]) -> pb::ExecuteRequest {
+    typed::execute_request(Some(shard), reqs).expect("client commands")
 }
 
 fn req(id: u128, command: Command) -> Request {
@@ -287,6 +289,7 @@ fn labels(n: usize) -> NodeSpec {
         gpu_count: 8,
         gpu_mem_gb: 80,
         labels: vec![(String::new(), String::new()); n],
+        incarnation: 0,
     }
 }
 
@@ -299,7 +302,7 @@ fn labels(n: usize) -> NodeSpec {
 async fn defect_1_a_huge_register_node_never_reaches_the_log() {
     let mut h = secured(1).await;
     let leader = h.c.leader_of(0).await.unwrap();
-    let mut l = allot(channel(&h.addr(leader)).await);
+    let mut l = api(channel(&h.addr(leader)).await);
     let before = h.head_seq(0).await;
     let idle = h.rss_now();
     let tok = Some(h.token.as_str());
@@ -369,7 +372,7 @@ async fn defect_2_forty_huge_grants_cost_nothing() {
         calls.push(tokio::spawn(async move {
             // 38 of them ~7.9 MiB, two within the message bound but over a command's.
             let len = if i < 38 { 7_900_000 } else { 600_000 };
-            allot(ch)
+            api(ch)
                 .execute(bearer(exec(0, &[grant(i + 1, len)]), Some(&token)))
                 .await
                 .unwrap_err()
@@ -621,13 +624,10 @@ async fn defect_5_a_forged_snapshot_chunk_allocates_nothing() {
 async fn defect_6_cancelled_streams_are_released_at_once() {
     let mut h = secured(1).await;
     let id = 1;
-    let mut agent = AgentClient::new(channel(&h.addr(id)).await);
+    let mut agent = api(channel(&h.addr(id)).await);
     let watch = || {
         bearer(
-            WatchRequest {
-                shard: 0,
-                node_id: "5".into(),
-            },
+            pb::WatchAssignmentsRequest { shard: 0, node: 5 },
             Some(&h.token),
         )
     };
@@ -680,7 +680,7 @@ async fn unknown_tokens_are_refused_at_the_edge_and_never_proposed() {
     let before = h.head_seq(0).await;
     let unknown = ::allot_client::security::generate_token().unwrap();
     for id in 1..=3 {
-        let mut a = allot(channel(&h.addr(id)).await);
+        let mut a = api(channel(&h.addr(id)).await);
         for t in [&unknown, &revoked] {
             let r = req(77, Command::CreateOrg { org: OrgId(8) });
             let e = a.execute(bearer(exec(0, &[r]), Some(t))).await.unwrap_err();
@@ -710,6 +710,7 @@ async fn the_largest_legal_commands_commit_within_a_second() {
         labels: (0..limits::LABELS_PER_NODE_MAX)
             .map(|i| (format!("{i:0>64}"), label.clone()))
             .collect(),
+        incarnation: 0,
     };
     let one = Command::RegisterNode(largest_node(1));
     let size = codec::encoded_len(&one) as usize;
@@ -823,6 +824,7 @@ fn random_command(r: &mut Rng) -> Command {
             labels: (0..list(r, 300))
                 .map(|_| (r.string(100), r.string(100)))
                 .collect(),
+            incarnation: 0,
         }),
         4 => Command::SubmitJob(JobSpec {
             job: JobId(r.big()),
@@ -976,6 +978,95 @@ fn hostile_append(r: &mut Rng, me: u64) -> AppendWire {
     }
 }
 
+/// A random read, often of ids no one uses and limits out of range.
+fn random_query(r: &mut Rng) -> query::Query {
+    use query::{JobFilter, Query};
+    let org = OrgId(r.big());
+    match r.below(6) {
+        0 => Query::Jobs(JobFilter {
+            org: Some(org),
+            limit: r.next() as u32,
+            ..Default::default()
+        }),
+        1 => Query::Job(org, JobId(r.big())),
+        2 => Query::Balance {
+            org,
+            account: Account::Org(org),
+            horizon_ms: r.big(),
+        },
+        3 => Query::Totals,
+        4 => Query::StateHash,
+        _ => Query::Assignments(NodeId(r.big())),
+    }
+}
+
+/// `bytes` with a few bytes overwritten, cut short, or grown by garbage.
+fn mangle(r: &mut Rng, mut bytes: Vec<u8>) -> Vec<u8> {
+    match r.below(3) {
+        0 if !bytes.is_empty() => {
+            for _ in 0..1 + r.below(8) {
+                let i = r.below(bytes.len() as u64) as usize;
+                bytes[i] = r.next() as u8;
+            }
+        }
+        1 => bytes.truncate(r.below(bytes.len() as u64 + 1) as usize),
+        _ => bytes.extend(r.bytes(64)),
+    }
+    bytes
+}
+
+/// Every method the node serves, as (path, streams): the services of allot's own
+/// descriptors, gRPC health and server reflection.
+fn every_method() -> &'static [(&'static str, bool)] {
+    static METHODS: std::sync::OnceLock<Vec<(&'static str, bool)>> = std::sync::OnceLock::new();
+    METHODS.get_or_init(|| {
+        let mut out = Vec::new();
+        for set in [
+            allot_proto::FILE_DESCRIPTOR_SET,
+            tonic_health::pb::FILE_DESCRIPTOR_SET,
+        ] {
+            let fds = prost_types::FileDescriptorSet::decode(set).unwrap();
+            for f in &fds.file {
+                for svc in &f.service {
+                    for m in &svc.method {
+                        let path = format!("/{}.{}/{}", f.package(), svc.name(), m.name());
+                        let streams = m.server_streaming() || m.client_streaming();
+                        out.push((&*Box::leak(path.into_boxed_str()), streams));
+                    }
+                }
+            }
+        }
+        out.push((
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            true,
+        ));
+        out.push((
+            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+            true,
+        ));
+        out
+    })
+}
+
+/// The fuzz reaches every service and method the node serves.
+#[test]
+fn the_fuzz_knows_every_method() {
+    let paths: Vec<&str> = every_method().iter().map(|(p, _)| *p).collect();
+    for p in [
+        "/allot.api.v1.Api/Execute",
+        "/allot.api.v1.Api/Query",
+        "/allot.api.v1.Api/WatchEvents",
+        "/allot.api.v1.Api/WatchAssignments",
+        "/allot.v1.Admin/Backup",
+        "/allot.v1.Raft/Append",
+        "/allot.v1.Raft/Clock",
+        "/grpc.health.v1.Health/Check",
+        "/grpc.health.v1.Health/Watch",
+    ] {
+        assert!(paths.contains(&p), "{p} missing from {paths:?}");
+    }
+}
+
 /// Sends one random hostile message to `addr`; any answer is fine as long as the
 /// cluster survives and applies nothing. Returns the gRPC code (None: a raw socket).
 async fn one_hostile_message(r: &mut Rng, addr: &str, me: u64, secret: &str, revoked: &str) {
@@ -992,59 +1083,45 @@ async fn one_hostile_message(r: &mut Rng, addr: &str, me: u64, secret: &str, rev
     let tok = hostile_token(r, revoked);
     let tok = tok.as_deref();
     let shard = *r.pick(&[0u32, 0, 1, 7, u32::MAX]);
-    match r.below(13) {
+    match r.below(14) {
         0 | 1 => {
+            // Typed commands, random and often out of bounds, with any claimed actor;
+            // a third of the calls have their encoding mangled.
             let n = 1 + r.below(6) as usize;
-            let reqs: Vec<Vec<u8>> = (0..n)
-                .map(|_| {
-                    if r.below(3) == 0 {
-                        r.bytes(200)
-                    } else {
-                        codec::encode(&Request {
-                            actor: random_actor(r),
-                            request_id: r.next() as u128,
-                            org: None,
-                            command: random_command(r),
-                        })
-                    }
+            let reqs: Vec<Request> = (0..n)
+                .map(|_| Request {
+                    actor: random_actor(r),
+                    request_id: r.next() as u128,
+                    org: (r.below(2) == 0).then(|| OrgId(r.big())),
+                    command: random_command(r),
                 })
                 .collect();
-            let _ = allot(ch)
-                .execute(bearer(
-                    ExecuteRequest {
-                        shard,
-                        requests: reqs,
-                    },
-                    tok,
-                ))
-                .await;
+            let call = typed::execute_request(Some(shard), &reqs).unwrap_or_default();
+            if r.below(3) == 0 {
+                let bytes = mangle(r, call.encode_to_vec());
+                let _ = raw_unary(ch, "/allot.api.v1.Api/Execute", bearer(bytes, tok)).await;
+            } else {
+                let _ = api(ch).execute(bearer(call, tok)).await;
+            }
         }
         2 => {
-            let query = if r.below(2) == 0 {
-                r.bytes(100)
+            let q = random_query(r);
+            let msg = typed::query::query_request(shard, r.below(2) == 0, &q);
+            if r.below(3) == 0 {
+                let bytes = mangle(r, msg.encode_to_vec());
+                let _ = raw_unary(ch, "/allot.api.v1.Api/Query", bearer(bytes, tok)).await;
             } else {
-                codec::encode(&query::Query::Jobs(query::JobFilter {
-                    org: Some(OrgId(r.big())),
-                    limit: r.next() as u32,
-                    ..Default::default()
-                }))
-            };
-            let _ = allot(ch)
-                .query(bearer(
-                    QueryRequest {
-                        shard,
-                        consistency: r.below(4) as i32,
-                        query,
-                    },
-                    tok,
-                ))
-                .await;
+                let _ = api(ch).query(bearer(msg, tok)).await;
+            }
         }
         3 => {
-            let _ = allot(ch)
+            let _ = api(ch)
                 .audit(bearer(
-                    AuditRequest {
-                        shard,
+                    pb::AuditRequest {
+                        read: Some(pb::Read {
+                            shard: Some(shard),
+                            stale_ok: r.below(2) == 0,
+                        }),
                         from_seq: r.big(),
                         limit: r.next() as u32,
                         org: Some(r.big()),
@@ -1056,18 +1133,35 @@ async fn one_hostile_message(r: &mut Rng, addr: &str, me: u64, secret: &str, rev
                 .await;
         }
         4 => {
-            let mut a = AgentClient::new(ch);
-            if let Ok(s) = a
-                .watch_assignments(bearer(
-                    WatchRequest {
-                        shard,
-                        node_id: r.string(30),
-                    },
-                    tok,
-                ))
-                .await
-            {
-                drop(s);
+            let mut a = api(ch);
+            if r.below(2) == 0 {
+                let m = pb::WatchAssignmentsRequest {
+                    shard,
+                    node: r.big(),
+                };
+                if let Ok(s) = a.watch_assignments(bearer(m, tok)).await {
+                    drop(s);
+                }
+            } else {
+                let m = pb::WatchEventsRequest {
+                    shard: Some(shard),
+                    org: Some(r.big()),
+                    from_seq: r.big(),
+                };
+                if let Ok(s) = a.watch_events(bearer(m, tok)).await {
+                    drop(s);
+                }
+            }
+        }
+        12 => {
+            // Any method of any service the node serves (from its own descriptors, so
+            // a new method is fuzzed the day it exists), with random bytes as its body.
+            let (path, streaming) = *r.pick(every_method());
+            let body = r.bytes(512);
+            if streaming {
+                let _ = raw_streaming(ch, path, bearer(body, tok)).await;
+            } else {
+                let _ = raw_unary(ch, path, bearer(body, tok)).await;
             }
         }
         5 => {
@@ -1205,15 +1299,8 @@ async fn one_hostile_message(r: &mut Rng, addr: &str, me: u64, secret: &str, rev
         }
         _ => {
             // A message over every bound.
-            let _ = allot(ch)
-                .execute(bearer(
-                    ExecuteRequest {
-                        shard: 0,
-                        requests: vec![vec![1; 2 << 20]],
-                    },
-                    tok,
-                ))
-                .await;
+            let big = bearer(vec![1; 2 << 20], tok);
+            let _ = raw_unary(ch, "/allot.api.v1.Api/Execute", big).await;
         }
     }
 }

@@ -1,6 +1,7 @@
-//! `allot-proto`: the wire contract of allot (client, agent, admin and internal Raft
-//! gRPC APIs), generated from `proto/allot.proto` at build time with `protox` (pure
-//! Rust, no system `protoc`) and `tonic-prost-build`.
+//! `allot-proto`: the wire contract of allot — the typed client and agent API
+//! (`proto/allot_api.proto`), the admin API and the internal Raft transport
+//! (`proto/allot.proto`) — generated at build time with `protox` (pure Rust, no system
+//! `protoc`) and `tonic-prost-build`.
 
 #![allow(clippy::all, missing_docs)]
 
@@ -38,12 +39,10 @@ pub mod meta {
     /// `UNAUTHENTICATED`, ...): the state machine's `CommandError::reason` names, or an
     /// edge reason.
     pub const REASON: &str = "allot-reason";
-    /// On a request refused by the state machine's validation at the edge: the codec
-    /// bytes of its `CommandError`, and the index of the request in the call.
-    pub const ERROR_BIN: &str = "allot-error-bin";
+    /// On a request refused by the state machine's validation at the edge: the index of
+    /// the request in the call, and its `CommandError` as JSON (the typed API's
+    /// `Error.details_json`).
     pub const REQUEST_INDEX: &str = "allot-request-index";
-    /// The same refusal as JSON (the typed API's `Error.details_json`); the typed API
-    /// sends this one only.
     pub const ERROR_JSON: &str = "allot-error-json-bin";
 }
 

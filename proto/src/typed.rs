@@ -528,6 +528,7 @@ pub fn node_spec_from(r: &pb::RegisterNodeRequest) -> Result<NodeSpec, FieldErro
         gpu_count: r.gpus,
         gpu_mem_gb: r.mem_gb,
         labels,
+        incarnation: r.incarnation,
     })
 }
 
@@ -547,6 +548,7 @@ pub fn node_spec_to(n: &NodeSpec) -> pb::RegisterNodeRequest {
                 value: value.clone(),
             })
             .collect(),
+        incarnation: n.incarnation,
     }
 }
 
@@ -1503,6 +1505,38 @@ pub fn outcome_to(o: &Outcome) -> pb::command_reply::Result {
         Reply::PlanSet => R::PlanSet(empty),
         Reply::AlertSet => R::AlertSet(empty),
     }
+}
+
+/// Requests as one `Api.Execute` call on `shard` (`None` when one of them is the nodes'
+/// own command, which no client sends). What the client sends, and what a follower
+/// forwards to its leader (a request's actor goes as dev-mode text; one that ran as a
+/// bearer token goes without, and the leader stamps it from the forwarded token).
+pub fn execute_request(shard: Option<u32>, requests: &[Request]) -> Option<pb::ExecuteRequest> {
+    Some(pb::ExecuteRequest {
+        shard,
+        commands: requests.iter().map(command_to).collect::<Option<_>>()?,
+    })
+}
+
+/// The outcomes of an `Api.Execute` reply that answered `n` requests, in order.
+pub fn outcomes_from(reply: &pb::ExecuteReply, n: usize) -> Result<Vec<Outcome>, FieldError> {
+    if reply.replies.len() != n {
+        return Err(bad(
+            "replies",
+            format!("{} replies for {n} requests", reply.replies.len()),
+        ));
+    }
+    reply
+        .replies
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            outcome_from(r.result.as_ref()).map_err(|e| FieldError {
+                field: format!("replies[{i}].{}", e.field),
+                problem: e.problem,
+            })
+        })
+        .collect()
 }
 
 /// An applied command's result back from its typed form.

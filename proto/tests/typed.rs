@@ -113,8 +113,7 @@ proptest! {
             gpu_type: ty,
             gpu_count: count,
             gpu_mem_gb: mem,
-            labels,
-        };
+            labels, incarnation: 0, };
         let m = wire(&typed::node_spec_to(&n));
         prop_assert_eq!(typed::node_spec_from(&m).unwrap(), n.clone());
         // The map form (older clients) arrives sorted by key; both at once is refused.

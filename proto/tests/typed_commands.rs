@@ -291,15 +291,17 @@ fn command() -> impl Strategy<Value = (Command, Option<OrgId>)> {
             o,
             gpu_type(),
             any::<[u32; 2]>(),
-            proptest::collection::btree_map("[a-z]{1,6}", "[a-z0-9]{0,6}", 0..4)
+            proptest::collection::btree_map("[a-z]{1,6}", "[a-z0-9]{0,6}", 0..4),
+            any::<u64>(),
         )
-            .prop_map(|(n, g, [c, m], labels)| (
+            .prop_map(|(n, g, [c, m], labels, incarnation)| (
                 Command::RegisterNode(NodeSpec {
                     node: NodeId(n),
                     gpu_type: g,
                     gpu_count: c,
                     gpu_mem_gb: m,
                     labels: labels.into_iter().collect(),
+                    incarnation,
                 }),
                 None
             )),

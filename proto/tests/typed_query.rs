@@ -371,12 +371,13 @@ fn gpu_node() -> impl Strategy<Value = GpuNode> {
             any::<bool>(),
             vec(of(job_key()), 0..8),
             of(job_key()),
+            n64(),
         ),
     )
         .prop_map(
             |(
                 (id, gpu_type, gpu_count, gpu_mem_gb, labels),
-                (state, lease_until_ms, lapsed, slots, reserved_for),
+                (state, lease_until_ms, lapsed, slots, reserved_for, incarnation),
             )| GpuNode {
                 id: NodeId(id),
                 gpu_type,
@@ -388,6 +389,7 @@ fn gpu_node() -> impl Strategy<Value = GpuNode> {
                 lapsed,
                 slots,
                 reserved_for,
+                incarnation,
             },
         )
 }

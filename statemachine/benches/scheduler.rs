@@ -75,6 +75,7 @@ fn world(drained: bool) -> B {
             gpu_count: 8,
             gpu_mem_gb: 80,
             labels: vec![],
+            incarnation: 0,
         }));
         if drained {
             cmds.push(Command::SetNodeDraining {

@@ -14,7 +14,10 @@ use serde::{de::DeserializeOwned, Serialize};
 /// 3: the state gained the alerts table (`crate::alerts`), audit events `LowBalance` and
 /// `BudgetThreshold`, commands `IssueGrantIn` and `SetAlert` (appended: format-2 log
 /// entries and audit rows would decode, but snapshots would not, so the byte moves).
-pub const FORMAT_VERSION: u8 = 3;
+///
+/// 4: a node's agent incarnation (`NodeSpec::incarnation`, `GpuNode::incarnation`):
+/// logged `RegisterNode` commands and snapshots of format 3 no longer decode.
+pub const FORMAT_VERSION: u8 = 4;
 /// The largest blob decode accepts (guards against hostile length prefixes).
 pub const DECODE_BYTES_MAX: u64 = 4 << 30;
 

@@ -392,6 +392,13 @@ pub struct NodeSpec {
     pub gpu_mem_gb: u32,
     /// Sorted `key=value` labels (informational; bounded).
     pub labels: Vec<(String, String)>,
+    /// Which process of the node's agent registers (0: none named — an operator's
+    /// registration, which starts no incarnation). Each agent process picks one above
+    /// every earlier one; a registration naming a higher one ends the attempts the
+    /// previous process was running (they are requeued, billed to their last
+    /// heartbeat), so that process's late reports are stale; a lower one is refused
+    /// (`StaleIncarnation`).
+    pub incarnation: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

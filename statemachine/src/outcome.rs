@@ -119,6 +119,9 @@ pub enum CommandError {
     HoldNotMetered,
     #[error("attempt {given} is not the current attempt {current}")]
     StaleAttempt { given: u32, current: u32 },
+    /// A registration from an agent process older than the one the node runs now.
+    #[error("agent incarnation {given} is older than the node's current incarnation {current}")]
+    StaleIncarnation { given: u64, current: u64 },
     #[error("capture of {} credits exceeds the {} still held", crate::units::credits(*requested), crate::units::credits(*held))]
     CaptureExceedsHold { requested: u64, held: u64 },
     #[error("insufficient credits: {} available, {} needed", crate::units::credits(*available), crate::units::credits(*needed))]
@@ -216,6 +219,7 @@ impl CommandError {
             CommandError::QuotaExceeded(_) => "QUOTA_EXCEEDED",
             CommandError::HoldNotMetered => "HOLD_NOT_METERED",
             CommandError::StaleAttempt { .. } => "STALE_ATTEMPT",
+            CommandError::StaleIncarnation { .. } => "STALE_INCARNATION",
             CommandError::CaptureExceedsHold { .. } => "CAPTURE_EXCEEDS_HOLD",
             CommandError::InsufficientCredits { .. } => "INSUFFICIENT_CREDITS",
             CommandError::BudgetExceeded { .. } => "BUDGET_EXCEEDED",
@@ -424,6 +428,10 @@ mod tests {
             CommandError::UnknownGpuType(gpu),
             CommandError::TierNotEntitled(Tier(2)),
             CommandError::StaleAttempt {
+                given: 1,
+                current: 2,
+            },
+            CommandError::StaleIncarnation {
                 given: 1,
                 current: 2,
             },

@@ -516,9 +516,7 @@ fn dispatch_scheduler(
     );
     let now = ctx.now;
     match command {
-        Command::RegisterNode(spec) => {
-            sched.register_node(now, cfg.node_lease_ms, spec, ctx.effects)
-        }
+        Command::RegisterNode(spec) => sched.register_node(ctx, ledger, cfg, spec),
         Command::NodeHeartbeat { node } => {
             sched.node_heartbeat(now, cfg.node_lease_ms, *node, ctx.effects)
         }

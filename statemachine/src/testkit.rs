@@ -498,6 +498,7 @@ impl Harness {
                 gpu_count: *gpu_count,
                 gpu_mem_gb: *gpu_mem_gb,
                 labels: vec![],
+                incarnation: 0,
             }));
         }
     }

@@ -922,6 +922,7 @@ fn bad_job_and_node_input_changes_nothing() {
                 gpu_count: 4,
                 gpu_mem_gb: 80,
                 labels: vec![],
+                incarnation: 0,
             }),
             CommandError::NodeShapeConflict,
         ),
@@ -932,6 +933,7 @@ fn bad_job_and_node_input_changes_nothing() {
                 gpu_count: 0,
                 gpu_mem_gb: 80,
                 labels: vec![],
+                incarnation: 0,
             }),
             CommandError::InvalidNode(NodeProblem::GpuCount),
         ),
@@ -1536,4 +1538,100 @@ fn a_price_edit_never_strands_a_queued_job() {
             - ledger::cost_micro(HOUR_MS, H100_PRICE, 1)
             - ledger::cost_micro(HOUR_MS, A100_PRICE, 1)
     );
+}
+
+/// A node's agent registering as a new incarnation (a restarted agent process) ends the
+/// attempts the previous process ran — requeued as attempt 2, billed to the last
+/// heartbeat — so the dead process's late heartbeat or finish is stale and changes
+/// nothing, and an older incarnation cannot register again (issue 21: a restarted agent
+/// re-ran the same attempt, and the old process's finish settled the job the new runner
+/// was running).
+#[test]
+fn a_new_agent_incarnation_fences_the_old_ones_reports() {
+    let mut h = world();
+    let register = |incarnation: u64| {
+        Command::RegisterNode(NodeSpec {
+            node: NodeId(1),
+            gpu_type: a100(),
+            gpu_count: 1,
+            gpu_mem_gb: 80,
+            labels: vec![],
+            incarnation,
+        })
+    };
+    h.run(register(100)).unwrap();
+    submit(&mut h, Harness::job_spec(10, Tier::PAID, vec![a100()], 1));
+    assert_eq!((node_of(&h, 10), h.job(10).attempt), (Some(1), 1));
+    h.advance(20_000);
+    h.job_heartbeat(10, 1, 0).unwrap();
+    h.advance(5_000);
+    let billed = h.hold(10).captured;
+    assert_eq!(billed, ledger::cost_micro(20_000, A100_PRICE, 1));
+    // The same incarnation again renews the node and touches no job.
+    assert_eq!(h.run(register(100)), Ok(Reply::NodeUpdated));
+    assert_eq!(h.job(10).attempt, 1);
+    // The agent restarts (incarnation 101): attempt 1 ends, billed to its heartbeat, and
+    // the job is placed again as attempt 2 on the free node.
+    assert_eq!(h.run(register(101)), Ok(Reply::NodeUpdated));
+    assert_eq!(h.state.scheduler.node(NodeId(1)).unwrap().incarnation, 101);
+    assert_eq!(h.job(10).node_failures, 1);
+    assert_eq!(h.hold(10).captured, billed, "billed to the last heartbeat");
+    assert_eq!((node_of(&h, 10), h.job(10).attempt), (Some(1), 2));
+    // The old process's late reports name attempt 1: refused, nothing changes.
+    let snapshot = |h: &Harness| {
+        format!(
+            "{:?} {:?} {:?}",
+            h.job(10),
+            h.hold(10),
+            h.state.scheduler.node(NodeId(1))
+        )
+    };
+    let before = snapshot(&h);
+    let org = h.job(10).org;
+    let old_finish = Command::FinishJob {
+        job: JobId(10),
+        attempt: 1,
+        success: true,
+    };
+    assert_eq!(
+        h.run_in(Actor::Agent(NodeId(1)), org, old_finish),
+        Err(CommandError::StaleAttempt {
+            given: 1,
+            current: 2
+        })
+    );
+    let old_heartbeat = Command::JobHeartbeat(JobHeartbeat {
+        job: JobId(10),
+        attempt: 1,
+        seq: 2,
+        progress_ppm: 0,
+        checkpoint: 0,
+    });
+    assert_eq!(
+        h.run_in(Actor::Agent(NodeId(1)), org, old_heartbeat),
+        Err(CommandError::StaleAttempt {
+            given: 1,
+            current: 2
+        })
+    );
+    // The old process cannot take the node back.
+    assert_eq!(
+        h.run(register(100)),
+        Err(CommandError::StaleIncarnation {
+            given: 100,
+            current: 101
+        })
+    );
+    // The job, its hold and the node are as they were (a refusal takes an idempotency
+    // record and an audit event, nothing else).
+    assert_eq!(snapshot(&h), before);
+    assert_eq!(h.job(10).state, JobState::Placed, "attempt 2 awaits its runner");
+    // An operator's registration (no incarnation) renews without ending anything.
+    assert_eq!(h.run(register(0)), Ok(Reply::NodeUpdated));
+    assert_eq!(h.job(10).attempt, 2);
+    // The new process's reports are current.
+    h.advance(10_000);
+    assert!(h.job_heartbeat(10, 1, 0).is_ok());
+    assert!(h.finish_job(10, true).is_ok());
+    assert_eq!(h.job(10).state, JobState::Succeeded);
 }

@@ -183,6 +183,7 @@ fn an_org_token_cannot_touch_another_org_and_learns_nothing() {
             gpu_count: 8,
             gpu_mem_gb: 80,
             labels: vec![],
+            incarnation: 0,
         }),
         Command::SetNodeDraining {
             node: NodeId(9),

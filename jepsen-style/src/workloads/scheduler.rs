@@ -25,6 +25,7 @@ pub async fn setup(client: &Client) -> anyhow::Result<()> {
             gpu_count: 4,
             gpu_mem_gb: 80,
             labels: vec![],
+            incarnation: 0,
         }));
     }
     super::setup(client, cmds).await

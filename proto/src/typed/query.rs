@@ -509,6 +509,7 @@ fn gpu_node_to(n: &GpuNode) -> pb::GpuNode {
             })
             .collect(),
         reserved_for: n.reserved_for.map(job_ref_to),
+        incarnation: n.incarnation,
     }
 }
 
@@ -532,6 +533,7 @@ fn gpu_node_from(n: &pb::GpuNode, path: &str) -> Result<GpuNode, FieldError> {
             .map(|s| s.job.as_ref().map(job_ref_from))
             .collect(),
         reserved_for: n.reserved_for.as_ref().map(job_ref_from),
+        incarnation: n.incarnation,
     })
 }
 
@@ -790,6 +792,17 @@ fn each<P, T>(
         .enumerate()
         .map(|(i, p)| f(p, &nth(path, i)))
         .collect()
+}
+
+/// A typed read of `shard`: linearizable, or `stale` from the replica asked.
+pub fn query_request(shard: u32, stale: bool, q: &Query) -> pb::QueryRequest {
+    pb::QueryRequest {
+        read: Some(pb::Read {
+            shard: Some(shard),
+            stale_ok: stale,
+        }),
+        query: Some(query_to(q)),
+    }
 }
 
 /// An answer as its reply arm.

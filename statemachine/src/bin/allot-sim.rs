@@ -283,6 +283,7 @@ impl Sim {
                     gpu_count: GPUS_PER_NODE,
                     gpu_mem_gb: 80,
                     labels: vec![],
+                    incarnation: 0,
                 }),
             ));
         }

@@ -1,9 +1,10 @@
 //! GPU inventory: registration, leases, draining, down; the free-GPU index.
 
-use super::{GpuNode, NodeState, Scheduler, Timer};
+use super::{GpuNode, NodeState, Reason, Scheduler, SchedulerConfig, Timer};
 use crate::audit::{EventBody, PendingEvent};
 use crate::command::NodeSpec;
 use crate::ids::{GpuType, NodeId};
+use crate::ledger::{Ctx, Ledger};
 use crate::limits::*;
 use crate::outcome::{CommandError, Limit, Reply};
 
@@ -65,11 +66,12 @@ impl Scheduler {
 
     pub(crate) fn register_node(
         &mut self,
-        now: u64,
-        lease_ms: u64,
+        ctx: &mut Ctx,
+        ledger: &mut Ledger,
+        cfg: &SchedulerConfig,
         spec: &NodeSpec,
-        effects: &mut Vec<PendingEvent>,
     ) -> Result<Reply, CommandError> {
+        let (now, lease_ms) = (ctx.now, cfg.node_lease_ms);
         // The spec itself (type name, counts, labels): `crate::validate`.
         if let Some(n) = self.nodes.get(&spec.node) {
             if (&n.gpu_type, n.gpu_count, n.gpu_mem_gb)
@@ -77,6 +79,30 @@ impl Scheduler {
             {
                 return Err(CommandError::NodeShapeConflict);
             }
+            let current = n.incarnation;
+            if spec.incarnation != 0 && spec.incarnation < current {
+                return Err(CommandError::StaleIncarnation {
+                    given: spec.incarnation,
+                    current,
+                });
+            }
+            if spec.incarnation > current {
+                // A new agent process: the previous one's runners are gone (the agent
+                // stops them before it registers), so their attempts end here, as a
+                // node failure would end them — requeued (or failed past the retry
+                // bound), billed to their last heartbeat. The old process's late reports
+                // then name stale attempts and change nothing.
+                for job in n.jobs() {
+                    self.node_failure(ctx, ledger, cfg, job, Reason::NodeDown);
+                }
+                if let Some(n) = self.nodes.get_mut(&spec.node) {
+                    n.incarnation = spec.incarnation;
+                }
+            }
+            let effects = &mut *ctx.effects;
+            let Some(n) = self.nodes.get(&spec.node) else {
+                return Err(CommandError::UnknownNode);
+            };
             let was_down = n.state == NodeState::Down;
             if was_down {
                 self.set_node_state(spec.node, NodeState::Ready, effects);
@@ -105,6 +131,7 @@ impl Scheduler {
                 lapsed: false,
                 slots: vec![None; spec.gpu_count as usize],
                 reserved_for: None,
+                incarnation: spec.incarnation,
             },
         );
         self.timers
@@ -119,7 +146,7 @@ impl Scheduler {
             .insert((spec.gpu_count, spec.gpu_mem_gb));
         self.fleet_gpus += spec.gpu_count;
         self.index(spec.node);
-        self.node_event(effects, spec.node, NodeState::Ready);
+        self.node_event(ctx.effects, spec.node, NodeState::Ready);
         Ok(Reply::NodeRegistered)
     }
 

@@ -249,6 +249,8 @@ pub struct GpuNode {
     pub slots: Vec<Option<JobKey>>,
     /// Set while preempted GPUs are being freed for a waiting job.
     pub reserved_for: Option<JobKey>,
+    /// The agent process the node runs now (`NodeSpec::incarnation`; 0: none named).
+    pub incarnation: u64,
 }
 
 impl GpuNode {

@@ -79,6 +79,7 @@ async fn register(ctx: &Ctx, a: RegisterArgs) -> anyhow::Result<()> {
         gpu_count: a.gpus,
         gpu_mem_gb: a.mem_gb,
         labels,
+        incarnation: 0,
     };
     ctx.client
         .register_node(a.shard, spec)
