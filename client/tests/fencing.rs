@@ -439,7 +439,10 @@ async fn a_partitioned_agent_stops_its_runner_before_the_job_runs_elsewhere() {
     );
     // Each attempt is billed once, never past its runner's life (attempt 1 to its last
     // heartbeat before the cut; attempt 2 to its finish, within a heartbeat interval).
-    assert!((0..=life1 + 100).contains(&billed[1]), "attempt 1: {billed:?}");
+    assert!(
+        (0..=life1 + 100).contains(&billed[1]),
+        "attempt 1: {billed:?}"
+    );
     assert!(
         (life2 - 1_000..=life2 + 1_000).contains(&billed[2]),
         "attempt 2: {billed:?}"

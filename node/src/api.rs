@@ -91,10 +91,7 @@ impl Services {
             },
         );
         let requests = admitted.inspect_err(|s| self.refused("api.execute", s))?;
-        let shard = self
-            .node
-            .shard(shard_id)
-            .ok_or_else(|| Status::not_found(format!("unknown shard {shard_id}")))?;
+        let shard = crate::server::shard_of(&self.node, shard_id)?;
         let done = self.execute_admitted(req, shard, requests).await?;
         Ok((done.outcomes, done.log_index, done.logical_time_ms))
     }
@@ -274,10 +271,7 @@ impl Api for Services {
         let started = std::time::Instant::now();
         let (meta, _, m) = req.into_parts();
         let shard_id = self.route(m.shard, m.org.map(OrgId));
-        let shard = self
-            .node
-            .shard(shard_id)
-            .ok_or_else(|| Status::not_found(format!("unknown shard {shard_id}")))?;
+        let shard = crate::server::shard_of(&self.node, shard_id)?;
         let page = move |from_seq| pb::AuditRequest {
             from_seq,
             limit: WATCH_PAGE,

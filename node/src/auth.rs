@@ -30,7 +30,12 @@ pub fn bearer(meta: &MetadataMap) -> Result<Option<TokenDigest>, Status> {
     let Some(v) = meta.get("authorization") else {
         return Ok(None);
     };
-    let malformed = || Status::unauthenticated("malformed authorization metadata");
+    let malformed = || {
+        crate::edge::with_reason(
+            Status::unauthenticated("malformed authorization metadata"),
+            "UNAUTHENTICATED",
+        )
+    };
     let v = v.to_str().map_err(|_| malformed())?;
     let token = v
         .strip_prefix("Bearer ")
@@ -92,7 +97,17 @@ pub fn stamp(
 /// The status for a refused read; the reason is logged (never the token) and queued
 /// for the audit trail.
 pub fn refuse(node: &Node, shard: u32, caller: Actor, api: &str, reason: DenialReason) -> Status {
-    tracing::warn!(shard, ?caller, api, ?reason, "authorisation denied");
+    // Counted always; logged at most once a second (a flood of refused calls must not
+    // become a flood of log lines).
+    if node.log_throttle.due() {
+        tracing::warn!(
+            shard,
+            ?caller,
+            api,
+            ?reason,
+            "authorisation denied (at most one line a second)"
+        );
+    }
     node.metrics
         .auth_denials
         .with_label_values(&[api, reason_label(reason)])
@@ -109,8 +124,14 @@ pub fn refuse(node: &Node, shard: u32, caller: Actor, api: &str, reason: DenialR
         },
     );
     match reason {
-        DenialReason::Unauthenticated => Status::unauthenticated("unauthenticated"),
-        DenialReason::PermissionDenied => Status::permission_denied("permission denied"),
+        DenialReason::Unauthenticated => crate::edge::with_reason(
+            Status::unauthenticated("unauthenticated"),
+            "UNAUTHENTICATED",
+        ),
+        DenialReason::PermissionDenied => crate::edge::with_reason(
+            Status::permission_denied("permission denied"),
+            "PERMISSION_DENIED",
+        ),
     }
 }
 

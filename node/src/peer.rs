@@ -113,8 +113,11 @@ impl PeerAuth {
         if !self.configured() || self.credentials_ok(req.metadata(), has_peer_cert(&req)) {
             return Ok(req);
         }
-        Err(tonic::Status::permission_denied(
-            "peer service: a cluster certificate or the peer secret is required",
+        Err(crate::edge::with_reason(
+            tonic::Status::permission_denied(
+                "peer service: a cluster certificate or the peer secret is required",
+            ),
+            "PEER_UNAUTHENTICATED",
         ))
     }
 }

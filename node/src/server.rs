@@ -51,13 +51,23 @@ pub struct Services {
     pub limiter: Arc<RateLimiter>,
 }
 
-fn shard_of(node: &Node, shard: ShardId) -> Result<&Shard, Status> {
+/// The shard a call names, or `NOT_FOUND` with reason `UNKNOWN_SHARD`.
+#[allow(clippy::result_large_err)]
+pub(crate) fn shard_of(node: &Node, shard: ShardId) -> Result<&Shard, Status> {
     node.shard(shard).ok_or_else(|| {
-        Status::not_found(format!(
-            "unknown shard {shard} (this cluster has {})",
-            node.shards.len()
-        ))
+        edge::with_reason(
+            Status::not_found(format!(
+                "unknown shard {shard} (this cluster has {})",
+                node.shards.len()
+            )),
+            "UNKNOWN_SHARD",
+        )
     })
+}
+
+/// An admin call's argument refused (`INVALID_ARGUMENT`, reason `INVALID_ARGUMENT`).
+fn bad_argument(m: &'static str) -> Status {
+    edge::with_reason(Status::invalid_argument(m), "INVALID_ARGUMENT")
 }
 
 /// The typed gRPC form of a proposal error.
@@ -562,21 +572,19 @@ impl Admin for Services {
         auth::require_admin(&self.node, req.metadata(), "admin:init", true)?;
         let msg = req.into_inner();
         if msg.members.is_empty() {
-            return Err(Status::invalid_argument("no members"));
+            return Err(bad_argument("no members"));
         }
         let mut members = BTreeMap::new();
         for m in msg.members.iter().cloned() {
             if m.node_id == 0 || m.addr.is_empty() {
-                return Err(Status::invalid_argument(
+                return Err(bad_argument(
                     "member ids must be positive and addresses set",
                 ));
             }
             members.insert(m.node_id, BasicNode::new(m.addr));
         }
         if !members.contains_key(&self.node.id) {
-            return Err(Status::invalid_argument(
-                "the members must include this node",
-            ));
+            return Err(bad_argument("the members must include this node"));
         }
         for id in &msg.shards {
             shard_of(&self.node, *id)?;
@@ -607,13 +615,9 @@ impl Admin for Services {
         let was_forwarded = forwarded(&req);
         auth::require_admin(&self.node, &req_meta, "admin:add_learner", false)?;
         let msg = req.into_inner();
-        let member = msg
-            .member
-            .ok_or_else(|| Status::invalid_argument("member missing"))?;
+        let member = msg.member.ok_or_else(|| bad_argument("member missing"))?;
         if member.node_id == 0 || member.addr.is_empty() {
-            return Err(Status::invalid_argument(
-                "member id must be positive and address set",
-            ));
+            return Err(bad_argument("member id must be positive and address set"));
         }
         let mut out = Vec::new();
         for s in self.target_shards(msg.shard, msg.all_shards)? {
@@ -652,7 +656,7 @@ impl Admin for Services {
         let msg = req.into_inner();
         let voters: BTreeSet<NodeId> = msg.voters.iter().copied().collect();
         if voters.is_empty() || voters.contains(&0) {
-            return Err(Status::invalid_argument(
+            return Err(bad_argument(
                 "voters must be a non-empty set of positive ids",
             ));
         }

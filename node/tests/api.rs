@@ -267,6 +267,10 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    assert_eq!(
+        e.metadata().get("allot-reason").unwrap().to_str().unwrap(),
+        "UNKNOWN_SHARD"
+    );
     // An entry with no command set.
     let e = l
         .execute(pb::ExecuteRequest {

@@ -460,6 +460,7 @@ async fn defect_3_raft_messages_cost_what_they_carry_and_need_a_peer() {
             );
         } else {
             assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+            assert_eq!(reason(&e), "PEER_UNAUTHENTICATED");
         }
     }
     // Just under the bound, from a peer: 16 at once, each refused while decoding (more
@@ -685,6 +686,7 @@ async fn unknown_tokens_are_refused_at_the_edge_and_never_proposed() {
             let r = req(77, Command::CreateOrg { org: OrgId(8) });
             let e = a.execute(bearer(exec(0, &[r]), Some(t))).await.unwrap_err();
             assert_eq!(e.code(), Code::Unauthenticated, "node {id}: {e:?}");
+            assert_eq!(reason(&e), "UNAUTHENTICATED");
         }
     }
     // Denials reach the trail (the nodes report them about once a second); no command

@@ -1625,7 +1625,11 @@ fn a_new_agent_incarnation_fences_the_old_ones_reports() {
     // The job, its hold and the node are as they were (a refusal takes an idempotency
     // record and an audit event, nothing else).
     assert_eq!(snapshot(&h), before);
-    assert_eq!(h.job(10).state, JobState::Placed, "attempt 2 awaits its runner");
+    assert_eq!(
+        h.job(10).state,
+        JobState::Placed,
+        "attempt 2 awaits its runner"
+    );
     // An operator's registration (no incarnation) renews without ending anything.
     assert_eq!(h.run(register(0)), Ok(Reply::NodeUpdated));
     assert_eq!(h.job(10).attempt, 2);
