@@ -453,9 +453,9 @@ pub struct Quota {
 }
 
 impl Default for Quota {
-    /// Sized so one tenant can run a large platform (10,000 queued jobs, 100,000 open
-    /// holds, 2,000,000 requests a day) while sixteen such tenants still fit every
-    /// shard-wide table.
+    /// Sized so one tenant can run a large platform (10,000 queued jobs, 50,000 open
+    /// holds, 1,000,000 requests a day) while sixteen such tenants still fit every
+    /// shard-wide table (the idempotency table below its operator reserve).
     fn default() -> Self {
         Quota {
             queued_max: 10_000,

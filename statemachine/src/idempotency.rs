@@ -3,7 +3,7 @@
 
 use crate::idmap::{SharedMap, SharedQueue};
 use crate::ids::{Actor, RequestId};
-use crate::limits::{IDEMPOTENCY_ENTRIES_MAX, PRUNE_PER_ENTRY_MAX};
+use crate::limits::{IDEMPOTENCY_ENTRIES_MAX, IDEMPOTENCY_RESERVED_MAX, PRUNE_PER_ENTRY_MAX};
 use crate::outcome::Outcome;
 use serde::{Deserialize, Serialize};
 
@@ -57,8 +57,10 @@ impl IdempotencyTable {
         }
     }
 
-    pub(crate) fn is_full(&self) -> bool {
-        self.records.len() >= IDEMPOTENCY_ENTRIES_MAX
+    /// Whether a new record is refused: for a tenant (`tenant`), once only the reserved
+    /// room is left; for the operator, agents and the system, at the table's bound.
+    pub(crate) fn is_full(&self, tenant: bool) -> bool {
+        full_at(self.records.len(), tenant)
     }
 
     /// Records held by `org`'s principals.
@@ -108,5 +110,35 @@ impl IdempotencyTable {
                 _ => return,
             }
         }
+    }
+}
+
+/// Whether a table of `len` records takes no new record from a tenant (`tenant`) or from
+/// anyone else.
+fn full_at(len: usize, tenant: bool) -> bool {
+    let bound = if tenant {
+        IDEMPOTENCY_ENTRIES_MAX - IDEMPOTENCY_RESERVED_MAX
+    } else {
+        IDEMPOTENCY_ENTRIES_MAX
+    };
+    len >= bound
+}
+
+#[cfg(test)]
+mod reserve_tests {
+    use super::*;
+
+    /// Tenants together stop at the reserve; the operator and agents go on to the bound.
+    #[test]
+    fn tenants_never_take_the_reserved_room() {
+        let tenants_stop = IDEMPOTENCY_ENTRIES_MAX - IDEMPOTENCY_RESERVED_MAX;
+        assert!(!full_at(tenants_stop - 1, true));
+        assert!(full_at(tenants_stop, true));
+        assert!(!full_at(tenants_stop, false));
+        assert!(!full_at(IDEMPOTENCY_ENTRIES_MAX - 1, false));
+        assert!(full_at(IDEMPOTENCY_ENTRIES_MAX, false));
+        // Sixteen orgs at the default records quota fit below the tenants' bound.
+        let quota = crate::command::Quota::default().records_max as usize;
+        assert!(16 * quota <= tenants_stop, "{}", 16 * quota);
     }
 }

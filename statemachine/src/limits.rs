@@ -35,7 +35,12 @@ pub const HOLDS_SETTLED_MAX: usize = 4_000_000;
 /// Bucket draws one hold may record (top-ups add draws).
 pub const DRAWS_PER_HOLD_MAX: usize = 64;
 /// Entries in the idempotency table per shard.
-pub const IDEMPOTENCY_ENTRIES_MAX: usize = 16_000_000;
+pub const IDEMPOTENCY_ENTRIES_MAX: usize = 18_000_000;
+/// Of those, the entries only the operator, agents and the system may take: tenants
+/// together are refused at `IDEMPOTENCY_ENTRIES_MAX - IDEMPOTENCY_RESERVED_MAX`, so
+/// however many orgs fill their quotas, agents' heartbeats and finishes and the
+/// operator's commands still apply.
+pub const IDEMPOTENCY_RESERVED_MAX: usize = 2_000_000;
 /// Idempotency records and settled-hold tombstones pruned per entry (amortised; the
 /// bound keeps one entry's apply time bounded, the rest is pruned by later entries).
 pub const PRUNE_PER_ENTRY_MAX: usize = 65_536;

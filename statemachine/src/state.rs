@@ -299,7 +299,7 @@ fn apply_request(
             return (Err(CommandError::QuotaExceeded(QuotaKind::Records)), false);
         }
     }
-    if state.idempotency.is_full() {
+    if state.idempotency.is_full(actor.org().is_some()) {
         return (
             Err(CommandError::LimitReached(Limit::IdempotencyEntries)),
             false,

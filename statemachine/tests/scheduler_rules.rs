@@ -1559,9 +1559,14 @@ fn a_new_agent_incarnation_fences_the_old_ones_reports() {
             incarnation,
         })
     };
-    h.run(register(100)).unwrap();
+    // An operator registers the node (no incarnation) and a job is placed on it; the
+    // node's first agent process adopts the placement (no earlier runner exists).
+    h.run(register(0)).unwrap();
     submit(&mut h, Harness::job_spec(10, Tier::PAID, vec![a100()], 1));
     assert_eq!((node_of(&h, 10), h.job(10).attempt), (Some(1), 1));
+    assert_eq!(h.run(register(100)), Ok(Reply::NodeUpdated));
+    assert_eq!(h.state.scheduler.node(NodeId(1)).unwrap().incarnation, 100);
+    assert_eq!((h.job(10).attempt, h.job(10).node_failures), (1, 0));
     h.advance(20_000);
     h.job_heartbeat(10, 1, 0).unwrap();
     h.advance(5_000);

@@ -965,3 +965,53 @@ fn a_preempted_job_does_not_reveal_the_other_orgs_job_to_its_tenant() {
     };
     assert_eq!(seen.preempted_for, Some((OTHER_ORG, JobId(71))));
 }
+
+/// The queue views count a tenant's own org only: another org's backlog (its volume of
+/// work, its oldest wait, its GPUs) is not the tenant's business; the operator sees all.
+#[test]
+fn a_tenants_queue_views_count_its_own_org_only() {
+    let mut h = funded();
+    // The fleet is busy with one of org 2's jobs; org 2 queues three more, org 1 one.
+    let mut big = job_in(OTHER_ORG, 80, Tier::PAID);
+    big.gpus = 8;
+    assert!(h.run_as(tenant(OTHER_ORG), Command::SubmitJob(big)).is_ok());
+    for job in 81..=83 {
+        let mut j = job_in(OTHER_ORG, job, Tier::PAID);
+        j.gpus = 8;
+        assert!(h.run_as(tenant(OTHER_ORG), Command::SubmitJob(j)).is_ok());
+    }
+    let mut mine = job_in(ORG, 90, Tier::PAID);
+    mine.gpus = 8;
+    assert!(h.run_as(tenant(ORG), Command::SubmitJob(mine)).is_ok());
+    h.advance(1_000);
+    h.tick();
+    let queued = |a: &Answer| -> u64 {
+        match a {
+            Answer::Queue(tiers) => tiers.iter().map(|t| t.queued).sum(),
+            Answer::QueueDepth(d) => d.values().map(|n| *n as u64).sum(),
+            other => panic!("{other:?}"),
+        }
+    };
+    let gpus = |a: &Answer| -> u32 {
+        match a {
+            Answer::Queue(tiers) => tiers.iter().map(|t| t.running_gpus).sum(),
+            other => panic!("{other:?}"),
+        }
+    };
+    for q in [Query::Queue, Query::QueueDepth] {
+        let operator = answer_as(&h.state, ADMIN, &q).unwrap();
+        let org1 = answer_as(&h.state, tenant(ORG), &q).unwrap();
+        let org2 = answer_as(&h.state, tenant(OTHER_ORG), &q).unwrap();
+        assert_eq!(queued(&operator), 4, "{q:?}: every org's queued jobs");
+        assert_eq!(queued(&org1), 1, "{q:?}: org 1 sees its own job only");
+        assert_eq!(queued(&org2), 3, "{q:?}: org 2 sees its own three");
+    }
+    let org1 = answer_as(&h.state, tenant(ORG), &Query::Queue).unwrap();
+    assert_eq!(
+        gpus(&org1),
+        0,
+        "org 2's running GPUs are not org 1's to see"
+    );
+    let org2 = answer_as(&h.state, tenant(OTHER_ORG), &Query::Queue).unwrap();
+    assert_eq!(gpus(&org2), 8);
+}

@@ -86,7 +86,7 @@ impl Scheduler {
                     current,
                 });
             }
-            if spec.incarnation > current {
+            if spec.incarnation > current && current != 0 {
                 // A new agent process: the previous one's runners are gone (the agent
                 // stops them before it registers), so their attempts end here, as a
                 // node failure would end them — requeued (or failed past the retry
@@ -95,6 +95,10 @@ impl Scheduler {
                 for job in n.jobs() {
                     self.node_failure(ctx, ledger, cfg, job, Reason::NodeDown);
                 }
+            }
+            if spec.incarnation > current {
+                // The first agent process of a node an operator registered (incarnation
+                // 0) adopts its placements: no runner of an earlier process exists.
                 if let Some(n) = self.nodes.get_mut(&spec.node) {
                     n.incarnation = spec.incarnation;
                 }
