@@ -382,6 +382,7 @@ async fn one_org_flooding_its_quotas_leaves_another_unharmed() {
                 users_max: 100,
                 finished_jobs_max: 100,
                 settled_holds_max: 100,
+                streams_max: 4,
             }),
         )
         .await
@@ -414,6 +415,7 @@ async fn one_org_flooding_its_quotas_leaves_another_unharmed() {
         }
     };
     let ta = tok(Scope::Org(a)).await;
+    let ta2 = tok(Scope::Org(a)).await;
     let tb = tok(Scope::Org(b)).await;
     let agent = tok(Scope::Agent(NodeId(1))).await;
     let (ca, cb, cn) = (
@@ -613,6 +615,11 @@ async fn one_org_flooding_its_quotas_leaves_another_unharmed() {
     assert!(va.used.projects <= va.quota.projects_max);
     assert!(va.used.buckets <= va.quota.buckets_max);
     assert!(va.used.principals <= va.quota.principals_max);
+    // Streams: org 4's principals together hold at most its quota's 4 open on a node
+    // (each principal alone could hold 16); org 8 still opens one; org 4's close and
+    // their places are free again.
+    let streams_of_4 = streams_within_the_org_quota(&c, &[&ta, &ta2], &tb, a, b).await;
+    assert_eq!(streams_of_4, 4);
     let median = |v: &mut Vec<Duration>| {
         v.sort();
         v[v.len() / 2]
@@ -630,6 +637,76 @@ async fn one_org_flooding_its_quotas_leaves_another_unharmed() {
             f.as_secs_f64() / q.as_secs_f64()
         );
     }
+}
+
+/// Opens `WatchEvents` streams on node 1 with `tokens` of org `a` in turn until one is
+/// refused; checks the refusal, that org `b` can still open one, and that once org
+/// `a`'s streams are dropped their places are free again. Returns how many opened.
+async fn streams_within_the_org_quota(
+    c: &LocalCluster,
+    tokens: &[&str],
+    other: &str,
+    a: OrgId,
+    b: OrgId,
+) -> usize {
+    use allot_proto::api::v1 as pb;
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{}", c.node(1).addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut api = pb::api_client::ApiClient::new(ch);
+    let watch = |token: &str, org: OrgId| {
+        let mut r = tonic::Request::new(pb::WatchEventsRequest {
+            shard: None,
+            org: Some(org.0),
+            from_seq: 0,
+        });
+        r.metadata_mut()
+            .insert("authorization", format!("Bearer {token}").parse().unwrap());
+        r
+    };
+    let open_until_refused = |api: &mut pb::api_client::ApiClient<_>| {
+        let mut api = api.clone();
+        async move {
+            let mut open = Vec::new();
+            for i in 0.. {
+                match api.watch_events(watch(tokens[i % tokens.len()], a)).await {
+                    Ok(s) => open.push(s.into_inner()),
+                    Err(e) => {
+                        assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+                        assert!(e.message().contains("org's quota"), "{e:?}");
+                        return open;
+                    }
+                }
+                assert!(open.len() <= 64, "no bound on org {a:?}'s streams");
+            }
+            unreachable!()
+        }
+    };
+    let open = open_until_refused(&mut api).await;
+    let opened = open.len();
+    let theirs = api
+        .watch_events(watch(other, b))
+        .await
+        .expect("another org's stream");
+    drop(open);
+    // The places come back as soon as the node sees the clients gone.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let again = open_until_refused(&mut api).await;
+        if again.len() == opened {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "org {a:?}'s closed streams were never released"
+        );
+        drop(again);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(theirs);
+    opened
 }
 
 fn rand_id() -> u64 {

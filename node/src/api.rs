@@ -287,9 +287,7 @@ impl Api for Services {
             crate::auth::caller(&self.node, crate::auth::bearer(&meta)?),
             "watch_events",
         )?;
-        let slot = crate::ratelimit::key_of(Some(who))
-            .map(|k| self.limiter.open_stream(k))
-            .transpose()?;
+        let slot = self.open_stream(shard, who, "watch_events")?;
         let mut applied = shard.view.applied_watch();
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         let svc = self.clone();

@@ -211,11 +211,22 @@ fn secured(node: &Node) -> bool {
 }
 
 /// Edge denials waiting to be proposed into their shard's audit trail (bounded; what
-/// does not fit is counted in the log and the `auth_denials_total` metric, not kept).
+/// does not fit is counted — one log line per shard and flush, and the
+/// `auth_denials_total` metric — not kept).
 #[derive(Default)]
 pub struct Denials {
-    pending: std::sync::Mutex<std::collections::BTreeMap<u32, Vec<Denial>>>,
+    pending: std::sync::Mutex<Pending>,
 }
+
+#[derive(Default)]
+struct Pending {
+    by_shard: std::collections::BTreeMap<u32, Vec<Denial>>,
+    /// Denials that did not fit since the last flush, per shard.
+    dropped: std::collections::BTreeMap<u32, u64>,
+}
+
+/// Denials to propose, per shard.
+type PendingDenials = Vec<(u32, Vec<Denial>)>;
 
 /// Denials kept per shard between two flushes.
 const PENDING_PER_SHARD_MAX: usize = 1024;
@@ -223,21 +234,18 @@ const PENDING_PER_SHARD_MAX: usize = 1024;
 impl Denials {
     pub fn record(&self, shard: u32, d: Denial) {
         let mut g = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        let v = g.entry(shard).or_default();
+        let v = g.by_shard.entry(shard).or_default();
         if v.len() < PENDING_PER_SHARD_MAX {
             v.push(d);
         } else {
-            tracing::warn!(
-                shard,
-                "denial buffer full: a denial is logged but not audited"
-            );
+            *g.dropped.entry(shard).or_default() += 1;
         }
     }
 
-    fn take(&self) -> Vec<(u32, Vec<Denial>)> {
-        std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()))
-            .into_iter()
-            .collect()
+    /// The buffered denials per shard, and how many did not fit, since the last take.
+    fn take(&self) -> (PendingDenials, Vec<(u32, u64)>) {
+        let p = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
+        (p.by_shard.into_iter().collect(), p.dropped.into_iter().collect())
     }
 }
 
@@ -249,7 +257,15 @@ pub async fn flush_denials(node: std::sync::Weak<Node>) {
     loop {
         every.tick().await;
         let Some(node) = node.upgrade() else { return };
-        for (shard, denials) in node.denials.take() {
+        let (pending, dropped) = node.denials.take();
+        for (shard, n) in dropped {
+            tracing::warn!(
+                shard,
+                dropped = n,
+                "denial buffer full: denials logged and counted but not audited"
+            );
+        }
+        for (shard, denials) in pending {
             for chunk in denials.chunks(allot_statemachine::limits::DENIALS_PER_RECORD_MAX) {
                 if let Err(e) = report(&node, shard, node.id, chunk.to_vec()).await {
                     tracing::warn!(shard, error = %e, n = chunk.len(), "denials not audited");
@@ -302,6 +318,28 @@ pub async fn report(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_denial_buffer_is_bounded_and_counts_what_it_drops() {
+        use allot_statemachine::{Actor, Denial, DenialReason};
+        let d = super::Denials::default();
+        let denial = || Denial {
+            actor: Actor::Anonymous,
+            api: "query".into(),
+            reason: DenialReason::Unauthenticated,
+        };
+        for _ in 0..super::PENDING_PER_SHARD_MAX + 10 {
+            d.record(3, denial());
+        }
+        d.record(4, denial());
+        let (pending, dropped) = d.take();
+        let kept: Vec<_> = pending.iter().map(|(s, v)| (*s, v.len())).collect();
+        assert_eq!(kept, vec![(3, super::PENDING_PER_SHARD_MAX), (4, 1)]);
+        assert_eq!(dropped, vec![(3, 10)]);
+        // Taken: the next flush starts empty.
+        let (pending, dropped) = d.take();
+        assert!(pending.is_empty() && dropped.is_empty());
+    }
+
     use super::*;
     use allot_statemachine::{apply, Entry, State};
 

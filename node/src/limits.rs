@@ -47,9 +47,11 @@ pub const RAFT_MESSAGES_IN_FLIGHT_MAX: usize = 16;
 /// Most events in one audit page, and most events one audit call looks at.
 pub const AUDIT_PAGE_MAX: usize = 10_000;
 pub const AUDIT_SCAN_MAX: usize = 100_000;
-/// Concurrent server streams (`WatchAssignments`) per tenant (an org, whichever of its
-/// tokens; an agent node; an admin principal), and per node.
-pub const STREAMS_PER_TENANT_MAX: usize = 16;
+/// Concurrent server streams (`WatchEvents`, `WatchAssignments`) per principal (a
+/// token's identity; an agent's node) on one node. An org's principals together are
+/// also bounded by its quota's `streams_max` (admin-settable, default 64); the node by
+/// `STREAMS_PER_NODE_MAX`.
+pub const STREAMS_PER_PRINCIPAL_MAX: usize = 16;
 pub const STREAMS_PER_NODE_MAX: usize = 4096;
 /// gRPC/HTTP2: concurrent calls per connection, and header bytes per request.
 pub const CONCURRENT_STREAMS_PER_CONNECTION_MAX: u32 = 256;

@@ -3,7 +3,7 @@
 
 use allot_node::node::{Node, NodeConfig, RaftTimings};
 use allot_node::proposer::ProposerConfig;
-use allot_node::ratelimit::RateLimiter;
+use allot_node::ratelimit::{RateLimiter, DEFAULT_LIMITS};
 use allot_node::serve::{serve, shutdown_signal};
 use allot_proto::admin_client::AdminClient;
 use allot_proto::StatusRequest;
@@ -152,23 +152,27 @@ struct RunArgs {
     clock_slew_ppm: u64,
     /// Write requests per second per tenant (an org, whichever of its tokens it uses;
     /// an agent's node) at this node's edge (0 disables).
-    #[arg(long, env = "ALLOT_RATE_LIMIT", default_value_t = 2_000)]
+    #[arg(long, env = "ALLOT_RATE_LIMIT", default_value_t = DEFAULT_LIMITS.write.per_sec)]
     rate_limit: u32,
     /// Writes a tenant may send at once above its rate.
-    #[arg(long, env = "ALLOT_RATE_BURST", default_value_t = 20_000)]
+    #[arg(long, env = "ALLOT_RATE_BURST", default_value_t = DEFAULT_LIMITS.write.burst)]
     rate_burst: u32,
     /// Reads (queries, audit pages, stream opens, status) per second per tenant (0
     /// disables).
-    #[arg(long, env = "ALLOT_READ_RATE_LIMIT", default_value_t = 1_000)]
+    #[arg(long, env = "ALLOT_READ_RATE_LIMIT", default_value_t = DEFAULT_LIMITS.read.per_sec)]
     read_rate_limit: u32,
-    #[arg(long, env = "ALLOT_READ_RATE_BURST", default_value_t = 5_000)]
+    #[arg(long, env = "ALLOT_READ_RATE_BURST", default_value_t = DEFAULT_LIMITS.read.burst)]
     read_rate_burst: u32,
     /// Calls per second of each admin principal (0: not limited).
-    #[arg(long, env = "ALLOT_ADMIN_RATE_LIMIT", default_value_t = 0)]
+    #[arg(long, env = "ALLOT_ADMIN_RATE_LIMIT", default_value_t = DEFAULT_LIMITS.admin.per_sec)]
     admin_rate_limit: u32,
     /// Calls per second, all together, whose credentials do not resolve here (0
     /// disables).
-    #[arg(long, env = "ALLOT_UNAUTHENTICATED_RATE_LIMIT", default_value_t = 200)]
+    #[arg(
+        long,
+        env = "ALLOT_UNAUTHENTICATED_RATE_LIMIT",
+        default_value_t = DEFAULT_LIMITS.unresolved.per_sec
+    )]
     unauthenticated_rate_limit: u32,
     /// A secret every node of the cluster presents to its peers (a file holding at least
     /// 22 printable characters, the same on every node). Peers are then authenticated
@@ -373,15 +377,13 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
             _ => None,
         },
     };
-    let rate = |per_sec: u32, burst: u32| allot_node::ratelimit::Rate { per_sec, burst };
+    use allot_node::ratelimit::Rate;
+    let rate = |per_sec: u32, burst: u32| Rate { per_sec, burst };
     let limits = allot_node::ratelimit::Limits {
         write: rate(a.rate_limit, a.rate_burst),
         read: rate(a.read_rate_limit, a.read_rate_burst),
-        admin: rate(a.admin_rate_limit, a.admin_rate_limit.saturating_mul(5)),
-        unresolved: rate(
-            a.unauthenticated_rate_limit,
-            a.unauthenticated_rate_limit.saturating_mul(5),
-        ),
+        admin: Rate::with_short_burst(a.admin_rate_limit),
+        unresolved: Rate::with_short_burst(a.unauthenticated_rate_limit),
     };
     let node = Node::start(config).await?;
     tracing::info!(

@@ -493,3 +493,191 @@ impl SnapshotReceiver {
         Ok(None)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The guards on what peers answer (our own AppendEntries, votes and snapshots):
+    //! each refusal and each answer a correct peer gives.
+    use super::*;
+    use openraft::CommittedLeaderId;
+
+    const ME: NodeId = 1;
+
+    fn log_id(term: u64, node: NodeId, index: u64) -> LogId {
+        LogId::new(CommittedLeaderId::new(term, node), index)
+    }
+
+    fn leader(term: u64) -> Vote {
+        Vote::new_committed(term, ME)
+    }
+
+    #[test]
+    fn append_answers() {
+        let vote = leader(5);
+        let prev = Some(log_id(5, ME, 10));
+        let sent = [log_id(5, ME, 11), log_id(5, ME, 12)];
+        let check = |r: AppendEntriesResponse<NodeId>, acked: Option<LogId>| {
+            check_append_response(&r, &vote, ME, prev, &sent, acked)
+        };
+        assert!(check(AppendEntriesResponse::Success, None).is_ok());
+        // A partial success names what we sent (or the prefix), nothing else.
+        assert!(check(AppendEntriesResponse::PartialSuccess(Some(sent[0])), None).is_ok());
+        assert!(check(AppendEntriesResponse::PartialSuccess(prev), None).is_ok());
+        assert!(check(
+            AppendEntriesResponse::PartialSuccess(Some(log_id(5, ME, 99))),
+            None
+        )
+        .is_err());
+        assert!(check(AppendEntriesResponse::PartialSuccess(None), None).is_err());
+        // A conflict above what the peer acknowledged is real; at or below, a lie.
+        assert!(check(AppendEntriesResponse::Conflict, Some(log_id(5, ME, 9))).is_ok());
+        assert!(check(AppendEntriesResponse::Conflict, Some(log_id(5, ME, 10))).is_err());
+        assert!(check(AppendEntriesResponse::Conflict, Some(log_id(5, ME, 12))).is_err());
+        assert!(check_append_response(
+            &AppendEntriesResponse::Conflict,
+            &vote,
+            ME,
+            None,
+            &sent,
+            None
+        )
+        .is_err());
+        // A higher vote must be higher, in range and not in our name.
+        assert!(check(AppendEntriesResponse::HigherVote(Vote::new(6, 2)), None).is_ok());
+        assert!(check(AppendEntriesResponse::HigherVote(Vote::new(4, 2)), None).is_err());
+        assert!(check(AppendEntriesResponse::HigherVote(leader(5)), None).is_err());
+        assert!(check(AppendEntriesResponse::HigherVote(Vote::new(7, ME)), None).is_err());
+        assert!(check(
+            AppendEntriesResponse::HigherVote(Vote::new(TERM_MAX + 1, 2)),
+            None
+        )
+        .is_err());
+        assert!(check(
+            AppendEntriesResponse::HigherVote(Vote::new(u64::MAX, 2)),
+            None
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn vote_answers() {
+        let req = VoteRequest::new(Vote::new(5, ME), Some(log_id(4, 2, 10)));
+        let answer = |vote: Vote, granted: bool, last: Option<LogId>| VoteResponse {
+            vote,
+            vote_granted: granted,
+            last_log_id: last,
+        };
+        // Granted: our own vote back. Refused: the voter's own, higher or not.
+        assert!(check_vote_response(&answer(Vote::new(5, ME), true, None), &req, ME).is_ok());
+        assert!(check_vote_response(
+            &answer(Vote::new(6, 3), false, Some(log_id(6, 3, 20))),
+            &req,
+            ME
+        )
+        .is_ok());
+        // A vote in our name we did not ask for, a term or index out of range: refused.
+        assert!(check_vote_response(&answer(Vote::new(9, ME), true, None), &req, ME).is_err());
+        assert!(
+            check_vote_response(&answer(Vote::new(u64::MAX, 3), false, None), &req, ME).is_err()
+        );
+        assert!(check_vote_response(
+            &answer(Vote::new(6, 3), false, Some(log_id(6, 3, INDEX_MAX + 1))),
+            &req,
+            ME
+        )
+        .is_err());
+        assert!(check_vote_response(
+            &answer(Vote::new(6, 3), false, Some(log_id(TERM_MAX + 1, 3, 1))),
+            &req,
+            ME
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn vote_requests() {
+        assert!(check_vote_request(&VoteRequest::new(Vote::new(5, 2), None), ME).is_ok());
+        // Committed (a candidate has none), in our name, or out of range: refused.
+        assert!(
+            check_vote_request(&VoteRequest::new(Vote::new_committed(5, 2), None), ME).is_err()
+        );
+        assert!(check_vote_request(&VoteRequest::new(Vote::new(5, ME), None), ME).is_err());
+        assert!(check_vote_request(&VoteRequest::new(Vote::new(u64::MAX, 2), None), ME).is_err());
+        let far = Some(log_id(3, 2, u64::MAX));
+        assert!(check_vote_request(&VoteRequest::new(Vote::new(5, 2), far), ME).is_err());
+    }
+
+    #[test]
+    fn snapshot_answers() {
+        let ours = leader(5);
+        assert!(check_snapshot_response(&ours, &ours, ME).is_ok());
+        assert!(check_snapshot_response(&Vote::new(6, 2), &ours, ME).is_ok());
+        assert!(check_snapshot_response(&Vote::new(6, ME), &ours, ME).is_err());
+        assert!(check_snapshot_response(&Vote::new(u64::MAX, 2), &ours, ME).is_err());
+    }
+
+    fn chunk(id: &str, offset: u64, total: u64, data: &[u8]) -> SnapshotChunk {
+        SnapshotChunk {
+            vote: Vote::new_committed(5, 2),
+            meta: SnapshotMeta {
+                last_log_id: Some(log_id(5, 2, 10)),
+                last_membership: Default::default(),
+                snapshot_id: id.into(),
+            },
+            total_bytes: total,
+            offset,
+            data: data.to_vec(),
+        }
+    }
+
+    #[test]
+    fn snapshots_arrive_in_order_or_not_at_all() {
+        let mut r = SnapshotReceiver::default();
+        // A chunk past the start with nothing begun: refused, nothing kept.
+        assert_eq!(
+            r.receive(chunk("a", 4, 8, b"5678")),
+            Err(ChunkError::OutOfOrder {
+                got: 4,
+                expected: 0
+            })
+        );
+        assert_eq!(r.receive(chunk("a", 0, 8, b"1234")), Ok(None));
+        // A gap, a repeat, or another snapshot's chunk: refused; the first stays.
+        assert!(r.receive(chunk("a", 6, 8, b"78")).is_err());
+        assert!(r.receive(chunk("a", 0, 9, b"1")).is_ok_and(|d| d.is_none()));
+        assert_eq!(
+            r.receive(chunk("b", 1, 9, b"2")),
+            Err(ChunkError::OutOfOrder {
+                got: 1,
+                expected: 0
+            })
+        );
+        // Starting again at 0 replaces what was received; completes in order.
+        assert_eq!(r.receive(chunk("a", 0, 8, b"1234")), Ok(None));
+        assert_eq!(
+            r.receive(chunk("a", 4, 8, b"5678")),
+            Ok(Some(b"12345678".to_vec()))
+        );
+        // Done: a further chunk of it begins nothing.
+        assert!(r.receive(chunk("a", 4, 8, b"5678")).is_err());
+    }
+
+    #[test]
+    fn snapshot_chunks_within_the_declared_size_and_the_bound() {
+        let committed = Some(log_id(5, 2, 10));
+        let c = |offset: u64, total: u64, len: usize| {
+            let mut c = chunk("a", offset, total, &vec![0; len]);
+            c.meta.last_membership = crate::types::StoredMembership::new(
+                Some(log_id(1, 2, 1)),
+                Membership::new(vec![[1, 2, 3].into()], None),
+            );
+            c
+        };
+        assert!(check_snapshot_chunk(&c(0, 8, 8), ME, committed.as_ref()).is_ok());
+        assert!(check_snapshot_chunk(&c(4, 8, 8), ME, committed.as_ref()).is_err());
+        assert!(check_snapshot_chunk(&c(u64::MAX, 8, 1), ME, committed.as_ref()).is_err());
+        assert!(
+            check_snapshot_chunk(&c(0, SNAPSHOT_BYTES_MAX + 1, 1), ME, committed.as_ref()).is_err()
+        );
+    }
+}

@@ -1,6 +1,7 @@
 //! Per-tenant limits at the gRPC edge, on by default: token buckets for writes
-//! (`Execute` requests) and for reads (queries, audit pages, stream opens, status), and a
-//! bound on concurrent streams. A tenant is an org — whichever of its tokens (org,
+//! (`Execute` requests) and for reads (queries, audit pages, stream opens, status), and
+//! bounds on concurrent streams (per principal, per org — its quota's `streams_max` —
+//! and per node). A tenant is an org — whichever of its tokens (org,
 //! project) it uses —, an agent's node, or an admin principal; callers whose token does
 //! not resolve on this replica share one bucket. Over its limit a caller gets
 //! `RESOURCE_EXHAUSTED` with `retry-after-ms` and reason `RATE_LIMITED`, before
@@ -8,7 +9,7 @@
 //! receives; a call forwarded by an authenticated peer was limited there).
 
 use crate::edge::with_reason;
-use crate::limits::{STREAMS_PER_NODE_MAX, STREAMS_PER_TENANT_MAX};
+use crate::limits::{STREAMS_PER_NODE_MAX, STREAMS_PER_PRINCIPAL_MAX};
 use crate::server::RETRY_AFTER_MS;
 use allot_statemachine::Actor;
 use std::collections::HashMap;
@@ -25,6 +26,8 @@ pub enum Key {
     Admin(u64),
     /// Every caller whose credentials did not resolve on this replica, together.
     Unresolved,
+    /// One principal (stream bounds: each of an org's tokens' identities).
+    Principal(u64),
 }
 
 /// The limit key of a resolved actor (`None`: unresolved). The node's own `System`
@@ -54,7 +57,21 @@ pub struct Rate {
     pub burst: u32,
 }
 
-/// The node's limits (`allot-node run --rate-limit ...`).
+impl Rate {
+    /// A rate whose burst is [`SHORT_BURST_SECS`] of it (admins, unresolved callers).
+    pub const fn with_short_burst(per_sec: u32) -> Rate {
+        Rate {
+            per_sec,
+            burst: per_sec.saturating_mul(SHORT_BURST_SECS),
+        }
+    }
+}
+
+/// Seconds of their rate admins and unresolved callers may send at once.
+pub const SHORT_BURST_SECS: u32 = 5;
+
+/// The node's limits (`allot-node run --rate-limit ...`; the flags' defaults are
+/// [`Limits::default`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
     /// Write requests per tenant (org, agent node).
@@ -67,30 +84,27 @@ pub struct Limits {
     pub unresolved: Rate,
 }
 
+/// The defaults (the node's flags default to these). Sized for the seed's load: tens
+/// of thousands of accounts, one heartbeat per running job every 30–60 s, an
+/// enterprise that submits 10,000 jobs at once (the write burst takes them in one go;
+/// the sustained rate is 6–12× the job heartbeats of a tenant running 10,000 jobs).
+/// Admins are not limited by default.
+pub const DEFAULT_LIMITS: Limits = Limits {
+    write: Rate {
+        per_sec: 2_000,
+        burst: 20_000,
+    },
+    read: Rate {
+        per_sec: 1_000,
+        burst: 5_000,
+    },
+    admin: Rate::with_short_burst(0),
+    unresolved: Rate::with_short_burst(200),
+};
+
 impl Default for Limits {
-    /// Sized for the seed's load: tens of thousands of accounts, one heartbeat per
-    /// running job every 30–60 s, an enterprise that submits 10,000 jobs at once (the
-    /// write burst takes them in one go; the sustained rate is ~100× the heartbeats of
-    /// a tenant running 10,000 jobs). Admins are not limited by default.
     fn default() -> Self {
-        Limits {
-            write: Rate {
-                per_sec: 2_000,
-                burst: 20_000,
-            },
-            read: Rate {
-                per_sec: 1_000,
-                burst: 5_000,
-            },
-            admin: Rate {
-                per_sec: 0,
-                burst: 0,
-            },
-            unresolved: Rate {
-                per_sec: 200,
-                burst: 1_000,
-            },
-        }
+        DEFAULT_LIMITS
     }
 }
 
@@ -118,7 +132,7 @@ struct StreamCounts {
 /// An open stream's place; released when dropped (the stream ended or its client left).
 #[derive(Debug)]
 pub struct StreamSlot {
-    key: Key,
+    keys: Vec<Key>,
     counts: Arc<Mutex<StreamCounts>>,
 }
 
@@ -126,13 +140,44 @@ impl Drop for StreamSlot {
     fn drop(&mut self) {
         let mut c = self.counts.lock().unwrap_or_else(|p| p.into_inner());
         c.total = c.total.saturating_sub(1);
-        if let Some(n) = c.by_key.get_mut(&self.key) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                c.by_key.remove(&self.key);
+        for key in &self.keys {
+            if let Some(n) = c.by_key.get_mut(key) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    c.by_key.remove(key);
+                }
             }
         }
     }
+}
+
+/// What one open stream counts against, each with its bound: the principal (an agent's
+/// node), and for a tenant its org with the org's `streams_max` (`org_streams_max`).
+/// `None` for the node's own `System` actor.
+pub fn stream_keys(who: Actor, org_streams_max: Option<u32>) -> Option<Vec<(Key, usize)>> {
+    let principal =
+        |p: allot_statemachine::PrincipalId| (Key::Principal(p.0), STREAMS_PER_PRINCIPAL_MAX);
+    Some(match who {
+        Actor::Tenant { org, principal: p }
+        | Actor::Project {
+            org, principal: p, ..
+        }
+        | Actor::User {
+            org, principal: p, ..
+        } => vec![
+            principal(p),
+            (
+                Key::Org(org.0),
+                org_streams_max.map_or(STREAMS_PER_PRINCIPAL_MAX, |m| m as usize),
+            ),
+        ],
+        Actor::Admin(p) => vec![principal(p)],
+        Actor::Agent(n) => vec![(Key::Agent(n.0), STREAMS_PER_PRINCIPAL_MAX)],
+        Actor::System => return None,
+        Actor::Anonymous | Actor::Bearer(_) => {
+            vec![(Key::Unresolved, STREAMS_PER_PRINCIPAL_MAX)]
+        }
+    })
 }
 
 fn exhausted(what: &str, retry_after_ms: u64) -> Status {
@@ -227,19 +272,30 @@ impl RateLimiter {
         Ok(())
     }
 
-    /// A place for one more open stream of `key`, within [`STREAMS_PER_TENANT_MAX`]
-    /// and [`STREAMS_PER_NODE_MAX`].
+    /// A place for one more open stream, within each of `keys`' bounds (see
+    /// [`stream_keys`]) and [`STREAMS_PER_NODE_MAX`]; all or none.
     #[allow(clippy::result_large_err)]
-    pub fn open_stream(&self, key: Key) -> Result<StreamSlot, Status> {
+    pub fn open_stream(&self, keys: &[(Key, usize)]) -> Result<StreamSlot, Status> {
         let mut c = self.streams.lock().unwrap_or_else(|p| p.into_inner());
-        let mine = c.by_key.get(&key).copied().unwrap_or(0);
-        if mine >= STREAMS_PER_TENANT_MAX || c.total >= STREAMS_PER_NODE_MAX {
-            return Err(exhausted("too many open streams", 1_000));
+        if c.total >= STREAMS_PER_NODE_MAX {
+            return Err(exhausted("too many open streams on this node", 1_000));
+        }
+        if let Some((key, max)) = keys
+            .iter()
+            .find(|(k, max)| c.by_key.get(k).copied().unwrap_or(0) >= *max)
+        {
+            let what = match key {
+                Key::Org(_) => format!("the org's quota of {max} open streams is in use"),
+                _ => format!("at most {max} open streams per principal"),
+            };
+            return Err(exhausted(&what, 1_000));
         }
         c.total += 1;
-        *c.by_key.entry(key).or_insert(0) += 1;
+        for (key, _) in keys {
+            *c.by_key.entry(*key).or_insert(0) += 1;
+        }
         Ok(StreamSlot {
-            key,
+            keys: keys.iter().map(|(k, _)| *k).collect(),
             counts: self.streams.clone(),
         })
     }
@@ -284,6 +340,41 @@ mod tests {
         assert!(l.admit(Class::Write, &[(Key::Org(1), 2)]).is_ok());
     }
 
+    /// The defaults are on, and sized for the seed's load: an enterprise submitting
+    /// 10,000 jobs at once fits the write burst; 10,000 running jobs, each with a job
+    /// and a node heartbeat every 30 s, use a third of the sustained write rate; an
+    /// agent's or a dashboard's polling fits the reads.
+    #[test]
+    fn the_defaults_are_on_and_fit_the_seed_load() {
+        let d = Limits::default();
+        assert!(d.write.burst >= 10_000, "{d:?}");
+        let heartbeats_per_sec = 10_000 * 2 / 30;
+        assert!(d.write.per_sec >= 3 * heartbeats_per_sec, "{d:?}");
+        assert!(
+            d.read.per_sec >= 100 && d.read.burst >= d.read.per_sec,
+            "{d:?}"
+        );
+        // Unresolved callers are limited (together); admins are not, by default.
+        assert!(d.unresolved.per_sec > 0 && d.unresolved.per_sec < d.write.per_sec);
+        assert_eq!(d.unresolved.burst, d.unresolved.per_sec * SHORT_BURST_SECS);
+        assert_eq!(d.admin.per_sec, 0);
+        // Over a second of the default write rate with no burst left: refused.
+        let l = RateLimiter::new(d);
+        let org = Key::Org(1);
+        assert!(l.admit(Class::Write, &[(org, d.write.burst)]).is_ok());
+        let e = l
+            .admit(Class::Write, &[(org, d.write.per_sec)])
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted);
+        assert!(l.admit(Class::Read, &[(org, d.read.burst)]).is_ok());
+        assert!(l.admit(Class::Read, &[(org, d.read.per_sec)]).is_err());
+        let anyone = Key::Unresolved;
+        assert!(l
+            .admit(Class::Read, &[(anyone, d.unresolved.burst + 1)])
+            .is_err());
+        assert!(l.admit(Class::Write, &[(Key::Admin(1), u32::MAX)]).is_ok());
+    }
+
     #[test]
     fn an_org_is_one_tenant_whatever_token_it_uses() {
         use allot_statemachine::{OrgId, PrincipalId, ProjectId};
@@ -302,17 +393,63 @@ mod tests {
     }
 
     #[test]
-    fn streams_are_bounded_per_tenant_and_released_on_drop() {
+    fn streams_are_bounded_per_principal_and_org_and_released_on_drop() {
+        use allot_statemachine::{NodeId, OrgId, PrincipalId, ProjectId};
         let l = limiter(0, 0);
-        let slots: Vec<_> = (0..STREAMS_PER_TENANT_MAX)
-            .map(|_| l.open_stream(Key::Agent(1)).unwrap())
+        let agent = |n| stream_keys(Actor::Agent(NodeId(n)), None).unwrap();
+        let slots: Vec<_> = (0..STREAMS_PER_PRINCIPAL_MAX)
+            .map(|_| l.open_stream(&agent(1)).unwrap())
             .collect();
         assert_eq!(
-            l.open_stream(Key::Agent(1)).unwrap_err().code(),
+            l.open_stream(&agent(1)).unwrap_err().code(),
             tonic::Code::ResourceExhausted
         );
-        assert!(l.open_stream(Key::Agent(2)).is_ok());
+        assert!(l.open_stream(&agent(2)).is_ok());
         drop(slots);
-        assert!(l.open_stream(Key::Agent(1)).is_ok());
+        assert!(l.open_stream(&agent(1)).is_ok());
+
+        // An org's principals share its quota; each is also bounded alone.
+        let project = |p| {
+            stream_keys(
+                Actor::Project {
+                    org: OrgId(7),
+                    project: ProjectId(70),
+                    principal: PrincipalId(p),
+                },
+                Some(20),
+            )
+            .unwrap()
+        };
+        let first: Vec<_> = (0..STREAMS_PER_PRINCIPAL_MAX)
+            .map(|_| l.open_stream(&project(1)).unwrap())
+            .collect();
+        let e = l.open_stream(&project(1)).unwrap_err();
+        assert!(e.message().contains("per principal"), "{e:?}");
+        let second: Vec<_> = (0..20 - STREAMS_PER_PRINCIPAL_MAX)
+            .map(|_| l.open_stream(&project(2)).unwrap())
+            .collect();
+        let e = l.open_stream(&project(3)).unwrap_err();
+        assert!(e.message().contains("org's quota"), "{e:?}");
+        // Another org is not affected; a refused open took nothing.
+        let other = stream_keys(
+            Actor::Tenant {
+                org: OrgId(8),
+                principal: PrincipalId(9),
+            },
+            Some(1),
+        )
+        .unwrap();
+        let one = l.open_stream(&other).unwrap();
+        assert!(l.open_stream(&other).is_err());
+        drop(one);
+        drop(second);
+        assert!(l.open_stream(&project(3)).is_ok());
+        drop(first);
+        assert!(!l
+            .streams
+            .lock()
+            .unwrap()
+            .by_key
+            .contains_key(&Key::Principal(1)));
     }
 }

@@ -396,6 +396,37 @@ fn whole_shard(q: &Query) -> bool {
 }
 
 /// Runs `f` when dropped.
+impl Services {
+    /// A place for one more server stream of `who` on `shard`: bounded per principal,
+    /// per org (its quota's `streams_max` on this shard) and per node. The slot is
+    /// released when the stream's task ends, which it does as soon as the client goes.
+    #[allow(clippy::result_large_err)]
+    pub(crate) fn open_stream(
+        &self,
+        shard: &crate::node::Shard,
+        who: Actor,
+        api: &str,
+    ) -> Result<Option<crate::ratelimit::StreamSlot>, Status> {
+        let org_max = who.org().map(|org| {
+            let g = shard.view.read();
+            g.state
+                .scheduler
+                .quota(&g.state.config.scheduler, org)
+                .streams_max
+        });
+        crate::ratelimit::stream_keys(who, org_max)
+            .map(|keys| self.limiter.open_stream(&keys))
+            .transpose()
+            .inspect_err(|_| {
+                self.node
+                    .metrics
+                    .refusals
+                    .with_label_values(&[api, "streams"])
+                    .inc()
+            })
+    }
+}
+
 pub(crate) fn scopeguard(f: impl FnOnce()) -> impl Drop {
     struct Guard<F: FnOnce()>(Option<F>);
     impl<F: FnOnce()> Drop for Guard<F> {
@@ -440,18 +471,7 @@ impl Services {
                 ))
             }
         }
-        // A bounded number of open streams per principal; the slot is released when
-        // the stream's task ends, which it does as soon as the client goes away.
-        let slot = key_of(Some(who))
-            .map(|k| self.limiter.open_stream(k))
-            .transpose()
-            .inspect_err(|_| {
-                self.node
-                    .metrics
-                    .refusals
-                    .with_label_values(&["watch_assignments", "streams"])
-                    .inc()
-            })?;
+        let slot = self.open_stream(shard, who, "watch_assignments")?;
         let view = shard.view.clone();
         let mut applied = view.applied_watch();
         let (tx, rx) = tokio::sync::mpsc::channel(16);

@@ -634,7 +634,7 @@ async fn defect_6_cancelled_streams_are_released_at_once() {
     };
     // 200 rounds of the principal's whole allowance, each cancelled: none is refused,
     // so each was released before the next round.
-    let per = allot_node::limits::STREAMS_PER_TENANT_MAX;
+    let per = allot_node::limits::STREAMS_PER_PRINCIPAL_MAX;
     for round in 0..200 {
         let mut open = Vec::new();
         for _ in 0..per {
@@ -697,41 +697,134 @@ async fn unknown_tokens_are_refused_at_the_edge_and_never_proposed() {
     h.assert_all_running();
 }
 
-/// The largest legal command of every kind fits `COMMAND_BYTES_MAX`; the largest ones
-/// a caller can send commit within a second, alone and as calls that fill whole batches
-/// — several at once — and the shard keeps committing afterwards.
+/// Reads are rate-limited per org by default (the node's own defaults, no flags): a
+/// tenant's queries past the read burst get `RESOURCE_EXHAUSTED` with a retry hint,
+/// whichever of its tokens it uses and whether or not it claims to be forwarded;
+/// another org's reads still pass meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_are_rate_limited_per_org_by_default() {
+    use allot_node::ratelimit::DEFAULT_LIMITS;
+    let mut h = secured(1).await;
+    for org in [7, 8] {
+        h.admin.create_org(OrgId(org)).await.unwrap();
+    }
+    let token = |p, org| {
+        h.admin
+            .create_token(PrincipalId(p), Scope::Org(OrgId(org)), None)
+    };
+    let (t7a, t7b, t8) = (
+        token(70, 7).await.unwrap(),
+        token(71, 7).await.unwrap(),
+        token(80, 8).await.unwrap(),
+    );
+    let query = |org: u64, t: &str, forwarded: bool| {
+        let mut r = bearer(
+            pb::QueryRequest {
+                read: Some(pb::Read {
+                    shard: Some(0),
+                    stale_ok: true,
+                }),
+                query: Some(pb::query_request::Query::Balance(pb::BalanceQuery {
+                    org,
+                    account: Some(pb::Account {
+                        org: Some(org),
+                        project: None,
+                    }),
+                    horizon_ms: 0,
+                })),
+            },
+            Some(t),
+        );
+        if forwarded {
+            r.metadata_mut()
+                .insert(allot_proto::meta::FORWARDED, "1".parse().unwrap());
+        }
+        r
+    };
+    let mut a = api(channel(&h.addr(1)).await);
+    let started = Instant::now();
+    let mut passed = 0u64;
+    let refusal = loop {
+        // Two tokens of org 7, some calls claiming to be forwarded: one bucket.
+        let (t, fwd) = match passed % 3 {
+            0 => (&t7a, false),
+            1 => (&t7b, false),
+            _ => (&t7a, true),
+        };
+        match a.query(query(7, t, fwd)).await {
+            Ok(_) => passed += 1,
+            Err(e) => break e,
+        }
+        assert!(passed < 100_000, "org 7's reads were never limited");
+    };
+    let took = started.elapsed();
+    assert_eq!(refusal.code(), Code::ResourceExhausted, "{refusal:?}");
+    assert_eq!(reason(&refusal), "RATE_LIMITED");
+    assert!(refusal
+        .metadata()
+        .get(allot_proto::meta::RETRY_AFTER_MS)
+        .is_some());
+    // The burst, plus what the rate refilled while the loop ran.
+    let r = DEFAULT_LIMITS.read;
+    let most = r.burst as u64 + (took.as_secs_f64() * r.per_sec as f64).ceil() as u64 + 1;
+    eprintln!(
+        "org 7: {passed} reads passed in {took:?} before the limit (burst {}, {}/s)",
+        r.burst, r.per_sec
+    );
+    assert!(
+        passed >= r.burst as u64 && passed <= most,
+        "{passed} reads (at most {most})"
+    );
+    // Org 8 is another bucket.
+    a.query(query(8, &t8, false))
+        .await
+        .expect("another org reads");
+    h.assert_all_running();
+}
+
+/// The largest legal commands commit within a second, alone and as calls that fill
+/// whole batches — several at once — and the shard keeps committing afterwards. Two
+/// paths: the largest a caller can send (`testkit::largest_commands` without the
+/// node's own `RecordDenials`: an admin's `SetPlan`), and the largest of all, a full
+/// `RecordDenials`, which only a peer proposes (its edge denials).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_largest_legal_commands_commit_within_a_second() {
     let mut h = secured(1).await;
-    let label = "k".repeat(limits::LABEL_LEN_MAX);
-    let largest_node = |n: u64| NodeSpec {
-        node: NodeId(n),
-        gpu_type: GpuType::new(&"H".repeat(limits::GPU_TYPE_LEN_MAX)),
-        gpu_count: limits::GPUS_PER_NODE_MAX,
-        gpu_mem_gb: limits::GPU_MEM_GB_MAX,
-        labels: (0..limits::LABELS_PER_NODE_MAX)
-            .map(|i| (format!("{i:0>64}"), label.clone()))
-            .collect(),
-        incarnation: 0,
-    };
-    let one = Command::RegisterNode(largest_node(1));
-    let size = codec::encoded_len(&one) as usize;
+    let callers_largest = testkit::largest_commands()
+        .into_iter()
+        .filter(|c| !matches!(c, Command::RecordDenials { .. }))
+        .max_by_key(codec::encoded_len)
+        .unwrap();
+    let size = codec::encoded_len(&callers_largest) as usize;
     assert!(size <= COMMAND_BYTES_MAX, "{size}");
-    eprintln!("largest RegisterNode: {size} bytes (bound {COMMAND_BYTES_MAX})");
+    eprintln!(
+        "largest caller command: {} of {size} bytes (bound {COMMAND_BYTES_MAX})",
+        callers_largest.name()
+    );
+    // Apply may refuse it (its ids are the largest legal ones, unknown here): what is
+    // timed is the commit; a refusal for its size would mean it never was legal.
+    let not_too_big =
+        |o: &Result<Reply, CommandError>| !matches!(o, Err(CommandError::LimitReached(_)));
     let started = Instant::now();
-    h.admin.register_node(0, largest_node(1)).await.unwrap();
+    let (outs, _) = h
+        .admin
+        .execute(0, &[req(1, callers_largest.clone())])
+        .await
+        .unwrap();
     let alone = started.elapsed();
+    assert!(outs.iter().all(not_too_big), "{outs:?}");
     assert!(alone < Duration::from_secs(1), "{alone:?}");
     // Calls of ~1 MiB of them (a whole batch each), four at once.
-    let per_call = (allot_node::limits::CLIENT_MESSAGE_MAX - 64 * 1024) / (size + 64);
+    let wire_size = exec(0, &[req(1, callers_largest.clone())]).encoded_len();
+    let per_call = (allot_node::limits::CLIENT_MESSAGE_MAX - 64 * 1024) / wire_size;
     let mut calls = Vec::new();
     for c in 0..4u64 {
         let admin = h.c.admin_client().unwrap();
         let reqs: Vec<Request> = (0..per_call as u64)
             .map(|i| {
                 req(
-                    (c as u128) << 32 | (i as u128 + 1),
-                    Command::RegisterNode(largest_node(1_000 + c * 10_000 + i)),
+                    (c as u128 + 1) << 32 | (i as u128 + 1),
+                    callers_largest.clone(),
                 )
             })
             .collect();
@@ -744,17 +837,53 @@ async fn the_largest_legal_commands_commit_within_a_second() {
     let mut slowest = Duration::ZERO;
     for c in calls {
         let (took, outs) = c.await.unwrap();
-        assert!(
-            outs.iter().all(|o| o.is_ok()),
-            "{:?}",
-            outs.iter().find(|o| o.is_err())
-        );
+        assert_eq!(outs.len(), per_call);
+        assert!(outs.iter().all(not_too_big), "{:?}", outs.first());
         slowest = slowest.max(took);
     }
     eprintln!(
-        "largest command alone: {alone:?}; four calls of {per_call} at once, slowest {slowest:?}"
+        "largest caller command alone: {alone:?}; four calls of {per_call} at once, slowest {slowest:?}"
     );
     assert!(slowest < Duration::from_secs(1), "{slowest:?}");
+
+    // The largest of all: a peer's full denial report, alone and 64 at once (more
+    // than one batch's bytes). Each report returns once its entry is applied.
+    let largest = testkit::largest_command();
+    let Command::RecordDenials { denials, .. } = &largest else {
+        panic!("the largest command is {}", largest.name());
+    };
+    let report_size = codec::encoded_len(&largest);
+    let report = |n: u64| {
+        let payload = codec::encode(&(n, denials.clone()));
+        as_peer(RaftMessage { shard: 0, payload }, &h.secret())
+    };
+    let leader = h.c.leader_of(0).await.unwrap();
+    let mut peer = raft(channel(&h.addr(leader)).await);
+    let started = Instant::now();
+    peer.report_denials(report(1)).await.unwrap();
+    let one_report = started.elapsed();
+    let mut reports = Vec::new();
+    for n in 0..64 {
+        let mut peer = peer.clone();
+        let msg = report(n);
+        reports.push(tokio::spawn(async move {
+            let started = Instant::now();
+            peer.report_denials(msg).await.unwrap();
+            started.elapsed()
+        }));
+    }
+    let mut slowest_report = Duration::ZERO;
+    for r in reports {
+        slowest_report = slowest_report.max(r.await.unwrap());
+    }
+    eprintln!(
+        "largest command (record_denials, {report_size} bytes) alone: {one_report:?}; 64 at once, slowest {slowest_report:?}"
+    );
+    assert!(one_report < Duration::from_secs(1), "{one_report:?}");
+    assert!(
+        slowest_report < Duration::from_secs(1),
+        "{slowest_report:?}"
+    );
     h.every_shard_commits(Duration::from_secs(5), 100).await;
     h.replicas_agree().await;
     h.assert_all_running();

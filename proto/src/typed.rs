@@ -797,6 +797,7 @@ pub fn quota_to(q: &Quota) -> pb::Quota {
         users_max: q.users_max,
         finished_jobs_max: q.finished_jobs_max,
         settled_holds_max: q.settled_holds_max,
+        streams_max: Some(q.streams_max),
     }
 }
 
@@ -812,6 +813,10 @@ pub fn quota_from(q: &pb::Quota) -> Quota {
         users_max: q.users_max,
         finished_jobs_max: q.finished_jobs_max,
         settled_holds_max: q.settled_holds_max,
+        // Unset (a client that predates the field): the default.
+        streams_max: q
+            .streams_max
+            .unwrap_or_else(|| Quota::default().streams_max),
     }
 }
 

@@ -136,21 +136,6 @@ fn settings() -> impl Strategy<Value = SchedulerSettings> {
         })
 }
 
-fn quota() -> impl Strategy<Value = Quota> {
-    any::<[u32; 10]>().prop_map(|q| Quota {
-        queued_max: q[0],
-        running_max: q[1],
-        holds_open_max: q[2],
-        records_max: q[3],
-        buckets_max: q[4],
-        principals_max: q[5],
-        projects_max: q[6],
-        users_max: q[7],
-        finished_jobs_max: q[8],
-        settled_holds_max: q[9],
-    })
-}
-
 fn digest() -> impl Strategy<Value = TokenDigest> {
     any::<[u8; 32]>().prop_map(TokenDigest)
 }

@@ -17,7 +17,7 @@ use allot_statemachine::scheduler::{
 use allot_statemachine::security::Scope;
 use allot_statemachine::{
     Account, BucketId, BucketPolicy, BudgetMode, BudgetPeriod, BudgetScope, BudgetSpec, GpuType,
-    JobId, JobKey, JobSpec, NodeId, OrgId, Plan, PrincipalId, ProjectId, Quota, Tier, UserId,
+    JobId, JobKey, JobSpec, NodeId, OrgId, Plan, PrincipalId, ProjectId, Tier, UserId,
 };
 use proptest::collection::{btree_map, vec};
 use proptest::option::of;
@@ -485,25 +485,14 @@ fn tenancy() -> impl Strategy<Value = TenancyView> {
         },
     );
     (
-        proptest::array::uniform10(n32()),
+        quota(),
         any::<bool>(),
         of(plan),
         tiers(),
         proptest::array::uniform10(n32()),
     )
         .prop_map(|(q, quota_set, plan, tiers, u)| TenancyView {
-            quota: Quota {
-                queued_max: q[0],
-                running_max: q[1],
-                holds_open_max: q[2],
-                records_max: q[3],
-                buckets_max: q[4],
-                principals_max: q[5],
-                projects_max: q[6],
-                users_max: q[7],
-                finished_jobs_max: q[8],
-                settled_holds_max: q[9],
-            },
+            quota: q,
             quota_set,
             plan,
             tiers,

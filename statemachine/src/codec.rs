@@ -17,7 +17,7 @@ use serde::{de::DeserializeOwned, Serialize};
 ///
 /// 4: a node's agent incarnation (`NodeSpec::incarnation`, `GpuNode::incarnation`):
 /// logged `RegisterNode` commands and snapshots of format 3 no longer decode.
-pub const FORMAT_VERSION: u8 = 4;
+pub const FORMAT_VERSION: u8 = 5;
 /// The largest blob decode accepts (guards against hostile length prefixes).
 pub const DECODE_BYTES_MAX: u64 = 4 << 30;
 

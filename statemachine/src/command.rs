@@ -450,6 +450,10 @@ pub struct Quota {
     /// reused id); beyond it the org's own oldest are dropped, never another org's.
     pub finished_jobs_max: u32,
     pub settled_holds_max: u32,
+    /// Server streams (`WatchEvents`, `WatchAssignments`) the org's principals hold open
+    /// at once on one node, together (each principal also at most
+    /// `STREAMS_PER_PRINCIPAL_MAX`). Enforced by each node's edge, which reads it here.
+    pub streams_max: u32,
 }
 
 impl Default for Quota {
@@ -468,6 +472,7 @@ impl Default for Quota {
             users_max: 500_000,
             finished_jobs_max: 200_000,
             settled_holds_max: 200_000,
+            streams_max: 64,
         }
     }
 }

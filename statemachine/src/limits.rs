@@ -8,9 +8,10 @@ pub const SHARE_WEIGHT_MAX: u32 = 10_000;
 /// Rows one usage ranking (`Query::Usage`) returns at most.
 pub const USAGE_ROWS_MAX: u32 = 1_000;
 /// Largest encoded command (the codec's bytes, without the request's actor and id). The
-/// largest legal command of every kind is far below it (`tests/limits.rs` builds each at
-/// its bounds); a request above it is refused at the edge before it is decoded further,
-/// and by apply. It bounds what one request costs every replica's log, memory and apply.
+/// largest legal command of every kind is below it (`testkit::largest_commands` builds
+/// each at its bounds; the largest, a full `RecordDenials`, is ~24 KB). A request above
+/// it is refused at the edge before it is decoded further, and by apply. It bounds what
+/// one request costs every replica's log, memory and apply.
 pub const COMMAND_BYTES_MAX: usize = 32 * 1024;
 /// Commands one log entry may carry; the node's batching proposer stays below it.
 pub const COMMANDS_PER_ENTRY_MAX: usize = 8_192;

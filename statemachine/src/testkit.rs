@@ -688,3 +688,135 @@ pub fn fixture_org(command: &Command) -> Option<OrgId> {
         _ => return None,
     })
 }
+
+/// The largest legal instance of every command kind whose size the caller chooses
+/// (lists and strings, each at its bound; ids and numbers at their largest). Every
+/// other kind is a few fixed-size fields. `tests/bad_input.rs` checks that each one
+/// validates and fits `COMMAND_BYTES_MAX`; the node's hostile tests commit the largest.
+pub fn largest_commands() -> Vec<Command> {
+    use crate::alerts::AlertSpec;
+    use crate::limits::*;
+    use crate::scheduler::{settings_bounds as sb, SchedulerSettings, TierConfig};
+    let id = INTERNAL_ID_BASE - 1;
+    let gpu_types = |n: usize| -> Vec<GpuType> {
+        (0..n)
+            .map(|i| GpuType::new(&format!("{i:H>width$}", width = GPU_TYPE_LEN_MAX)))
+            .collect()
+    };
+    let tiers = |n: usize| -> Vec<Tier> { (0..n).map(|t| Tier(t as u8)).collect() };
+    let grant = Grant {
+        bucket: BucketId(id),
+        owner: Account::Project(ProjectId(id)),
+        kind: BucketKind::Promotional,
+        amount_micro: AMOUNT_MICRO_MAX,
+        expires_at_ms: Some(u64::MAX),
+        priority: u8::MAX,
+        policy: Some(BucketPolicy {
+            gpu_types: gpu_types(GPU_TYPES_PER_LIST_MAX),
+            tiers: tiers(TIERS_PER_POLICY_MAX),
+        }),
+        source_ref: Some("r".repeat(SOURCE_REF_LEN_MAX)),
+    };
+    let mut settings: SchedulerSettings = crate::scheduler::SchedulerConfig::default().settings();
+    settings.tiers = (0..sb::TIERS_MAX)
+        .map(|i| TierConfig {
+            name: format!("{i:t>width$}", width = sb::TIER_NAME_LEN_MAX),
+            weight: sb::TIER_WEIGHT_MAX,
+            floor_pct: 100 / sb::TIERS_MAX as u32,
+            ceiling_pct: 100,
+            max_wait_ms: sb::TIER_WAIT_MS_MAX,
+            price_pct: sb::TIER_PRICE_PCT_MAX,
+        })
+        .collect();
+    let label = "v".repeat(LABEL_LEN_MAX);
+    vec![
+        Command::SetPrices {
+            prices: gpu_types(PRICE_TABLE_TYPES_MAX)
+                .into_iter()
+                .map(|t| (t, PRICE_MICRO_PER_GPU_HOUR_MAX))
+                .collect(),
+        },
+        Command::IssueGrant(grant.clone()),
+        Command::IssueGrantIn {
+            grant,
+            expires_in_ms: u64::MAX,
+        },
+        Command::CreateHold(HoldSpec {
+            hold: HoldId(id),
+            project: ProjectId(id),
+            user: UserId(id),
+            tier: Tier(u8::MAX),
+            gpu_types: gpu_types(GPU_TYPES_PER_LIST_MAX),
+            amount_micro: AMOUNT_MICRO_MAX,
+        }),
+        Command::RegisterNode(NodeSpec {
+            node: NodeId(id),
+            gpu_type: gpu_types(1).remove(0),
+            gpu_count: GPUS_PER_NODE_MAX,
+            gpu_mem_gb: GPU_MEM_GB_MAX,
+            labels: (0..LABELS_PER_NODE_MAX)
+                .map(|i| {
+                    (
+                        format!("{i:k>width$}", width = LABEL_LEN_MAX),
+                        label.clone(),
+                    )
+                })
+                .collect(),
+            incarnation: u64::MAX,
+        }),
+        Command::SubmitJob(JobSpec {
+            job: JobId(id),
+            project: ProjectId(id),
+            user: UserId(id),
+            tier: Tier(u8::MAX),
+            gpu_types: gpu_types(GPU_TYPES_PER_LIST_MAX),
+            gpus: GPUS_PER_JOB_MAX,
+            mem_floor_gb: GPU_MEM_GB_MAX,
+            preemptible: true,
+            checkpointable: true,
+            max_duration_ms: JOB_DURATION_MS_MAX,
+        }),
+        Command::ConfigureScheduler(settings),
+        Command::RecordDenials {
+            node: u64::MAX,
+            denials: (0..DENIALS_PER_RECORD_MAX)
+                .map(|i| Denial {
+                    actor: Actor::Project {
+                        org: OrgId(id),
+                        project: ProjectId(id),
+                        principal: PrincipalId(id - i as u64),
+                    },
+                    api: "a".repeat(DENIAL_API_LEN_MAX),
+                    reason: DenialReason::PermissionDenied,
+                })
+                .collect(),
+        },
+        Command::SetPlan {
+            org: OrgId(id),
+            plan: Some(Plan {
+                tiers: tiers(TIERS_PER_POLICY_MAX),
+                project_tiers: (0..PLAN_PROJECTS_MAX as u64)
+                    .map(|p| (ProjectId(id - p), tiers(TIERS_PER_POLICY_MAX)))
+                    .collect(),
+            }),
+        },
+        Command::SetAlert {
+            scope: BudgetScope::Project(ProjectId(id)),
+            alert: Some(AlertSpec {
+                low_balance_micro: Some(u64::MAX),
+                budget_pcts: (0..ALERT_PCTS_MAX as u32)
+                    .map(|i| ALERT_PCT_MAX - i)
+                    .rev()
+                    .collect(),
+            }),
+        },
+    ]
+}
+
+/// The largest of [`largest_commands`] by encoded size.
+pub fn largest_command() -> Command {
+    largest_commands()
+        .into_iter()
+        .max_by_key(crate::codec::encoded_len)
+        .expect("at least one command")
+}

@@ -533,3 +533,59 @@ fn expiry_pass_is_bounded_but_never_lets_expired_credit_through() {
         (projects * 1_000) as usize
     );
 }
+
+/// The largest legal command of every size-varying kind validates (it is legal) and
+/// fits `COMMAND_BYTES_MAX` with room to spare; one more list element or byte past
+/// each bound is refused by the same validation.
+#[test]
+fn the_largest_legal_commands_fit_the_command_bound() {
+    use allot_statemachine::limits::COMMAND_BYTES_MAX;
+    use allot_statemachine::validate::validate_command;
+    let all = allot_statemachine::testkit::largest_commands();
+    for c in &all {
+        validate_command(c).unwrap_or_else(|e| panic!("{}: {e:?}", c.name()));
+        let len = allot_statemachine::codec::encoded_len(c) as usize;
+        eprintln!("{:<20} {len:>6} bytes", c.name());
+        assert!(len <= COMMAND_BYTES_MAX, "{}: {len}", c.name());
+    }
+    let largest = allot_statemachine::testkit::largest_command();
+    let len = allot_statemachine::codec::encoded_len(&largest) as usize;
+    assert!(all
+        .iter()
+        .all(|c| allot_statemachine::codec::encoded_len(c) as usize <= len));
+    // Past a bound: each list one longer is refused before the state is looked at.
+    for c in all {
+        let mut over = c.clone();
+        let grown = match &mut over {
+            Command::SetPrices { prices } => {
+                prices.push((allot_statemachine::ids::GpuType::new("X"), 1));
+                true
+            }
+            Command::RecordDenials { denials, .. } => {
+                denials.push(denials[0].clone());
+                true
+            }
+            Command::SetPlan { plan: Some(p), .. } => {
+                let extra = (ProjectId(1), vec![]);
+                p.project_tiers.push(extra);
+                true
+            }
+            Command::RegisterNode(spec) => {
+                spec.labels.push(("extra".into(), String::new()));
+                true
+            }
+            Command::ConfigureScheduler(s) => {
+                s.tiers.push(s.tiers[0].clone());
+                true
+            }
+            _ => false,
+        };
+        if grown {
+            assert!(
+                validate_command(&over).is_err(),
+                "{} past its bound",
+                c.name()
+            );
+        }
+    }
+}

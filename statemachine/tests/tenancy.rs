@@ -248,6 +248,7 @@ fn tight() -> Quota {
         users_max: 3,
         finished_jobs_max: 2,
         settled_holds_max: 2,
+        streams_max: 2,
     }
 }
 

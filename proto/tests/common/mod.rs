@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use allot_statemachine::scheduler::JobState;
-use allot_statemachine::{BucketKind, HeartbeatReply, SettleReason, Settlement};
+use allot_statemachine::{BucketKind, HeartbeatReply, Quota, SettleReason, Settlement};
 use proptest::prelude::*;
 use prost::Message;
 
@@ -69,4 +69,21 @@ pub fn heartbeat_reply() -> impl Strategy<Value = HeartbeatReply> {
             held_micro: h,
             stop,
         })
+}
+
+/// Any quota (every field any value).
+pub fn quota() -> impl Strategy<Value = Quota> {
+    any::<[u32; 11]>().prop_map(|q| Quota {
+        queued_max: q[0],
+        running_max: q[1],
+        holds_open_max: q[2],
+        records_max: q[3],
+        buckets_max: q[4],
+        principals_max: q[5],
+        projects_max: q[6],
+        users_max: q[7],
+        finished_jobs_max: q[8],
+        settled_holds_max: q[9],
+        streams_max: q[10],
+    })
 }

@@ -85,10 +85,14 @@ pub struct QuotaArgs {
     /// Settled holds kept for status queries (beyond it the org's oldest go first).
     #[arg(long)]
     settled_holds_max: Option<u32>,
+    /// Server streams (event and assignment watches) the org's principals hold open at
+    /// once on one node, together.
+    #[arg(long)]
+    streams_max: Option<u32>,
     #[arg(long, conflicts_with_all = [
         "queued_max", "running_max", "holds_open_max", "records_max", "buckets_max",
         "principals_max", "projects_max", "users_max", "finished_jobs_max",
-        "settled_holds_max",
+        "settled_holds_max", "streams_max",
     ])]
     clear: bool,
 }
@@ -107,6 +111,7 @@ impl QuotaArgs {
             users_max: self.users_max.unwrap_or(base.users_max),
             finished_jobs_max: self.finished_jobs_max.unwrap_or(base.finished_jobs_max),
             settled_holds_max: self.settled_holds_max.unwrap_or(base.settled_holds_max),
+            streams_max: self.streams_max.unwrap_or(base.streams_max),
         }
     }
 }
