@@ -14,8 +14,7 @@ use allot_statemachine::backup::ShardBackup;
 use allot_statemachine::query::{Answer, Query};
 use allot_statemachine::{verify_chain, AuditChain, AuditEvent};
 use common::*;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 use std::time::Duration;
 
 const SHARDS: u32 = 2;
@@ -30,20 +29,6 @@ async fn audit_trail(client: &Client, shard: u32) -> Vec<AuditEvent> {
         .await
         .unwrap();
     events
-}
-
-fn restore(dir: &Path, id: u64, files: &[PathBuf], members: &[String]) -> std::process::Output {
-    let mut cmd = Command::new(node_binary().unwrap());
-    cmd.args(["restore", "--node-id", &id.to_string()])
-        .arg("--data-dir")
-        .arg(dir);
-    for f in files {
-        cmd.arg("--backup").arg(f);
-    }
-    for m in members {
-        cmd.args(["--member", m]);
-    }
-    cmd.output().unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -247,7 +247,54 @@ async fn org_tokens_and_backups_on_a_secured_four_shard_cluster() {
     // A second backup still verifies (revoked principals included).
     let out2 = dir.path().join("backup2");
     let rows = as_admin(&["backup", "create", "--out", out2.to_str().unwrap()]);
-    assert_eq!(rows.as_array().unwrap().len(), SHARDS as usize);
+    let rows = rows.as_array().unwrap().clone();
+    assert_eq!(rows.len(), SHARDS as usize);
+    let files: Vec<std::path::PathBuf> = rows
+        .iter()
+        .map(|r| r["file"].as_str().unwrap().into())
+        .collect();
+
+    // Restored into a new secured cluster on other ports: the tenants' tokens come
+    // with it — org 8's works, org 7's revoked keys stay refused, the operator's works.
+    drop(c);
+    let mut r = LocalCluster::new(node_binary().unwrap(), dir.path().join("r"), 3, SHARDS).unwrap();
+    r.dev_mode = false;
+    r.admin_token = Some(admin_token.clone());
+    let members: Vec<String> = r
+        .nodes
+        .iter()
+        .map(|n| format!("{}={}", n.id, n.addr))
+        .collect();
+    for id in 1..=3 {
+        let o = restore(
+            &dir.path().join(format!("r/node-{id}")),
+            id,
+            &files,
+            &members,
+        );
+        assert!(
+            o.status.success(),
+            "restore of node {id}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    r.start_all().unwrap();
+    r.wait_leaders(Duration::from_secs(60)).await.unwrap();
+    client(r.endpoints(), &org8)
+        .create_hold(OrgId(8), hold(3, 80, 800))
+        .await
+        .expect("org 8's token on the restored cluster");
+    for t in &tokens {
+        let e = client(r.endpoints(), t)
+            .create_hold(OrgId(7), hold(98, 70, 700))
+            .await
+            .unwrap_err();
+        assert!(unauthenticated(&e), "a revoked key after restore: {e:?}");
+    }
+    client(r.endpoints(), &admin_token)
+        .create_org(OrgId(11))
+        .await
+        .expect("the operator's token on the restored cluster");
 }
 
 /// Quotas and plans through `allotctl`, on the org's home shard.

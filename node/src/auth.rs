@@ -245,7 +245,10 @@ impl Denials {
     /// The buffered denials per shard, and how many did not fit, since the last take.
     fn take(&self) -> (PendingDenials, Vec<(u32, u64)>) {
         let p = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
-        (p.by_shard.into_iter().collect(), p.dropped.into_iter().collect())
+        (
+            p.by_shard.into_iter().collect(),
+            p.dropped.into_iter().collect(),
+        )
     }
 }
 

@@ -85,6 +85,10 @@ pub enum CommandError {
     // -- conflicts --
     #[error("an object with this id already exists")]
     AlreadyExists,
+    /// Never produced since tenants were isolated (issue 20): a user, project or hold
+    /// of another org is answered exactly as an unused id (`UnknownUser`, ...), so no
+    /// answer reveals that it exists. Kept so the positional encoding of every later
+    /// variant and the API's reason number 21 stay what they were.
     #[error("the user belongs to another organisation")]
     WrongOrg,
     #[error("the hold is already settled")]

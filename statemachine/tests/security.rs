@@ -546,6 +546,26 @@ fn rotations_inside_the_overlap_never_lock_a_principal_out() {
         h.tick();
         current = next;
     }
+    // Rotations at +0, +10 and +20 s, each with a 60 s overlap: at +30 s every key
+    // works; then each replaced key stops exactly 60 s after the rotation that replaced
+    // it (the original at +60, the first rotated key at +70, the second at +80), and
+    // the newest works throughout.
+    let keys = [ORG1.to_string(), token(0), token(1), token(2)];
+    let alive = |h: &Harness| -> Vec<bool> {
+        keys.iter()
+            .map(|k| answer_as(&h.state, bearer(k), &q).is_ok())
+            .collect()
+    };
+    assert_eq!(alive(&h), [true, true, true, true], "+30 s");
+    for (step_ms, expect) in [
+        (35_000, [false, true, true, true]),
+        (10_000, [false, false, true, true]),
+        (10_000, [false, false, false, true]),
+    ] {
+        h.advance(step_ms);
+        h.tick();
+        assert_eq!(alive(&h), expect, "+{} ms", h.state.time_ms);
+    }
     // Every overlap has now passed; the newest key works, and keeps working.
     h.advance(3_600_000);
     h.tick();

@@ -256,6 +256,36 @@ fn over(kind: QuotaKind) -> Outcome {
     Err(CommandError::QuotaExceeded(kind))
 }
 
+/// Runs `command` as `actor`, expecting `QuotaExceeded(kind)`, and checks that the
+/// refusal changed nothing but the trail and the caller's own request record: the
+/// ledger, the scheduler, the token table and the alerts are as they were.
+fn refused(h: &mut Harness, actor: Actor, command: Command, kind: QuotaKind) {
+    let before = (
+        h.state.ledger.clone(),
+        h.state.scheduler.clone(),
+        h.state.security.clone(),
+        h.state.alerts.clone(),
+    );
+    let name = command.name();
+    assert_eq!(h.run_as(actor, command), over(kind), "{name}");
+    assert!(
+        before.0 == h.state.ledger,
+        "{name}: the refusal changed the ledger"
+    );
+    assert!(
+        before.1 == h.state.scheduler,
+        "{name}: the refusal changed the scheduler"
+    );
+    assert!(
+        before.2 == h.state.security,
+        "{name}: the refusal changed the tokens"
+    );
+    assert!(
+        before.3 == h.state.alerts,
+        "{name}: the refusal changed the alerts"
+    );
+}
+
 #[test]
 fn every_table_a_tenant_grows_is_bounded_by_its_orgs_quota() {
     let mut h = funded();
@@ -270,14 +300,14 @@ fn every_table_a_tenant_grows_is_bounded_by_its_orgs_quota() {
         org,
     };
     assert!(h.run_as(me, project(14, ORG)).is_ok());
-    assert_eq!(h.run_as(me, project(15, ORG)), over(QuotaKind::Projects));
+    refused(&mut h, me, project(15, ORG), QuotaKind::Projects);
     assert!(h.run_as(them, project(15, OTHER_ORG)).is_ok());
     let user = |u, org| Command::CreateUser {
         user: UserId(u),
         org,
     };
     assert!(h.run_as(me, user(24, ORG)).is_ok());
-    assert_eq!(h.run_as(me, user(25, ORG)), over(QuotaKind::Users));
+    refused(&mut h, me, user(25, ORG), QuotaKind::Users);
     assert!(h.run_as(them, user(25, OTHER_ORG)).is_ok());
     // Open holds, jobs' holds included.
     for id in 1..=3 {
@@ -285,13 +315,17 @@ fn every_table_a_tenant_grows_is_bounded_by_its_orgs_quota() {
             .run_as(me, Command::CreateHold(hold_in(ORG, id, credits(1))))
             .is_ok());
     }
-    assert_eq!(
-        h.run_as(me, Command::CreateHold(hold_in(ORG, 4, credits(1)))),
-        over(QuotaKind::HoldsOpen)
+    refused(
+        &mut h,
+        me,
+        Command::CreateHold(hold_in(ORG, 4, credits(1))),
+        QuotaKind::HoldsOpen,
     );
-    assert_eq!(
-        h.run_as(me, Command::SubmitJob(job_in(ORG, 40, Tier::PAID))),
-        over(QuotaKind::HoldsOpen)
+    refused(
+        &mut h,
+        me,
+        Command::SubmitJob(job_in(ORG, 40, Tier::PAID)),
+        QuotaKind::HoldsOpen,
     );
     assert!(h
         .run_as(them, Command::CreateHold(hold_in(OTHER_ORG, 4, credits(1))))
@@ -313,8 +347,10 @@ fn every_table_a_tenant_grows_is_bounded_by_its_orgs_quota() {
             None,
         );
     }
-    assert_eq!(
-        h.run(Command::IssueGrant(Grant {
+    refused(
+        &mut h,
+        ADMIN,
+        Command::IssueGrant(Grant {
             bucket: BucketId(13),
             owner: Account::Org(ORG),
             kind: BucketKind::Paid,
@@ -323,15 +359,15 @@ fn every_table_a_tenant_grows_is_bounded_by_its_orgs_quota() {
             priority: 100,
             policy: None,
             source_ref: None,
-        })),
-        over(QuotaKind::Buckets)
+        }),
+        QuotaKind::Buckets,
     );
     let transfer = Command::Transfer {
         from: Account::Org(ORG),
         to: Account::Project(PROJECT),
         amount_micro: credits(1),
     };
-    assert_eq!(h.run_as(me, transfer.clone()), over(QuotaKind::Buckets));
+    refused(&mut h, me, transfer.clone(), QuotaKind::Buckets);
     // Principals.
     let token = |p: u64, org| Command::CreateToken {
         principal: PrincipalId(p),
@@ -341,7 +377,7 @@ fn every_table_a_tenant_grows_is_bounded_by_its_orgs_quota() {
     };
     assert!(h.run_as(me, token(500, ORG)).is_ok());
     assert!(h.run_as(me, token(501, ORG)).is_ok());
-    assert_eq!(h.run_as(me, token(502, ORG)), over(QuotaKind::Principals));
+    refused(&mut h, me, token(502, ORG), QuotaKind::Principals);
     assert!(h.run_as(them, token(502, OTHER_ORG)).is_ok());
     // Queued jobs (after the holds make room).
     for id in 2..=4 {
@@ -355,9 +391,11 @@ fn every_table_a_tenant_grows_is_bounded_by_its_orgs_quota() {
             .run_as(me, Command::SubmitJob(job_in(ORG, id, Tier::PAID)))
             .is_ok());
     }
-    assert_eq!(
-        h.run_as(me, Command::SubmitJob(job_in(ORG, 44, Tier::PAID))),
-        over(QuotaKind::QueuedJobs)
+    refused(
+        &mut h,
+        me,
+        Command::SubmitJob(job_in(ORG, 44, Tier::PAID)),
+        QuotaKind::QueuedJobs,
     );
     // The org's view shows each bound with what it uses.
     match answer_as(&h.state, me, &Query::Tenancy(ORG)) {
@@ -403,9 +441,11 @@ fn refused_commands_spend_only_their_own_orgs_records() {
     assert_eq!(h.state.idempotency.of_org(ORG), 50);
     // ...and then the org is refused before it takes anything else from the shard.
     for _ in 0..20 {
-        assert_eq!(
-            h.run_as(tenant(ORG), Command::CreateHold(hold_in(ORG, 1, 1))),
-            over(QuotaKind::Records)
+        refused(
+            &mut h,
+            tenant(ORG),
+            Command::CreateHold(hold_in(ORG, 1, 1)),
+            QuotaKind::Records,
         );
     }
     assert_eq!(h.state.idempotency.records.len(), shard_before + 50);
@@ -870,8 +910,8 @@ proptest! {
 
     /// Org 1's tokens issue random commands and queries naming org 2's ids, in one
     /// history, and the same naming ids nobody uses, in another: every answer is the
-    /// same (ids written alike), org 2's state never changes, and no event of org 1's
-    /// commands lands in org 2's trail.
+    /// same (ids written alike), org 2's state never changes, no event of org 1's
+    /// commands lands in org 2's trail, and each attempt is in org 1's own trail.
     #[test]
     fn a_tenant_cannot_tell_another_orgs_ids_from_unused_ones(
         steps in proptest::collection::vec(
@@ -886,6 +926,7 @@ proptest! {
         let their_events = trail(&theirs);
         for (kind, who, amount, salt, named) in steps {
             let actor = caller(who);
+            let mark = theirs.events.len();
             let (a, b) = if kind % 2 == 0 {
                 let (ca, cb) = (
                     tenant_command(kind / 2, amount, salt, THEIRS),
@@ -908,6 +949,15 @@ proptest! {
             prop_assert_eq!(&a, &b, "kind {} caller {}", kind, who);
             prop_assert_eq!(&org_view(&theirs.state, OTHER_ORG), &view);
             prop_assert_eq!(trail(&theirs), their_events);
+            // The attempt, refused or not, is in the attempting org's own trail.
+            if kind % 2 == 0 {
+                let attempts: Vec<_> = theirs.events[mark..]
+                    .iter()
+                    .filter(|e| matches!(e.body, EventBody::Command { .. }))
+                    .collect();
+                prop_assert_eq!(attempts.len(), 1, "one command event per command");
+                prop_assert_eq!(attempts[0].org, Some(ORG), "kind {}: {:?}", kind, attempts[0]);
+            }
         }
     }
 }

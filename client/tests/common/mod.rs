@@ -102,3 +102,24 @@ pub fn poll<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) ->
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// `allot-node restore` of node `id` into `dir` from backup `files`, with the new
+/// cluster's `members` (`id=host:port`).
+pub fn restore(
+    dir: &std::path::Path,
+    id: u64,
+    files: &[std::path::PathBuf],
+    members: &[String],
+) -> std::process::Output {
+    let mut cmd = std::process::Command::new(allot_node::local_cluster::node_binary().unwrap());
+    cmd.args(["restore", "--node-id", &id.to_string()])
+        .arg("--data-dir")
+        .arg(dir);
+    for f in files {
+        cmd.arg("--backup").arg(f);
+    }
+    for m in members {
+        cmd.args(["--member", m]);
+    }
+    cmd.output().unwrap()
+}
