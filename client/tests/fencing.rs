@@ -7,13 +7,15 @@
 //!   before it offers the node again;
 //! - a runner's environment holds none of the agent's credentials;
 //! - after all three nodes were down for 60 s, a 30 s job is billed within 0.1 % of the
-//!   GPU time its runner measured.
+//!   GPU time its runner measured;
+//! - a finish reported late, for a job settled meanwhile, is refused as already
+//!   finished, logged as such by the agent, and changes nothing.
 
 mod common;
 
 use allot_client::Client;
 use allot_node::local_cluster::{node_binary, LocalCluster};
-use allot_statemachine::scheduler::{Job, JobState};
+use allot_statemachine::scheduler::{Job, JobState, Reason};
 use allot_statemachine::testkit::{a100, ORG, PROJECT, USER};
 use allot_statemachine::*;
 use common::agent::{AgentProc, AgentSpec};
@@ -653,6 +655,96 @@ async fn a_runner_never_sees_the_agents_credentials() {
 /// All three nodes stopped for 60 s, then restarted: a job running 30 s afterwards is
 /// billed within 0.1 % of the GPU time its runner measured (the old 20 % slew billed
 /// ~1.2× for the five minutes after such an outage).
+/// A late report: the runner finishes while its agent is cut off, and the job was
+/// cancelled (settled) meanwhile. Once the agent reaches the cluster again its report
+/// gets the typed "already finished" refusal, which it logs as such, and the
+/// cancellation's settlement is unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_finish_of_a_settled_job_is_refused_and_logged_as_such() {
+    let dir = tempfile::Builder::new()
+        .prefix("allot-late-")
+        .tempdir()
+        .unwrap();
+    let (c, client) = cluster(dir.path()).await;
+    fund(&client).await;
+    let (script, out) = runner(dir.path());
+    let args = [
+        "--heartbeat-interval",
+        "500ms",
+        "--",
+        "/bin/sh",
+        script.to_str().unwrap(),
+        out.to_str().unwrap(),
+    ];
+    let mut proxies = Vec::new();
+    for e in c.endpoints() {
+        proxies.push(Proxy::start(e).await);
+    }
+    let via: Vec<String> = proxies.iter().map(|p| p.addr.clone()).collect();
+    let mut a = agent(&via, 1, &dir.path().join("agent"), &args, &[]);
+    wait_node(&client, &mut a, 1).await;
+    client.submit_job(ORG, spec(5, 3_600_000)).await.unwrap();
+    until("job 5 running", Duration::from_secs(20), || async {
+        (job(&client, 5).await.state == JobState::Running).then_some(())
+    })
+    .await;
+    // Cut off (well within the node lease); the job is cancelled meanwhile; the runner
+    // then finishes on its own.
+    for p in &proxies {
+        p.cut();
+    }
+    let settled = match client.cancel_job(ORG, JobId(5)).await.unwrap() {
+        Reply::JobCancelled(Some(s)) => s,
+        other => panic!("cancel: {other:?}"),
+    };
+    std::fs::write(out.join("go-5-1"), "").unwrap();
+    until("the runner exited", Duration::from_secs(10), || async {
+        events(&out)
+            .iter()
+            .any(|e| e.0 == "exit" && e.1 == 5)
+            .then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1_500)).await; // its report is retried
+    for p in &proxies {
+        p.heal();
+    }
+    // Its last heartbeat (sent when the runner exits, retried through the cut) or, if
+    // that gave up first, its finish report is refused as already finished; the agent
+    // logs which, and reports nothing more.
+    let lines = [
+        "but the job has already finished",
+        "the job had already finished and been settled: nothing to report",
+    ];
+    let said = until(
+        "the agent logs the late finish",
+        Duration::from_secs(30),
+        || async {
+            let log = a.log_text();
+            lines.iter().find(|l| log.contains(*l)).copied()
+        },
+    )
+    .await;
+    println!("late finish: the agent logged \"{said}\"");
+    let j = job(&client, 5).await;
+    assert_eq!(
+        (j.state, j.last_reason),
+        (JobState::Cancelled, Reason::Cancelled)
+    );
+    // The finish changed nothing: what the project consumed is the cancellation's
+    // capture, and its hold's rest was refunded.
+    let b = client
+        .balance(ORG, Account::Project(PROJECT), 0)
+        .await
+        .unwrap();
+    assert_eq!(
+        b.consumed_micro, settled.captured_micro,
+        "{b:?} {settled:?}"
+    );
+    assert_eq!(b.held_micro, 0, "{b:?}");
+    a.assert_running();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_whole_cluster_outage_bills_follow_real_time() {
     let dir = tempfile::Builder::new()
