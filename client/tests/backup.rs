@@ -95,11 +95,7 @@ async fn a_backup_restores_into_a_new_cluster_with_its_audit_trail() {
 
     // A new cluster on other ports, seeded from the files, started without init.
     let mut b = LocalCluster::new(node_binary().unwrap(), dir.path().join("b"), 3, SHARDS).unwrap();
-    let members: Vec<String> = b
-        .nodes
-        .iter()
-        .map(|n| format!("{}={}", n.id, n.addr))
-        .collect();
+    let members = members(&b);
     // Every shard is needed.
     let o = restore(&dir.path().join("b/node-1"), 1, &files[..1], &members);
     assert!(!o.status.success());
@@ -108,19 +104,7 @@ async fn a_backup_restores_into_a_new_cluster_with_its_audit_trail() {
         "{}",
         String::from_utf8_lossy(&o.stderr)
     );
-    for id in 1..=3 {
-        let o = restore(
-            &dir.path().join(format!("b/node-{id}")),
-            id,
-            &files,
-            &members,
-        );
-        assert!(
-            o.status.success(),
-            "restore of node {id}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-    }
+    restore_cluster(&b, &files);
     // A data dir holding shards is not overwritten.
     let o = restore(&dir.path().join("b/node-1"), 1, &files, &members);
     assert!(!o.status.success());

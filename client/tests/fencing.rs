@@ -248,6 +248,32 @@ impl Proxy {
     }
 }
 
+/// A proxy in front of each of a cluster's endpoints: what an agent that can be cut off
+/// from the whole cluster connects to.
+struct Partition(Vec<Proxy>);
+
+impl Partition {
+    async fn around(endpoints: Vec<String>) -> Partition {
+        let mut proxies = Vec::new();
+        for e in endpoints {
+            proxies.push(Proxy::start(e).await);
+        }
+        Partition(proxies)
+    }
+
+    fn addrs(&self) -> Vec<String> {
+        self.0.iter().map(|p| p.addr.clone()).collect()
+    }
+
+    fn cut(&self) {
+        self.0.iter().for_each(Proxy::cut);
+    }
+
+    fn heal(&self) {
+        self.0.iter().for_each(Proxy::heal);
+    }
+}
+
 /// Short leases, so a partition longer than them fits in a test: node lease 5 s, fence
 /// margin 3 s, job lease 20 s.
 async fn short_leases(client: &Client) {
@@ -287,11 +313,8 @@ async fn a_partitioned_agent_stops_its_runner_before_the_job_runs_elsewhere() {
     ];
     let args: Vec<&str> = timing.iter().chain(run.iter()).copied().collect();
     // Node 1's agent talks to the cluster only through proxies.
-    let mut proxies = Vec::new();
-    for e in c.endpoints() {
-        proxies.push(Proxy::start(e).await);
-    }
-    let via: Vec<String> = proxies.iter().map(|p| p.addr.clone()).collect();
+    let partition = Partition::around(c.endpoints()).await;
+    let via = partition.addrs();
     let mut a1 = agent(&via, 1, &dir.path().join("agent-1"), &args, &[]);
     wait_node(&client, &mut a1, 1).await;
     client.submit_job(ORG, spec(1, 3_600_000)).await.unwrap();
@@ -314,9 +337,7 @@ async fn a_partitioned_agent_stops_its_runner_before_the_job_runs_elsewhere() {
 
     // The partition: node 1's agent can reach nothing.
     let cut_at = now_ns();
-    for p in &proxies {
-        p.cut();
-    }
+    partition.cut();
     until(
         "attempt 2 started on node 2",
         Duration::from_secs(30),
@@ -358,9 +379,7 @@ async fn a_partitioned_agent_stops_its_runner_before_the_job_runs_elsewhere() {
 
     // Healed: node 1's agent reports the fenced attempt, which the cluster has already
     // requeued; attempt 2 runs to its end; the job is settled once.
-    for p in &proxies {
-        p.heal();
-    }
+    partition.heal();
     until(
         "node 1's agent to report",
         Duration::from_secs(30),
@@ -676,11 +695,8 @@ async fn a_late_finish_of_a_settled_job_is_refused_and_logged_as_such() {
         script.to_str().unwrap(),
         out.to_str().unwrap(),
     ];
-    let mut proxies = Vec::new();
-    for e in c.endpoints() {
-        proxies.push(Proxy::start(e).await);
-    }
-    let via: Vec<String> = proxies.iter().map(|p| p.addr.clone()).collect();
+    let partition = Partition::around(c.endpoints()).await;
+    let via = partition.addrs();
     let mut a = agent(&via, 1, &dir.path().join("agent"), &args, &[]);
     wait_node(&client, &mut a, 1).await;
     client.submit_job(ORG, spec(5, 3_600_000)).await.unwrap();
@@ -690,9 +706,7 @@ async fn a_late_finish_of_a_settled_job_is_refused_and_logged_as_such() {
     .await;
     // Cut off (well within the node lease); the job is cancelled meanwhile; the runner
     // then finishes on its own.
-    for p in &proxies {
-        p.cut();
-    }
+    partition.cut();
     let settled = match client.cancel_job(ORG, JobId(5)).await.unwrap() {
         Reply::JobCancelled(Some(s)) => s,
         other => panic!("cancel: {other:?}"),
@@ -706,9 +720,7 @@ async fn a_late_finish_of_a_settled_job_is_refused_and_logged_as_such() {
     })
     .await;
     tokio::time::sleep(Duration::from_millis(1_500)).await; // its report is retried
-    for p in &proxies {
-        p.heal();
-    }
+    partition.heal();
     // Its last heartbeat (sent when the runner exits, retried through the cut) or, if
     // that gave up first, its finish report is refused as already finished; the agent
     // logs which, and reports nothing more.

@@ -260,24 +260,7 @@ async fn org_tokens_and_backups_on_a_secured_four_shard_cluster() {
     let mut r = LocalCluster::new(node_binary().unwrap(), dir.path().join("r"), 3, SHARDS).unwrap();
     r.dev_mode = false;
     r.admin_token = Some(admin_token.clone());
-    let members: Vec<String> = r
-        .nodes
-        .iter()
-        .map(|n| format!("{}={}", n.id, n.addr))
-        .collect();
-    for id in 1..=3 {
-        let o = restore(
-            &dir.path().join(format!("r/node-{id}")),
-            id,
-            &files,
-            &members,
-        );
-        assert!(
-            o.status.success(),
-            "restore of node {id}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-    }
+    restore_cluster(&r, &files);
     r.start_all().unwrap();
     r.wait_leaders(Duration::from_secs(60)).await.unwrap();
     client(r.endpoints(), &org8)

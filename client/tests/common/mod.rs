@@ -123,3 +123,26 @@ pub fn restore(
     }
     cmd.output().unwrap()
 }
+
+/// A cluster's members as `restore` takes them (`id=host:port`).
+pub fn members(c: &allot_node::local_cluster::LocalCluster) -> Vec<String> {
+    c.nodes
+        .iter()
+        .map(|n| format!("{}={}", n.id, n.addr))
+        .collect()
+}
+
+/// Restores every node of the (not yet started) cluster `c` from backup `files`, into
+/// the data dirs it starts from; each restore must succeed.
+pub fn restore_cluster(c: &allot_node::local_cluster::LocalCluster, files: &[std::path::PathBuf]) {
+    let members = members(c);
+    for n in &c.nodes {
+        let o = restore(&c.dir.join(format!("node-{}", n.id)), n.id, files, &members);
+        assert!(
+            o.status.success(),
+            "restore of node {}: {}",
+            n.id,
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+}
