@@ -6,6 +6,7 @@
 //! (batching), [`node`] (the shards of a process), [`server`] (gRPC services),
 //! [`auth`] (credentials at the edge), [`ratelimit`] (edge protection), [`metrics`], [`serve`].
 
+pub mod admission;
 pub mod api;
 pub mod auth;
 pub mod backup;

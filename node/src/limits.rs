@@ -33,9 +33,11 @@ pub const APPEND_ENTRIES_MAX: usize = 64;
 pub const RAFT_MESSAGE_MAX: usize = 4 << 20;
 /// One snapshot chunk's data.
 pub const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
-/// A snapshot's declared size. Chunks arrive in order (each at the offset already
-/// received) and memory grows only with bytes received, never with a declared offset.
-pub const SNAPSHOT_BYTES_MAX: u64 = 16 << 30;
+/// A snapshot's declared size: what the state codec decodes at most (a larger one could
+/// never be installed). Chunks arrive in order (each at the offset already received) and
+/// go to a file under the data dir (`incoming/shard-N.snapshot`), so a snapshot being
+/// received costs one chunk of memory and at most this much disk per shard.
+pub const SNAPSHOT_BYTES_MAX: u64 = allot_statemachine::codec::DECODE_BYTES_MAX;
 /// Terms and log indexes a peer may name. A real cluster never comes near (2^62 is an
 /// election a millisecond for a hundred million years); a larger one is refused before
 /// openraft sees it (openraft computes `term + 1` and `index + 1` without checking).
@@ -53,6 +55,22 @@ pub const AUDIT_SCAN_MAX: usize = 100_000;
 /// `STREAMS_PER_NODE_MAX`.
 pub const STREAMS_PER_PRINCIPAL_MAX: usize = 16;
 pub const STREAMS_PER_NODE_MAX: usize = 4096;
+/// Message bytes being read or handled at once (`crate::admission`), all client calls
+/// together (typed API, admin, health, reflection) and all Raft messages together: a
+/// call waits for its message's bytes at most `ADMISSION_WAIT_MAX`, then is refused
+/// (`RESOURCE_EXHAUSTED`, `NODE_BUSY`). Separate, so a client flood never delays Raft.
+pub const CLIENT_BYTES_IN_FLIGHT_MAX: usize = 128 << 20;
+pub const RAFT_BYTES_IN_FLIGHT_MAX: usize = 16 * RAFT_MESSAGE_MAX;
+pub const ADMISSION_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(2);
+/// A call's message must arrive within this of the call (`DEADLINE_EXCEEDED`,
+/// `SLOW_BODY`): a caller that trickles its body holds its bytes no longer.
+pub const BODY_READ_MAX: std::time::Duration = std::time::Duration::from_secs(10);
+/// Open connections per node (`--max-connections`); one past it is closed at once.
+pub const CONNECTIONS_MAX: usize = 1024;
+/// HTTP/2 flow-control windows the node grants: a connection holds at most
+/// `CONNECTION_WINDOW_BYTES` that nothing has read yet (calls waiting for admission).
+pub const CONNECTION_WINDOW_BYTES: u32 = 256 << 10;
+pub const STREAM_WINDOW_BYTES: u32 = 256 << 10;
 /// gRPC/HTTP2: concurrent calls per connection, and header bytes per request.
 pub const CONCURRENT_STREAMS_PER_CONNECTION_MAX: u32 = 256;
 pub const HEADER_LIST_BYTES_MAX: u32 = 16 << 10;

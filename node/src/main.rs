@@ -174,6 +174,10 @@ struct RunArgs {
         default_value_t = DEFAULT_LIMITS.unresolved.per_sec
     )]
     unauthenticated_rate_limit: u32,
+    /// Connections open at once (clients, agents and peers together); one more is closed
+    /// as soon as it is accepted. Each may hold 256 KiB of unread request bytes.
+    #[arg(long, env = "ALLOT_MAX_CONNECTIONS", default_value_t = allot_node::limits::CONNECTIONS_MAX)]
+    max_connections: usize,
     /// A secret every node of the cluster presents to its peers (a file holding at least
     /// 22 printable characters, the same on every node). Peers are then authenticated
     /// before their messages are read, also without TLS.
@@ -302,6 +306,12 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
             );
         }
     }
+    if a.peer_secret_file.is_none() && a.tls_cert.is_none() {
+        tracing::warn!(
+            "no peer authentication (--peer-secret-file or --tls-*): anyone who reaches \
+             this port can send Raft messages as a peer. Set one in production."
+        );
+    }
     let mut peer_routes = Vec::new();
     for r in &a.peer_route {
         let Some((addr, via)) = r.split_once('=') else {
@@ -401,6 +411,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
             listener,
             metrics,
             RateLimiter::new(limits),
+            a.max_connections,
             shutdown_signal(),
         ) => r,
         (shard, error) = async move { watched.fatal().await } => {

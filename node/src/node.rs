@@ -208,7 +208,12 @@ impl Node {
                 raft,
                 view,
                 proposer,
-                inbound: Default::default(),
+                inbound: tokio::sync::Mutex::new(crate::peer::SnapshotReceiver::new(
+                    config
+                        .data_dir
+                        .join("incoming")
+                        .join(format!("shard-{id}.snapshot")),
+                )),
                 preloaded,
             });
         }

@@ -23,6 +23,7 @@ use crate::types::{LogEntry, LogId, NodeId, SnapshotMeta, Vote};
 use openraft::raft::{AppendEntriesResponse, VoteRequest, VoteResponse};
 use openraft::{EntryPayload, Membership};
 use sha2::{Digest, Sha256};
+use std::path::PathBuf;
 use std::time::Duration;
 use tonic::metadata::{MetadataMap, MetadataValue};
 
@@ -431,10 +432,12 @@ pub fn check_snapshot_response(v: &Vote, ours: &Vote, me: NodeId) -> Result<(), 
 // ---------------------------------------------------------------- snapshot receiving
 
 /// A snapshot arriving in chunks on one shard. Chunks must come in order (each at the
-/// offset already received) within the size the first chunk declared; memory grows
-/// only with the bytes received.
-#[derive(Default)]
+/// offset already received) within the size the first chunk declared. The bytes go to
+/// one file per shard under the data dir, not to memory: a snapshot being received costs
+/// one chunk of memory however large it is declared, and a complete one is decoded from
+/// the file ([`Received::decode`]) before any of it is held in memory.
 pub struct SnapshotReceiver {
+    path: PathBuf,
     receiving: Option<Receiving>,
 }
 
@@ -442,7 +445,8 @@ struct Receiving {
     snapshot_id: String,
     vote: Vote,
     total: u64,
-    data: Vec<u8>,
+    received: u64,
+    file: tokio::fs::File,
 }
 
 /// Why a chunk was not taken.
@@ -450,20 +454,39 @@ struct Receiving {
 pub enum ChunkError {
     #[error("chunk out of order: at {got}, expected {expected} (start again at 0)")]
     OutOfOrder { got: u64, expected: u64 },
-    #[error("out of memory for a snapshot of {0} bytes")]
-    NoMemory(u64),
+    #[error("cannot keep a snapshot of {total} bytes: {error}")]
+    Storage { total: u64, error: String },
 }
 
 impl SnapshotReceiver {
-    /// Takes a checked chunk; returns the whole snapshot's bytes once the last arrived.
-    pub fn receive(&mut self, c: SnapshotChunk) -> Result<Option<Vec<u8>>, ChunkError> {
+    /// Receives into `path` (a file of its own; one left by an earlier process is
+    /// removed).
+    pub fn new(path: PathBuf) -> SnapshotReceiver {
+        let _ = std::fs::remove_file(&path);
+        SnapshotReceiver {
+            path,
+            receiving: None,
+        }
+    }
+
+    /// Takes a checked chunk; returns the whole snapshot once the last arrived.
+    pub async fn receive(&mut self, c: SnapshotChunk) -> Result<Option<Received>, ChunkError> {
         let done = c.done();
+        let storage = |error: std::io::Error| ChunkError::Storage {
+            total: c.total_bytes,
+            error: error.to_string(),
+        };
         if c.offset == 0 {
+            self.receiving = None;
+            if let Some(dir) = self.path.parent() {
+                tokio::fs::create_dir_all(dir).await.map_err(storage)?;
+            }
             self.receiving = Some(Receiving {
                 snapshot_id: c.meta.snapshot_id.clone(),
                 vote: c.vote,
                 total: c.total_bytes,
-                data: Vec::new(),
+                received: 0,
+                file: tokio::fs::File::create(&self.path).await.map_err(storage)?,
             });
         }
         let expected = match &self.receiving {
@@ -472,7 +495,7 @@ impl SnapshotReceiver {
                     && r.vote == c.vote
                     && r.total == c.total_bytes =>
             {
-                r.data.len() as u64
+                r.received
             }
             _ => 0,
         };
@@ -482,15 +505,56 @@ impl SnapshotReceiver {
                 expected,
             });
         };
-        if r.data.try_reserve(c.data.len()).is_err() {
-            self.receiving = None;
-            return Err(ChunkError::NoMemory(c.total_bytes));
+        use tokio::io::AsyncWriteExt;
+        let written = async {
+            // Flushed: a chunk is acknowledged once it is in the file.
+            r.file.write_all(&c.data).await?;
+            r.file.flush().await
         }
-        r.data.extend_from_slice(&c.data);
+        .await;
+        if let Err(e) = written {
+            self.receiving = None;
+            let _ = tokio::fs::remove_file(&self.path).await;
+            return Err(storage(e));
+        }
+        r.received += c.data.len() as u64;
         if done {
-            return Ok(self.receiving.take().map(|r| r.data));
+            let r = self.receiving.take();
+            return Ok(r.map(|r| Received {
+                path: self.path.clone(),
+                len: r.received,
+            }));
         }
         Ok(None)
+    }
+}
+
+/// A snapshot received whole, in its file (removed when this is dropped).
+pub struct Received {
+    path: PathBuf,
+    len: u64,
+}
+
+impl Received {
+    /// Decodes the state straight from the file (input that is not a state fails after
+    /// reading what shows it, holding no more than the decoder's buffer), then reads the
+    /// bytes openraft installs. Blocking: run it off the runtime's workers.
+    pub fn decode(&self) -> Result<(allot_statemachine::State, Vec<u8>), String> {
+        use std::io::Read;
+        let file = std::fs::File::open(&self.path).map_err(|e| e.to_string())?;
+        let state = allot_statemachine::State::decode_from(std::io::BufReader::new(file))
+            .map_err(|e| format!("snapshot does not decode: {e}"))?;
+        let mut bytes = Vec::with_capacity(usize::try_from(self.len).unwrap_or(0));
+        std::fs::File::open(&self.path)
+            .and_then(|mut f| f.read_to_end(&mut bytes))
+            .map_err(|e| e.to_string())?;
+        Ok((state, bytes))
+    }
+}
+
+impl Drop for Received {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
     }
 }
 
@@ -630,36 +694,87 @@ mod tests {
         }
     }
 
-    #[test]
-    fn snapshots_arrive_in_order_or_not_at_all() {
-        let mut r = SnapshotReceiver::default();
+    async fn contents(r: Option<Received>) -> Option<Vec<u8>> {
+        r.map(|r| std::fs::read(&r.path).unwrap())
+    }
+
+    #[tokio::test]
+    async fn snapshots_arrive_in_order_or_not_at_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("incoming").join("shard-0.snapshot");
+        let mut r = SnapshotReceiver::new(path.clone());
         // A chunk past the start with nothing begun: refused, nothing kept.
         assert_eq!(
-            r.receive(chunk("a", 4, 8, b"5678")),
-            Err(ChunkError::OutOfOrder {
+            r.receive(chunk("a", 4, 8, b"5678")).await.err(),
+            Some(ChunkError::OutOfOrder {
                 got: 4,
                 expected: 0
             })
         );
-        assert_eq!(r.receive(chunk("a", 0, 8, b"1234")), Ok(None));
+        assert!(!path.exists());
+        assert!(r
+            .receive(chunk("a", 0, 8, b"1234"))
+            .await
+            .unwrap()
+            .is_none());
+        // Kept on disk, not in memory.
+        assert_eq!(std::fs::read(&path).unwrap(), b"1234");
         // A gap, a repeat, or another snapshot's chunk: refused; the first stays.
-        assert!(r.receive(chunk("a", 6, 8, b"78")).is_err());
-        assert!(r.receive(chunk("a", 0, 9, b"1")).is_ok_and(|d| d.is_none()));
+        assert!(r.receive(chunk("a", 6, 8, b"78")).await.is_err());
+        assert!(r.receive(chunk("a", 0, 9, b"1")).await.unwrap().is_none());
         assert_eq!(
-            r.receive(chunk("b", 1, 9, b"2")),
-            Err(ChunkError::OutOfOrder {
+            r.receive(chunk("b", 1, 9, b"2")).await.err(),
+            Some(ChunkError::OutOfOrder {
                 got: 1,
                 expected: 0
             })
         );
         // Starting again at 0 replaces what was received; completes in order.
-        assert_eq!(r.receive(chunk("a", 0, 8, b"1234")), Ok(None));
-        assert_eq!(
-            r.receive(chunk("a", 4, 8, b"5678")),
-            Ok(Some(b"12345678".to_vec()))
-        );
+        assert!(r
+            .receive(chunk("a", 0, 8, b"1234"))
+            .await
+            .unwrap()
+            .is_none());
+        let done = r.receive(chunk("a", 4, 8, b"5678")).await.unwrap();
+        assert_eq!(contents(done).await, Some(b"12345678".to_vec()));
+        assert!(!path.exists(), "the file goes with the received snapshot");
         // Done: a further chunk of it begins nothing.
-        assert!(r.receive(chunk("a", 4, 8, b"5678")).is_err());
+        assert!(r.receive(chunk("a", 4, 8, b"5678")).await.is_err());
+        // A file left by an earlier process is removed.
+        std::fs::write(&path, b"stale").unwrap();
+        let _ = SnapshotReceiver::new(path.clone());
+        assert!(!path.exists());
+    }
+
+    #[tokio::test]
+    async fn a_received_snapshot_decodes_from_its_file_or_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut r = SnapshotReceiver::new(dir.path().join("s"));
+        let state = allot_statemachine::State::default();
+        let bytes = allot_statemachine::codec::encode(&state);
+        let n = bytes.len() as u64;
+        let got = r.receive(chunk("a", 0, n, &bytes)).await.unwrap().unwrap();
+        let (decoded, raw) = got.decode().unwrap();
+        assert_eq!(decoded.state_hash(), state.state_hash());
+        assert_eq!(raw, bytes);
+        // Not a state (here: the version byte and then a length prefix of 2^60): refused
+        // without allocating what the prefix claims.
+        let mut garbage = vec![allot_statemachine::codec::FORMAT_VERSION];
+        garbage.extend_from_slice(&[0xff; 9]);
+        garbage.extend_from_slice(&[0x10; 64]);
+        let n = garbage.len() as u64;
+        let got = r
+            .receive(chunk("b", 0, n, &garbage))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(got.decode().is_err());
+        // Trailing bytes after a state: refused too.
+        let mut long = bytes.clone();
+        long.push(0);
+        let n = long.len() as u64;
+        let got = r.receive(chunk("c", 0, n, &long)).await.unwrap().unwrap();
+        assert!(got.decode().is_err());
     }
 
     #[test]

@@ -1,9 +1,11 @@
 //! Running a node: the gRPC listener (typed API, admin, Raft, health, reflection) and the
 //! Prometheus listener, until a shutdown signal.
 
+use crate::admission::{Budget, Connections};
 use crate::limits::{
-    CLIENT_MESSAGE_MAX, CONCURRENT_STREAMS_PER_CONNECTION_MAX, HEADER_LIST_BYTES_MAX,
-    RAFT_MESSAGE_MAX, REPLY_MESSAGE_MAX,
+    CLIENT_BYTES_IN_FLIGHT_MAX, CLIENT_MESSAGE_MAX, CONCURRENT_STREAMS_PER_CONNECTION_MAX,
+    CONNECTION_WINDOW_BYTES, HEADER_LIST_BYTES_MAX, RAFT_BYTES_IN_FLIGHT_MAX, RAFT_MESSAGE_MAX,
+    REPLY_MESSAGE_MAX, STREAM_WINDOW_BYTES,
 };
 use crate::node::Node;
 use crate::ratelimit::RateLimiter;
@@ -16,12 +18,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Serves `node` on `listen` (gRPC) and `metrics` (HTTP `/metrics`) until `shutdown`
-/// resolves; then stops the shards' Raft and syncs the WAL.
+/// resolves; then stops the shards' Raft and syncs the WAL. At most `max_connections`
+/// connections are open at once (`crate::admission`).
 pub async fn serve(
     node: Arc<Node>,
     listener: tokio::net::TcpListener,
     metrics: Option<tokio::net::TcpListener>,
     limiter: RateLimiter,
+    max_connections: usize,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let services = Services {
@@ -61,6 +65,30 @@ pub async fn serve(
     let incoming = tonic::transport::server::TcpIncoming::from(listener)
         .with_nodelay(Some(true))
         .with_keepalive(Some(Duration::from_secs(30)));
+    let refusals = node.metrics.refusals.clone();
+    let connections = Connections::new(max_connections).counted(refusals.clone());
+    let throttle = Arc::new(crate::metrics::Throttle::default());
+    let incoming = futures::StreamExt::filter_map(incoming, move |accepted| {
+        let admitted = match accepted {
+            Ok(io) => match connections.admit(io) {
+                Some(io) => Some(Ok(io)),
+                None => {
+                    if throttle.due() {
+                        tracing::warn!(
+                            max = max_connections,
+                            "connection refused: the node has its most open connections"
+                        );
+                    }
+                    None
+                }
+            },
+            Err(e) => Some(Err(e)),
+        };
+        std::future::ready(admitted)
+    });
+    // Message bytes being read or handled: one budget for client calls, one for Raft.
+    let client = Budget::new("admission", CLIENT_BYTES_IN_FLIGHT_MAX).counted(refusals.clone());
+    let peers = Budget::new("admission:raft", RAFT_BYTES_IN_FLIGHT_MAX).counted(refusals);
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = &node.tls {
         builder = builder.tls_config(tls.server.clone())?;
@@ -69,29 +97,42 @@ pub async fn serve(
     // before the body is read (`crate::peer`).
     let peer_auth = node.peer_auth.clone();
     let raft = tonic::service::interceptor::InterceptedService::new(
-        RaftServer::new(services.clone())
-            .max_decoding_message_size(RAFT_MESSAGE_MAX)
-            .max_encoding_message_size(RAFT_MESSAGE_MAX),
+        peers.admit(
+            RaftServer::new(services.clone())
+                .max_decoding_message_size(RAFT_MESSAGE_MAX)
+                .max_encoding_message_size(RAFT_MESSAGE_MAX),
+            RAFT_MESSAGE_MAX,
+        ),
         move |r| peer_auth.intercept(r),
     );
+    // Health and reflection take tonic's default message bound; admission holds them to
+    // the client bound.
     builder
         .timeout(Duration::from_secs(30))
         .tcp_nodelay(true)
         .max_concurrent_streams(CONCURRENT_STREAMS_PER_CONNECTION_MAX)
         .http2_max_header_list_size(HEADER_LIST_BYTES_MAX)
         .http2_max_pending_accept_reset_streams(Some(64))
-        .add_service(health)
-        .add_service(reflection)
-        .add_service(reflection_alpha)
+        .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
+        .initial_stream_window_size(STREAM_WINDOW_BYTES)
+        .add_service(client.admit(health, CLIENT_MESSAGE_MAX))
+        .add_service(client.admit(reflection, CLIENT_MESSAGE_MAX))
+        .add_service(client.admit(reflection_alpha, CLIENT_MESSAGE_MAX))
         .add_service(
-            ApiServer::new(services.clone())
-                .max_decoding_message_size(CLIENT_MESSAGE_MAX)
-                .max_encoding_message_size(REPLY_MESSAGE_MAX),
+            client.admit(
+                ApiServer::new(services.clone())
+                    .max_decoding_message_size(CLIENT_MESSAGE_MAX)
+                    .max_encoding_message_size(REPLY_MESSAGE_MAX),
+                CLIENT_MESSAGE_MAX,
+            ),
         )
         .add_service(
-            AdminServer::new(services)
-                .max_decoding_message_size(CLIENT_MESSAGE_MAX)
-                .max_encoding_message_size(REPLY_MESSAGE_MAX),
+            client.admit(
+                AdminServer::new(services)
+                    .max_decoding_message_size(CLIENT_MESSAGE_MAX)
+                    .max_encoding_message_size(REPLY_MESSAGE_MAX),
+                CLIENT_MESSAGE_MAX,
+            ),
         )
         .add_service(raft)
         .serve_with_incoming_shutdown(incoming, shutdown)

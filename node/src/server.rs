@@ -897,23 +897,20 @@ impl RaftService for Services {
             return encode_peer(&r);
         }
         let (vote, meta) = (chunk.vote, chunk.meta.clone());
-        let data = inbound.receive(chunk).map_err(|e| {
+        let received = inbound.receive(chunk).await.map_err(|e| {
             edge::with_reason(Status::failed_precondition(e.to_string()), "SNAPSHOT_CHUNK")
         })?;
         drop(permit);
-        let r: Result<SnapshotResponse<NodeId>, openraft::error::RaftError<NodeId>> = match data {
+        let r: Result<SnapshotResponse<NodeId>, openraft::error::RaftError<NodeId>> = match received
+        {
             None => Ok(SnapshotResponse { vote: mine }),
-            Some(data) => {
-                // Decode it here (off the runtime's workers): a snapshot that is not a
-                // state is refused, where openraft would stop the shard on it.
-                let (state, data) = tokio::task::spawn_blocking(move || {
-                    (allot_statemachine::State::decode(&data), data)
-                })
-                .await
-                .map_err(|e| Status::internal(format!("snapshot decode task: {e}")))?;
-                let state = state.map_err(|e| {
-                    self.peer_refused("raft:snapshot", format!("snapshot does not decode: {e}"))
-                })?;
+            Some(received) => {
+                // Decode it here, from its file and off the runtime's workers: a snapshot
+                // that is not a state is refused, where openraft would stop the shard on it.
+                let decoded = tokio::task::spawn_blocking(move || received.decode())
+                    .await
+                    .map_err(|e| Status::internal(format!("snapshot decode task: {e}")))?;
+                let (state, data) = decoded.map_err(|e| self.peer_refused("raft:snapshot", e))?;
                 *shard.preloaded.lock().unwrap_or_else(|p| p.into_inner()) =
                     Some((meta.snapshot_id.clone(), Box::new(state)));
                 shard

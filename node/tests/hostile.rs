@@ -397,6 +397,81 @@ async fn defect_2_forty_huge_grants_cost_nothing() {
     h.assert_all_running();
 }
 
+/// Calls in flight: tonic reads a call's whole message before any handler, permit or
+/// rate limit sees it, so a thousand concurrent ~1 MiB calls over a handful of
+/// connections held a GiB on the node (each within every per-call bound). Now a call's
+/// bytes are taken from the node's admission budget before its message is read (the rest
+/// waits in HTTP/2 flow control, one window per connection), so memory stays bounded
+/// however many calls are open; a call that cannot get its bytes within two seconds is
+/// told `NODE_BUSY` with a retry-after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_in_flight_cost_bounded_memory_however_many_are_open() {
+    const CONNECTIONS: usize = 16;
+    const CALLS_PER_CONNECTION: usize = 64;
+    let mut h = secured(1).await;
+    let leader = h.c.leader_of(0).await.unwrap();
+    let before = h.head_seq(0).await;
+    let idle = h.rss_now();
+    // Within the message bound, over a command's: refused at the edge once read.
+    let call = pb::ExecuteRequest::encode_to_vec(&exec(
+        0,
+        &[req(
+            1,
+            Command::IssueGrant(Grant {
+                bucket: BucketId(1),
+                owner: Account::Org(OrgId(1)),
+                kind: BucketKind::Paid,
+                amount_micro: 1,
+                expires_at_ms: None,
+                priority: 0,
+                policy: None,
+                source_ref: Some("x".repeat(1_000_000)),
+            }),
+        )],
+    ));
+    let mut calls = Vec::new();
+    for _ in 0..CONNECTIONS {
+        let ch = channel(&h.addr(leader)).await;
+        for _ in 0..CALLS_PER_CONNECTION {
+            let (ch, body, token) = (ch.clone(), call.clone(), h.token.clone());
+            calls.push(tokio::spawn(async move {
+                raw_unary(ch, "/allot.api.v1.Api/Execute", bearer(body, Some(&token)))
+                    .await
+                    .unwrap_err()
+            }));
+        }
+    }
+    let started = Instant::now();
+    let (mut refused, mut busy) = (0, 0);
+    for c in calls {
+        let e = c.await.unwrap();
+        match (e.code(), reason(&e)) {
+            (Code::ResourceExhausted, "NODE_BUSY") => {
+                assert!(e
+                    .metadata()
+                    .get(allot_proto::meta::RETRY_AFTER_MS)
+                    .is_some());
+                busy += 1;
+            }
+            (Code::InvalidArgument, _) => refused += 1,
+            other => panic!("unexpected answer {other:?}: {e:?}"),
+        }
+    }
+    eprintln!(
+        "in flight: {} calls of {} bytes over {CONNECTIONS} connections answered in {:?}: \
+         {refused} refused as too large once read, {busy} told NODE_BUSY",
+        CONNECTIONS * CALLS_PER_CONNECTION,
+        call.len(),
+        started.elapsed()
+    );
+    assert!(refused > 0, "some calls were read and refused");
+    assert_eq!(h.head_seq(0).await, before, "nothing was applied");
+    h.every_shard_commits(Duration::from_secs(5), 100).await;
+    let grew = h.assert_memory_within(&idle, 384);
+    eprintln!("in flight: peak RSS growth {grew} MiB (budget 384)");
+    h.assert_all_running();
+}
+
 fn blank_entries(prev: u64, n: usize, term: u64) -> Vec<LogEntry> {
     (0..n)
         .map(|i| LogEntry {
@@ -614,6 +689,79 @@ async fn defect_5_a_forged_snapshot_chunk_allocates_nothing() {
     h.assert_all_running();
     let grew = h.assert_memory_within(&idle, 64);
     eprintln!("defect 5: peak RSS growth {grew} MiB");
+    h.every_shard_commits(Duration::from_secs(5), 100).await;
+}
+
+/// A snapshot being received was kept in memory up to its declared size (then 16 GiB,
+/// more than the state codec could ever decode): anyone reaching the peer port of a
+/// node without peer authentication — and any peer with it — could make a follower hold
+/// that much. Now the chunks go to a file under the data dir: 256 MiB of an unfinished
+/// snapshot cost the follower one chunk of memory, the file holds exactly what arrived,
+/// and a new snapshot starting at 0 replaces it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_being_received_is_kept_on_disk_not_in_memory() {
+    const CHUNK: usize = 1 << 20;
+    const CHUNKS: u64 = 256;
+    let mut h = secured(1).await;
+    let secret = h.secret();
+    let leader = h.c.leader_of(0).await.unwrap();
+    let follower = (1..=3).find(|&id| id != leader).unwrap();
+    let idle = h.rss_now();
+    let term = 1_000;
+    let total = 1u64 << 30;
+    let chunk = |offset: u64, id: &str, data: Vec<u8>| SnapshotChunk {
+        vote: Vote::new_committed(term, 99),
+        meta: SnapshotMeta {
+            snapshot_id: id.into(),
+            ..forged_meta(term, 1 << 40)
+        },
+        total_bytes: total,
+        offset,
+        data,
+    };
+    let mut r = raft(channel(&h.addr(follower)).await);
+    let started = Instant::now();
+    for i in 0..CHUNKS {
+        r.snapshot(as_peer(
+            RaftMessage {
+                shard: 0,
+                payload: codec::encode(&chunk(i * CHUNK as u64, "big", vec![7; CHUNK])),
+            },
+            &secret,
+        ))
+        .await
+        .unwrap();
+    }
+    let grew = h.assert_memory_within(&idle, 64);
+    eprintln!("snapshot: peak RSS growth {grew} MiB (budget 64)");
+    let file =
+        h.c.dir
+            .join(format!("node-{follower}"))
+            .join("incoming")
+            .join("shard-0.snapshot");
+    let on_disk = std::fs::metadata(&file).unwrap().len();
+    eprintln!(
+        "snapshot: {CHUNKS} chunks of 1 MiB received in {:?}; {} MiB on disk",
+        started.elapsed(),
+        on_disk >> 20
+    );
+    assert_eq!(
+        on_disk,
+        CHUNKS * CHUNK as u64,
+        "the file holds what arrived"
+    );
+    // Another snapshot from its start replaces the unfinished one.
+    r.snapshot(as_peer(
+        RaftMessage {
+            shard: 0,
+            payload: codec::encode(&chunk(0, "other", vec![1; 16])),
+        },
+        &secret,
+    ))
+    .await
+    .unwrap();
+    assert_eq!(std::fs::metadata(&file).unwrap().len(), 16);
+    h.assert_all_running();
     h.every_shard_commits(Duration::from_secs(5), 100).await;
 }
 

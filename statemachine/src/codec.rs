@@ -68,6 +68,31 @@ pub fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
     buf
 }
 
+/// [`decode`] from a reader (a large blob on disk: a received snapshot), holding no more
+/// than the decoder's buffer for input that does not decode. The reader must end where
+/// the value does (trailing bytes are refused, as [`decode`] refuses them).
+pub fn decode_from<T: DeserializeOwned, R: std::io::Read>(mut r: R) -> Result<T, CodecError> {
+    let mut version = [0u8; 1];
+    match r.read_exact(&mut version) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(CodecError::Empty),
+        Err(e) => return Err(CodecError::Malformed(e.to_string())),
+    }
+    if version[0] != FORMAT_VERSION {
+        return Err(CodecError::UnsupportedVersion(version[0]));
+    }
+    let value = decode_options()
+        .deserialize_from(&mut r)
+        .map_err(|e| CodecError::Malformed(e.to_string()))?;
+    match r.read(&mut [0u8; 1]) {
+        Ok(0) => Ok(value),
+        Ok(_) => Err(CodecError::Malformed(
+            "trailing bytes after the value".into(),
+        )),
+        Err(e) => Err(CodecError::Malformed(e.to_string())),
+    }
+}
+
 /// Decodes a versioned blob; any malformed input is an error, never a panic.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
     let (&version, rest) = bytes.split_first().ok_or(CodecError::Empty)?;

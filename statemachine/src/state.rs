@@ -110,6 +110,11 @@ impl State {
     pub fn decode(bytes: &[u8]) -> Result<State, codec::CodecError> {
         codec::decode(bytes)
     }
+
+    /// [`State::decode`] from a reader (a snapshot received into a file).
+    pub fn decode_from(r: impl std::io::Read) -> Result<State, codec::CodecError> {
+        codec::decode_from(r)
+    }
 }
 
 /// Applies one log entry. Pure: the result depends only on `state` and `entry`.

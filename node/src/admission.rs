@@ -1,0 +1,524 @@
+//! Admission: what a call may cost the node *before* its message is read. tonic reads a
+//! unary call's whole message into memory before the handler runs, so without this the
+//! memory in flight grows with the number of open calls (connections × concurrent
+//! streams × the message bound), whatever the rate limits and Raft permits say: they are
+//! taken only after the message is in memory.
+//!
+//! Every service is wrapped in an [`Admitted`] that, on each call:
+//! 1. reads the gRPC length prefix (the first 5 bytes of the body) — a message larger
+//!    than the service's bound is refused there (`OUT_OF_RANGE`), as tonic would;
+//! 2. takes the message's bytes from its class's budget (client calls and Raft messages
+//!    have separate budgets, so a flood of one never starves the other), waiting at most
+//!    [`ADMISSION_WAIT_MAX`]; a call that cannot get its bytes in time is refused with
+//!    `RESOURCE_EXHAUSTED`, reason `NODE_BUSY`, and `retry-after-ms`;
+//! 3. reads the rest of the message within [`BODY_READ_MAX`] (a sender that trickles its
+//!    body holds its bytes at most that long: `DEADLINE_EXCEEDED`, reason `SLOW_BODY`);
+//! 4. hands the call on and keeps the bytes until the handler answered (for a server
+//!    stream: until the stream is set up).
+//!
+//! Bytes not yet read stay in HTTP/2 flow control: at most one connection window per
+//! connection ([`CONNECTION_WINDOW_BYTES`]), and connections are counted
+//! ([`Connections`]). So the node's memory for calls is bounded by
+//! `CLIENT_BYTES_IN_FLIGHT_MAX + RAFT_BYTES_IN_FLIGHT_MAX + connections ×
+//! CONNECTION_WINDOW_BYTES`, whatever callers do (docs/DESIGN.md §43).
+//!
+//! The Raft service's peer check runs on the headers *before* this (the interceptor
+//! wraps the admitted service), so an unauthenticated caller never takes Raft budget.
+
+use crate::limits::{ADMISSION_WAIT_MAX, BODY_READ_MAX};
+use allot_proto::meta;
+use bytes::{Bytes, BytesMut};
+use http_body::Frame;
+use http_body_util::BodyExt;
+use prometheus::IntCounterVec;
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tonic::body::Body;
+use tonic::metadata::MetadataValue;
+use tonic::server::NamedService;
+use tonic::Status;
+
+/// Budgets count kibibytes (a semaphore takes at most `u32` permits at once).
+const UNIT: usize = 1024;
+/// The gRPC message prefix: a compression flag and a big-endian `u32` length.
+const PREFIX: usize = 5;
+
+/// One class's budget of message bytes being read or handled.
+#[derive(Clone)]
+pub struct Budget {
+    name: &'static str,
+    permits: Arc<Semaphore>,
+    refusals: Option<IntCounterVec>,
+}
+
+impl Budget {
+    /// A budget of `bytes` (rounded down to whole KiB, at least one message of 1 KiB).
+    pub fn new(name: &'static str, bytes: usize) -> Budget {
+        Budget {
+            name,
+            permits: Arc::new(Semaphore::new((bytes / UNIT).max(1))),
+            refusals: None,
+        }
+    }
+
+    /// Counts refusals in `allot_edge_refusals_total{api=<name>, reason}`.
+    pub fn counted(mut self, refusals: IntCounterVec) -> Budget {
+        self.refusals = Some(refusals);
+        self
+    }
+
+    /// Wraps `inner`, whose messages are at most `message_max` bytes.
+    pub fn admit<S>(&self, inner: S, message_max: usize) -> Admitted<S> {
+        Admitted {
+            inner,
+            budget: self.clone(),
+            message_max,
+        }
+    }
+
+    /// Bytes (KiB) free now.
+    pub fn available_kib(&self) -> usize {
+        self.permits.available_permits()
+    }
+
+    fn refused(&self, reason: &str) {
+        if let Some(r) = &self.refusals {
+            r.with_label_values(&[self.name, reason]).inc();
+        }
+    }
+}
+
+/// A service whose calls are admitted by a [`Budget`].
+#[derive(Clone)]
+pub struct Admitted<S> {
+    inner: S,
+    budget: Budget,
+    message_max: usize,
+}
+
+impl<S: NamedService> NamedService for Admitted<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+impl<S> tower_service::Service<http::Request<Body>> for Admitted<S>
+where
+    S: tower_service::Service<
+            http::Request<Body>,
+            Response = http::Response<Body>,
+            Error = Infallible,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<http::Response<Body>, Infallible>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        // The clone that was driven to readiness serves this call (tower's rule).
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let budget = self.budget.clone();
+        let message_max = self.message_max;
+        Box::pin(async move {
+            let (parts, body) = req.into_parts();
+            let (body, _permit) = match admit(&budget, body, message_max).await {
+                Ok(admitted) => admitted,
+                Err((status, reason)) => {
+                    budget.refused(reason);
+                    return Ok(status.into_http());
+                }
+            };
+            inner
+                .call(http::Request::from_parts(parts, Body::new(body)))
+                .await
+        })
+    }
+}
+
+type Refusal = (Status, &'static str);
+
+/// Reads the call's message within the budget: the body to hand on (the bytes read,
+/// then whatever the caller sends after them) and the bytes' permit.
+///
+/// The first frame is read under a permit too ([`FRAME_UNITS`], an HTTP/2 frame's most),
+/// since reading it gives the caller flow-control window back: so a call waiting for
+/// admission costs its headers only, and calls read at once are bounded by the budget.
+async fn admit(
+    budget: &Budget,
+    mut body: Body,
+    message_max: usize,
+) -> Result<(Replay, OwnedSemaphorePermit), Refusal> {
+    let deadline = tokio::time::Instant::now() + BODY_READ_MAX;
+    let wait_until = deadline.min(tokio::time::Instant::now() + ADMISSION_WAIT_MAX);
+    let mut permit = budget.take(FRAME_UNITS, wait_until).await?;
+    let mut head = BytesMut::new();
+    read_until(&mut body, &mut head, PREFIX, deadline).await?;
+    if head.len() < PREFIX {
+        // No message at all: tonic answers that.
+        return Ok((Replay::new(head, body), permit));
+    }
+    let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+    if len > message_max {
+        return Err((
+            Status::out_of_range(format!(
+                "message of {len} bytes; this service takes at most {message_max}"
+            )),
+            "too_large",
+        ));
+    }
+    let units = (PREFIX + len).div_ceil(UNIT).max(head.len().div_ceil(UNIT));
+    if units > FRAME_UNITS {
+        permit.merge(budget.take(units - FRAME_UNITS, wait_until).await?);
+    } else {
+        // Give back what a small message does not need.
+        drop(permit.split(FRAME_UNITS - units));
+    }
+    head.reserve((PREFIX + len).saturating_sub(head.len()));
+    read_until(&mut body, &mut head, PREFIX + len, deadline).await?;
+    Ok((Replay::new(head, body), permit))
+}
+
+/// An HTTP/2 DATA frame's largest size (the protocol's default `SETTINGS_MAX_FRAME_SIZE`,
+/// which the server keeps), in budget units.
+const FRAME_UNITS: usize = 16;
+
+impl Budget {
+    async fn take(
+        &self,
+        units: usize,
+        until: tokio::time::Instant,
+    ) -> Result<OwnedSemaphorePermit, Refusal> {
+        let units = u32::try_from(units).unwrap_or(u32::MAX);
+        match tokio::time::timeout_at(until, self.permits.clone().acquire_many_owned(units)).await {
+            Ok(Ok(p)) => Ok(p),
+            _ => Err((busy(self.name), "node_busy")),
+        }
+    }
+}
+
+/// Reads frames into `buf` until it holds `want` bytes or the body ends.
+async fn read_until(
+    body: &mut Body,
+    buf: &mut BytesMut,
+    want: usize,
+    deadline: tokio::time::Instant,
+) -> Result<(), Refusal> {
+    while buf.len() < want {
+        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            Err(_) => {
+                return Err((
+                    Status::deadline_exceeded(format!(
+                        "the request's message did not arrive within {BODY_READ_MAX:?}"
+                    )),
+                    "slow_body",
+                ))
+            }
+            Ok(None) => return Ok(()),
+            Ok(Some(Err(s))) => return Err((s, "body_error")),
+            Ok(Some(Ok(f))) => f,
+        };
+        if let Ok(data) = frame.into_data() {
+            buf.extend_from_slice(&data);
+        }
+        // Request trailers are not part of gRPC; a frame that is not data is dropped.
+    }
+    Ok(())
+}
+
+fn busy(class: &str) -> Status {
+    let mut s = crate::edge::with_reason(
+        Status::resource_exhausted(format!(
+            "node busy: its {class} calls in progress hold their whole byte budget; retry"
+        )),
+        "NODE_BUSY",
+    );
+    if let Ok(v) = MetadataValue::try_from(BUSY_RETRY_AFTER_MS.to_string()) {
+        s.metadata_mut().insert(meta::RETRY_AFTER_MS, v);
+    }
+    s
+}
+
+/// What a refused-as-busy caller is told to wait before retrying.
+const BUSY_RETRY_AFTER_MS: u64 = 100;
+
+/// A body that yields the bytes already read, then the rest of the caller's body.
+struct Replay {
+    head: Option<Bytes>,
+    rest: Body,
+}
+
+impl Replay {
+    fn new(head: BytesMut, rest: Body) -> Replay {
+        Replay {
+            head: (!head.is_empty()).then(|| head.freeze()),
+            rest,
+        }
+    }
+}
+
+impl http_body::Body for Replay {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        if let Some(head) = self.head.take() {
+            return Poll::Ready(Some(Ok(Frame::data(head))));
+        }
+        Pin::new(&mut self.rest).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.head.is_none() && self.rest.is_end_stream()
+    }
+}
+
+// ---------------------------------------------------------------- connections
+
+/// Open connections, bounded: an accepted connection past the bound is closed at once
+/// (the caller sees a reset and retries). Each connection may hold at most one HTTP/2
+/// connection window of unread bytes, so this bounds those too.
+#[derive(Clone)]
+pub struct Connections {
+    open: Arc<AtomicUsize>,
+    max: usize,
+    refusals: Option<IntCounterVec>,
+}
+
+impl Connections {
+    pub fn new(max: usize) -> Connections {
+        Connections {
+            open: Arc::default(),
+            max,
+            refusals: None,
+        }
+    }
+
+    pub fn counted(mut self, refusals: IntCounterVec) -> Connections {
+        self.refusals = Some(refusals);
+        self
+    }
+
+    /// Open now.
+    pub fn open(&self) -> usize {
+        self.open.load(Ordering::Relaxed)
+    }
+
+    /// Takes `io` if a slot is free (the slot is freed when the connection is dropped).
+    pub fn admit<IO>(&self, io: IO) -> Option<Counted<IO>> {
+        let taken = self
+            .open
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max).then_some(n + 1)
+            })
+            .is_ok();
+        if !taken {
+            if let Some(r) = &self.refusals {
+                r.with_label_values(&["connections", "too_many"]).inc();
+            }
+            return None;
+        }
+        Some(Counted {
+            io,
+            open: self.open.clone(),
+        })
+    }
+}
+
+/// A connection holding one of [`Connections`]' slots.
+pub struct Counted<IO> {
+    io: IO,
+    open: Arc<AtomicUsize>,
+}
+
+impl<IO> Drop for Counted<IO> {
+    fn drop(&mut self) {
+        self.open.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl<IO: tonic::transport::server::Connected> tonic::transport::server::Connected for Counted<IO> {
+    type ConnectInfo = IO::ConnectInfo;
+    fn connect_info(&self) -> IO::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+impl<IO: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Counted<IO> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<IO: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Counted<IO> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A gRPC message of `len` bytes (prefix and payload) as a request body.
+    fn message(len: usize) -> Vec<u8> {
+        let mut m = vec![0u8];
+        m.extend_from_slice(&(len as u32).to_be_bytes());
+        m.extend((0..len).map(|i| i as u8));
+        m
+    }
+
+    fn body(bytes: Vec<u8>) -> Body {
+        Body::new(http_body_util::Full::new(Bytes::from(bytes)))
+    }
+
+    async fn read_all(b: Replay) -> Vec<u8> {
+        b.collect().await.unwrap().to_bytes().to_vec()
+    }
+
+    #[tokio::test]
+    async fn a_message_is_handed_on_whole_and_holds_its_bytes_until_then() {
+        let budget = Budget::new("test", 1 << 20);
+        let full = budget.available_kib();
+        for len in [0, 1, 100, 16 << 10, 300 << 10] {
+            let m = message(len);
+            let (b, permit) = admit(&budget, body(m.clone()), 1 << 20).await.unwrap();
+            assert_eq!(
+                permit.num_permits(),
+                (PREFIX + len).div_ceil(UNIT).max(1),
+                "a {len}-byte message holds its KiB"
+            );
+            assert_eq!(budget.available_kib(), full - permit.num_permits());
+            drop(permit);
+            assert_eq!(budget.available_kib(), full, "released with the call");
+            assert_eq!(
+                read_all(b).await,
+                m,
+                "the handler reads exactly what was sent"
+            );
+        }
+        // No message at all: handed on for tonic to answer.
+        let (b, _) = admit(&budget, body(vec![0, 0]), 1 << 20).await.unwrap();
+        assert_eq!(read_all(b).await, vec![0, 0]);
+    }
+
+    #[tokio::test]
+    async fn a_message_over_the_bound_is_refused_from_its_prefix() {
+        let budget = Budget::new("test", 1 << 20);
+        // Only the prefix is sent: the refusal must not wait for the rest.
+        let mut m = message(0);
+        m[1..5].copy_from_slice(&(4_000_000u32).to_be_bytes());
+        let Err((s, reason)) = admit(&budget, body(m), 1 << 20).await else {
+            panic!("a 4 MB message passed a 1 MiB bound");
+        };
+        assert_eq!((s.code(), reason), (tonic::Code::OutOfRange, "too_large"));
+        assert_eq!(budget.available_kib(), 1024, "nothing held");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_that_cannot_get_its_bytes_is_told_the_node_is_busy() {
+        let budget = Budget::new("test", 64 << 10);
+        let (_b, held) = admit(&budget, body(message(60 << 10)), 1 << 20)
+            .await
+            .unwrap();
+        let started = tokio::time::Instant::now();
+        let Err((s, reason)) = admit(&budget, body(message(10 << 10)), 1 << 20).await else {
+            panic!("admitted past the budget");
+        };
+        assert_eq!(
+            (s.code(), reason),
+            (tonic::Code::ResourceExhausted, "node_busy")
+        );
+        assert_eq!(
+            s.metadata().get("allot-reason").unwrap().to_str().unwrap(),
+            "NODE_BUSY"
+        );
+        assert!(s.metadata().get(meta::RETRY_AFTER_MS).is_some());
+        assert_eq!(
+            started.elapsed(),
+            ADMISSION_WAIT_MAX,
+            "after the wait bound"
+        );
+        // Once the first call is answered, the next one gets in.
+        drop(held);
+        let (_b, _held) = admit(&budget, body(message(10 << 10)), 1 << 20)
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_never_arrives_is_given_up_after_the_read_bound() {
+        let budget = Budget::new("test", 1 << 20);
+        // The prefix promises 1 KiB; the body then stalls forever.
+        let mut prefix = message(0);
+        prefix[1..5].copy_from_slice(&1024u32.to_be_bytes());
+        let stalled = futures::StreamExt::chain(
+            futures::stream::iter([Ok::<_, Status>(Frame::data(Bytes::from(prefix)))]),
+            futures::stream::pending(),
+        );
+        let b = Body::new(http_body_util::StreamBody::new(stalled));
+        let Err((s, reason)) = admit(&budget, b, 1 << 20).await else {
+            panic!("a stalled body was admitted");
+        };
+        assert_eq!(
+            (s.code(), reason),
+            (tonic::Code::DeadlineExceeded, "slow_body")
+        );
+        assert_eq!(budget.available_kib(), 1024, "its bytes are free again");
+    }
+
+    #[test]
+    fn connections_past_the_bound_are_refused_until_one_closes() {
+        let c = Connections::new(2);
+        let a = c.admit(()).unwrap();
+        let _b = c.admit(()).unwrap();
+        assert!(c.admit(()).is_none());
+        assert_eq!(c.open(), 2);
+        drop(a);
+        assert_eq!(c.open(), 1);
+        assert!(c.admit(()).is_some());
+    }
+}
