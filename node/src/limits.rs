@@ -59,7 +59,7 @@ pub const STREAMS_PER_NODE_MAX: usize = 4096;
 /// together (typed API, admin, health, reflection) and all Raft messages together: a
 /// call waits for its message's bytes at most `ADMISSION_WAIT_MAX`, then is refused
 /// (`RESOURCE_EXHAUSTED`, `NODE_BUSY`). Separate, so a client flood never delays Raft.
-pub const CLIENT_BYTES_IN_FLIGHT_MAX: usize = 128 << 20;
+pub const CLIENT_BYTES_IN_FLIGHT_MAX: usize = 64 << 20;
 pub const RAFT_BYTES_IN_FLIGHT_MAX: usize = 16 * RAFT_MESSAGE_MAX;
 pub const ADMISSION_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(2);
 /// A call's message must arrive within this of the call (`DEADLINE_EXCEEDED`,
