@@ -661,7 +661,7 @@ fn org_view(s: &State, org: OrgId) -> Vec<String> {
     out
 }
 
-/// The ids of org 2's objects, and ids nobody uses.
+/// The ids of each org's objects in the isolation world, and ids nobody uses.
 #[derive(Clone, Copy, Debug)]
 struct Ids {
     org: OrgId,
@@ -683,6 +683,16 @@ const THEIRS: Ids = Ids {
     principal: PrincipalId(900),
 };
 
+const MINE: Ids = Ids {
+    org: ORG,
+    project: PROJECT,
+    user: USER,
+    hold: 510,
+    job: 610,
+    bucket: 710,
+    principal: PrincipalId(910),
+};
+
 const UNUSED: Ids = Ids {
     org: OrgId(3),
     project: ProjectId(14),
@@ -693,61 +703,100 @@ const UNUSED: Ids = Ids {
     principal: PrincipalId(901),
 };
 
-/// Debug text with every unused id written as org 2's, so an answer about the unused
-/// ids compares equal to the same answer about org 2's.
-fn as_theirs(text: String) -> String {
-    text.replace("OrgId(3)", "OrgId(2)")
-        .replace("ProjectId(14)", "ProjectId(13)")
-        .replace("UserId(24)", "UserId(23)")
-        .replace("HoldId(501)", "HoldId(500)")
-        .replace("HoldId(601)", "HoldId(600)")
-        .replace("JobId(601)", "JobId(600)")
-        .replace("BucketId(701)", "BucketId(700)")
-        .replace("PrincipalId(901)", "PrincipalId(900)")
+/// Debug text with every unused id written as `target`'s, so an answer about the
+/// unused ids compares equal to the same answer about the target org's.
+fn as_target(text: String, target: Ids) -> String {
+    text.replace(&format!("{:?}", UNUSED.org), &format!("{:?}", target.org))
+        .replace(
+            &format!("{:?}", UNUSED.project),
+            &format!("{:?}", target.project),
+        )
+        .replace(&format!("{:?}", UNUSED.user), &format!("{:?}", target.user))
+        .replace(
+            &format!("{:?}", HoldId(UNUSED.hold)),
+            &format!("{:?}", HoldId(target.hold)),
+        )
+        .replace(
+            &format!("{:?}", JobId(UNUSED.job)),
+            &format!("{:?}", JobId(target.job)),
+        )
+        .replace(
+            &format!("{:?}", BucketId(UNUSED.bucket)),
+            &format!("{:?}", BucketId(target.bucket)),
+        )
+        .replace(
+            &format!("{:?}", UNUSED.principal),
+            &format!("{:?}", target.principal),
+        )
 }
 
-/// The world with org 2 busy: a grant, an open hold, a queued job, a token.
+/// One org of the isolation world acting: its own ids, and the other org's.
+#[derive(Clone, Copy, Debug)]
+struct Side {
+    org: OrgId,
+    project: ProjectId,
+    user: UserId,
+    /// Principals its project and user tokens run as.
+    principals: (PrincipalId, PrincipalId),
+    other: Ids,
+}
+
+const ORG_1: Side = Side {
+    org: ORG,
+    project: PROJECT,
+    user: USER,
+    principals: (PrincipalId(300), PrincipalId(301)),
+    other: THEIRS,
+};
+
+const ORG_2: Side = Side {
+    org: OTHER_ORG,
+    project: OTHER_PROJECT,
+    user: OTHER_USER,
+    principals: (PrincipalId(310), PrincipalId(311)),
+    other: MINE,
+};
+
+/// The world with both orgs busy: each has a grant, an open hold, a queued job, a token.
 fn isolation_world() -> Harness {
     let mut h = funded();
-    h.grant(
-        THEIRS.bucket,
-        Account::Project(OTHER_PROJECT),
-        BucketKind::Paid,
-        credits(100),
-        None,
-    );
-    let them = tenant(OTHER_ORG);
-    assert!(h
-        .run_as(
-            them,
-            Command::CreateHold(hold_in(OTHER_ORG, THEIRS.hold, credits(1)))
-        )
-        .is_ok());
-    assert!(h
-        .run_as(
-            them,
-            Command::SubmitJob(job_in(OTHER_ORG, THEIRS.job, Tier::PAID))
-        )
-        .is_ok());
-    h.ok(Command::CreateToken {
-        principal: THEIRS.principal,
-        digest: TokenDigest::of(b"tok-org-2-isolation-xxxxxxxxxxxxxxxx"),
-        scope: Scope::Project {
-            org: OTHER_ORG,
-            project: OTHER_PROJECT,
-        },
-        expires_at_ms: None,
-    });
+    for (org, project, ids) in [(OTHER_ORG, OTHER_PROJECT, THEIRS), (ORG, PROJECT, MINE)] {
+        h.grant(
+            ids.bucket,
+            Account::Project(project),
+            BucketKind::Paid,
+            credits(100),
+            None,
+        );
+        let them = tenant(org);
+        assert!(h
+            .run_as(
+                them,
+                Command::CreateHold(hold_in(org, ids.hold, credits(1)))
+            )
+            .is_ok());
+        assert!(h
+            .run_as(them, Command::SubmitJob(job_in(org, ids.job, Tier::PAID)))
+            .is_ok());
+        h.ok(Command::CreateToken {
+            principal: ids.principal,
+            digest: TokenDigest::of(
+                format!("tok-org-{}-isolation-xxxxxxxxxxxxxxxx", org.0).as_bytes(),
+            ),
+            scope: Scope::Project { org, project },
+            expires_at_ms: None,
+        });
+    }
     h
 }
 
-/// What org 1's caller does in one step, about the ids `x`.
-fn tenant_command(kind: u8, amount: u64, salt: u64, x: Ids) -> Command {
+/// What `me`'s caller does in one step, about the ids `x`.
+fn tenant_command(kind: u8, amount: u64, salt: u64, me: Side, x: Ids) -> Command {
     let hold = |id: u64| HoldId(id);
     match kind % 22 {
         0 => Command::CreateProject {
             project: x.project,
-            org: ORG,
+            org: me.org,
         },
         1 => Command::CreateProject {
             project: ProjectId(40 + salt % 4),
@@ -755,7 +804,7 @@ fn tenant_command(kind: u8, amount: u64, salt: u64, x: Ids) -> Command {
         },
         2 => Command::CreateUser {
             user: x.user,
-            org: ORG,
+            org: me.org,
         },
         3 => Command::CreateUser {
             user: UserId(40 + salt % 4),
@@ -763,8 +812,8 @@ fn tenant_command(kind: u8, amount: u64, salt: u64, x: Ids) -> Command {
         },
         4 => Command::CreateHold(HoldSpec {
             hold: hold(x.hold),
-            project: PROJECT,
-            user: USER,
+            project: me.project,
+            user: me.user,
             tier: Tier::PAID,
             gpu_types: vec![],
             amount_micro: amount,
@@ -793,17 +842,17 @@ fn tenant_command(kind: u8, amount: u64, salt: u64, x: Ids) -> Command {
         },
         10 => Command::SubmitJob(JobSpec {
             job: JobId(x.job),
-            ..job_in(ORG, 0, Tier::PAID)
+            ..job_in(me.org, 0, Tier::PAID)
         }),
         11 => Command::CancelJob { job: JobId(x.job) },
         12 => Command::Transfer {
             from: Account::Project(x.project),
-            to: Account::Org(ORG),
+            to: Account::Org(me.org),
             amount_micro: amount,
         },
         13 => Command::Transfer {
             from: Account::Org(x.org),
-            to: Account::Project(PROJECT),
+            to: Account::Project(me.project),
             amount_micro: amount,
         },
         14 => Command::SetBudget {
@@ -822,7 +871,7 @@ fn tenant_command(kind: u8, amount: u64, salt: u64, x: Ids) -> Command {
         16 => Command::CreateToken {
             principal: x.principal,
             digest: TokenDigest::of(format!("iso-{salt}-{amount}-xxxxxxxxxxxxxxxx").as_bytes()),
-            scope: Scope::Org(ORG),
+            scope: Scope::Org(me.org),
             expires_at_ms: None,
         },
         17 => Command::CreateToken {
@@ -835,7 +884,7 @@ fn tenant_command(kind: u8, amount: u64, salt: u64, x: Ids) -> Command {
                     project: x.project,
                 },
                 Scope::Project {
-                    org: ORG,
+                    org: me.org,
                     project: x.project,
                 },
             ][(salt % 3) as usize],
@@ -863,23 +912,23 @@ fn tenant_command(kind: u8, amount: u64, salt: u64, x: Ids) -> Command {
     }
 }
 
-/// What org 1's caller asks, about the ids `x`.
-fn tenant_query(kind: u8, x: Ids) -> Query {
+/// What `me`'s caller asks, about the ids `x`.
+fn tenant_query(kind: u8, me: Side, x: Ids) -> Query {
     match kind % 8 {
         0 => Query::Job(x.org, JobId(x.job)),
-        1 => Query::Job(ORG, JobId(x.job)),
+        1 => Query::Job(me.org, JobId(x.job)),
         2 => Query::Balance {
             org: x.org,
             account: Account::Project(x.project),
             horizon_ms: 0,
         },
         3 => Query::Balance {
-            org: ORG,
+            org: me.org,
             account: Account::Project(x.project),
             horizon_ms: 0,
         },
         4 => Query::Budget(x.org, BudgetScope::User(x.user)),
-        5 => Query::Budget(ORG, BudgetScope::Project(x.project)),
+        5 => Query::Budget(me.org, BudgetScope::Project(x.project)),
         6 => Query::Tenancy(x.org),
         _ => Query::Jobs(JobFilter {
             org: Some(x.org),
@@ -888,19 +937,19 @@ fn tenant_query(kind: u8, x: Ids) -> Query {
     }
 }
 
-fn caller(kind: u8) -> Actor {
+fn caller(kind: u8, me: Side) -> Actor {
     match kind % 3 {
-        0 => tenant(ORG),
+        0 => tenant(me.org),
         1 => Actor::Project {
-            org: ORG,
-            project: PROJECT,
-            principal: PrincipalId(300),
+            org: me.org,
+            project: me.project,
+            principal: me.principals.0,
         },
         _ => Actor::User {
-            org: ORG,
-            project: PROJECT,
-            user: USER,
-            principal: PrincipalId(301),
+            org: me.org,
+            project: me.project,
+            user: me.user,
+            principal: me.principals.1,
         },
     }
 }
@@ -908,47 +957,53 @@ fn caller(kind: u8) -> Actor {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
-    /// Org 1's tokens issue random commands and queries naming org 2's ids, in one
-    /// history, and the same naming ids nobody uses, in another: every answer is the
-    /// same (ids written alike), org 2's state never changes, no event of org 1's
-    /// commands lands in org 2's trail, and each attempt is in org 1's own trail.
+    /// Both orgs' tokens, in turn at random, issue random commands and queries naming
+    /// the other org's ids, in one history, and the same naming ids nobody uses, in
+    /// another: every answer is the same (ids written alike), no step of one org changes
+    /// the other's state or adds to its trail, and each attempt is in the attempting
+    /// org's own trail.
     #[test]
     fn a_tenant_cannot_tell_another_orgs_ids_from_unused_ones(
         steps in proptest::collection::vec(
-            (any::<u8>(), any::<u8>(), 1u64..=3_000_000, any::<u64>(), any::<bool>()),
+            (any::<u8>(), any::<u8>(), 1u64..=3_000_000, any::<u64>(), any::<bool>(), any::<bool>()),
             1..40,
         )
     ) {
         let mut theirs = isolation_world();
         let mut unused = isolation_world();
-        let view = org_view(&theirs.state, OTHER_ORG);
-        let trail = |h: &Harness| h.events.iter().filter(|e| e.org == Some(OTHER_ORG)).count();
-        let their_events = trail(&theirs);
-        for (kind, who, amount, salt, named) in steps {
-            let actor = caller(who);
+        let trail = |h: &Harness, org: OrgId| h.events.iter().filter(|e| e.org == Some(org)).count();
+        for (kind, who, amount, salt, named, second) in steps {
+            let me = if second { ORG_2 } else { ORG_1 };
+            let target = me.other;
+            let actor = caller(who, me);
             let mark = theirs.events.len();
+            let view = org_view(&theirs.state, target.org);
+            let their_events = trail(&theirs, target.org);
             let (a, b) = if kind % 2 == 0 {
                 let (ca, cb) = (
-                    tenant_command(kind / 2, amount, salt, THEIRS),
-                    tenant_command(kind / 2, amount, salt, UNUSED),
+                    tenant_command(kind / 2, amount, salt, me, target),
+                    tenant_command(kind / 2, amount, salt, me, UNUSED),
                 );
                 // Half the time the request names the org it means to act in.
                 let (ra, rb) = if named {
-                    (theirs.run_in(actor, THEIRS.org, ca), unused.run_in(actor, UNUSED.org, cb))
+                    (theirs.run_in(actor, target.org, ca), unused.run_in(actor, UNUSED.org, cb))
                 } else {
                     (theirs.run_as(actor, ca), unused.run_as(actor, cb))
                 };
-                (format!("{ra:?}"), as_theirs(format!("{rb:?}")))
+                (format!("{ra:?}"), as_target(format!("{rb:?}"), target))
             } else {
-                let (qa, qb) = (tenant_query(kind / 2, THEIRS), tenant_query(kind / 2, UNUSED));
+                let (qa, qb) = (
+                    tenant_query(kind / 2, me, target),
+                    tenant_query(kind / 2, me, UNUSED),
+                );
                 (
                     format!("{:?}", answer_as(&theirs.state, actor, &qa)),
-                    as_theirs(format!("{:?}", answer_as(&unused.state, actor, &qb))),
+                    as_target(format!("{:?}", answer_as(&unused.state, actor, &qb)), target),
                 )
             };
-            prop_assert_eq!(&a, &b, "kind {} caller {}", kind, who);
-            prop_assert_eq!(&org_view(&theirs.state, OTHER_ORG), &view);
-            prop_assert_eq!(trail(&theirs), their_events);
+            prop_assert_eq!(&a, &b, "org {} kind {} caller {}", me.org.0, kind, who);
+            prop_assert_eq!(&org_view(&theirs.state, target.org), &view);
+            prop_assert_eq!(trail(&theirs, target.org), their_events);
             // The attempt, refused or not, is in the attempting org's own trail.
             if kind % 2 == 0 {
                 let attempts: Vec<_> = theirs.events[mark..]
@@ -956,7 +1011,7 @@ proptest! {
                     .filter(|e| matches!(e.body, EventBody::Command { .. }))
                     .collect();
                 prop_assert_eq!(attempts.len(), 1, "one command event per command");
-                prop_assert_eq!(attempts[0].org, Some(ORG), "kind {}: {:?}", kind, attempts[0]);
+                prop_assert_eq!(attempts[0].org, Some(me.org), "kind {}: {:?}", kind, attempts[0]);
             }
         }
     }
