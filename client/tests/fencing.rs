@@ -757,6 +757,10 @@ async fn a_late_finish_of_a_settled_job_is_refused_and_logged_as_such() {
     a.assert_running();
 }
 
+/// What the cluster may bill beyond the runner's own lifetime: the dispatch before it
+/// starts and the report after it exits (DESIGN §45).
+const DISPATCH_AND_REPORT_MS: f64 = 100.0;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_whole_cluster_outage_bills_follow_real_time() {
     let dir = tempfile::Builder::new()
@@ -809,11 +813,17 @@ async fn after_a_whole_cluster_outage_bills_follow_real_time() {
         .unwrap()
         .consumed_micro as f64;
     let ratio = billed / gpu_ms;
+    // The rate bound (0.1 %), plus the fixed time the cluster holds the GPU around the
+    // runner: from placement to the runner's start, and from its exit to the finish's
+    // commit (the agent's dispatch and report, a few tens of ms on a loaded machine —
+    // 38 ms in one CI run). It does not grow with the outage or the job's length.
+    let overhead_ms = billed - gpu_ms * 1.001;
     println!(
-        "outage: runner lived {gpu_ms:.0} ms, billed {billed:.0} GPU-ms: {ratio:.5}× (bound 0.999–1.001)"
+        "outage: runner lived {gpu_ms:.0} ms, billed {billed:.0} GPU-ms: {ratio:.5}× \
+         (bound: 0.999× to 1.001× + {DISPATCH_AND_REPORT_MS} ms)"
     );
     assert!(
-        (0.999..=1.001).contains(&ratio),
+        ratio >= 0.999 && overhead_ms <= DISPATCH_AND_REPORT_MS,
         "billed {billed} GPU-ms for {gpu_ms:.0} ms of GPU time ({ratio:.5}×)"
     );
     drop(a);
