@@ -694,7 +694,7 @@ mod tests {
         }
     }
 
-    async fn contents(r: Option<Received>) -> Option<Vec<u8>> {
+    fn contents(r: Option<Received>) -> Option<Vec<u8>> {
         r.map(|r| std::fs::read(&r.path).unwrap())
     }
 
@@ -736,7 +736,7 @@ mod tests {
             .unwrap()
             .is_none());
         let done = r.receive(chunk("a", 4, 8, b"5678")).await.unwrap();
-        assert_eq!(contents(done).await, Some(b"12345678".to_vec()));
+        assert_eq!(contents(done), Some(b"12345678".to_vec()));
         assert!(!path.exists(), "the file goes with the received snapshot");
         // Done: a further chunk of it begins nothing.
         assert!(r.receive(chunk("a", 4, 8, b"5678")).await.is_err());

@@ -341,6 +341,23 @@ async fn defect_1_a_huge_register_node_never_reaches_the_log() {
     h.assert_all_running();
 }
 
+/// A grant to an unknown org with a `source_ref` of `len` bytes: refused once read.
+fn huge_grant(i: u128, len: usize) -> Request {
+    req(
+        i,
+        Command::IssueGrant(Grant {
+            bucket: BucketId(i as u64),
+            owner: Account::Org(OrgId(999_999)),
+            kind: BucketKind::Paid,
+            amount_micro: 1,
+            expires_at_ms: None,
+            priority: 0,
+            policy: None,
+            source_ref: Some("x".repeat(len)),
+        }),
+    )
+}
+
 /// Defect 2: forty concurrent ~7.9 MiB grants (unknown org, 8 MB source reference) took
 /// the leader to ~3 GiB and wedged the shard. Now each is refused by its length before
 /// it is buffered, and a batch is closed by bytes as well as by count.
@@ -350,21 +367,6 @@ async fn defect_2_forty_huge_grants_cost_nothing() {
     let leader = h.c.leader_of(0).await.unwrap();
     let before = h.head_seq(0).await;
     let idle = h.rss_now();
-    let grant = |i: u128, len: usize| {
-        req(
-            i,
-            Command::IssueGrant(Grant {
-                bucket: BucketId(i as u64),
-                owner: Account::Org(OrgId(999_999)),
-                kind: BucketKind::Paid,
-                amount_micro: 1,
-                expires_at_ms: None,
-                priority: 0,
-                policy: None,
-                source_ref: Some("x".repeat(len)),
-            }),
-        )
-    };
     let mut calls = Vec::new();
     for i in 0..40u128 {
         let ch = channel(&h.addr(leader)).await;
@@ -373,7 +375,7 @@ async fn defect_2_forty_huge_grants_cost_nothing() {
             // 38 of them ~7.9 MiB, two within the message bound but over a command's.
             let len = if i < 38 { 7_900_000 } else { 600_000 };
             api(ch)
-                .execute(bearer(exec(0, &[grant(i + 1, len)]), Some(&token)))
+                .execute(bearer(exec(0, &[huge_grant(i + 1, len)]), Some(&token)))
                 .await
                 .unwrap_err()
         }));
@@ -413,22 +415,7 @@ async fn calls_in_flight_cost_bounded_memory_however_many_are_open() {
     let before = h.head_seq(0).await;
     let idle = h.rss_now();
     // Within the message bound, over a command's: refused at the edge once read.
-    let call = pb::ExecuteRequest::encode_to_vec(&exec(
-        0,
-        &[req(
-            1,
-            Command::IssueGrant(Grant {
-                bucket: BucketId(1),
-                owner: Account::Org(OrgId(1)),
-                kind: BucketKind::Paid,
-                amount_micro: 1,
-                expires_at_ms: None,
-                priority: 0,
-                policy: None,
-                source_ref: Some("x".repeat(1_000_000)),
-            }),
-        )],
-    ));
+    let call = pb::ExecuteRequest::encode_to_vec(&exec(0, &[huge_grant(1, 1_000_000)]));
     let mut calls = Vec::new();
     for _ in 0..CONNECTIONS {
         let ch = channel(&h.addr(leader)).await;
@@ -630,6 +617,20 @@ fn forged_meta(term: u64, index: u64) -> SnapshotMeta {
     }
 }
 
+/// A chunk of snapshot `id` from a leader (node 99) nobody elected, at `term`.
+fn forged_chunk(term: u64, id: &str, offset: u64, total: u64, data: Vec<u8>) -> SnapshotChunk {
+    SnapshotChunk {
+        vote: Vote::new_committed(term, 99),
+        meta: SnapshotMeta {
+            snapshot_id: id.into(),
+            ..forged_meta(term, 1 << 40)
+        },
+        total_bytes: total,
+        offset,
+        data,
+    }
+}
+
 /// Defect 5: a forged snapshot chunk at offset 3 GiB made a follower allocate and zero
 /// 3 GiB (2^40: until the machine ran out). Now chunks must arrive in order within the
 /// size the first declared and `SNAPSHOT_BYTES_MAX`; memory grows only with bytes
@@ -640,13 +641,8 @@ async fn defect_5_a_forged_snapshot_chunk_allocates_nothing() {
     let secret = h.secret();
     let idle = h.rss_now();
     let term = 1_000;
-    let chunk = |offset: u64, total: u64, data: Vec<u8>| SnapshotChunk {
-        vote: Vote::new_committed(term, 99),
-        meta: forged_meta(term, 1 << 40),
-        total_bytes: total,
-        offset,
-        data,
-    };
+    let chunk =
+        |offset: u64, total: u64, data: Vec<u8>| forged_chunk(term, "forged", offset, total, data);
     for id in 1..=3u64 {
         let mut r = raft(channel(&h.addr(id)).await);
         for (c, code) in [
@@ -709,16 +705,7 @@ async fn a_snapshot_being_received_is_kept_on_disk_not_in_memory() {
     let idle = h.rss_now();
     let term = 1_000;
     let total = 1u64 << 30;
-    let chunk = |offset: u64, id: &str, data: Vec<u8>| SnapshotChunk {
-        vote: Vote::new_committed(term, 99),
-        meta: SnapshotMeta {
-            snapshot_id: id.into(),
-            ..forged_meta(term, 1 << 40)
-        },
-        total_bytes: total,
-        offset,
-        data,
-    };
+    let chunk = |offset: u64, id: &str, data: Vec<u8>| forged_chunk(term, id, offset, total, data);
     let mut r = raft(channel(&h.addr(follower)).await);
     let started = Instant::now();
     for i in 0..CHUNKS {
