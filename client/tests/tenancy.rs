@@ -405,7 +405,7 @@ async fn one_org_flooding_its_quotas_leaves_another_unharmed() {
                 queued_max: 50,
                 running_max: 4,
                 holds_open_max: 200,
-                records_max: 20_000,
+                records_max: 3_000,
                 buckets_max: 64,
                 principals_max: 20,
                 projects_max: 100,
@@ -540,6 +540,12 @@ async fn one_org_flooding_its_quotas_leaves_another_unharmed() {
     for round in 0..ROUNDS {
         cycle(round, &admin, &cb, &cn, b, &mut quiet).await;
     }
+    // Org 8's own settled hold, whose tombstone org 4's churn must not evict.
+    let b_hold = HoldId(300_000);
+    cb.create_hold(b, hold(b_hold.0, b.0 * 10, b.0 * 100))
+        .await
+        .unwrap();
+    cb.release_hold(b, b_hold).await.unwrap();
 
     // The flood: four concurrent writers of org 4, each command kind in turn, until
     // org 8's rounds are done.
@@ -553,7 +559,9 @@ async fn one_org_flooding_its_quotas_leaves_another_unharmed() {
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 i += 1;
                 let id = 1_000_000 * (w + 1) + i;
-                let r = match i % 6 {
+                // Half of the holds and every job are settled again a few steps
+                // later, so the flood also churns its tombstone tables.
+                let r = match i % 8 {
                     0 => ca
                         .create_hold(a, hold(id, a.0 * 10, a.0 * 100))
                         .await
@@ -587,7 +595,7 @@ async fn one_org_flooding_its_quotas_leaves_another_unharmed() {
                         )
                         .await
                         .map(drop),
-                    _ => {
+                    5 => {
                         ca.create_token_with(
                             PrincipalId(id),
                             Scope::Org(a),
@@ -597,10 +605,15 @@ async fn one_org_flooding_its_quotas_leaves_another_unharmed() {
                         )
                         .await
                     }
+                    6 if (i / 8) % 2 == 0 => ca.release_hold(a, HoldId(id - 6)).await.map(drop),
+                    6 => continue,
+                    _ => ca.cancel_job(a, JobId(id - 6)).await.map(drop),
                 };
                 match r {
                     Ok(()) => ok += 1,
                     Err(Error::Rejected(CommandError::QuotaExceeded(_))) => quota += 1,
+                    // Settling what a refused create never made.
+                    Err(Error::Rejected(CommandError::UnknownHold | CommandError::UnknownJob)) => {}
                     // Rate limited past the client's retries.
                     Err(Error::Unavailable { .. }) => limited += 1,
                     Err(e) => other.push(format!("{e:?}")),
@@ -609,11 +622,17 @@ async fn one_org_flooding_its_quotas_leaves_another_unharmed() {
             (ok, quota, limited, other)
         }));
     }
-    // Let the flood reach its quotas first.
-    let reached = Instant::now() + Duration::from_secs(60);
+    // Let the flood reach its quotas first: its records last (every tabled command of
+    // org 4 is refused from then on, org 8's still run), its tombstones churning.
+    let reached = Instant::now() + Duration::from_secs(90);
     loop {
         let v = admin.tenancy(a).await.unwrap();
-        if v.used.holds_open >= v.quota.holds_open_max && v.used.projects >= v.quota.projects_max {
+        if v.used.holds_open >= v.quota.holds_open_max
+            && v.used.projects >= v.quota.projects_max
+            && v.used.records >= v.quota.records_max
+            && v.used.settled_holds >= v.quota.settled_holds_max
+            && v.used.finished_jobs >= v.quota.finished_jobs_max
+        {
             break;
         }
         assert!(
@@ -645,6 +664,26 @@ async fn one_org_flooding_its_quotas_leaves_another_unharmed() {
     assert!(va.used.projects <= va.quota.projects_max);
     assert!(va.used.buckets <= va.quota.buckets_max);
     assert!(va.used.principals <= va.quota.principals_max);
+    assert!(va.used.records <= va.quota.records_max);
+    assert!(va.used.settled_holds <= va.quota.settled_holds_max);
+    assert!(va.used.finished_jobs <= va.quota.finished_jobs_max);
+    // Org 4's churn evicted its own oldest tombstones, never org 8's: org 8's first
+    // finished job and its settled hold are still known as such.
+    let first = cb.job(b, JobId(200_000)).await.unwrap();
+    assert_eq!(
+        first.state,
+        allot_statemachine::scheduler::JobState::Succeeded,
+        "{first:?}"
+    );
+    match cb.release_hold(b, b_hold).await {
+        Err(Error::Rejected(CommandError::HoldSettled)) => {}
+        other => panic!("org 8's settled hold was forgotten: {other:?}"),
+    }
+    // Org 4 at its records quota is refused, while org 8's commands still ran above.
+    match ca.create_project(a, ProjectId(999_999)).await {
+        Err(Error::Rejected(CommandError::QuotaExceeded(_))) => {}
+        other => panic!("org 4 past its records quota: {other:?}"),
+    }
     // Streams: org 4's principals together hold at most its quota's 4 open on a node
     // (each principal alone could hold 16); org 8 still opens one; org 4's close and
     // their places are free again.
