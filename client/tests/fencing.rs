@@ -671,9 +671,6 @@ async fn a_runner_never_sees_the_agents_credentials() {
     drop(a);
 }
 
-/// All three nodes stopped for 60 s, then restarted: a job running 30 s afterwards is
-/// billed within 0.1 % of the GPU time its runner measured (the old 20 % slew billed
-/// ~1.2× for the five minutes after such an outage).
 /// A late report: the runner finishes while its agent is cut off, and the job was
 /// cancelled (settled) meanwhile. Once the agent reaches the cluster again its report
 /// gets the typed "already finished" refusal, which it logs as such, and the
@@ -761,6 +758,56 @@ async fn a_late_finish_of_a_settled_job_is_refused_and_logged_as_such() {
 /// starts and the report after it exits (DESIGN §45).
 const DISPATCH_AND_REPORT_MS: f64 = 100.0;
 
+/// A token on the agent's command line (readable by every local user in
+/// `/proc/<pid>/cmdline`) is refused before the agent does anything: it names the file
+/// flag to use instead and exits 2.
+#[test]
+fn a_token_on_the_agents_command_line_is_refused() {
+    for (flag, file_flag) in [
+        ("--token", "--token-file"),
+        ("--register-token", "--register-token-file"),
+    ] {
+        let mut out = std::process::Command::new(env!("CARGO_BIN_EXE_allot-agent"))
+            .args([
+                "--endpoints",
+                "127.0.0.1:9",
+                "--node",
+                "1",
+                "--gpu-type",
+                "A100",
+                "--gpus",
+                "1",
+                flag,
+                "secret-on-argv",
+                "--simulate",
+            ])
+            .env_remove("ALLOT_AGENT_TOKEN")
+            .env_remove("ALLOT_AGENT_REGISTER_TOKEN")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // An agent that accepted the flag would run on (retrying the unreachable
+        // endpoint): it is stopped and the test fails.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while out.try_wait().unwrap().is_none() {
+            if std::time::Instant::now() > deadline {
+                let _ = out.kill();
+                panic!("the agent started with {flag} on its command line");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let out = out.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag}: {stderr}");
+        assert!(stderr.contains(file_flag), "{flag}: {stderr}");
+        assert!(!stderr.contains("secret-on-argv"), "{flag}: {stderr}");
+    }
+}
+
+/// All three nodes stopped for 60 s, then restarted: a job running 30 s afterwards is
+/// billed within 0.1 % of the GPU time its runner measured (the old 20 % slew billed
+/// ~1.2× for the five minutes after such an outage).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_whole_cluster_outage_bills_follow_real_time() {
     let dir = tempfile::Builder::new()

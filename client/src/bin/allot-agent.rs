@@ -91,12 +91,12 @@ struct Args {
     /// if the shard forgets it; the file may be removed after the first registration).
     #[arg(long, conflicts_with = "register_token")]
     register_token_file: Option<PathBuf>,
-    /// The API token itself (deprecated on the command line, where every local user can
-    /// read it: use --token-file, or the environment variable).
+    /// The API token itself, from the environment only: on the command line, where
+    /// every local user can read it, it is refused (use --token-file).
     #[arg(long, env = "ALLOT_AGENT_TOKEN", hide_env_values = true)]
     token: Option<String>,
-    /// Admin token used only to register the node (deprecated on the command line: use
-    /// --register-token-file).
+    /// Admin token used only to register the node, from the environment only (refused
+    /// on the command line: use --register-token-file).
     #[arg(long, env = "ALLOT_AGENT_REGISTER_TOKEN", hide_env_values = true)]
     register_token: Option<String>,
     /// Runners are killed this long before a lease the agent could not renew ends.
@@ -165,15 +165,23 @@ async fn main() -> std::process::ExitCode {
         Err(e) => e.exit(),
     };
     init_logs(args.verbose);
-    for (id, file) in [
-        ("token", "--token-file"),
-        ("register_token", "--register-token-file"),
+    // A token on the command line is readable by every local user in
+    // /proc/<pid>/cmdline for as long as the agent runs: refused (DESIGN §45).
+    for (id, file, var) in [
+        ("token", "--token-file", "ALLOT_AGENT_TOKEN"),
+        (
+            "register_token",
+            "--register-token-file",
+            "ALLOT_AGENT_REGISTER_TOKEN",
+        ),
     ] {
         if matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine) {
-            tracing::warn!(
-                "--{} on the command line is visible to every local user in /proc: use {file}",
+            eprintln!(
+                "allot-agent: --{} on the command line is visible to every local user in \
+                 /proc/<pid>/cmdline: give it in a file ({file}) or the environment ({var})",
                 id.replace('_', "-")
             );
+            return std::process::ExitCode::from(2);
         }
     }
     match run(args).await {
