@@ -605,7 +605,9 @@ async fn one_org_flooding_its_quotas_leaves_another_unharmed() {
                         )
                         .await
                     }
-                    6 if (i / 8) % 2 == 0 => ca.release_hold(a, HoldId(id - 6)).await.map(drop),
+                    6 if (i / 8).is_multiple_of(2) => {
+                        ca.release_hold(a, HoldId(id - 6)).await.map(drop)
+                    }
                     6 => continue,
                     _ => ca.cancel_job(a, JobId(id - 6)).await.map(drop),
                 };
