@@ -15,8 +15,10 @@
 //!    stamp (real time), steered toward the target by at most `slew` × elapsed (default
 //!    500 ppm, 0.05 %), never past it when catching up. Without a target it advances by
 //!    the monotonic clock alone.
-//! 3. **Taking office** — a new leader starts from the greater of the last applied time
-//!    and its own last stamp, and at its first stamp with a target adopts the target at
+//! 3. **Taking office** — a new leader starts from the greatest of the last applied
+//!    time, its own last stamp, and the newest applied time it saw as a follower plus
+//!    its monotonic clock since (so an election's gap is counted even when its target is
+//!    behind: a slow clock among its samples), and at its first stamp with a target adopts the target at
 //!    once if it is ahead (after an outage, time resumes at the real instant instead of
 //!    catching up fast for a long while); time never goes back. Until it has a target
 //!    it stamps nothing (`Stamper::needs_target`: proposals answer `ClockNotReady`,
@@ -148,6 +150,10 @@ pub struct Stamper {
     /// Whether this term has stamped with a target yet (the first such stamp may jump
     /// forward to it).
     synced: bool,
+    /// The newest applied time this node saw (as follower or leader) and its monotonic
+    /// clock when it saw it: a new leader continues from there plus the real time since,
+    /// so an election's gap is counted whatever its target says.
+    seen: Option<(u64, u64)>,
 }
 
 impl Stamper {
@@ -158,6 +164,15 @@ impl Stamper {
             last_mono: 0,
             term: None,
             synced: false,
+            seen: None,
+        }
+    }
+
+    /// Records that the shard's applied time is `applied_ms` at monotonic `mono_ms`
+    /// (called by every replica as it goes; only a newer time replaces the last).
+    pub fn observe(&mut self, applied_ms: u64, mono_ms: u64) {
+        if self.seen.is_none_or(|(t, _)| applied_ms > t) {
+            self.seen = Some((applied_ms, mono_ms));
         }
     }
 
@@ -173,9 +188,14 @@ impl Stamper {
     /// time, the monotonic clock now and the cluster time target (if known).
     pub fn stamp(&mut self, term: u64, applied_ms: u64, mono_ms: u64, target: Option<u64>) -> u64 {
         if self.term != Some(term) {
-            // Took office: continue from what the shard already agreed on.
+            // Took office: continue from what the shard already agreed on, advanced by
+            // the real time since this node saw it (never early: the time seen was
+            // stamped before it was seen, and the monotonic clock measures real time).
+            let carried = self
+                .seen
+                .map_or(0, |(t, at)| t.saturating_add(mono_ms.saturating_sub(at)));
             self.term = Some(term);
-            self.last_ms = self.last_ms.max(applied_ms);
+            self.last_ms = self.last_ms.max(applied_ms).max(carried);
             self.last_mono = mono_ms;
             self.synced = false;
         }
@@ -323,5 +343,31 @@ mod tests {
         assert_eq!(a, last);
         let b = next.stamp(8, a, 10_000, Some(last - 5_000));
         assert_eq!(b - a, 10_000 - 5);
+    }
+
+    /// Issue 21, finding 4 (the failover half): a follower that takes office with a
+    /// target behind the shard's time (a slow clock among the samples it has) still
+    /// counts the election's gap: it continues from the applied time it last saw,
+    /// advanced by its own monotonic clock since it saw it. (The old stamper continued
+    /// from the applied time itself, so a 3 s election was never billed.)
+    #[test]
+    fn a_failover_to_a_slow_target_keeps_the_election_gap() {
+        let t0 = 2_000_000_000;
+        let mut s = Stamper::new(500);
+        // As a follower, it saw the shard's time reach t0 at its monotonic 10_000.
+        s.observe(t0 - 200, 9_800);
+        s.observe(t0, 10_000);
+        // The same applied time seen again later is not a newer observation.
+        s.observe(t0, 11_000);
+        // Elected 3 s later; its target (the lower of a slow clock and a correct one)
+        // is 10 minutes behind.
+        let first = s.stamp(4, t0, 13_000, Some(t0 - 600_000));
+        assert_eq!(first, t0 + 3_000, "the gap since it last saw an entry");
+        // And from then on the real rate less at most the slew.
+        let next = s.stamp(4, first, 23_000, Some(t0 - 600_000));
+        assert_eq!(next - first, 10_000 - 5);
+        // Without an observation (a fresh process), the applied time as before.
+        let mut fresh = Stamper::new(500);
+        assert_eq!(fresh.stamp(4, t0, 13_000, Some(t0 - 600_000)), t0);
     }
 }

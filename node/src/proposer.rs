@@ -233,6 +233,9 @@ impl ProposerTask {
             } else if last_proposal.elapsed() < self.config.tick {
                 continue;
             }
+            // Every replica notes the applied time as it goes (a new leader continues
+            // from it: `Stamper::observe`).
+            stamper.observe(self.view.read().state.time_ms, self.clock.mono_ms());
             let Ok(permit) = inflight.clone().acquire_owned().await else {
                 return;
             };

@@ -521,6 +521,77 @@ async fn two_fast_clocks_of_five_with_nodes_down_move_nothing_early() {
     assert_eq!(promo().await, 0, "expired on time");
 }
 
+/// Issue 21, finding 4 (failover): the leader (a correct clock) is killed and a node
+/// whose clock is 10 minutes slow takes office, with only its own and one correct
+/// clock to sample: its target is the slow one, behind the shard's time. Logical time
+/// over the failover still follows real time: the election's gap (≈ 2 s here) is
+/// counted, not lost (the old stamper resumed from the applied time, so every job
+/// running across such a failover was billed the gap short), and it never runs ahead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_to_a_slow_clock_keeps_logical_time_at_the_real_rate() {
+    let (_dir, mut c) = cluster("slowfail", 3, 1);
+    let tick = ["--tick-ms", "100"];
+    let timeouts = [
+        ("0", "200", "300"),
+        ("-600000", "1500", "2000"),
+        ("0", "4000", "6000"),
+    ];
+    for (n, (offset, min, max)) in c.nodes.iter_mut().zip(timeouts) {
+        n.extra_args = vec![
+            format!("--test-clock-offset-ms={offset}"),
+            "--election-min-ms".into(),
+            min.into(),
+            "--election-max-ms".into(),
+            max.into(),
+        ];
+        n.extra_args.extend(tick.map(String::from));
+    }
+    up(&mut c).await;
+    let client = allot_node::local_cluster::client(c.endpoints());
+    setup_shards(&client, 1).await;
+    assert_eq!(
+        c.leader_of(0).await.unwrap(),
+        1,
+        "the quick correct node leads"
+    );
+    // Let every node sample the others' clocks and see the shard's time advance.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (t0, r0) = (shard_time(&c, 0).await, real_now_ms());
+    c.kill(1);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let leader = loop {
+        match c.leader_of(0).await {
+            Ok(l) if l != 1 => break l,
+            _ if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(50)).await,
+            other => panic!("no new leader: {other:?}"),
+        }
+    };
+    assert_eq!(
+        leader, 2,
+        "the slow node took office (else the test proves little)"
+    );
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(10) {
+        let t = shard_time(&c, 0).await;
+        let now = real_now_ms();
+        assert!(
+            t <= now + SKEW_BOUND_MS,
+            "logical time {t} is ahead of real time {now}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (t1, r1) = (shard_time(&c, 0).await, real_now_ms());
+    let (logical, real) = (t1 - t0, r1 - r0);
+    println!("slowfail: logical time advanced {logical} ms over {real} ms of real time");
+    // Each reading may lag real time by a tick (100 ms) plus the query; the slew takes
+    // at most 0.05 %.
+    let allowed = 300 + real / 1_000;
+    assert!(
+        logical.abs_diff(real) <= allowed,
+        "logical time advanced {logical} ms over {real} ms of real time across the failover"
+    );
+}
+
 async fn shard_time(c: &LocalCluster, shard: u32) -> u64 {
     let leader = c.leader_of(shard).await.unwrap();
     let mut a = allot_node::local_cluster::admin(&c.node(leader).addr)
