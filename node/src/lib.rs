@@ -8,6 +8,7 @@
 
 pub mod admission;
 pub mod api;
+pub mod audit_fill;
 pub mod auth;
 pub mod backup;
 #[cfg(feature = "chaos")]

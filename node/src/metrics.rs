@@ -40,6 +40,8 @@ pub struct Metrics {
     pub snapshot: HistogramVec,
     /// Size of the last snapshot built or installed, per shard.
     pub snapshot_bytes: GaugeVec,
+    /// Audit events copied from peers into gaps left by snapshot installs, per shard.
+    pub audit_rows_copied: IntCounterVec,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -155,8 +157,16 @@ impl Metrics {
             Opts::new("snapshot_bytes", "Size of the last snapshot per shard"),
             &["shard"],
         ));
+        let audit_rows_copied = must(IntCounterVec::new(
+            Opts::new(
+                "audit_events_copied_total",
+                "Audit events copied from peers into gaps a snapshot install left",
+            ),
+            &["shard"],
+        ));
         for c in [
             Box::new(snapshot.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(audit_rows_copied.clone()),
             Box::new(snapshot_bytes.clone()),
             Box::new(auth_denials.clone()),
             Box::new(batch_size.clone()),
@@ -193,6 +203,7 @@ impl Metrics {
             auth_denials,
             snapshot,
             snapshot_bytes,
+            audit_rows_copied,
         }
     }
 

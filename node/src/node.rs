@@ -236,6 +236,7 @@ impl Node {
         });
         tokio::spawn(sample_clocks(Arc::downgrade(&node)));
         tokio::spawn(crate::auth::flush_denials(Arc::downgrade(&node)));
+        tokio::spawn(crate::audit_fill::run(Arc::downgrade(&node)));
         if let Some(f) = node.config.test_clock_offset_file.clone() {
             tokio::spawn(follow_clock_offset(Arc::downgrade(&node), f));
         }

@@ -943,6 +943,24 @@ impl RaftService for Services {
         encode_peer(&())
     }
 
+    async fn audit_rows(
+        &self,
+        req: tonic::Request<RaftMessage>,
+    ) -> Result<tonic::Response<RaftMessage>, Status> {
+        let msg = req.into_inner();
+        shard_of(&self.node, msg.shard)?;
+        let _permit = self.node.raft_permit().await?;
+        let rows_req: crate::audit_fill::RowsRequest = decode_peer(&msg.payload)?;
+        let db = self.node.db.clone();
+        let rows = tokio::task::spawn_blocking(move || {
+            crate::audit_fill::read_rows(&db, msg.shard, &rows_req)
+        })
+        .await
+        .map_err(|e| Status::internal(format!("audit rows task: {e}")))?
+        .map_err(|e| edge::with_reason(Status::failed_precondition(e), "AUDIT_ROWS"))?;
+        encode_peer(&rows)
+    }
+
     async fn clock(
         &self,
         _req: tonic::Request<ClockRequest>,

@@ -19,6 +19,7 @@ use tonic::transport::Channel;
 use tonic::Code;
 
 mod common;
+use common::http_get;
 
 async fn cluster() -> (tempfile::TempDir, LocalCluster) {
     let dir = tempfile::Builder::new()
@@ -380,17 +381,6 @@ async fn totals(client: &Client) -> allot_statemachine::ledger::Totals {
         Answer::Totals(t) => t,
         other => panic!("{other:?}"),
     }
-}
-
-async fn http_get(addr: &str, path: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.unwrap();
-    out
 }
 
 /// Sends raw bytes that do not decode as `ExecuteRequest` and returns the status code.

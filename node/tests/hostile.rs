@@ -25,7 +25,7 @@ use tonic::transport::Channel;
 use tonic::Code;
 
 mod common;
-use common::{raw_streaming, raw_unary};
+use common::{http_get, raw_streaming, raw_unary};
 
 // ---------------------------------------------------------------- harness
 
@@ -269,17 +269,6 @@ impl Hostile {
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
     }
-}
-
-async fn http_get(addr: &str, path: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.unwrap();
-    out
 }
 
 fn labels(n: usize) -> NodeSpec {

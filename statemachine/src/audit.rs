@@ -268,6 +268,75 @@ pub fn verify_chain(start: &AuditChain, events: &[AuditEvent]) -> Result<AuditCh
     Ok(chain)
 }
 
+/// Verifies a contiguous run of events that must *end* at `end` (the chain state right
+/// after its last event): the last event's hash is `end.head`, each event's hash is its
+/// content's and each links to the one before. Returns the chain state before the first
+/// event — the anchor for the run before it. This is how rows copied from a peer are
+/// checked from the back, against a head the replica already trusts (its state's, or
+/// the first event it holds), so each row is proven as soon as it arrives.
+pub fn verify_chain_back(
+    end: &AuditChain,
+    events: &[AuditEvent],
+) -> Result<AuditChain, ChainError> {
+    let mut chain = end.clone();
+    let mut scratch = Vec::new();
+    for ev in events.iter().rev() {
+        if chain.next_seq == 0 || ev.seq != chain.next_seq - 1 {
+            return Err(ChainError::Gap {
+                seq: ev.seq,
+                expected: chain.next_seq.wrapping_sub(1),
+            });
+        }
+        if ev.hash != chain.head {
+            return Err(ChainError::BrokenLink { seq: ev.seq });
+        }
+        if ev.compute_hash(&mut scratch) != ev.hash {
+            return Err(ChainError::BadHash { seq: ev.seq });
+        }
+        chain = AuditChain {
+            next_seq: ev.seq,
+            head: ev.prev_hash,
+        };
+    }
+    Ok(chain)
+}
+
+/// Checks that `entry` is the batch the command events of its index name: one command
+/// event per request, in order, each with the request's id and its command's digest.
+/// (`events` may hold other entries' events; those are ignored.)
+pub fn verify_entry(
+    entry: &crate::command::Entry,
+    events: &[AuditEvent],
+) -> Result<(), ChainError> {
+    let mut scratch = Vec::new();
+    let mut next = 0usize;
+    for ev in events.iter().filter(|e| e.log_index == entry.log_index) {
+        let EventBody::Command {
+            request, digest, ..
+        } = &ev.body
+        else {
+            continue;
+        };
+        let req = entry
+            .requests
+            .get(*request as usize)
+            .filter(|_| *request as usize == next)
+            .ok_or(ChainError::BadHash { seq: ev.seq })?;
+        if req.request_id != ev.request_id || command_digest(&req.command, &mut scratch) != *digest
+        {
+            return Err(ChainError::BadHash { seq: ev.seq });
+        }
+        next += 1;
+    }
+    if next != entry.requests.len() {
+        return Err(ChainError::Gap {
+            seq: next as u64,
+            expected: entry.requests.len() as u64,
+        });
+    }
+    Ok(())
+}
+
 /// The command a command event refers to, from the entry it was applied in.
 pub fn command_of<'a>(event: &AuditEvent, entry: &'a crate::command::Entry) -> Option<&'a Command> {
     match event.body {

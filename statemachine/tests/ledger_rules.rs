@@ -863,6 +863,63 @@ fn audit_chain_detects_tampering() {
     assert!(verify_chain(&start, &swapped).is_err());
 }
 
+/// Rows copied from a peer are verified from the back, against a head the replica
+/// trusts: the genuine run ends at the state's head and leads back to genesis; an edited,
+/// dropped or foreign event is refused; an entry whose requests were edited, added or
+/// dropped does not match its events.
+#[test]
+fn a_run_verified_from_the_back_meets_the_trusted_head_or_is_refused() {
+    let mut h = Harness::world();
+    h.grant(1, P, BucketKind::Paid, credits(10), None);
+    h.ok(Command::CreateHold(Harness::hold_spec(1, credits(5))));
+    h.ok(Command::ReleaseHold { hold: HoldId(1) });
+    let events = h.events.clone();
+    let end = h.state.audit.clone();
+    assert_eq!(
+        audit::verify_chain_back(&end, &events).unwrap(),
+        AuditChain::default()
+    );
+    // In two pages, the later first: the second page's anchor is the first's result.
+    let cut = events.len() / 2;
+    let mid = audit::verify_chain_back(&end, &events[cut..]).unwrap();
+    assert_eq!(mid.next_seq, cut as u64);
+    assert_eq!(
+        audit::verify_chain_back(&mid, &events[..cut]).unwrap(),
+        AuditChain::default()
+    );
+    // A page that does not end at the anchor, or an edited event inside it.
+    assert!(audit::verify_chain_back(&end, &events[..cut]).is_err());
+    let mut edited = events.clone();
+    edited[cut].time_ms += 1;
+    assert!(matches!(
+        audit::verify_chain_back(&end, &edited),
+        Err(audit::ChainError::BadHash { .. })
+    ));
+    let mut dropped = events.clone();
+    dropped.remove(cut);
+    assert!(audit::verify_chain_back(&end, &dropped).is_err());
+    // Another shard's (another chain's) events never meet this head.
+    let mut other = Harness::world();
+    other.grant(2, P, BucketKind::Paid, credits(10), None);
+    assert!(audit::verify_chain_back(&end, &other.events).is_err());
+
+    // Entries against their events.
+    for entry in &h.entries {
+        audit::verify_entry(entry, &events).unwrap();
+    }
+    let last = h.entries.last().unwrap().clone();
+    assert!(!last.requests.is_empty());
+    let mut edited = last.clone();
+    edited.requests[0].request_id += 1;
+    assert!(audit::verify_entry(&edited, &events).is_err());
+    let mut added = last.clone();
+    added.requests.push(last.requests[0].clone());
+    assert!(audit::verify_entry(&added, &events).is_err());
+    let mut emptied = last;
+    emptied.requests.clear();
+    assert!(audit::verify_entry(&emptied, &events).is_err());
+}
+
 #[test]
 fn snapshot_round_trip_and_corrupt_input() {
     let mut h = Harness::world();

@@ -37,6 +37,9 @@ pub struct AppliedState {
     pub state: State,
     pub last_applied: Option<LogId>,
     pub membership: StoredMembership,
+    /// Snapshots installed since the process started (the audit fill looks for the gap
+    /// each one leaves: `crate::audit_fill`).
+    pub snapshots_installed: u64,
 }
 
 /// Shared read access to a shard's applied state (queries, watches, status).
@@ -115,11 +118,13 @@ impl StateMachineStore {
                 },
                 last_applied: snap.meta.last_log_id,
                 membership: snap.meta.last_membership,
+                snapshots_installed: 0,
             },
             None => AppliedState {
                 state: State::new(config),
                 last_applied: None,
                 membership: StoredMembership::default(),
+                snapshots_installed: 0,
             },
         };
         let idx = applied.last_applied.map(|l| l.index).unwrap_or(0);
@@ -456,6 +461,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             g.state = state;
             g.last_applied = meta.last_log_id;
             g.membership = meta.last_membership.clone();
+            g.snapshots_installed += 1;
         }
         self.applied_tx
             .send_replace(meta.last_log_id.map(|l| l.index).unwrap_or(0));

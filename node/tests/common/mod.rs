@@ -79,3 +79,73 @@ pub async fn raw_streaming(
     let _ = tokio::time::timeout(Duration::from_millis(200), s.message()).await;
     Ok(())
 }
+
+/// A plain HTTP/1.0 GET (the metrics endpoint): the whole response, headers included.
+pub async fn http_get(addr: &str, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+/// The whole audit trail of `shard` as the node at `addr` holds it (its own replica,
+/// from sequence 0, page by page), or the status it refused with (a gap).
+pub async fn audit_on(
+    addr: &str,
+    shard: u32,
+) -> Result<Vec<allot_statemachine::AuditEvent>, tonic::Status> {
+    use allot_proto::api::v1 as pb;
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let mut c = pb::api_client::ApiClient::new(ch).max_decoding_message_size(64 << 20);
+    let mut events = Vec::new();
+    let mut from_seq = 0;
+    loop {
+        let r = c
+            .audit(pb::AuditRequest {
+                read: Some(pb::Read {
+                    shard: Some(shard),
+                    stale_ok: true,
+                }),
+                from_seq,
+                limit: 1_000,
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        for e in &r.events {
+            events.push(allot_proto::typed::audit_event_from(e).unwrap());
+        }
+        if r.next_seq >= r.head_seq || r.events.is_empty() {
+            return Ok(events);
+        }
+        from_seq = r.next_seq;
+    }
+}
+
+/// A backup of `shard` taken on the node at `addr` itself.
+pub async fn backup_on(
+    addr: &str,
+    shard: u32,
+) -> Result<allot_statemachine::backup::ShardBackup, tonic::Status> {
+    let mut a = allot_node::local_cluster::admin(addr)
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let mut chunks = a
+        .backup(allot_proto::ShardRequest { shard })
+        .await?
+        .into_inner();
+    let mut bytes = Vec::new();
+    while let Some(c) = chunks.message().await? {
+        bytes.extend_from_slice(&c.data);
+    }
+    allot_statemachine::backup::ShardBackup::decode(&bytes)
+        .map_err(|e| tonic::Status::data_loss(e.to_string()))
+}
