@@ -31,6 +31,7 @@
 //! A peer that lacks the rows too (it also caught up by snapshot) answers with fewer or
 //! none; the task tries each member in turn and retries later.
 
+use crate::limits::AUDIT_PAGE_BYTES;
 use crate::node::{Node, Shard};
 use crate::store::{self, audit_key, AUDIT_BATCHES, AUDIT_EVENTS, CF_AUDIT};
 use crate::types::ShardId;
@@ -47,9 +48,6 @@ const AUDIT_CHECKPOINT: u8 = 2;
 const POLL: Duration = Duration::from_secs(1);
 /// How often it scans anyway, to move the checkpoint on.
 const RESCAN_EVERY: Duration = Duration::from_secs(600);
-/// Bytes of rows in one `AuditRows` answer (one row is always sent, up to the peer
-/// message bound).
-pub const AUDIT_PAGE_BYTES: usize = 1 << 20;
 
 /// A range of one key space's rows, asked of a peer: keys in `lo..hi`, in key order or
 /// from the back, at most `max_bytes` (capped at `AUDIT_PAGE_BYTES`) but at least one row.

@@ -33,6 +33,10 @@ pub const APPEND_ENTRIES_MAX: usize = 64;
 pub const RAFT_MESSAGE_MAX: usize = 4 << 20;
 /// One snapshot chunk's data.
 pub const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
+/// Audit rows in one `Raft.AuditRows` answer (a replica filling the gap a snapshot
+/// install left, `crate::audit_fill`): at least one row, more while they fit. A single
+/// row larger than a Raft message is refused (`FAILED_PRECONDITION` `AUDIT_ROWS`).
+pub const AUDIT_PAGE_BYTES: usize = 1 << 20;
 /// A snapshot's declared size: what the state codec decodes at most (a larger one could
 /// never be installed). Chunks arrive in order (each at the offset already received) and
 /// go to a file under the data dir (`incoming/shard-N.snapshot`), so a snapshot being

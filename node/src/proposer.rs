@@ -233,12 +233,13 @@ impl ProposerTask {
             } else if last_proposal.elapsed() < self.config.tick {
                 continue;
             }
-            // Every replica notes the applied time as it goes (a new leader continues
-            // from it: `Stamper::observe`).
-            stamper.observe(self.view.read().state.time_ms, self.clock.mono_ms());
             let Ok(permit) = inflight.clone().acquire_owned().await else {
                 return;
             };
+            // Every replica notes the applied time as it goes (a new leader continues
+            // from it: `Stamper::observe`); the leader stamps from the same reading.
+            let applied_ms = self.view.read().state.time_ms;
+            stamper.observe(applied_ms, self.clock.mono_ms());
             let (leader, _, term) = leader_of(&self.raft);
             if leader != Some(self.me) {
                 let err = not_leader(&self.raft);
@@ -247,7 +248,6 @@ impl ProposerTask {
                 }
                 continue;
             }
-            let applied_ms = self.view.read().state.time_ms;
             let target = {
                 let m = self.raft.metrics().borrow().clone();
                 let nodes: Vec<NodeId> = m.membership_config.membership().voter_ids().collect();

@@ -16,6 +16,24 @@ use common::{audit_on, backup_on, http_get};
 
 const CREDITS: u64 = 1_000_000_000_000; // 1M credits on each shard's fixture project
 
+/// Every node snapshots by the size rule (store/trigger.rs): every 4 KiB of log or the
+/// last snapshot's size, whichever is more (the entry count out of reach), keeping 5
+/// entries behind — so a node that falls behind catches up by snapshot.
+fn snapshot_by_size(c: &mut LocalCluster) {
+    for n in &mut c.nodes {
+        n.extra_args = [
+            "--snapshot-min-log-bytes",
+            "4096",
+            "--snapshot-every",
+            "1000000",
+            "--keep-behind-snapshot",
+            "5",
+        ]
+        .map(String::from)
+        .to_vec();
+    }
+}
+
 fn cluster(name: &str, nodes: u64, shards: u32) -> (tempfile::TempDir, LocalCluster) {
     let dir = tempfile::Builder::new()
         .prefix(&format!("allot-{name}-"))
@@ -231,20 +249,7 @@ async fn a_killed_leader_loses_no_acknowledged_command_and_replicas_converge() {
 async fn a_node_behind_the_purged_log_catches_up_by_snapshot() {
     let shards = 2;
     let (_dir, mut c) = cluster("snap", 3, shards);
-    // Snapshots by the size rule (store/trigger.rs): every 4 KiB of log or the last
-    // snapshot's size, whichever is more; the entry count is out of reach.
-    for n in &mut c.nodes {
-        n.extra_args = [
-            "--snapshot-min-log-bytes",
-            "4096",
-            "--snapshot-every",
-            "1000000",
-            "--keep-behind-snapshot",
-            "5",
-        ]
-        .map(String::from)
-        .to_vec();
-    }
+    snapshot_by_size(&mut c);
     up(&mut c).await;
     let client = allot_node::local_cluster::client(c.endpoints());
     setup_shards(&client, shards).await;
@@ -638,18 +643,7 @@ async fn audit_whole_on(
 async fn replacing_every_original_node_keeps_the_audit_trail_from_genesis() {
     use allot_proto::{ChangeMembershipRequest, Member, MemberRequest};
     let (_dir, mut c) = cluster("replace", 6, 1);
-    for n in &mut c.nodes {
-        n.extra_args = [
-            "--snapshot-min-log-bytes",
-            "4096",
-            "--snapshot-every",
-            "1000000",
-            "--keep-behind-snapshot",
-            "5",
-        ]
-        .map(String::from)
-        .to_vec();
-    }
+    snapshot_by_size(&mut c);
     c.start_all().expect("start");
     c.init_members(&[1, 2, 3]).await.expect("init 1..3");
     c.wait_leaders(Duration::from_secs(30))
