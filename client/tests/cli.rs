@@ -72,7 +72,61 @@ async fn allotctl_drives_a_real_cluster() {
     replicas_agree(&eps);
     operator_commands(&eps);
     bench(&eps);
+    versions(&eps);
     membership(dir.path(), &eps);
+}
+
+/// `version status` and `version activate` (docs/DESIGN.md §48), and the new columns
+/// of `endpoint status`.
+fn versions(eps: &str) {
+    let max = allot_statemachine::version::RULES_MAX as u64;
+    let nodes = json(eps, &["version", "status"]);
+    let nodes = nodes.as_array().unwrap();
+    assert_eq!(nodes.len(), 3);
+    for n in nodes {
+        assert_eq!(u(&n["rules_max"]), max);
+        assert_eq!(
+            u(&n["format_version"]),
+            allot_statemachine::codec::FORMAT_VERSION as u64
+        );
+        assert!(n["shards"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|s| u(&s[1]) == 1));
+    }
+    let rows = json(eps, &["endpoint", "status"]);
+    assert!(rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|r| u(&r["rules_active"]) == 1
+            && u(&r["rules_max"]) == max
+            && r["snapshot_index"].is_u64()
+            && r["purged_index"].is_u64()));
+    // A version this build does not implement: refused by every node, nothing changed.
+    let e = fails(
+        eps,
+        &["version", "activate", "--to", &(max + 1).to_string()],
+        1,
+    );
+    assert!(e.contains(&format!("supports up to {max}")), "{e}");
+    let done = json(eps, &["version", "activate", "--to", &max.to_string()]);
+    let done = done.as_array().unwrap();
+    assert_eq!(done.len(), 2);
+    assert!(done.iter().all(|r| u(&r["rules_active"]) == max));
+    let rows = poll(
+        "every replica applied the activation",
+        Duration::from_secs(20),
+        || {
+            let rows = json(eps, &["endpoint", "status"]);
+            let arr = rows.as_array().unwrap().clone();
+            arr.iter()
+                .all(|r| u(&r["rules_active"]) == max)
+                .then_some(arr)
+        },
+    );
+    assert_eq!(rows.len(), 6);
 }
 
 fn init_cluster(c: &LocalCluster, eps: &str) {

@@ -103,11 +103,18 @@ pub fn admit_each<R>(
             "TOO_MANY_REQUESTS",
         ));
     }
+    // Validated under the rule version this replica has applied (apply checks again
+    // under the version active at the request's own position in the log).
+    let rules = node
+        .shard(shard)
+        .map_or(allot_statemachine::version::RULES_BASELINE, |s| {
+            s.view.read().state.rules.active
+        });
     let mut requests = Vec::with_capacity(raw.len());
     for (i, b) in raw.enumerate() {
         let mut r = read(i, b)?;
         auth::stamp(node, shard, bearer, &mut r)?;
-        validate::validate(&r).map_err(|e| rejected(i, &e))?;
+        validate::validate(&r, rules).map_err(|e| rejected(i, &e))?;
         requests.push(r);
     }
     Ok(requests)

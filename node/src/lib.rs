@@ -28,6 +28,7 @@ pub mod server;
 pub mod store;
 pub mod tls;
 pub mod types;
+pub mod versions;
 pub mod workload;
 
 pub use allot_statemachine as statemachine;

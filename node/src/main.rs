@@ -187,6 +187,16 @@ struct RunArgs {
     /// contend less with fewer.
     #[arg(long, env = "ALLOT_WORKER_THREADS", default_value_t = 0)]
     worker_threads: usize,
+    /// The newest rule version this node reports it supports (default: the newest this
+    /// binary implements; only lower is accepted). A lower value makes the node behave,
+    /// for the cluster version gate, as the release that stopped there: it refuses to
+    /// start on, or to apply, a newer active version, and voters report it when an
+    /// activation is asked. For rehearsing an upgrade, or for holding a version back
+    /// while a rollback must stay possible (docs/DESIGN.md §48).
+    #[arg(long, env = "ALLOT_MAX_RULES_VERSION", default_value_t = allot_statemachine::version::RULES_MAX,
+          value_parser = clap::value_parser!(u32).range(
+              allot_statemachine::version::RULES_BASELINE as i64..=allot_statemachine::version::RULES_MAX as i64))]
+    max_rules_version: u32,
     /// Logs as JSON lines.
     #[arg(long, env = "ALLOT_LOG_JSON")]
     log_json: bool,
@@ -369,6 +379,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         peer_routes,
         insecure_dev_mode: a.insecure_dev_mode,
         test_fsync_fail_file: a.test_fsync_fail_file.clone(),
+        rules_max: a.max_rules_version,
         peer_secret: match &a.peer_secret_file {
             Some(f) => Some(
                 std::fs::read_to_string(f)

@@ -71,6 +71,9 @@ pub struct NodeConfig {
     pub tls: Option<crate::tls::TlsFiles>,
     /// The secret peers present to each other (`--peer-secret-file`), if any.
     pub peer_secret: Option<String>,
+    /// The newest rule version this node supports (`--max-rules-version`; at most
+    /// `allot_statemachine::version::RULES_MAX`).
+    pub rules_max: u32,
 }
 
 pub struct Shard {
@@ -121,6 +124,9 @@ impl Node {
         }
         std::fs::create_dir_all(&config.data_dir)
             .with_context(|| format!("creating data dir {}", config.data_dir.display()))?;
+        // Before anything opens (and so touches) the data dir: a dir written by a newer
+        // format is refused as it is.
+        crate::versions::check_data_dir(&config.data_dir)?;
         let db = store::open_db(&config.data_dir.join("db"))
             .with_context(|| format!("opening RocksDB in {}", config.data_dir.display()))?;
         check_shard_count(&db, config.shards)?;
@@ -146,6 +152,8 @@ impl Node {
             move |d, _| wal.observe(d.as_secs_f64()),
             config.test_fsync_fail_file.clone(),
         );
+        // Every shard opened: from here this binary's format may be written.
+        crate::versions::mark_data_dir(&config.data_dir)?;
         let mut shards = Vec::new();
         for id in 0..config.shards {
             let trigger = Arc::new(SnapshotTrigger::new(
@@ -162,8 +170,12 @@ impl Node {
                 .with_metrics(metrics.clone())
                 .with_trigger(trigger.clone())
                 .with_timeline(timeline.clone())
-                .with_preloaded(preloaded.clone());
+                .with_preloaded(preloaded.clone())
+                .with_rules_max(config.rules_max);
             let view = sm.view();
+            let active = store::sm::rules_on_disk(&db, id, &view.read().state)
+                .map_err(|e| anyhow::anyhow!("reading shard {id}'s rule version: {e}"))?;
+            crate::versions::check_rules(id, active, config.rules_max)?;
             let rc = openraft::Config {
                 cluster_name: format!("allot-shard-{id}"),
                 heartbeat_interval: config.raft.heartbeat_ms,

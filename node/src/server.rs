@@ -205,6 +205,10 @@ impl Services {
             .flatten();
         let need: Vec<(Option<Actor>, u32)> = actors.into_iter().map(|a| (a, 1)).collect();
         self.limit(req, Class::Write, &need)?;
+        // The cluster version gate, on the replica that proposes (a follower forwards).
+        if let (true, Some(version)) = (leader, crate::versions::activation_in(&requests)) {
+            crate::versions::check_activation(&self.node, shard, version).await?;
+        }
         #[cfg(feature = "chaos")]
         crate::chaos::rewrite_request_ids(&mut requests);
         match shard.proposer.propose(requests).await {
@@ -518,7 +522,10 @@ fn shard_status(node: &Node, shard: &Shard) -> ShardStatus {
     let membership = m.membership_config.membership();
     let voters: Vec<u64> = membership.voter_ids().collect();
     let learners: Vec<u64> = membership.learner_ids().collect();
-    let time = shard.view.read().state.time_ms;
+    let (time, rules_active) = {
+        let g = shard.view.read();
+        (g.state.time_ms, g.state.rules.active)
+    };
     ShardStatus {
         shard: shard.id,
         node_id: node.id,
@@ -534,6 +541,7 @@ fn shard_status(node: &Node, shard: &Shard) -> ShardStatus {
         state: format!("{:?}", m.state),
         snapshot_index: m.snapshot.map(|l| l.index).unwrap_or(0),
         purged_index: m.purged.map(|l| l.index).unwrap_or(0),
+        rules_active,
     }
 }
 
@@ -718,6 +726,7 @@ impl Admin for Services {
                 .iter()
                 .map(|s| shard_status(&self.node, s))
                 .collect(),
+            versions: Some(crate::versions::local_versions(&self.node)),
         }))
     }
 
@@ -959,6 +968,15 @@ impl RaftService for Services {
         .map_err(|e| Status::internal(format!("audit rows task: {e}")))?
         .map_err(|e| edge::with_reason(Status::failed_precondition(e), "AUDIT_ROWS"))?;
         encode_peer(&rows)
+    }
+
+    async fn versions(
+        &self,
+        _req: tonic::Request<allot_proto::VersionsRequest>,
+    ) -> Result<tonic::Response<allot_proto::VersionsReply>, Status> {
+        Ok(tonic::Response::new(crate::versions::local_versions(
+            &self.node,
+        )))
     }
 
     async fn clock(

@@ -158,6 +158,31 @@ fn spawn_worker(
     })
 }
 
+/// Every acknowledged command survived: replaying each request id returns its first
+/// outcome (the idempotency table holds exactly what was applied).
+async fn assert_acked_survived(client: &Client, acked: &[(u32, Request, Outcome)], shards: u32) {
+    for chunk in acked.chunks(512) {
+        for s in 0..shards {
+            let reqs: Vec<Request> = chunk
+                .iter()
+                .filter(|a| a.0 == s)
+                .map(|a| a.1.clone())
+                .collect();
+            if reqs.is_empty() {
+                continue;
+            }
+            let (outs, _) = client.execute(s, &reqs).await.expect("replay");
+            let firsts: Vec<&Outcome> = chunk.iter().filter(|a| a.0 == s).map(|a| &a.2).collect();
+            for (o, first) in outs.iter().zip(firsts) {
+                assert_eq!(
+                    o, first,
+                    "a replayed request answered differently on shard {s}"
+                );
+            }
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_leader_loses_no_acknowledged_command_and_replicas_converge() {
     let shards = 4;
@@ -208,28 +233,7 @@ async fn a_killed_leader_loses_no_acknowledged_command_and_replicas_converge() {
         .await
         .expect("leaders after restart");
 
-    // Every acknowledged command survived: replaying each request id returns its
-    // first outcome (the idempotency table holds exactly what was applied).
-    for chunk in acked.chunks(512) {
-        for s in 0..shards {
-            let reqs: Vec<Request> = chunk
-                .iter()
-                .filter(|a| a.0 == s)
-                .map(|a| a.1.clone())
-                .collect();
-            if reqs.is_empty() {
-                continue;
-            }
-            let (outs, _) = client.execute(s, &reqs).await.expect("replay");
-            let firsts: Vec<&Outcome> = chunk.iter().filter(|a| a.0 == s).map(|a| &a.2).collect();
-            for (o, first) in outs.iter().zip(firsts) {
-                assert_eq!(
-                    o, first,
-                    "a replayed request answered differently on shard {s}"
-                );
-            }
-        }
-    }
+    assert_acked_survived(&client, &acked, shards).await;
     assert!(
         acked.iter().all(|a| a.2.is_ok()),
         "every hold-cycle command succeeded"
@@ -827,4 +831,346 @@ async fn a_learner_joins_is_promoted_and_the_removed_voter_does_not_disrupt() {
     }
     // The promoted node holds the same state as the others.
     assert_replicas_agree(&c, &client, shards).await;
+}
+
+// ---------------------------------------------------------------- upgrades (§48)
+
+const OLD_RELEASE: [&str; 2] = ["--max-rules-version", "1"];
+
+/// (shard, term) of every leader any running node reported, polled every 25 ms until
+/// `stop`: the elections that happened (a campaign that won no leader is not one).
+fn watch_leaders(
+    addrs: Vec<String>,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<std::collections::BTreeSet<(u32, u64, u64)>> {
+    tokio::spawn(async move {
+        let mut seen = std::collections::BTreeSet::new();
+        while !stop.load(Ordering::Relaxed) {
+            for a in &addrs {
+                if let Ok(mut c) = allot_node::local_cluster::admin(a).await {
+                    if let Ok(r) = c.status(allot_proto::StatusRequest {}).await {
+                        for sh in r.into_inner().shards {
+                            if sh.is_leader {
+                                seen.insert((sh.shard, sh.term, sh.node_id));
+                            }
+                        }
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        seen
+    })
+}
+
+/// An activation refused by the cluster version gate, naming what holds it back.
+fn gate<T: std::fmt::Debug>(r: T, behind: &str) {
+    let msg = format!("{r:?}");
+    assert!(
+        msg.contains("FailedPrecondition") && msg.contains(behind),
+        "activation must be refused naming {behind}: {msg}"
+    );
+}
+
+fn activate(version: u32, n: u64) -> Request {
+    workload::admin(
+        workload::rid(900, n),
+        allot_statemachine::Command::ActivateVersion { version },
+    )
+}
+
+/// A 60-day job: refused under rule version 1, accepted from version 2 on.
+fn long_job(job: u64) -> Request {
+    let mut spec = allot_statemachine::testkit::Harness::job_spec(
+        job,
+        allot_statemachine::Tier::PAID,
+        vec![allot_statemachine::testkit::a100()],
+        1,
+    );
+    spec.max_duration_ms = 60 * 86_400_000;
+    Request {
+        org: Some(ORG),
+        ..workload::admin(
+            workload::rid(901, job),
+            allot_statemachine::Command::SubmitJob(spec),
+        )
+    }
+}
+
+/// The rolling upgrade of the issue: a 3-node cluster running "the previous release"
+/// (`--max-rules-version 1`: it supports rule version 1 only) under load has each node
+/// replaced in turn (SIGTERM, restart on the new release), one of them downgraded and
+/// upgraded again before activation; the new version is refused while any node lacks
+/// it, activated once all run it, and from then on a downgrade refuses to start.
+/// Checked at every step: replicas' state hashes equal, at most one election per
+/// restart; at the end every acknowledged write is present and conserved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_upgrade_under_load_switches_rules_only_when_every_node_supports_them() {
+    let started = Instant::now();
+    let shards = 2;
+    let (_dir, mut c) = cluster("upgrade", 3, shards);
+    for n in &mut c.nodes {
+        n.extra_args = OLD_RELEASE.map(String::from).to_vec();
+    }
+    up(&mut c).await;
+    let client = allot_node::local_cluster::client(c.endpoints());
+    setup_shards(&client, shards).await;
+
+    // The old rules: a 60-day job is refused; the new version cannot be activated.
+    let refused = client.execute(0, &[long_job(1)]).await;
+    assert!(
+        format!("{refused:?}").contains("MaxDuration"),
+        "{refused:?}"
+    );
+    gate(
+        client.execute(0, &[activate(2, 1)]).await,
+        "supports up to 1",
+    );
+
+    let acked: Acked = Arc::default();
+    let mut stream = 0;
+    let mut restarts = 0;
+    // (node, new args): upgrade 1, downgrade 1, upgrade 1, upgrade 2, upgrade 3.
+    let plan: Vec<(u64, bool)> = vec![(1, true), (1, false), (1, true), (2, true), (3, true)];
+    for (id, new) in plan {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut workers = Vec::new();
+        for w in 0..4u64 {
+            stream += 1;
+            workers.push(spawn_worker(
+                client.clone(),
+                (w % shards as u64) as u32,
+                stream,
+                stop.clone(),
+                acked.clone(),
+            ));
+        }
+        let watch_stop = Arc::new(AtomicBool::new(false));
+        let watcher = watch_leaders(c.endpoints(), watch_stop.clone());
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let before_terms: Vec<u64> = {
+            let mut t = Vec::new();
+            for s in 0..shards {
+                let l = c.leader_of(s).await.expect("leader");
+                let st = c.status(l).await.expect("status");
+                t.push(st.shards[s as usize].term);
+            }
+            t
+        };
+        let status = c.terminate(id, Duration::from_secs(30));
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "node {id} stops cleanly on SIGTERM: {status:?}"
+        );
+        c.nodes[id as usize - 1].extra_args = if new {
+            Vec::new()
+        } else {
+            OLD_RELEASE.map(String::from).to_vec()
+        };
+        c.start(id).expect("restart");
+        c.wait_listening(id, Duration::from_secs(60))
+            .expect("listening");
+        c.wait_leaders(Duration::from_secs(30))
+            .await
+            .expect("leaders");
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        stop.store(true, Ordering::Relaxed);
+        for w in workers {
+            w.await.expect("worker");
+        }
+        watch_stop.store(true, Ordering::Relaxed);
+        let seen = watcher.await.expect("watcher");
+        restarts += 1;
+        for s in 0..shards {
+            let elected: std::collections::BTreeSet<u64> = seen
+                .iter()
+                .filter(|(sh, term, _)| *sh == s && *term > before_terms[s as usize])
+                .map(|(_, term, _)| *term)
+                .collect();
+            assert!(
+                elected.len() <= 1,
+                "restart {restarts} (node {id}) cost shard {s} {} elections: {seen:?}",
+                elected.len()
+            );
+        }
+        assert_replicas_agree(&c, &client, shards).await;
+        eprintln!(
+            "restart {restarts}: node {id} on the {} release; {} writes acknowledged so far; {:?}",
+            if new { "new" } else { "old" },
+            acked.lock().unwrap().len(),
+            started.elapsed()
+        );
+        if id < 3 {
+            // Not every node supports version 2 yet: the gate still refuses.
+            gate(
+                client.execute(0, &[activate(2, 1)]).await,
+                "node 3 supports up to 1",
+            );
+        }
+    }
+
+    // Every node runs the new release: activation passes the gate, on every shard.
+    for s in 0..shards {
+        let (outs, _) = client
+            .execute(s, &[activate(2, 10 + s as u64)])
+            .await
+            .expect("activation");
+        assert_eq!(
+            outs,
+            vec![Ok(allot_statemachine::Reply::RulesActive { version: 2 })]
+        );
+    }
+    let gpus = workload::admin(
+        workload::rid(902, 1),
+        allot_statemachine::Command::RegisterNode(allot_statemachine::NodeSpec {
+            node: allot_statemachine::NodeId(1),
+            gpu_type: allot_statemachine::testkit::a100(),
+            gpu_count: 8,
+            gpu_mem_gb: 80,
+            labels: Vec::new(),
+            incarnation: 0,
+        }),
+    );
+    let (outs, _) = client
+        .execute(0, &[gpus, long_job(2)])
+        .await
+        .expect("submit");
+    assert!(outs[0].is_ok(), "{outs:?}");
+    assert!(
+        matches!(outs[1], Ok(allot_statemachine::Reply::JobSubmitted { .. })),
+        "the new rule is on after activation: {outs:?}"
+    );
+    for n in &c.nodes {
+        let st = c.status(n.id).await.expect("status");
+        assert!(st.shards.iter().all(|s| s.rules_active == 2), "{st:?}");
+    }
+
+    // After activation, the old release refuses to start (clearly; nothing changed),
+    // and the new one starts on the same data dir.
+    assert!(c.terminate(3, Duration::from_secs(30)).is_some());
+    c.nodes[2].extra_args = OLD_RELEASE.map(String::from).to_vec();
+    c.start(3).expect("start old");
+    let status = wait_exit(&mut c, 3, Duration::from_secs(60));
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "the old release must refuse a data dir with version 2 active: {status:?}"
+    );
+    let log = std::fs::read_to_string(c.log_path(3)).expect("node log");
+    assert!(
+        log.contains("cannot be undone"),
+        "the refusal says why: {}",
+        c.log_tail(3, 40)
+    );
+    c.nodes[2].extra_args = Vec::new();
+    c.start(3).expect("restart new");
+    c.wait_listening(3, Duration::from_secs(60))
+        .expect("listening");
+    c.wait_leaders(Duration::from_secs(30))
+        .await
+        .expect("leaders");
+
+    let acked = std::mem::take(&mut *acked.lock().unwrap());
+    assert!(acked.len() > 100, "load ran throughout: {}", acked.len());
+    assert!(acked.iter().all(|a| a.2.is_ok()));
+    assert_acked_survived(&client, &acked, shards).await;
+    for s in 0..shards {
+        match client.query(s, &Query::Totals).await.expect("totals") {
+            Answer::Totals(t) => assert_eq!(t.issued, CREDITS as u128, "shard {s}"),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_replicas_agree(&c, &client, shards).await;
+    eprintln!(
+        "rolling upgrade: {restarts} restarts, {} writes acknowledged and replayed, {:?} in all",
+        acked.len(),
+        started.elapsed()
+    );
+}
+
+/// Waits for node `id` to exit by itself (a refused start); `None` if it still runs.
+fn wait_exit(c: &mut LocalCluster, id: u64, timeout: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if let Some(s) = c.exited(id) {
+            return Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+/// Every file of a data dir's store and its format marker, with its contents.
+fn store_files(dir: &std::path::Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.join("db")];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).expect("read dir").flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push((p.clone(), std::fs::read(&p).expect("read")));
+            }
+        }
+    }
+    out.push((
+        dir.join("FORMAT"),
+        std::fs::read(dir.join("FORMAT")).unwrap_or_default(),
+    ));
+    out.sort();
+    out
+}
+
+/// A data dir written by a newer format than this binary reads is refused before it is
+/// opened: a clear message, a failed start, and not one byte of the store changed; the
+/// same dir starts again once the marker is what this build wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_dir_of_a_newer_format_is_refused_untouched() {
+    let (_dir, mut c) = cluster("newer-format", 1, 1);
+    up(&mut c).await;
+    let client = allot_node::local_cluster::client(c.endpoints());
+    setup_shards(&client, 1).await;
+    assert!(c
+        .terminate(1, Duration::from_secs(30))
+        .is_some_and(|s| s.success()));
+    let data = c.dir.join("node-1");
+    let marker = std::fs::read_to_string(data.join("FORMAT")).expect("the node wrote its marker");
+    assert_eq!(
+        marker,
+        format!(
+            "allot-format {}\n",
+            allot_statemachine::codec::FORMAT_VERSION
+        )
+    );
+    let newer = allot_statemachine::codec::FORMAT_VERSION + 1;
+    std::fs::write(data.join("FORMAT"), format!("allot-format {newer}\n")).expect("marker");
+    let before = store_files(&data);
+    c.start(1).expect("spawn");
+    let status = wait_exit(&mut c, 1, Duration::from_secs(60));
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "a newer format must be refused: {status:?}"
+    );
+    let msg = std::fs::read_to_string(c.log_path(1)).expect("node log");
+    assert!(
+        msg.contains(&format!("holds format {newer}")) && msg.contains("newer release"),
+        "{msg}"
+    );
+    assert!(
+        store_files(&data) == before,
+        "the refused start changed the data dir"
+    );
+
+    // Back to this build's marker: the same data starts and answers.
+    std::fs::write(data.join("FORMAT"), marker).expect("marker");
+    c.start(1).expect("restart");
+    c.wait_listening(1, Duration::from_secs(60))
+        .expect("listening");
+    c.wait_leaders(Duration::from_secs(30))
+        .await
+        .expect("leader");
+    match client.query(0, &Query::Totals).await.expect("totals") {
+        Answer::Totals(t) => assert_eq!(t.issued, CREDITS as u128),
+        other => panic!("{other:?}"),
+    }
 }

@@ -37,3 +37,58 @@ fn rocksdb_storage_passes_the_openraft_suite() {
         panic!("openraft storage suite: {e}");
     }
 }
+
+/// A replica that meets an entry it cannot apply as the others do — bytes of a newer
+/// format, or an activation of a rule version it does not support — stops with an
+/// error and changes nothing, instead of applying it as a tick (a misread the other
+/// replicas would not make). Malformed bytes (a faulty leader) still apply as a tick on
+/// every replica alike.
+#[tokio::test]
+async fn entries_this_binary_cannot_apply_stop_the_replica_and_change_nothing() {
+    use allot_node::types::{Batch, LogEntry};
+    use allot_statemachine::codec::FORMAT_VERSION;
+    use allot_statemachine::{Command, State};
+    use openraft::storage::RaftStateMachine;
+    use openraft::{CommittedLeaderId, EntryPayload, LogId};
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let db = store::open_db(dir.path()).expect("open db");
+    let mut sm = StateMachineStore::open(db, 0, allot_statemachine::Config::default())
+        .expect("open")
+        .with_rules_max(1);
+    let entry = |index: u64, batch: Batch| LogEntry {
+        log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+        payload: EntryPayload::Normal(batch),
+    };
+    let activation = allot_node::workload::admin(1, Command::ActivateVersion { version: 2 });
+    let hash = |sm: &StateMachineStore| {
+        let view = sm.view();
+        let g = view.read();
+        assert_eq!(g.last_applied, None, "no entry counts as applied");
+        g.state.state_hash()
+    };
+    let empty = State::default().state_hash();
+
+    let refused = sm
+        .apply([entry(1, Batch::new(5, std::slice::from_ref(&activation)))])
+        .await;
+    assert!(
+        format!("{refused:?}").contains("activates rule version 2"),
+        "{refused:?}"
+    );
+    assert_eq!(hash(&sm), empty, "nothing applied");
+
+    let mut newer = Batch::new(5, &[activation]);
+    newer.requests[0] = FORMAT_VERSION + 1;
+    let refused = sm.apply([entry(1, newer)]).await;
+    assert!(
+        format!("{refused:?}").contains("newer release"),
+        "{refused:?}"
+    );
+    assert_eq!(hash(&sm), empty, "nothing applied");
+
+    let mut malformed = Batch::new(5, &[]);
+    malformed.requests = vec![FORMAT_VERSION, 0xff, 0xff];
+    sm.apply([entry(1, malformed)]).await.expect("a tick");
+    assert_eq!(sm.view().read().state.time_ms, 5);
+}

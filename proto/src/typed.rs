@@ -1097,6 +1097,10 @@ typed_command!(pb::SetShareWeightRequest, |r| {
         r.scope.as_ref().and_then(|s| s.org).map(OrgId),
     ))
 });
+typed_command!(pb::ActivateVersionRequest, |r| Ok((
+    Command::ActivateVersion { version: r.version },
+    None
+)));
 typed_command!(pb::SetPlanRequest, |r| Ok((
     Command::SetPlan {
         org: OrgId(r.org),
@@ -1154,6 +1158,7 @@ pub fn command_from(c: &pb::Command) -> Result<(Header, Command, Option<OrgId>),
         C::SetPlan(r) => go(r),
         C::JobFenced(r) => go(r),
         C::SetAlert(r) => go(r),
+        C::ActivateVersion(r) => go(r),
     }
 }
 
@@ -1373,6 +1378,10 @@ pub fn command_to(r: &Request) -> Option<pb::Command> {
             org: org.0,
             plan: plan.as_ref().map(plan_to),
         }),
+        Command::ActivateVersion { version } => C::ActivateVersion(pb::ActivateVersionRequest {
+            call,
+            version: *version,
+        }),
         Command::JobFenced { job, attempt } => C::JobFenced(pb::JobFencedRequest {
             call,
             org: ns,
@@ -1509,6 +1518,7 @@ pub fn outcome_to(o: &Outcome) -> pb::command_reply::Result {
         Reply::ShareWeightSet => R::ShareWeightSet(empty),
         Reply::PlanSet => R::PlanSet(empty),
         Reply::AlertSet => R::AlertSet(empty),
+        Reply::RulesActive { version } => R::RulesActive(pb::RulesActive { version: *version }),
     }
 }
 
@@ -1614,6 +1624,7 @@ pub fn outcome_from(r: Option<&pb::command_reply::Result>) -> Result<Outcome, Fi
         R::ShareWeightSet(_) => Reply::ShareWeightSet,
         R::PlanSet(_) => Reply::PlanSet,
         R::AlertSet(_) => Reply::AlertSet,
+        R::RulesActive(r) => Reply::RulesActive { version: r.version },
     }))
 }
 

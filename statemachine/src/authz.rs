@@ -57,6 +57,7 @@ fn admin_only(command: &Command) -> bool {
             | Command::SetPrices { .. }
             | Command::IssueGrant(_)
             | Command::IssueGrantIn { .. }
+            | Command::ActivateVersion { .. }
             | Command::StartMeter { .. }
             | Command::ConfigureScheduler(_)
             | Command::RegisterNode(_)

@@ -5,19 +5,25 @@
 use bincode::Options;
 use serde::{de::DeserializeOwned, Serialize};
 
-/// The current format version, written as the first byte of every persisted blob.
-/// 2 (2026-11-25): the scheduler's state gained fields (node shapes, share weights,
-/// node-failure requeues), so blobs of format 1 — snapshots, logged commands, audit rows
-/// — no longer decode; they are refused by version instead of misread. There is no
-/// in-place upgrade: a format-1 cluster moves by replaying its commands or starting anew.
+/// The format this build writes, as the first byte of every persisted blob (log
+/// entries' requests, snapshots, audit rows, backups, peer messages).
 ///
-/// 3: the state gained the alerts table (`crate::alerts`), audit events `LowBalance` and
-/// `BudgetThreshold`, commands `IssueGrantIn` and `SetAlert` (appended: format-2 log
-/// entries and audit rows would decode, but snapshots would not, so the byte moves).
-///
-/// 4: a node's agent incarnation (`NodeSpec::incarnation`, `GpuNode::incarnation`):
-/// logged `RegisterNode` commands and snapshots of format 3 no longer decode.
-pub const FORMAT_VERSION: u8 = 5;
+/// History (the encoding is positional bincode: a type whose layout changes needs a new
+/// format and a frozen copy of its old shape for as long as the old format is read):
+/// - 1 → 2, 3, 4 (2026): state, command and event layouts grew; each bump refused the
+///   older format outright (no in-place upgrade).
+/// - 5: the last format without rule versions.
+/// - 6: the state gained its active rule version (`crate::version::Rules`, its last
+///   field); commands `ActivateVersion`, reply `RulesActive` and the error
+///   `UnsupportedRulesVersion` were appended (appended variants leave older bytes
+///   decodable). Every other layout is format 5's, so format-5 blobs decode as format 6
+///   does, and a format-5 state is read through `state::StateV5`.
+pub const FORMAT_VERSION: u8 = 6;
+/// The oldest format this build reads. The support window: a release reads what the
+/// two releases before it wrote (docs/DESIGN.md §48); reading an older blob is a clear
+/// refusal ([`CodecError::UnsupportedVersion`]), as is a newer one
+/// ([`CodecError::NewerFormat`]) — never a misread.
+pub const FORMAT_READ_MIN: u8 = 5;
 /// The largest blob decode accepts (guards against hostile length prefixes).
 pub const DECODE_BYTES_MAX: u64 = 4 << 30;
 
@@ -25,10 +31,23 @@ pub const DECODE_BYTES_MAX: u64 = 4 << 30;
 pub enum CodecError {
     #[error("empty input")]
     Empty,
-    #[error("unsupported format version {0} (this build reads {FORMAT_VERSION})")]
+    #[error("unsupported format version {0}: this build reads formats {FORMAT_READ_MIN} to {FORMAT_VERSION} (data older than the support window must be replayed or restored by an intermediate release)")]
     UnsupportedVersion(u8),
+    #[error("format version {0} was written by a newer release: this build reads formats {FORMAT_READ_MIN} to {FORMAT_VERSION}; run a release that supports it")]
+    NewerFormat(u8),
     #[error("malformed payload: {0}")]
     Malformed(String),
+}
+
+/// Whether this build reads blobs of format `version`: `Ok`, or the refusal.
+pub fn check_version(version: u8) -> Result<(), CodecError> {
+    if version > FORMAT_VERSION {
+        Err(CodecError::NewerFormat(version))
+    } else if version < FORMAT_READ_MIN {
+        Err(CodecError::UnsupportedVersion(version))
+    } else {
+        Ok(())
+    }
 }
 
 fn encode_options() -> impl Options {
@@ -71,19 +90,25 @@ pub fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
 /// [`decode`] from a reader (a large blob on disk: a received snapshot), holding no more
 /// than the decoder's buffer for input that does not decode. The reader must end where
 /// the value does (trailing bytes are refused, as [`decode`] refuses them).
-pub fn decode_from<T: DeserializeOwned, R: std::io::Read>(mut r: R) -> Result<T, CodecError> {
+pub fn decode_from<T: DeserializeOwned, R: std::io::Read>(r: R) -> Result<T, CodecError> {
+    decode_versioned_from(r, |_, r| decode_body_from(r))
+}
+
+/// The one reader of the version byte: checks it against the support window, then lets
+/// `body` decode the rest as that version wrote it (a type whose layout changed between
+/// formats reads its old shape there), then refuses trailing bytes.
+pub fn decode_versioned_from<T, R: std::io::Read>(
+    mut r: R,
+    body: impl FnOnce(u8, &mut R) -> Result<T, CodecError>,
+) -> Result<T, CodecError> {
     let mut version = [0u8; 1];
     match r.read_exact(&mut version) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(CodecError::Empty),
         Err(e) => return Err(CodecError::Malformed(e.to_string())),
     }
-    if version[0] != FORMAT_VERSION {
-        return Err(CodecError::UnsupportedVersion(version[0]));
-    }
-    let value = decode_options()
-        .deserialize_from(&mut r)
-        .map_err(|e| CodecError::Malformed(e.to_string()))?;
+    check_version(version[0])?;
+    let value = body(version[0], &mut r)?;
     match r.read(&mut [0u8; 1]) {
         Ok(0) => Ok(value),
         Ok(_) => Err(CodecError::Malformed(
@@ -93,13 +118,53 @@ pub fn decode_from<T: DeserializeOwned, R: std::io::Read>(mut r: R) -> Result<T,
     }
 }
 
-/// Decodes a versioned blob; any malformed input is an error, never a panic.
+/// The body of a blob (after its version byte), as the current format lays it out.
+pub fn decode_body_from<T: DeserializeOwned, R: std::io::Read>(r: &mut R) -> Result<T, CodecError> {
+    decode_options()
+        .deserialize_from(r)
+        .map_err(|e| CodecError::Malformed(e.to_string()))
+}
+
+/// Decodes a versioned blob of a type whose layout is the same in every format of the
+/// support window; any malformed input is an error, never a panic.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
     let (&version, rest) = bytes.split_first().ok_or(CodecError::Empty)?;
-    if version != FORMAT_VERSION {
-        return Err(CodecError::UnsupportedVersion(version));
-    }
+    check_version(version)?;
     decode_options()
         .deserialize(rest)
         .map_err(|e| CodecError::Malformed(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blobs_outside_the_support_window_are_refused_by_name() {
+        let mut blob = encode(&(7u64, "x".to_string()));
+        assert_eq!(blob[0], FORMAT_VERSION);
+        assert_eq!(decode::<(u64, String)>(&blob), Ok((7, "x".to_string())));
+        blob[0] = FORMAT_VERSION + 1;
+        assert_eq!(
+            decode::<(u64, String)>(&blob),
+            Err(CodecError::NewerFormat(FORMAT_VERSION + 1))
+        );
+        assert_eq!(
+            decode_from::<(u64, String), _>(&blob[..]),
+            Err(CodecError::NewerFormat(FORMAT_VERSION + 1))
+        );
+        blob[0] = FORMAT_READ_MIN - 1;
+        assert_eq!(
+            decode::<(u64, String)>(&blob),
+            Err(CodecError::UnsupportedVersion(FORMAT_READ_MIN - 1))
+        );
+        // Every format of the window reads a type whose layout did not change.
+        for v in FORMAT_READ_MIN..=FORMAT_VERSION {
+            blob[0] = v;
+            assert_eq!(decode::<(u64, String)>(&blob), Ok((7, "x".to_string())));
+        }
+        assert!(CodecError::NewerFormat(9)
+            .to_string()
+            .contains("newer release"));
+    }
 }

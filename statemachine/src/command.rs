@@ -365,6 +365,13 @@ pub enum Command {
         scope: BudgetScope,
         alert: Option<crate::alerts::AlertSpec>,
     },
+    /// Switches the shard's behaviour to rule version `version` from this entry on
+    /// (`crate::version`). Admin only. The node proposes it only when every voter runs a
+    /// binary that supports the version, and a replica whose binary does not stops
+    /// rather than apply it (docs/DESIGN.md §48).
+    ActivateVersion {
+        version: u32,
+    },
 }
 
 /// One refused call at a node's edge.
@@ -542,6 +549,7 @@ impl Command {
             Command::SetPlan { .. } => "set_plan",
             Command::JobFenced { .. } => "job_fenced",
             Command::SetAlert { .. } => "set_alert",
+            Command::ActivateVersion { .. } => "activate_version",
         }
     }
 

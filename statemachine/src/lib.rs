@@ -56,6 +56,7 @@ pub mod testkit;
 pub mod tombstones;
 pub mod units;
 pub mod validate;
+pub mod version;
 
 pub use audit::{verify_chain, AuditChain, AuditEvent, EventBody};
 pub use command::*;

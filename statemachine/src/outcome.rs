@@ -178,6 +178,11 @@ pub enum CommandError {
     /// a budget percentage outside 1..=1000.
     #[error("invalid alert: give a low-balance threshold (org or project) or budget percentages 1..=1000")]
     InvalidAlert,
+    // -- appended (the encoding is positional) --
+    /// `ActivateVersion` of a rule version older than the active one, or newer than
+    /// this build implements (`crate::version`).
+    #[error("rule version refused: version {active} is active and this build implements up to {newest} (versions never go back)")]
+    UnsupportedRulesVersion { active: u32, newest: u32 },
 }
 
 impl CommandError {
@@ -240,6 +245,7 @@ impl CommandError {
             CommandError::OrgMismatch => "ORG_MISMATCH",
             CommandError::TierNotEntitled(_) => "TIER_NOT_ENTITLED",
             CommandError::InvalidAlert => "INVALID_ALERT",
+            CommandError::UnsupportedRulesVersion { .. } => "UNSUPPORTED_RULES_VERSION",
         }
     }
 }
@@ -390,6 +396,10 @@ pub enum Reply {
     ShareWeightSet,
     PlanSet,
     AlertSet,
+    /// `ActivateVersion`: the rule version now active (unchanged for a repeat).
+    RulesActive {
+        version: u32,
+    },
 }
 
 /// Lower-case words from a variant's name (`IdempotencyEntries` → "idempotency

@@ -57,6 +57,42 @@ pub struct State {
     pub security: Security,
     /// Low-balance and budget-threshold alerts (`crate::alerts`).
     pub alerts: crate::alerts::Alerts,
+    /// The active rule version (`crate::version`). Last: a format-5 state is this
+    /// struct without it ([`StateV5`]).
+    pub rules: crate::version::Rules,
+}
+
+/// The state as format 5 wrote it (before rule versions): read by [`State::decode`]
+/// and converted, so that a data dir or backup of the previous release is read in
+/// place. Frozen: it changes only when format 5 leaves the support window.
+#[derive(Deserialize)]
+struct StateV5 {
+    config: Config,
+    time_ms: u64,
+    last_applied: Option<u64>,
+    ledger: Ledger,
+    scheduler: Scheduler,
+    idempotency: IdempotencyTable,
+    audit: AuditChain,
+    security: Security,
+    alerts: crate::alerts::Alerts,
+}
+
+impl From<StateV5> for State {
+    fn from(s: StateV5) -> State {
+        State {
+            config: s.config,
+            time_ms: s.time_ms,
+            last_applied: s.last_applied,
+            ledger: s.ledger,
+            scheduler: s.scheduler,
+            idempotency: s.idempotency,
+            audit: s.audit,
+            security: s.security,
+            alerts: s.alerts,
+            rules: crate::version::Rules::default(),
+        }
+    }
 }
 
 /// What applying one entry produced: one outcome per request, in order, and the audit
@@ -90,6 +126,7 @@ impl State {
             audit: AuditChain::default(),
             security: Security::default(),
             alerts: Default::default(),
+            rules: Default::default(),
             config,
         }
     }
@@ -107,13 +144,18 @@ impl State {
         codec::encode(self)
     }
 
+    /// Decodes a snapshot of any format in the support window (format 5: converted
+    /// from [`StateV5`], at the baseline rule version).
     pub fn decode(bytes: &[u8]) -> Result<State, codec::CodecError> {
-        codec::decode(bytes)
+        Self::decode_from(bytes)
     }
 
     /// [`State::decode`] from a reader (a snapshot received into a file).
     pub fn decode_from(r: impl std::io::Read) -> Result<State, codec::CodecError> {
-        codec::decode_from(r)
+        codec::decode_versioned_from(r, |version, r| match version {
+            5 => codec::decode_body_from::<StateV5, _>(r).map(State::from),
+            _ => codec::decode_body_from(r),
+        })
     }
 }
 
@@ -269,7 +311,7 @@ fn apply_request(
 ) -> (Outcome, bool) {
     // The request's own fields first (the same check the edge ran before proposing):
     // an invalid request is refused before it takes an idempotency record.
-    if let Err(e) = crate::validate::validate(req) {
+    if let Err(e) = crate::validate::validate(req, state.rules.active) {
         return (Err(e), false);
     }
     let ns = match req.namespace(&actor) {
@@ -372,6 +414,14 @@ fn execute(
                     .alerts
                     .check((org, *scope), &state.ledger, now, ctx.effects);
                 Ok(Reply::AlertSet)
+            }
+            Command::ActivateVersion { version } => {
+                // `last_applied` is this entry's index (set before its requests run).
+                let at = state.last_applied.unwrap_or(0);
+                crate::version::activate(&mut state.rules, *version, at, now)?;
+                Ok(Reply::RulesActive {
+                    version: state.rules.active,
+                })
             }
             command if command.is_scheduler() => dispatch_scheduler(state, actor, ns, command, ctx),
             command if command.is_security() => dispatch_security(state, ns, &quota, command, ctx),
@@ -714,7 +764,8 @@ fn refs_of(
         | Command::Bootstrap { .. }
         | Command::RotateToken { .. }
         | Command::RevokeToken { .. }
-        | Command::RecordDenials { .. } => (None, None),
+        | Command::RecordDenials { .. }
+        | Command::ActivateVersion { .. } => (None, None),
         Command::SetPlan { org, .. } => (Some(Account::Org(*org)), None),
     };
     ev.org = ns;

@@ -19,13 +19,14 @@ use crate::limits::*;
 use crate::outcome::{CommandError, JobProblem, Limit, NodeProblem};
 use crate::scheduler::SchedulerSettings;
 
-/// Validates one request: its size, its request id, and its command.
-pub fn validate(req: &Request) -> Result<(), CommandError> {
+/// Validates one request under rule version `rules` (`crate::version`; the shard's
+/// active one): its size, its request id, and its command.
+pub fn validate(req: &Request, rules: u32) -> Result<(), CommandError> {
     validate_size(&req.command)?;
     if req.request_id == 0 && req.command.uses_idempotency_table() {
         return Err(CommandError::MissingRequestId);
     }
-    validate_command(&req.command)
+    validate_command(&req.command, rules)
 }
 
 /// The encoded size of a command is at most [`COMMAND_BYTES_MAX`].
@@ -36,8 +37,8 @@ pub fn validate_size(command: &Command) -> Result<(), CommandError> {
     Ok(())
 }
 
-/// The command's own fields, without the state.
-pub fn validate_command(command: &Command) -> Result<(), CommandError> {
+/// The command's own fields, without the state, under rule version `rules`.
+pub fn validate_command(command: &Command, rules: u32) -> Result<(), CommandError> {
     match command {
         Command::CreateOrg { org } => check_id(org.0),
         Command::CreateProject { project, .. } => check_id(project.0),
@@ -103,7 +104,7 @@ pub fn validate_command(command: &Command) -> Result<(), CommandError> {
             Ok(())
         }
         Command::RegisterNode(spec) => check_node_spec(spec),
-        Command::SubmitJob(spec) => check_job_spec(spec),
+        Command::SubmitJob(spec) => check_job_spec(spec, rules),
         Command::ConfigureScheduler(s) => check_settings(s),
         Command::Bootstrap { principal, digest } => {
             check_principal(principal.0)?;
@@ -142,6 +143,7 @@ pub fn validate_command(command: &Command) -> Result<(), CommandError> {
         | Command::FinishJob { .. }
         | Command::JobFenced { .. }
         | Command::SetQuota { .. }
+        | Command::ActivateVersion { .. }
         | Command::RevokeToken { .. } => Ok(()),
         Command::SetPlan { plan, .. } => plan.as_ref().map_or(Ok(()), check_plan),
     }
@@ -289,7 +291,7 @@ fn check_node_spec(spec: &NodeSpec) -> Result<(), CommandError> {
     Ok(())
 }
 
-fn check_job_spec(spec: &JobSpec) -> Result<(), CommandError> {
+fn check_job_spec(spec: &JobSpec, rules: u32) -> Result<(), CommandError> {
     if spec.gpus == 0 || spec.gpus > GPUS_PER_JOB_MAX {
         return Err(CommandError::InvalidGpuCount);
     }
@@ -301,7 +303,7 @@ fn check_job_spec(spec: &JobSpec) -> Result<(), CommandError> {
         GPU_TYPES_PER_LIST_MAX,
         Limit::GpuTypesPerList,
     )?;
-    if spec.max_duration_ms == 0 || spec.max_duration_ms > JOB_DURATION_MS_MAX {
+    if spec.max_duration_ms == 0 || spec.max_duration_ms > crate::version::job_duration_max(rules) {
         return Err(CommandError::InvalidJob(JobProblem::MaxDuration));
     }
     if spec.mem_floor_gb > GPU_MEM_GB_MAX {

@@ -195,7 +195,10 @@ fn bad_alerts_are_refused_and_change_nothing() {
                 org: Some(ORG),
                 command: command.clone(),
             };
-            assert_eq!(validate::validate(&req), Err(want.clone()));
+            assert_eq!(
+                validate::validate(&req, allot_statemachine::version::RULES_BASELINE),
+                Err(want.clone())
+            );
         }
         assert_eq!(h.run(command), Err(want));
     }

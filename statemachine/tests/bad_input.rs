@@ -543,7 +543,8 @@ fn the_largest_legal_commands_fit_the_command_bound() {
     use allot_statemachine::validate::validate_command;
     let all = allot_statemachine::testkit::largest_commands();
     for c in &all {
-        validate_command(c).unwrap_or_else(|e| panic!("{}: {e:?}", c.name()));
+        validate_command(c, allot_statemachine::version::RULES_BASELINE)
+            .unwrap_or_else(|e| panic!("{}: {e:?}", c.name()));
         let len = allot_statemachine::codec::encoded_len(c) as usize;
         eprintln!("{:<20} {len:>6} bytes", c.name());
         assert!(len <= COMMAND_BYTES_MAX, "{}: {len}", c.name());
@@ -582,7 +583,7 @@ fn the_largest_legal_commands_fit_the_command_bound() {
         };
         if grown {
             assert!(
-                validate_command(&over).is_err(),
+                validate_command(&over, allot_statemachine::version::RULES_BASELINE).is_err(),
                 "{} past its bound",
                 c.name()
             );

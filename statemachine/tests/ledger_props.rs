@@ -350,7 +350,12 @@ fn run_sequence(ops: &[Op]) -> Harness {
     let mut sent: Vec<Request> = Vec::new();
     let mut first: BTreeMap<RequestId, Outcome> = BTreeMap::new();
     let remembered = |r: &Request| {
-        r.command.uses_idempotency_table() && allot_statemachine::validate::validate(r).is_ok()
+        r.command.uses_idempotency_table()
+            && allot_statemachine::validate::validate(
+                r,
+                allot_statemachine::version::RULES_BASELINE,
+            )
+            .is_ok()
     };
     for op in ops {
         let request = match op {

@@ -941,7 +941,7 @@ fn snapshot_round_trip_and_corrupt_input() {
     wrong_version[0] = 99;
     assert_eq!(
         State::decode(&wrong_version),
-        Err(codec::CodecError::UnsupportedVersion(99))
+        Err(codec::CodecError::NewerFormat(99))
     );
     for cut in [1, bytes.len() / 2, bytes.len() - 1] {
         assert!(State::decode(&bytes[..cut]).is_err());

@@ -82,6 +82,9 @@ pub struct StateMachineStore {
     /// A received snapshot the edge already decoded (to check it before openraft
     /// installs it): install takes it instead of decoding the bytes again.
     preloaded: Preloaded,
+    /// The newest rule version this node supports: an entry that activates a newer one,
+    /// or a snapshot taken under one, stops this replica instead of being applied.
+    rules_max: u32,
 }
 
 /// A snapshot's state decoded ahead of its installation, by snapshot id.
@@ -89,6 +92,24 @@ pub type Preloaded = Arc<std::sync::Mutex<Option<(String, Box<State>)>>>;
 
 fn snapshot_key(shard: ShardId) -> Vec<u8> {
     shard_key(shard, b"snapshot")
+}
+
+/// The newest rule version any entry applied on this replica activated (a u32 LE):
+/// written with the entry, so a binary that does not support it refuses to start even
+/// before the next snapshot records it.
+fn rules_key(shard: ShardId) -> Vec<u8> {
+    shard_key(shard, b"rules_active")
+}
+
+/// The rule version this replica's data holds active: its state's, or a later
+/// activation applied since its last snapshot.
+pub fn rules_on_disk(db: &DB, shard: ShardId, state: &State) -> Result<u32, StorageError> {
+    let logged = db
+        .get_cf(cf(db, CF_SNAP), rules_key(shard))
+        .map_err(io_read)?
+        .and_then(|b| Some(u32::from_le_bytes(b.get(..4)?.try_into().ok()?)))
+        .unwrap_or(0);
+    Ok(logged.max(state.rules.active))
 }
 
 fn load_snapshot(db: &DB, shard: ShardId) -> Result<Option<StoredSnapshot>, StorageError> {
@@ -142,6 +163,7 @@ impl StateMachineStore {
             timeline: None,
             loaded_bytes,
             preloaded: Preloaded::default(),
+            rules_max: allot_statemachine::version::RULES_MAX,
         })
     }
 
@@ -153,6 +175,12 @@ impl StateMachineStore {
     }
 
     /// Where the edge leaves a received snapshot it decoded (see [`Preloaded`]).
+    /// The newest rule version this node supports (default: this build's newest).
+    pub fn with_rules_max(mut self, rules_max: u32) -> StateMachineStore {
+        self.rules_max = rules_max;
+        self
+    }
+
     pub fn with_preloaded(mut self, preloaded: Preloaded) -> StateMachineStore {
         self.preloaded = preloaded;
         self
@@ -342,7 +370,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                     t.applying(log_id.index);
                 }
                 last_index = Some(log_id.index);
-                g.last_applied = Some(log_id);
+                let applied_before = g.last_applied.replace(log_id);
                 match entry.payload {
                     EntryPayload::Blank => replies.push(Applied {
                         log_index: log_id.index,
@@ -358,6 +386,36 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                         });
                     }
                     EntryPayload::Normal(b) => {
+                        // Bytes of a format newer than this binary reads, or an
+                        // activation of a rule version it does not support: this replica
+                        // cannot apply the entry as the others do, so it stops here (the
+                        // entry stays in its log for a newer binary) rather than diverge.
+                        let unsupported = match b.decode() {
+                            Err(e @ codec::CodecError::NewerFormat(_)) => Some(e.to_string()),
+                            Ok(reqs) => crate::versions::activation_in(&reqs)
+                                .filter(|v| *v > self.rules_max)
+                                .map(|v| {
+                                    format!(
+                                        "the entry activates rule version {v}; this node \
+                                         supports up to {}",
+                                        self.rules_max
+                                    )
+                                }),
+                            Err(_) => None,
+                        };
+                        if let Some(why) = unsupported {
+                            g.last_applied = applied_before;
+                            tracing::error!(
+                                shard = self.shard,
+                                index = log_id.index,
+                                "cannot apply: {why}; this replica stops applying \
+                                 (upgrade its binary to go on)"
+                            );
+                            return Err(StorageError::from(openraft::StorageIOError::apply(
+                                log_id,
+                                openraft::AnyError::error(why),
+                            )));
+                        }
                         // Only a faulty leader proposes bytes that do not decode; every
                         // replica decodes the same bytes, so each applies the entry as a
                         // tick alike (time advances; nothing else).
@@ -375,12 +433,20 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                             logical_time_ms: b.logical_time_ms,
                             requests,
                         };
+                        let rules_before = g.state.rules.active;
                         apply_into(&mut g.state, &sm_entry, &mut self.out).map_err(|e| {
                             StorageError::from(openraft::StorageIOError::apply(
                                 log_id,
                                 openraft::AnyError::new(&e),
                             ))
                         })?;
+                        if g.state.rules.active != rules_before {
+                            batch.put_cf(
+                                cf(&self.db, CF_SNAP),
+                                rules_key(self.shard),
+                                g.state.rules.active.to_le_bytes(),
+                            );
+                        }
                         // One row per entry: its events, keyed by the first one's seq.
                         if let Some(first) = self.out.events.first() {
                             batch.put_cf(
@@ -447,6 +513,11 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             Some((_, state)) => *state,
             None => State::decode(&data).map_err(io_read)?,
         };
+        if let Err(e) = crate::versions::check_rules(self.shard, state.rules.active, self.rules_max)
+        {
+            tracing::error!(shard = self.shard, "refusing the snapshot: {e:#}");
+            return Err(io_read(std::io::Error::other(e.to_string())));
+        }
         let bytes = data.len() as u64;
         save_snapshot(
             &self.db,

@@ -140,4 +140,8 @@ pub enum Cmd {
     Audit(crate::audit::AuditArgs),
     /// Load generator: closed-loop hold/capture/release workers against the cluster.
     Bench(crate::bench::BenchArgs),
+    /// Rule versions and formats: what each node supports, what each shard runs, and
+    /// activating a new version after a rolling upgrade.
+    #[command(subcommand)]
+    Version(crate::version::VersionCmd),
 }

@@ -252,6 +252,17 @@ struct EndpointRow {
     voters: Vec<u64>,
     learners: Vec<u64>,
     error: Option<String>,
+    /// The replica's latest snapshot covers the log up to here.
+    snapshot_index: Option<u64>,
+    /// Log entries up to here are purged (a replica further behind needs the snapshot);
+    /// the first index still in the log is the next one.
+    purged_index: Option<u64>,
+    /// The shard's active rule version (docs/DESIGN.md §48).
+    rules_active: Option<u32>,
+    /// The newest rule version and the persisted format this node's binary supports.
+    rules_max: Option<u32>,
+    format_version: Option<u32>,
+    release: Option<String>,
 }
 
 async fn endpoint_status(ctx: &Ctx) -> anyhow::Result<()> {
@@ -267,7 +278,8 @@ async fn endpoint_status(ctx: &Ctx) -> anyhow::Result<()> {
         }
     }
     let mut t = Table::new(&[
-        "ENDPOINT", "NODE", "SHARD", "STATE", "LEADER", "TERM", "APPLIED", "ERROR",
+        "ENDPOINT", "NODE", "SHARD", "STATE", "LEADER", "TERM", "APPLIED", "SNAPSHOT", "PURGED",
+        "RULES", "ERROR",
     ]);
     for r in &rows {
         t.row(vec![
@@ -278,6 +290,13 @@ async fn endpoint_status(ctx: &Ctx) -> anyhow::Result<()> {
             opt(r.leader),
             opt(r.term),
             opt(r.applied_index),
+            opt(r.snapshot_index),
+            opt(r.purged_index),
+            match (r.rules_active, r.rules_max) {
+                (Some(a), Some(m)) => format!("{a} (node up to {m})"),
+                (Some(a), None) => a.to_string(),
+                _ => "-".into(),
+            },
             r.error.clone().unwrap_or_default(),
         ]);
     }
@@ -305,6 +324,13 @@ fn status_rows(addr: &str, s: &StatusReply) -> Vec<EndpointRow> {
             voters: sh.voters.clone(),
             learners: sh.learners.clone(),
             error: None,
+            snapshot_index: Some(sh.snapshot_index),
+            purged_index: Some(sh.purged_index),
+            // A node of a release before rule versions reports 0: version 1.
+            rules_active: Some(sh.rules_active.max(1)),
+            rules_max: s.versions.as_ref().map(|v| v.rules_max),
+            format_version: s.versions.as_ref().map(|v| v.format_version),
+            release: s.versions.as_ref().map(|v| v.release.clone()),
         })
         .collect()
 }
@@ -324,6 +350,12 @@ fn error_row(addr: &str, error: String) -> EndpointRow {
         voters: vec![],
         learners: vec![],
         error: Some(error),
+        snapshot_index: None,
+        purged_index: None,
+        rules_active: None,
+        rules_max: None,
+        format_version: None,
+        release: None,
     }
 }
 

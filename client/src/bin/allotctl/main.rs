@@ -21,6 +21,7 @@ mod tenancy;
 mod timefmt;
 mod tokens;
 mod values;
+mod version;
 
 use args::{Cli, Cmd};
 use clap::Parser;
@@ -75,5 +76,6 @@ async fn dispatch(ctx: &Ctx, cmd: Cmd) -> anyhow::Result<()> {
         Cmd::Job(c) => jobs::run(ctx, c).await,
         Cmd::Audit(a) => audit::run(ctx, a).await,
         Cmd::Bench(a) => bench::run(ctx, a).await,
+        Cmd::Version(c) => version::run(ctx, c).await,
     }
 }

@@ -1,0 +1,166 @@
+//! The node's side of versioning (docs/DESIGN.md §48): the data dir's format marker,
+//! the rule-version checks a node makes before it starts or applies, and the cluster
+//! version gate an `ActivateVersion` passes before it is proposed.
+
+use crate::node::{Node, Shard};
+use allot_statemachine::codec::{FORMAT_READ_MIN, FORMAT_VERSION};
+use allot_statemachine::{Command, Request};
+use anyhow::{bail, Context};
+use std::path::Path;
+use tonic::Status;
+
+/// The file in a data dir naming the newest persisted format it may hold, written as
+/// `allot-format <n>\n` once the node has opened the dir. Read before anything else
+/// opens the dir, so a newer format is refused while the dir is untouched. A dir
+/// without it was written by format 5 (the releases before the marker).
+pub const FORMAT_FILE: &str = "FORMAT";
+
+/// The format the data dir at `dir` says it holds (`None`: no marker).
+pub fn data_dir_format(dir: &Path) -> anyhow::Result<Option<u8>> {
+    let path = dir.join(FORMAT_FILE);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let version = text
+        .trim()
+        .strip_prefix("allot-format ")
+        .and_then(|v| v.parse::<u8>().ok())
+        .with_context(|| {
+            format!(
+                "{} is not an allot format marker (expected \"allot-format <n>\", found {:?})",
+                path.display(),
+                text.chars().take(64).collect::<String>()
+            )
+        })?;
+    Ok(Some(version))
+}
+
+/// Refuses a data dir written by a format this build does not read.
+pub fn check_data_dir(dir: &Path) -> anyhow::Result<()> {
+    match data_dir_format(dir)? {
+        Some(v) if v > FORMAT_VERSION => bail!(
+            "the data dir {} holds format {v}, written by a newer release; this binary \
+             reads formats {FORMAT_READ_MIN} to {FORMAT_VERSION}. Nothing was changed: run \
+             the release that wrote it (or a newer one)",
+            dir.display()
+        ),
+        Some(v) if v < FORMAT_READ_MIN => bail!(
+            "the data dir {} holds format {v}, older than this binary reads ({FORMAT_READ_MIN} \
+             to {FORMAT_VERSION}). Nothing was changed: upgrade through an intermediate \
+             release first",
+            dir.display()
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// Records that the data dir may now hold this build's format (atomically: a temporary
+/// file renamed over the marker).
+pub fn mark_data_dir(dir: &Path) -> anyhow::Result<()> {
+    if data_dir_format(dir)? == Some(FORMAT_VERSION) {
+        return Ok(());
+    }
+    let tmp = dir.join(format!("{FORMAT_FILE}.tmp"));
+    std::fs::write(&tmp, format!("allot-format {FORMAT_VERSION}\n"))
+        .and_then(|()| std::fs::File::open(&tmp)?.sync_all())
+        .and_then(|()| std::fs::rename(&tmp, dir.join(FORMAT_FILE)))
+        .and_then(|()| std::fs::File::open(dir)?.sync_all())
+        .with_context(|| format!("writing the format marker in {}", dir.display()))
+}
+
+/// Refuses to run shard `shard` whose active rule version is newer than this node
+/// supports (a downgrade after activation).
+pub fn check_rules(shard: u32, active: u32, supported: u32) -> anyhow::Result<()> {
+    if active > supported {
+        bail!(
+            "shard {shard} runs rule version {active}, and this node supports up to \
+             {supported} (--max-rules-version, or this binary's newest): a version once \
+             activated cannot be undone. Nothing was changed: run a release that supports \
+             version {active}"
+        );
+    }
+    Ok(())
+}
+
+/// The rule version a batch would activate, if it holds an `ActivateVersion` (the
+/// highest, if several).
+pub fn activation_in(requests: &[Request]) -> Option<u32> {
+    requests
+        .iter()
+        .filter_map(|r| match r.command {
+            Command::ActivateVersion { version } => Some(version),
+            _ => None,
+        })
+        .max()
+}
+
+/// What this node reports to a peer asking which versions it supports.
+pub fn local_versions(node: &Node) -> allot_proto::VersionsReply {
+    allot_proto::VersionsReply {
+        node_id: node.id,
+        rules_max: node.config.rules_max,
+        format_version: FORMAT_VERSION as u32,
+        format_read_min: FORMAT_READ_MIN as u32,
+        release: env!("CARGO_PKG_VERSION").to_string(),
+    }
+}
+
+/// The cluster version gate: `version` may be activated on `shard` only when every
+/// member of its configuration (voters, and learners about to become voters) answers
+/// that it supports it. Asked on the leader before it proposes; a member that does not
+/// answer counts as one that does not support it.
+pub async fn check_activation(node: &Node, shard: &Shard, version: u32) -> Result<(), Status> {
+    let active = shard.view.read().state.rules.active;
+    if version <= active {
+        return Ok(()); // Apply answers it (a repeat, or a refusal): nothing to gate.
+    }
+    let members: Vec<(u64, String)> = {
+        let m = shard.raft.metrics().borrow().membership_config.clone();
+        m.membership()
+            .nodes()
+            .map(|(id, n)| (*id, n.addr.clone()))
+            .collect()
+    };
+    let mut behind = Vec::new();
+    for (id, addr) in members {
+        let reply = if id == node.id {
+            Ok(local_versions(node))
+        } else {
+            ask(node, &addr).await
+        };
+        match reply {
+            Ok(v) if v.rules_max >= version => {}
+            Ok(v) => behind.push(format!(
+                "node {id} supports up to {} (release {})",
+                v.rules_max, v.release
+            )),
+            Err(e) => behind.push(format!("node {id} did not answer ({e})")),
+        }
+    }
+    if behind.is_empty() {
+        return Ok(());
+    }
+    Err(crate::edge::with_reason(
+        Status::failed_precondition(format!(
+            "rule version {version} cannot be activated on shard {}: {}; upgrade those \
+             nodes first (nothing was changed)",
+            shard.id,
+            behind.join("; ")
+        )),
+        "VOTER_UNSUPPORTED",
+    ))
+}
+
+async fn ask(node: &Node, addr: &str) -> Result<allot_proto::VersionsReply, String> {
+    let mut c = node.channels.raft_client(addr).map_err(|e| e.to_string())?;
+    let call = c.versions(node.channels.peer_request(allot_proto::VersionsRequest {}));
+    match tokio::time::timeout(std::time::Duration::from_secs(5), call).await {
+        Ok(Ok(r)) => Ok(r.into_inner()),
+        // An older release without the RPC answers UNIMPLEMENTED: it supports nothing
+        // newer than the baseline.
+        Ok(Err(s)) => Err(s.message().to_string()),
+        Err(_) => Err("timed out".into()),
+    }
+}

@@ -1,0 +1,81 @@
+//! Rule versions: which behaviour `apply` runs, switched on cluster-wide through the log.
+//!
+//! A new release may change what a command does (a limit, a rounding, a new check). If
+//! each binary applied its own rules, a cluster in the middle of a rolling upgrade would
+//! apply the same log differently on old and new replicas and diverge. So behaviour is
+//! versioned: the state carries the **active rule version** ([`Rules::active`]), every
+//! entry is applied under the version active at its position in the log, and a new
+//! version's behaviour switches on only through a replicated `ActivateVersion` command
+//! (the pattern of CockroachDB's cluster versions and TigerBeetle's release in every
+//! prepare). The node accepts `ActivateVersion` only when every voter reports a binary
+//! that supports the version, and a binary never applies or starts on a version it does
+//! not support: it stops instead (docs/DESIGN.md §48).
+//!
+//! The versions, oldest first:
+//! - **1** — the baseline: every rule up to format 6 (a shard created or restored starts
+//!   here, whatever binary creates it, so that every replica's initial state is equal).
+//! - **2** — jobs may run up to [`JOB_DURATION_MS_MAX_V2`] (90 days) instead of
+//!   [`crate::limits::JOB_DURATION_MS_MAX`] (30): long training runs no longer need to be
+//!   split, and a longer maximum is a longer reservation, so old and new replicas must
+//!   agree on which applies.
+
+use serde::{Deserialize, Serialize};
+
+/// The rule version every shard starts at.
+pub const RULES_BASELINE: u32 = 1;
+/// The newest rule version this build implements. A node may be told to support less
+/// (`allot-node --max-rules-version`, to rehearse an upgrade or to hold one back), never
+/// more.
+pub const RULES_MAX: u32 = 2;
+/// A job's longest `max_duration_ms` from rule version 2 on.
+pub const JOB_DURATION_MS_MAX_V2: u64 = 90 * 86_400_000;
+
+/// The active rule version of a shard and when each version was activated.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rules {
+    pub active: u32,
+    /// `(version, log index, logical time)` of every activation, oldest first (one per
+    /// version at most, so bounded by [`RULES_MAX`]).
+    pub activations: Vec<(u32, u64, u64)>,
+}
+
+impl Default for Rules {
+    fn default() -> Self {
+        Rules {
+            active: RULES_BASELINE,
+            activations: Vec::new(),
+        }
+    }
+}
+
+/// The longest `max_duration_ms` of a job under rule version `rules`.
+pub fn job_duration_max(rules: u32) -> u64 {
+    if rules >= 2 {
+        JOB_DURATION_MS_MAX_V2
+    } else {
+        crate::limits::JOB_DURATION_MS_MAX
+    }
+}
+
+/// What `ActivateVersion { version }` does to `rules`, applied at `log_index`/`now`:
+/// the same version again is accepted and changes nothing (a retried activation); an
+/// older one, or one this build does not implement, is refused.
+pub fn activate(
+    rules: &mut Rules,
+    version: u32,
+    log_index: u64,
+    now: u64,
+) -> Result<(), crate::outcome::CommandError> {
+    use crate::outcome::CommandError;
+    if version > RULES_MAX || version < rules.active {
+        return Err(CommandError::UnsupportedRulesVersion {
+            active: rules.active,
+            newest: RULES_MAX,
+        });
+    }
+    if version > rules.active {
+        rules.active = version;
+        rules.activations.push((version, log_index, now));
+    }
+    Ok(())
+}
