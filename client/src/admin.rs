@@ -74,6 +74,7 @@ impl Client {
                         attempts: 0,
                         elapsed: Duration::ZERO,
                         last: format!("init through {addr}: {:?}: {}", s.code(), s.message()),
+                        cause: None,
                     })
                 }
                 Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
@@ -99,17 +100,22 @@ impl Client {
             }
         }
         let mut last = String::from("no endpoints");
+        let mut cause = None;
         for addr in &order {
             match self.backup_from(addr, shard).await {
                 Ok(b) => return Ok(b),
                 Err(BackupAttempt::Final(e)) => return Err(e),
-                Err(BackupAttempt::Next(why)) => last = format!("{addr}: {why}"),
+                Err(BackupAttempt::Next(why, reason)) => {
+                    last = format!("{addr}: {why}");
+                    cause = reason;
+                }
             }
         }
         Err(Error::Unavailable {
             attempts: order.len() as u32,
             elapsed: Duration::ZERO,
             last,
+            cause,
         })
     }
 
@@ -141,7 +147,7 @@ impl Client {
                 let e = Error::from_status(&s);
                 return Err(match s.code() {
                     tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => {
-                        BackupAttempt::Next(e.to_string())
+                        BackupAttempt::Next(e.to_string(), reason_of(&s))
                     }
                     _ => BackupAttempt::Final(e),
                 });
@@ -151,13 +157,19 @@ impl Client {
         while let Some(chunk) = chunks.next().await {
             match chunk {
                 Ok(c) => bytes.extend_from_slice(&c.data),
-                Err(s) => return Err(BackupAttempt::Next(Error::from_status(&s).to_string())),
+                Err(s) => {
+                    return Err(BackupAttempt::Next(
+                        Error::from_status(&s).to_string(),
+                        reason_of(&s),
+                    ))
+                }
             }
         }
-        let backup = ShardBackup::decode(&bytes).map_err(|e| BackupAttempt::Next(e.to_string()))?;
+        let backup =
+            ShardBackup::decode(&bytes).map_err(|e| BackupAttempt::Next(e.to_string(), None))?;
         backup
             .verify()
-            .map_err(|e| BackupAttempt::Next(format!("the copy does not verify: {e}")))?;
+            .map_err(|e| BackupAttempt::Next(format!("the copy does not verify: {e}"), None))?;
         Ok(backup)
     }
 }
@@ -165,6 +177,15 @@ impl Client {
 /// How one replica's backup attempt ended: try the next replica, or give up (refused:
 /// no admin rights, unknown shard).
 enum BackupAttempt {
-    Next(String),
+    /// Try the next replica: why this one failed, and the node's reason if it gave one.
+    Next(String, Option<String>),
     Final(Error),
+}
+
+/// The node's reason for a refusal (`allot-reason` metadata), if any.
+fn reason_of(s: &tonic::Status) -> Option<String> {
+    s.metadata()
+        .get(allot_proto::meta::REASON)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
 }

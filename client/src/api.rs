@@ -619,6 +619,7 @@ impl Client {
                     attempts: stalled,
                     elapsed: started.elapsed(),
                     last: format!("the audit trail served stops at {from_seq}, head {head}"),
+                    cause: Some("AUDIT_GAP".into()),
                 });
             }
             tokio::time::sleep(std::time::Duration::from_millis(

@@ -28,6 +28,11 @@ pub enum Error {
         attempts: u32,
         elapsed: Duration,
         last: String,
+        /// The node's reason (`allot-reason`) when the last attempt reached a node that
+        /// answered with a retryable refusal of its own — `AUDIT_GAP` (this replica
+        /// lacks part of the trail), `RATE_LIMITED`… — rather than no leader or no
+        /// answer: what to report as the cause.
+        cause: Option<String>,
     },
     /// Any other gRPC status.
     #[error("{code:?}: {message}")]

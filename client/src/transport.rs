@@ -384,6 +384,7 @@ impl Client {
         let mut rotate = shard as usize;
         let mut attempts = 0u32;
         let mut last = String::new();
+        let mut cause = None;
         loop {
             let remaining = s.timeout.saturating_sub(started.elapsed());
             if attempts > s.retries || remaining.is_zero() {
@@ -391,6 +392,7 @@ impl Client {
                     attempts,
                     elapsed: started.elapsed(),
                     last,
+                    cause,
                 });
             }
             attempts += 1;
@@ -409,6 +411,7 @@ impl Client {
                 }
                 Ok(Err(st)) if retryable(&st) => {
                     last = format!("{addr}: {:?}: {}", st.code(), st.message());
+                    cause = metadata_str(&st, meta::REASON).map(str::to_string);
                     retry_after = metadata_str(&st, meta::RETRY_AFTER_MS)
                         .and_then(|v| v.parse().ok())
                         .map(Duration::from_millis);
@@ -430,6 +433,7 @@ impl Client {
                 Ok(Err(st)) => return Err(Error::from_status(&st)),
                 Err(_) => {
                     last = format!("{addr}: no answer within {per_attempt:?}");
+                    cause = None;
                     lock(&self.inner.leaders).remove(&shard);
                     rotate += 1;
                 }
@@ -561,26 +565,41 @@ impl Client {
             return Ok(n);
         }
         let started = Instant::now();
+        let s = &self.inner.settings;
         let mut last = String::new();
-        for addr in &self.inner.endpoints {
-            match self.status_of(addr).await {
-                Ok(s) if !s.shards.is_empty() => {
-                    let n = s.shards.len() as u32;
-                    self.inner.shards.store(n, Ordering::Relaxed);
-                    return Ok(n);
+        let (mut rounds, mut attempts) = (0u32, 0u32);
+        loop {
+            for addr in &self.inner.endpoints {
+                attempts += 1;
+                match self.status_of(addr).await {
+                    Ok(st) if !st.shards.is_empty() => {
+                        let n = st.shards.len() as u32;
+                        self.inner.shards.store(n, Ordering::Relaxed);
+                        return Ok(n);
+                    }
+                    Ok(_) => last = format!("{addr}: hosts no shards"),
+                    // The cluster answered and refused the caller: that is the answer,
+                    // not an unreachable endpoint.
+                    Err(e @ (Error::Unauthenticated(_) | Error::PermissionDenied(_))) => {
+                        return Err(e)
+                    }
+                    Err(e) => last = format!("{addr}: {e}"),
                 }
-                Ok(_) => last = format!("{addr}: hosts no shards"),
-                // The cluster answered and refused the caller: that is the answer, not
-                // an unreachable endpoint.
-                Err(e @ (Error::Unauthenticated(_) | Error::PermissionDenied(_))) => return Err(e),
-                Err(e) => last = format!("{addr}: {e}"),
             }
+            // Every endpoint failed: another round after a backoff, within the same
+            // retry budget and deadline as any call.
+            rounds += 1;
+            if rounds > s.retries || started.elapsed() >= s.timeout {
+                return Err(Error::Unavailable {
+                    attempts,
+                    elapsed: started.elapsed(),
+                    last,
+                    cause: None,
+                });
+            }
+            let pause = self.backoff(rounds - 1, None);
+            tokio::time::sleep(pause.min(s.timeout.saturating_sub(started.elapsed()))).await;
         }
-        Err(Error::Unavailable {
-            attempts: self.inner.endpoints.len() as u32,
-            elapsed: started.elapsed(),
-            last,
-        })
     }
 
     /// The home shard of an org (the directory: [`allot_proto::shard_of_org`]).

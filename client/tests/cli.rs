@@ -1178,3 +1178,65 @@ fn membership(dir: &Path, eps: &str) {
         .iter()
         .all(|s| s["voters"] == serde_json::json!([1, 2, 3])));
 }
+
+/// allotctl's retries span its whole `--timeout` (issue 23): a write sent while no node
+/// of the cluster runs (so no leader can answer) is retried, backing off, until the
+/// nodes are back and elect leaders, and succeeds. An explicit `--retries` still caps
+/// the attempts. Before, a fixed 6 retries gave up after ~1–3 s, in the middle of an
+/// election, with 7 s of the 10 s timeout left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_waits_out_a_cluster_without_a_leader_until_its_timeout() {
+    let dir = tempfile::Builder::new()
+        .prefix("allotctl-retries-")
+        .tempdir()
+        .unwrap();
+    let mut c = LocalCluster::new(node_binary().unwrap(), dir.path().into(), 3, 2).unwrap();
+    c.start_all().unwrap();
+    let eps = c.endpoints().join(",");
+    init_cluster(&c, &eps);
+    c.wait_leaders(Duration::from_secs(30)).await.unwrap();
+
+    for id in 1..=3 {
+        c.kill(id);
+    }
+    // A fixed budget still gives up early (the flag keeps working).
+    let capped = ctl(&eps, &["--retries", "3", "org", "create", "--org", "41"]);
+    assert_eq!(capped.code, 1, "{}", capped.stderr);
+    assert!(
+        capped.stderr.contains("gave up after") && capped.stderr.contains("unreachable"),
+        "{}",
+        capped.stderr
+    );
+    assert!(
+        capped.elapsed < Duration::from_secs(8),
+        "{:?}",
+        capped.elapsed
+    );
+
+    let write = spawn_ctl(
+        &eps,
+        &[
+            "--timeout",
+            "30s",
+            "-o",
+            "json",
+            "org",
+            "create",
+            "--org",
+            "42",
+        ],
+    );
+    std::thread::sleep(Duration::from_secs(4));
+    c.start_all().unwrap();
+    let out = wait_bounded(write, Duration::from_secs(60));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "the write must wait for the cluster within its timeout: {stderr}"
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("one JSON document");
+    assert_eq!(u(&v["org"]), 42, "{v}");
+    // And it was applied once: the org exists.
+    let again = fails(&eps, &["org", "create", "--org", "42"], 1);
+    assert!(again.contains("AlreadyExists"), "{again}");
+}

@@ -376,7 +376,9 @@ impl Services {
             keep,
         )
         .map_err(|e| match e {
-            store::AuditReadError::Gap { .. } => Status::unavailable(e.to_string()),
+            store::AuditReadError::Gap { .. } => {
+                edge::with_reason(Status::unavailable(e.to_string()), "AUDIT_GAP")
+            }
             e => Status::internal(format!("audit store: {e}")),
         })?;
         let events = rows
@@ -746,7 +748,9 @@ impl Admin for Services {
         .await
         .map_err(|e| Status::internal(format!("backup task: {e}")))?
         .map_err(|e| match e {
-            crate::backup::BackupError::AuditGap(_) => Status::unavailable(e.to_string()),
+            crate::backup::BackupError::AuditGap(_) => {
+                edge::with_reason(Status::unavailable(e.to_string()), "AUDIT_GAP")
+            }
             e => Status::internal(e.to_string()),
         })?;
         let chunks: Vec<Result<BackupChunk, Status>> = bytes

@@ -52,9 +52,11 @@ pub struct Global {
     /// Deadline of each call to the cluster, retries included.
     #[arg(long, global = true, env = "ALLOTCTL_TIMEOUT", default_value = "10s", value_parser = values::duration)]
     pub timeout: Duration,
-    /// Most retries per call (unreachable endpoints, no leader, overload).
-    #[arg(long, global = true, env = "ALLOTCTL_RETRIES", default_value_t = 6)]
-    pub retries: u32,
+    /// Most retries per call (unreachable endpoints, no leader, overload). Default:
+    /// retry, backing off (50 ms doubling to 1 s, jittered), until --timeout — an
+    /// election in progress is waited out, not counted against a fixed budget.
+    #[arg(long, global = true, env = "ALLOTCTL_RETRIES")]
+    pub retries: Option<u32>,
     /// DEV MODE ONLY (nodes started with --insecure-dev-mode, cluster not bootstrapped):
     /// the identity claimed without a token: admin, org:<id> or agent:<node id>. With
     /// --token the token's identity is used and this is ignored.

@@ -42,7 +42,7 @@ impl Ctx {
             .attempt_timeout(g.timeout.min(Duration::from_secs(5)))
             .connect_timeout(g.timeout.min(Duration::from_millis(1_000)))
             .backoff(Duration::from_millis(50), Duration::from_millis(1_000))
-            .retries(g.retries);
+            .retries(g.retries.unwrap_or(u32::MAX));
         if let Some(id) = g.request_id {
             b = b.request_ids_from(id);
         }

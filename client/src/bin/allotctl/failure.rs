@@ -69,6 +69,26 @@ fn client_error(e: &Error) -> String {
         Error::PermissionDenied(_) => {
             "the token's scope does not allow this call [PermissionDenied]".into()
         }
+        Error::Unavailable {
+            cause: Some(reason),
+            attempts,
+            elapsed,
+            last,
+        } => match reason.as_str() {
+            "AUDIT_GAP" => format!(
+                "the replicas asked lack part of the audit trail (they caught up by snapshot \
+                 and are still copying it from peers) [AuditGap]: {last} (after {attempts} \
+                 attempts in {elapsed:?}); retry later or ask another endpoint"
+            ),
+            "RATE_LIMITED" => format!(
+                "the cluster kept rate-limiting this caller [RateLimited]: {last} (after \
+                 {attempts} attempts in {elapsed:?})"
+            ),
+            other => format!(
+                "the cluster answered but could not serve this [{other}]: {last} (after \
+                 {attempts} attempts in {elapsed:?})"
+            ),
+        },
         Error::Unavailable { .. } => format!(
             "cluster unreachable or without a leader ({e}); check --endpoints and that the nodes run"
         ),
@@ -105,5 +125,27 @@ mod tests {
             }),
             "InsufficientCredits"
         );
+    }
+
+    /// A retryable refusal a node gave for a reason of its own is reported as that
+    /// reason, not as an unreachable cluster.
+    #[test]
+    fn an_audit_gap_is_named_not_reported_as_unreachable() {
+        let gap = |cause: Option<&str>| {
+            render(&anyhow::Error::new(Error::Unavailable {
+                attempts: 9,
+                elapsed: std::time::Duration::from_secs(10),
+                last: "127.0.0.1:7101: Unavailable: this replica lacks audit events 13..171".into(),
+                cause: cause.map(str::to_string),
+            }))
+        };
+        let named = gap(Some("AUDIT_GAP"));
+        assert!(
+            named.contains("[AuditGap]") && named.contains("lacks audit events"),
+            "{named}"
+        );
+        assert!(!named.contains("unreachable"), "{named}");
+        assert!(gap(Some("SOMETHING_NEW")).contains("[SOMETHING_NEW]"));
+        assert!(gap(None).contains("unreachable or without a leader"));
     }
 }
