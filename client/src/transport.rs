@@ -247,7 +247,16 @@ fn retryable(s: &tonic::Status) -> bool {
             | tonic::Code::Cancelled
             | tonic::Code::Aborted
             | tonic::Code::Unknown
-    )
+    ) || transport_failure(s)
+}
+
+/// A stream the HTTP/2 connection broke — e.g. reset while the node shut down
+/// gracefully (SIGTERM during a rolling restart) — which tonic reports as `INTERNAL`
+/// "h2 protocol error: …": a failure of the transport, not the node's answer, so the
+/// call is retried (with the same request id, so a command applied before the reset
+/// is answered, not applied twice). The node's own `INTERNAL` answers are final.
+fn transport_failure(s: &tonic::Status) -> bool {
+    s.code() == tonic::Code::Internal && s.message().starts_with("h2 protocol error")
 }
 
 fn metadata_str<'a>(s: &'a tonic::Status, key: &str) -> Option<&'a str> {
@@ -605,5 +614,24 @@ impl Client {
     /// The home shard of an org (the directory: [`allot_proto::shard_of_org`]).
     pub async fn shard_of_org(&self, org: allot_statemachine::OrgId) -> Result<u32> {
         Ok(allot_proto::shard_of_org(org.0, self.shards().await?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::retryable;
+    use tonic::{Code, Status};
+
+    #[test]
+    fn a_broken_stream_is_retried_and_a_nodes_internal_error_is_not() {
+        assert!(retryable(&Status::new(
+            Code::Internal,
+            "h2 protocol error: http2 error"
+        )));
+        assert!(retryable(&Status::unavailable("not leader")));
+        assert!(!retryable(&Status::internal("audit store: corrupt row")));
+        assert!(!retryable(&Status::invalid_argument(
+            "request 0: amount zero"
+        )));
     }
 }

@@ -103,7 +103,9 @@ fn versions(eps: &str) {
         .all(|r| u(&r["rules_active"]) == 1
             && u(&r["rules_max"]) == max
             && r["snapshot_index"].is_u64()
-            && r["purged_index"].is_u64()));
+            && r["purged_index"].is_u64()
+            && u(&r["audit_head_seq"]) > 0
+            && u(&r["audit_verified_seq"]) <= u(&r["audit_head_seq"])));
     // A version this build does not implement: refused by every node, nothing changed.
     let e = fails(
         eps,

@@ -122,6 +122,12 @@ fn load_checkpoint(db: &DB, shard: ShardId) -> Checkpoint {
         .unwrap_or_default()
 }
 
+/// How far this replica's event rows of `shard` were last verified contiguous from
+/// sequence 0 (its checkpoint): what `Admin.Status` reports as audit coverage.
+pub fn verified_to(db: &DB, shard: ShardId) -> u64 {
+    load_checkpoint(db, shard).next_seq
+}
+
 /// A missing run of events: `start` is the chain state the replica holds before it,
 /// `end` the trusted state right after it. (The batches to copy are those its events
 /// name.)

@@ -524,9 +524,13 @@ fn shard_status(node: &Node, shard: &Shard) -> ShardStatus {
     let membership = m.membership_config.membership();
     let voters: Vec<u64> = membership.voter_ids().collect();
     let learners: Vec<u64> = membership.learner_ids().collect();
-    let (time, rules_active) = {
+    let (time, rules_active, audit_head_seq) = {
         let g = shard.view.read();
-        (g.state.time_ms, g.state.rules.active)
+        (
+            g.state.time_ms,
+            g.state.rules.active,
+            g.state.audit.next_seq,
+        )
     };
     ShardStatus {
         shard: shard.id,
@@ -544,6 +548,8 @@ fn shard_status(node: &Node, shard: &Shard) -> ShardStatus {
         snapshot_index: m.snapshot.map(|l| l.index).unwrap_or(0),
         purged_index: m.purged.map(|l| l.index).unwrap_or(0),
         rules_active,
+        audit_head_seq,
+        audit_verified_seq: crate::audit_fill::verified_to(&node.db, shard.id),
     }
 }
 

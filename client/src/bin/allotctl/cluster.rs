@@ -259,6 +259,12 @@ struct EndpointRow {
     purged_index: Option<u64>,
     /// The shard's active rule version (docs/DESIGN.md §48).
     rules_active: Option<u32>,
+    /// Audit coverage: the shard's chain head, and how far this replica's own trail was
+    /// verified contiguous from sequence 0 by its last scan (at start, after a snapshot
+    /// install, every 10 min). Rows past it are written by apply, in order; a replica
+    /// that installed a snapshot since copies the missing ones from a peer at once.
+    audit_head_seq: Option<u64>,
+    audit_verified_seq: Option<u64>,
     /// The newest rule version and the persisted format this node's binary supports.
     rules_max: Option<u32>,
     format_version: Option<u32>,
@@ -278,8 +284,18 @@ async fn endpoint_status(ctx: &Ctx) -> anyhow::Result<()> {
         }
     }
     let mut t = Table::new(&[
-        "ENDPOINT", "NODE", "SHARD", "STATE", "LEADER", "TERM", "APPLIED", "SNAPSHOT", "PURGED",
-        "RULES", "ERROR",
+        "ENDPOINT",
+        "NODE",
+        "SHARD",
+        "STATE",
+        "LEADER",
+        "TERM",
+        "APPLIED",
+        "SNAPSHOT",
+        "PURGED",
+        "RULES",
+        "AUDIT VERIFIED/HEAD",
+        "ERROR",
     ]);
     for r in &rows {
         t.row(vec![
@@ -295,6 +311,10 @@ async fn endpoint_status(ctx: &Ctx) -> anyhow::Result<()> {
             match (r.rules_active, r.rules_max) {
                 (Some(a), Some(m)) => format!("{a} (node up to {m})"),
                 (Some(a), None) => a.to_string(),
+                _ => "-".into(),
+            },
+            match (r.audit_verified_seq, r.audit_head_seq) {
+                (Some(v), Some(h)) => format!("{v}/{h}"),
                 _ => "-".into(),
             },
             r.error.clone().unwrap_or_default(),
@@ -328,6 +348,8 @@ fn status_rows(addr: &str, s: &StatusReply) -> Vec<EndpointRow> {
             purged_index: Some(sh.purged_index),
             // A node of a release before rule versions reports 0: version 1.
             rules_active: Some(sh.rules_active.max(1)),
+            audit_head_seq: Some(sh.audit_head_seq),
+            audit_verified_seq: Some(sh.audit_verified_seq),
             rules_max: s.versions.as_ref().map(|v| v.rules_max),
             format_version: s.versions.as_ref().map(|v| v.format_version),
             release: s.versions.as_ref().map(|v| v.release.clone()),
@@ -353,6 +375,8 @@ fn error_row(addr: &str, error: String) -> EndpointRow {
         snapshot_index: None,
         purged_index: None,
         rules_active: None,
+        audit_head_seq: None,
+        audit_verified_seq: None,
         rules_max: None,
         format_version: None,
         release: None,
