@@ -49,17 +49,21 @@ fn start_extra_node(dir: &Path, id: u64, addr: &str, shards: u32) -> ExtraNode {
     ExtraNode(child)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn allotctl_drives_a_real_cluster() {
-    let dir = tempfile::Builder::new()
-        .prefix("allotctl-")
-        .tempdir()
-        .unwrap();
+/// A fresh 3-node, 2-shard cluster initialised through allotctl, with its leaders:
+/// (its dir, the cluster, its endpoints as allotctl takes them).
+async fn up(prefix: &str) -> (tempfile::TempDir, LocalCluster, String) {
+    let dir = tempfile::Builder::new().prefix(prefix).tempdir().unwrap();
     let mut c = LocalCluster::new(node_binary().unwrap(), dir.path().into(), 3, 2).unwrap();
     c.start_all().unwrap();
     let eps = c.endpoints().join(",");
     init_cluster(&c, &eps);
     c.wait_leaders(Duration::from_secs(30)).await.unwrap();
+    (dir, c, eps)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allotctl_drives_a_real_cluster() {
+    let (dir, c, eps) = up("allotctl-").await;
 
     cluster_views(&eps);
     tenancy_and_grants(&eps);
@@ -1188,15 +1192,7 @@ fn membership(dir: &Path, eps: &str) {
 /// election, with 7 s of the 10 s timeout left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_waits_out_a_cluster_without_a_leader_until_its_timeout() {
-    let dir = tempfile::Builder::new()
-        .prefix("allotctl-retries-")
-        .tempdir()
-        .unwrap();
-    let mut c = LocalCluster::new(node_binary().unwrap(), dir.path().into(), 3, 2).unwrap();
-    c.start_all().unwrap();
-    let eps = c.endpoints().join(",");
-    init_cluster(&c, &eps);
-    c.wait_leaders(Duration::from_secs(30)).await.unwrap();
+    let (_dir, mut c, eps) = up("allotctl-retries-").await;
 
     for id in 1..=3 {
         c.kill(id);

@@ -1049,17 +1049,10 @@ async fn a_rolling_upgrade_under_load_switches_rules_only_when_every_node_suppor
     // and the new one starts on the same data dir.
     assert!(c.terminate(3, Duration::from_secs(30)).is_some());
     c.nodes[2].extra_args = OLD_RELEASE.map(String::from).to_vec();
-    c.start(3).expect("start old");
-    let status = wait_exit(&mut c, 3, Duration::from_secs(60));
-    assert!(
-        status.is_some_and(|s| !s.success()),
-        "the old release must refuse a data dir with version 2 active: {status:?}"
-    );
-    let log = std::fs::read_to_string(c.log_path(3)).expect("node log");
+    let log = refused_start(&mut c, 3);
     assert!(
         log.contains("cannot be undone"),
-        "the refusal says why: {}",
-        c.log_tail(3, 40)
+        "the refusal says why: {log}"
     );
     c.nodes[2].extra_args = Vec::new();
     c.start(3).expect("restart new");
@@ -1087,16 +1080,26 @@ async fn a_rolling_upgrade_under_load_switches_rules_only_when_every_node_suppor
     );
 }
 
-/// Waits for node `id` to exit by itself (a refused start); `None` if it still runs.
-fn wait_exit(c: &mut LocalCluster, id: u64, timeout: Duration) -> Option<std::process::ExitStatus> {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
+/// Starts node `id`, which must refuse to run: it exits by itself, unsuccessfully,
+/// within 60 s (its port may be bound before it refuses, so listening proves nothing).
+/// Returns its log.
+fn refused_start(c: &mut LocalCluster, id: u64) -> String {
+    c.start(id).expect("spawn");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
         if let Some(s) = c.exited(id) {
-            return Some(s);
+            break Some(s);
+        }
+        if Instant::now() > deadline {
+            break None;
         }
         std::thread::sleep(Duration::from_millis(20));
-    }
-    None
+    };
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "node {id} must refuse to start: {status:?}"
+    );
+    std::fs::read_to_string(c.log_path(id)).expect("node log")
 }
 
 /// Every file of a data dir's store and its format marker, with its contents.
@@ -1145,13 +1148,7 @@ async fn a_data_dir_of_a_newer_format_is_refused_untouched() {
     let newer = allot_statemachine::codec::FORMAT_VERSION + 1;
     std::fs::write(data.join("FORMAT"), format!("allot-format {newer}\n")).expect("marker");
     let before = store_files(&data);
-    c.start(1).expect("spawn");
-    let status = wait_exit(&mut c, 1, Duration::from_secs(60));
-    assert!(
-        status.is_some_and(|s| !s.success()),
-        "a newer format must be refused: {status:?}"
-    );
-    let msg = std::fs::read_to_string(c.log_path(1)).expect("node log");
+    let msg = refused_start(&mut c, 1);
     assert!(
         msg.contains(&format!("holds format {newer}")) && msg.contains("newer release"),
         "{msg}"

@@ -386,13 +386,18 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                         });
                     }
                     EntryPayload::Normal(b) => {
-                        // Bytes of a format newer than this binary reads, or an
-                        // activation of a rule version it does not support: this replica
-                        // cannot apply the entry as the others do, so it stops here (the
-                        // entry stays in its log for a newer binary) rather than diverge.
-                        let unsupported = match b.decode() {
+                        // Decoded once. Bytes of a format newer than this binary reads,
+                        // or an activation of a rule version it does not support: this
+                        // replica cannot apply the entry as the others do, so it stops
+                        // here (the entry stays in its log for a newer binary) rather
+                        // than diverge. Only a faulty leader proposes bytes that do not
+                        // decode otherwise; every replica decodes the same bytes, so each
+                        // applies such an entry as a tick alike (time advances; nothing
+                        // else).
+                        let decoded = b.decode();
+                        let unsupported = match &decoded {
                             Err(e @ codec::CodecError::NewerFormat(_)) => Some(e.to_string()),
-                            Ok(reqs) => crate::versions::activation_in(&reqs)
+                            Ok(reqs) => crate::versions::activation_in(reqs)
                                 .filter(|v| *v > self.rules_max)
                                 .map(|v| {
                                     format!(
@@ -416,10 +421,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                                 openraft::AnyError::error(why),
                             )));
                         }
-                        // Only a faulty leader proposes bytes that do not decode; every
-                        // replica decodes the same bytes, so each applies the entry as a
-                        // tick alike (time advances; nothing else).
-                        let requests = b.decode().unwrap_or_else(|e| {
+                        let requests = decoded.unwrap_or_else(|e| {
                             tracing::error!(
                                 shard = self.shard,
                                 index = log_id.index,
