@@ -4,9 +4,11 @@
 use crate::error::{Error, Result};
 use crate::transport::Client;
 use allot_proto::{InitRequest, Member, ShardRequest};
-use allot_statemachine::backup::ShardBackup;
+use allot_statemachine::backup::{BackupHeader, BackupReader, BackupSummary, ShardBackup};
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+use tokio::io::AsyncWriteExt;
 use tokio_stream::StreamExt;
 
 impl Client {
@@ -83,13 +85,97 @@ impl Client {
     }
 
     /// A consistent copy of one shard (state at an applied index, Raft position, voters,
-    /// audit rows), verified here before it is returned. Asked of the shard's leader
-    /// first (its copy is the most recent: a follower's may lag), then of each endpoint
-    /// in turn: a replica that caught up from a snapshot lacks part of the audit trail and
-    /// declines, and an unreachable one, or one whose copy does not verify, is skipped.
-    /// The deadline is per replica and grows with the state (`attempt_timeout` × 10: the
-    /// copy is encoded whole).
+    /// audit rows), verified here before it is returned, whole in memory (small shards
+    /// and tests; [`Client::backup_to_file`] streams). Replicas are asked as
+    /// [`Client::backup_to_file`] asks them.
     pub async fn backup(&self, shard: u32) -> Result<ShardBackup> {
+        self.ask_replicas(shard, async |addr: String| {
+            let mut chunks = self.open_backup(&addr, shard).await?;
+            let mut bytes = Vec::new();
+            while let Some(c) = self.next_chunk(&mut chunks).await? {
+                bytes.extend_from_slice(&c);
+            }
+            let backup = ShardBackup::decode(&bytes)
+                .map_err(|e| BackupAttempt::Next(e.to_string(), None))?;
+            backup
+                .verify()
+                .map_err(|e| BackupAttempt::Next(format!("the copy does not verify: {e}"), None))?;
+            Ok(backup)
+        })
+        .await
+    }
+
+    /// Streams a consistent copy of one shard into the file `path`, never holding it
+    /// whole: the chunks are written to `<path>.partial` as they arrive, synced, read
+    /// back and checked as a stream (checksum, state hash, audit chain from genesis to the
+    /// state's head, commands against their events), then renamed to `path`. The
+    /// decoded-state checks (invariants, the state against its header) are `backup
+    /// verify`'s and the restore's.
+    ///
+    /// Asked of the shard's leader first (its copy is the most recent: a follower's may
+    /// lag), then of each endpoint in turn: a replica that lacks part of the audit trail
+    /// declines (`AUDIT_GAP`), and an unreachable one, or one whose copy does not verify,
+    /// is skipped. No deadline bounds the whole copy (it grows with the shard); a stream
+    /// idle for `attempt_timeout` × 10 is given up on.
+    pub async fn backup_to_file(&self, shard: u32, path: &Path) -> Result<SavedBackup> {
+        let mut partial = path.as_os_str().to_owned();
+        partial.push(".partial");
+        let partial = PathBuf::from(partial);
+        let local = |e: std::io::Error, what: &Path| {
+            BackupAttempt::Final(Error::Local(format!("{}: {e}", what.display())))
+        };
+        let saved = self
+            .ask_replicas(shard, async |addr: String| {
+                let mut chunks = self.open_backup(&addr, shard).await?;
+                let mut file = tokio::fs::File::create(&partial)
+                    .await
+                    .map_err(|e| local(e, &partial))?;
+                let mut bytes = 0u64;
+                while let Some(c) = self.next_chunk(&mut chunks).await? {
+                    file.write_all(&c).await.map_err(|e| local(e, &partial))?;
+                    bytes += c.len() as u64;
+                }
+                file.sync_all().await.map_err(|e| local(e, &partial))?;
+                drop(file);
+                let check = partial.clone();
+                let (header, summary) = tokio::task::spawn_blocking(move || read_stream(&check))
+                    .await
+                    .map_err(|e| BackupAttempt::Final(Error::Local(e.to_string())))?
+                    .map_err(|e| {
+                        BackupAttempt::Next(format!("the copy does not verify: {e}"), None)
+                    })?;
+                Ok(SavedBackup {
+                    header,
+                    summary,
+                    bytes,
+                })
+            })
+            .await;
+        let saved = match saved {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = tokio::fs::remove_file(&partial).await;
+                return Err(e);
+            }
+        };
+        tokio::fs::rename(&partial, path)
+            .await
+            .map_err(|e| Error::Local(format!("{}: {e}", path.display())))?;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            if let Ok(d) = tokio::fs::File::open(dir).await {
+                let _ = d.sync_all().await;
+            }
+        }
+        Ok(saved)
+    }
+
+    /// Tries `attempt` on the shard's leader, then on every other endpoint, until one
+    /// succeeds or fails finally.
+    async fn ask_replicas<T>(
+        &self,
+        shard: u32,
+        mut attempt: impl AsyncFnMut(String) -> Result<T, BackupAttempt>,
+    ) -> Result<T> {
         let mut order: Vec<String> = Vec::new();
         if let Some(leader) = self.leader_addr(shard).await {
             order.push(leader);
@@ -102,7 +188,7 @@ impl Client {
         let mut last = String::from("no endpoints");
         let mut cause = None;
         for addr in &order {
-            match self.backup_from(addr, shard).await {
+            match attempt(addr.clone()).await {
                 Ok(b) => return Ok(b),
                 Err(BackupAttempt::Final(e)) => return Err(e),
                 Err(BackupAttempt::Next(why, reason)) => {
@@ -134,44 +220,72 @@ impl Client {
         None
     }
 
-    async fn backup_from(&self, addr: &str, shard: u32) -> Result<ShardBackup, BackupAttempt> {
-        let req = self.request(ShardRequest { shard }, self.attempt_timeout() * 10);
-        let mut chunks = match self
-            .admin_at(addr)
-            .map_err(BackupAttempt::Final)?
-            .backup(req)
-            .await
-        {
-            Ok(s) => s.into_inner(),
-            Err(s) => {
+    async fn open_backup(
+        &self,
+        addr: &str,
+        shard: u32,
+    ) -> Result<tonic::Streaming<allot_proto::BackupChunk>, BackupAttempt> {
+        let req = self.authorized(ShardRequest { shard });
+        let mut admin = self.admin_at(addr).map_err(BackupAttempt::Final)?;
+        let call = admin.backup(req);
+        match tokio::time::timeout(self.backup_idle(), call).await {
+            Ok(Ok(s)) => Ok(s.into_inner()),
+            Ok(Err(s)) => {
                 let e = Error::from_status(&s);
-                return Err(match s.code() {
+                Err(match s.code() {
                     tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => {
                         BackupAttempt::Next(e.to_string(), reason_of(&s))
                     }
                     _ => BackupAttempt::Final(e),
-                });
+                })
             }
-        };
-        let mut bytes = Vec::new();
-        while let Some(chunk) = chunks.next().await {
-            match chunk {
-                Ok(c) => bytes.extend_from_slice(&c.data),
-                Err(s) => {
-                    return Err(BackupAttempt::Next(
-                        Error::from_status(&s).to_string(),
-                        reason_of(&s),
-                    ))
-                }
-            }
+            Err(_) => Err(BackupAttempt::Next("no answer".into(), None)),
         }
-        let backup =
-            ShardBackup::decode(&bytes).map_err(|e| BackupAttempt::Next(e.to_string(), None))?;
-        backup
-            .verify()
-            .map_err(|e| BackupAttempt::Next(format!("the copy does not verify: {e}"), None))?;
-        Ok(backup)
     }
+
+    /// The next chunk of a backup stream (`None`: complete).
+    async fn next_chunk(
+        &self,
+        chunks: &mut tonic::Streaming<allot_proto::BackupChunk>,
+    ) -> Result<Option<Vec<u8>>, BackupAttempt> {
+        match tokio::time::timeout(self.backup_idle(), chunks.next()).await {
+            Ok(None) => Ok(None),
+            Ok(Some(Ok(c))) => Ok(Some(c.data)),
+            Ok(Some(Err(s))) => Err(BackupAttempt::Next(
+                Error::from_status(&s).to_string(),
+                reason_of(&s),
+            )),
+            Err(_) => Err(BackupAttempt::Next(
+                format!("the stream stalled for {:?}", self.backup_idle()),
+                None,
+            )),
+        }
+    }
+
+    fn backup_idle(&self) -> Duration {
+        self.attempt_timeout() * 10
+    }
+}
+
+/// A backup written to a file by [`Client::backup_to_file`].
+#[derive(Clone, Debug)]
+pub struct SavedBackup {
+    pub header: BackupHeader,
+    pub summary: BackupSummary,
+    pub bytes: u64,
+}
+
+/// Reads a backup file as a stream, with the checks that need no decoded state.
+pub fn read_stream(
+    path: &Path,
+) -> std::result::Result<(BackupHeader, BackupSummary), allot_statemachine::backup::BackupError> {
+    use allot_statemachine::backup::BackupError;
+    let file = std::fs::File::open(path)
+        .map_err(|e| BackupError::Io(format!("{}: {e}", path.display())))?;
+    let mut reader = BackupReader::open(std::io::BufReader::with_capacity(1 << 20, file))?;
+    while reader.next_item()?.is_some() {}
+    let summary = reader.summary().cloned().ok_or(BackupError::Truncated)?;
+    Ok((reader.header().clone(), summary))
 }
 
 /// How one replica's backup attempt ended: try the next replica, or give up (refused:

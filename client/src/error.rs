@@ -44,6 +44,9 @@ pub enum Error {
     Unexpected(String),
     #[error("configuration: {0}")]
     Config(String),
+    /// A local file (a backup being written) could not be written or read.
+    #[error("local file: {0}")]
+    Local(String),
 }
 
 impl Error {

@@ -52,6 +52,7 @@ pub mod security;
 mod transport;
 mod units;
 
+pub use admin::{read_stream, SavedBackup};
 pub use api::{Assignment, AssignmentStream, AuditFilter, AuditPage};
 pub use error::{Error, Result};
 pub use transport::{Client, ClientBuilder};

@@ -104,11 +104,63 @@ async fn a_backup_restores_into_a_new_cluster_with_its_audit_trail() {
         "{}",
         String::from_utf8_lossy(&o.stderr)
     );
-    restore_cluster(&b, &files);
-    // A data dir holding shards is not overwritten.
-    let o = restore(&dir.path().join("b/node-1"), 1, &files, &members);
+    // A truncated file is refused by type, and leaves no data dir (nor its staging).
+    let truncated = dir.path().join("truncated.allot-backup");
+    let whole = std::fs::read(&files[1]).unwrap();
+    std::fs::write(&truncated, &whole[..whole.len() - 40]).unwrap();
+    let node1 = dir.path().join("b/node-1");
+    let o = restore(&node1, 1, &[files[0].clone(), truncated], &members);
     assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("already holds shard"));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("truncated"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(!node1.exists() && !dir.path().join("b/node-1.restoring").exists());
+    // One backup set, copied to each node: node 1 and 2 restore from their copy of the
+    // directory, node 3 from the same files rewritten in the layout of the releases
+    // before streaming (still read).
+    let legacy: Vec<PathBuf> = files
+        .iter()
+        .map(|f| {
+            let old = dir.path().join(format!(
+                "legacy-{}",
+                f.file_name().unwrap().to_str().unwrap()
+            ));
+            let b = ShardBackup::decode(&std::fs::read(f).unwrap()).unwrap();
+            std::fs::write(&old, b.encode()).unwrap();
+            old
+        })
+        .collect();
+    for n in &b.nodes {
+        let set = if n.id == 3 {
+            legacy.clone()
+        } else {
+            let copy = dir.path().join(format!("copied-to-{}", n.id));
+            std::fs::create_dir_all(&copy).unwrap();
+            for f in &files {
+                std::fs::copy(f, copy.join(f.file_name().unwrap())).unwrap();
+            }
+            vec![copy]
+        };
+        let o = restore(&b.dir.join(format!("node-{}", n.id)), n.id, &set, &members);
+        assert!(
+            o.status.success(),
+            "restore of node {}: {}",
+            n.id,
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    // A data dir holding anything is not written to: refused, every file unchanged.
+    let before_refusal = dir_digest(&node1);
+    let o = restore(&node1, 1, &files, &members);
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("is not empty"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(dir_digest(&node1), before_refusal);
     b.start_all().unwrap();
     b.wait_leaders(Duration::from_secs(60)).await.unwrap();
     let client = b.admin_client().unwrap();
@@ -155,4 +207,23 @@ async fn a_backup_restores_into_a_new_cluster_with_its_audit_trail() {
     }
     let eps = b.endpoints().join(",");
     json(&eps, &["shard", "hash", "--check"]);
+}
+
+/// Every file under `dir` with its content, in path order.
+fn dir_digest(dir: &std::path::Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                let bytes = std::fs::read(&p).unwrap();
+                out.push((p, bytes));
+            }
+        }
+    }
+    out.sort();
+    out
 }

@@ -139,7 +139,7 @@ pub struct Gap {
 
 /// Scans the local event rows from the checkpoint up to `head` (the state's chain
 /// head). Returns the first gap, if any; the checkpoint reached is persisted.
-fn scan(db: &DB, shard: ShardId, head: &AuditChain) -> Result<Option<Gap>, String> {
+pub(crate) fn scan(db: &DB, shard: ShardId, head: &AuditChain) -> Result<Option<Gap>, String> {
     let mut at = load_checkpoint(db, shard);
     let before = at.clone();
     let audit = store::cf(db, CF_AUDIT);

@@ -1,19 +1,25 @@
 //! Backup and restore of shards (DESIGN §41). A backup is a consistent copy of one shard
-//! taken on any replica that applied its whole history: the state at its applied index
+//! taken on any replica that holds its whole audit trail: the state at its applied index
 //! (cloned under the read lock, as a snapshot is), the Raft position and voters at that
-//! index, and the shard's audit rows up to it — `allot_statemachine::backup::ShardBackup`.
-//! A restore seeds an empty data dir with such copies, so a node started on it loads the
-//! state as its snapshot, continues the log after the backed-up index, and serves the
-//! whole audit trail.
+//! index, and the shard's audit rows up to it, written as a stream
+//! (`allot_statemachine::backup::stream`): nothing here holds the audit trail or the
+//! state's encoding whole. A restore builds a new data dir from one backup file per shard
+//! — the same set on every node — so a node started on it loads the state as its
+//! snapshot, continues the log after the backed-up index, and serves the whole trail.
 
 use crate::node::{Node, Shard};
 use crate::store::{self, audit_key, AUDIT_BATCHES, AUDIT_EVENTS, CF_AUDIT};
 use crate::types::{LogId, SnapshotMeta, StoredMembership, Vote};
-use allot_statemachine::backup::{AuditRow, AuditRowKind, LogPosition, ShardBackup};
-use anyhow::{bail, Context};
+use allot_statemachine::backup::stream::{merge_rows, ReadError};
+use allot_statemachine::backup::{
+    self as format, AuditRow, AuditRowKind, BackupHeader, BackupSummary, BackupWriter, LogPosition,
+    TokenView,
+};
+use allot_statemachine::State;
 use openraft::{BasicNode, CommittedLeaderId, Membership};
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BackupError {
@@ -21,191 +27,363 @@ pub enum BackupError {
     AuditGap(String),
     #[error("storage: {0}")]
     Storage(String),
+    /// The receiver went away (the client hung up) or the output failed.
+    #[error("writing the backup: {0}")]
+    Output(std::io::Error),
 }
 
-/// Copies one shard. The state is cloned under the apply lock (O(1) for the large
-/// history tables); the audit rows are read afterwards and cut at the copied state's
-/// chain head and applied index, so rows of entries applied meanwhile are left out.
-pub fn take(node: &Node, shard: &Shard) -> Result<ShardBackup, BackupError> {
+impl From<format::BackupError> for BackupError {
+    fn from(e: format::BackupError) -> BackupError {
+        BackupError::Storage(e.to_string())
+    }
+}
+
+/// A shard's copy, fixed and checked for coverage, not yet written.
+pub struct Prepared {
+    state: State,
+    header: BackupHeader,
+    applied: u64,
+}
+
+/// Fixes the copy of `shard`: its state cloned under the apply lock (O(1) for the large
+/// history tables), and refuses (`AuditGap`) a replica whose event rows do not reach the
+/// state's chain head from sequence 0 — before a byte is sent, so the client asks the
+/// next replica. The scan starts at the replica's verified checkpoint.
+pub fn prepare(node: &Node, shard: &Shard) -> Result<Prepared, BackupError> {
     let (state, last_applied, membership) = {
         let g = shard.view.read();
         (g.state.clone(), g.last_applied, g.membership.clone())
     };
-    let members: Vec<(u64, String)> = {
-        let m = membership.membership();
-        m.voter_ids()
-            .map(|id| {
-                let addr = m.get_node(&id).map(|n| n.addr.clone()).unwrap_or_default();
-                (id, addr)
-            })
-            .collect()
-    };
-    let applied = last_applied.map_or(0, |l| l.index);
-    let audit = audit_rows(node, shard.id, state.audit.next_seq, applied)?;
-    Ok(ShardBackup {
-        shard: shard.id,
-        shards: node.shards.len() as u32,
-        position: last_applied.map(|l| LogPosition {
-            term: l.leader_id.term,
-            index: l.index,
-        }),
+    if let Some(gap) =
+        crate::audit_fill::scan(&node.db, shard.id, &state.audit).map_err(BackupError::Storage)?
+    {
+        return Err(BackupError::AuditGap(format!(
+            "{}..{}",
+            gap.start.next_seq, gap.end.next_seq
+        )));
+    }
+    let m = membership.membership();
+    let members: Vec<(u64, String)> = m
+        .voter_ids()
+        .map(|id| {
+            let addr = m.get_node(&id).map(|n| n.addr.clone()).unwrap_or_default();
+            (id, addr)
+        })
+        .collect();
+    let position = last_applied.map(|l| LogPosition {
+        term: l.leader_id.term,
+        index: l.index,
+    });
+    let header = BackupHeader::of(
+        &state,
+        shard.id,
+        node.shards.len() as u32,
+        position,
         members,
-        state_hash: state.state_hash(),
-        logical_time_ms: state.time_ms,
-        state: state.encode(),
-        audit,
+    );
+    Ok(Prepared {
+        state,
+        header,
+        applied: last_applied.map_or(0, |l| l.index),
     })
 }
 
-/// The shard's audit rows: event rows whose events precede `next_seq`, batch rows of
-/// entries up to `applied`, each kind in key order. The event rows must start at 0 and
-/// be contiguous (a replica that installed a snapshot has none for what it covers).
-fn audit_rows(
-    node: &Node,
-    shard: u32,
-    next_seq: u64,
-    applied: u64,
-) -> Result<Vec<AuditRow>, BackupError> {
-    let db = &node.db;
-    let audit = store::cf(db, CF_AUDIT);
-    let mut rows = Vec::new();
-    for (space, kind, end) in [
-        (AUDIT_EVENTS, AuditRowKind::Events, next_seq),
-        (
+impl Prepared {
+    /// Streams the copy into `out`: the state encoded as it goes, then the audit rows
+    /// read from the store in log order (event rows before the state's chain head, batch
+    /// rows up to the applied index: rows of entries applied since are left out).
+    pub fn write<W: Write>(self, node: &Node, out: W) -> Result<W, BackupError> {
+        let Prepared {
+            state,
+            header,
+            applied,
+        } = self;
+        let mut w = BackupWriter::start(out, &header).map_err(BackupError::Output)?;
+        w.state(&state).map_err(BackupError::Output)?;
+        let next_seq = state.audit.next_seq;
+        drop(state);
+        let db = &node.db;
+        let audit = store::cf(db, CF_AUDIT);
+        let shard = header.shard;
+        let rows = |space: u8, kind: AuditRowKind, end: u64| {
+            let from = audit_key(shard, space, 0);
+            let to = audit_key(shard, space, end);
+            db.iterator_cf(
+                audit,
+                rocksdb::IteratorMode::From(&from, rocksdb::Direction::Forward),
+            )
+            .map(|item| item.map_err(|e| BackupError::Storage(e.to_string())))
+            .take_while(move |item| {
+                item.as_ref()
+                    .map_or(true, |(k, _)| k.as_ref() < to.as_slice())
+            })
+            .map(move |item| {
+                item.map(|(k, v)| AuditRow {
+                    kind,
+                    key: store::index_of_key(&k),
+                    value: v.to_vec(),
+                })
+            })
+        };
+        let events = rows(AUDIT_EVENTS, AuditRowKind::Events, next_seq);
+        let batches = rows(
             AUDIT_BATCHES,
             AuditRowKind::Batch,
             applied.saturating_add(1),
-        ),
-    ] {
-        let from = audit_key(shard, space, 0);
-        let to = audit_key(shard, space, end);
-        let mut expected_seq = 0u64;
-        for item in db.iterator_cf(
-            audit,
-            rocksdb::IteratorMode::From(&from, rocksdb::Direction::Forward),
-        ) {
-            let (k, v) = item.map_err(|e| BackupError::Storage(e.to_string()))?;
-            if k.as_ref() >= to.as_slice() {
-                break;
-            }
-            let key = store::index_of_key(&k);
-            if kind == AuditRowKind::Events {
-                if key != expected_seq {
-                    return Err(BackupError::AuditGap(format!("{expected_seq}..{key}")));
-                }
-                let events: Vec<allot_statemachine::AuditEvent> =
-                    allot_statemachine::codec::decode(&v)
-                        .map_err(|e| BackupError::Storage(format!("audit row {key}: {e}")))?;
-                expected_seq = key + events.len() as u64;
-            }
-            rows.push(AuditRow {
-                kind,
-                key,
-                value: v.to_vec(),
-            });
+        );
+        for row in merge_rows(events, batches) {
+            w.audit_row(row?).map_err(BackupError::Output)?;
         }
-        if kind == AuditRowKind::Events && expected_seq != next_seq {
-            return Err(BackupError::AuditGap(format!("{expected_seq}..{next_seq}")));
-        }
+        w.finish().map_err(BackupError::Output)
     }
-    Ok(rows)
 }
 
-/// Seeds the data dir of node `node_id` with `backups` (one per shard, every shard of a
-/// `shards`-shard cluster). Each backup is verified first (state hash, invariants, the
-/// audit chain up to the state's head). `members` replaces the backed-up voters (a
-/// cluster restored on other hosts); every node of the new cluster is seeded from the
-/// same files with the same members. Refuses a data dir that already holds any shard.
+/// Why a restore refused. Nothing outside the new data dir's staging dir was written,
+/// and that dir is removed.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    #[error(
+        "{0} is not empty: a restore creates a new data dir and never writes into one that \
+         holds anything (move it away or name another)"
+    )]
+    NotEmpty(PathBuf),
+    #[error("{file}: {source}")]
+    Backup {
+        file: PathBuf,
+        source: format::BackupError,
+    },
+    #[error("{0}")]
+    Set(String),
+    #[error("{0}")]
+    Storage(String),
+}
+
+/// What one shard's restore installed.
+pub struct Restored {
+    pub file: PathBuf,
+    pub summary: BackupSummary,
+    pub rows: u64,
+    pub shards: u32,
+}
+
+/// Audit rows go to the store in batches of about this many bytes (unsynced; the
+/// shard's last batch is synced, and syncs the WAL before it).
+const RESTORE_BATCH_BYTES: usize = 4 << 20;
+
+/// Builds the data dir `data_dir` of node `node_id` from `files`: one backup per shard
+/// of the cluster, the same set on every node. Each file is read once, as a stream, and
+/// checked whole (checksum, state hash, audit chain and commands, invariants, the state
+/// against its header) before its shard is installed; the set must cover every shard of
+/// one cluster, once, with agreeing operator tokens. `members` replaces the backed-up
+/// voters (a cluster restored on other hosts).
+///
+/// `data_dir` must not exist or be empty: the restore is built in `<data_dir>.restoring`
+/// (removed first if an interrupted restore left it) and renamed into place only when
+/// every shard is in and synced, so a refusal or a crash leaves `data_dir` as it was.
 pub fn restore(
     data_dir: &Path,
     node_id: u64,
-    shards: u32,
-    backups: &[ShardBackup],
+    files: &[PathBuf],
     members: Option<&[(u64, String)]>,
-) -> anyhow::Result<()> {
-    let mut by_shard = BTreeMap::new();
-    let mut states = Vec::new();
-    for b in backups {
-        let (state, _) = b
-            .verify()
-            .with_context(|| format!("backup of shard {}", b.shard))?;
-        if b.shards != shards {
-            bail!(
-                "the backup of shard {} comes from a {}-shard cluster; restoring {shards}",
-                b.shard,
-                b.shards
-            );
+) -> Result<Vec<Restored>, RestoreError> {
+    let storage = |e: &dyn std::fmt::Display| RestoreError::Storage(e.to_string());
+    if let Ok(mut entries) = std::fs::read_dir(data_dir) {
+        if entries.next().is_some() {
+            return Err(RestoreError::NotEmpty(data_dir.to_path_buf()));
         }
-        if by_shard.insert(b.shard, b).is_some() {
-            bail!("two backups of shard {}", b.shard);
-        }
-        states.push(state);
+    } else if data_dir.exists() {
+        return Err(RestoreError::NotEmpty(data_dir.to_path_buf()));
     }
-    let missing: Vec<u32> = (0..shards).filter(|s| !by_shard.contains_key(s)).collect();
+    if files.is_empty() {
+        return Err(RestoreError::Set("no backup files".into()));
+    }
+    let staging = staging_dir(data_dir)?;
+    if staging.exists() {
+        std::fs::remove_dir_all(&staging).map_err(|e| storage(&e))?;
+    }
+    std::fs::create_dir_all(&staging).map_err(|e| storage(&e))?;
+    let result = build(&staging, node_id, files, members);
+    let restored = match result {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&staging);
+            return Err(e);
+        }
+    };
+    let install = || -> anyhow::Result<()> {
+        crate::versions::mark_data_dir(&staging)?;
+        if let Some(parent) = data_dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent)?;
+        }
+        // Over an empty dir, or where none was: atomic on one filesystem.
+        std::fs::rename(&staging, data_dir)?;
+        let parent = data_dir
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        std::fs::File::open(parent)?.sync_all()?;
+        Ok(())
+    };
+    install().map_err(|e| storage(&format!("installing {}: {e:#}", data_dir.display())))?;
+    Ok(restored)
+}
+
+fn staging_dir(data_dir: &Path) -> Result<PathBuf, RestoreError> {
+    let name = data_dir
+        .file_name()
+        .ok_or_else(|| RestoreError::Set(format!("{} names no directory", data_dir.display())))?;
+    let mut staged = name.to_os_string();
+    staged.push(".restoring");
+    Ok(data_dir.with_file_name(staged))
+}
+
+fn build(
+    dir: &Path,
+    node_id: u64,
+    files: &[PathBuf],
+    members: Option<&[(u64, String)]>,
+) -> Result<Vec<Restored>, RestoreError> {
+    let storage = |e: &dyn std::fmt::Display| RestoreError::Storage(e.to_string());
+    let db = store::open_db(&dir.join("db")).map_err(|e| storage(&e))?;
+    let mut restored: Vec<Restored> = Vec::new();
+    let mut tokens: Vec<TokenView> = Vec::new();
+    let mut seen: BTreeMap<u32, PathBuf> = BTreeMap::new();
+    for file in files {
+        let (r, view) = restore_shard(&db, node_id, file, members)?;
+        if let Some(first) = restored.first() {
+            if first.shards != r.shards {
+                return Err(RestoreError::Set(format!(
+                    "{} is of a {}-shard cluster, {} of a {}-shard one",
+                    file.display(),
+                    r.shards,
+                    first.file.display(),
+                    first.shards
+                )));
+            }
+        }
+        if let Some(other) = seen.insert(r.summary.shard, file.clone()) {
+            return Err(RestoreError::Set(format!(
+                "{} and {} are both of shard {}",
+                other.display(),
+                file.display(),
+                r.summary.shard
+            )));
+        }
+        tokens.push(view);
+        restored.push(r);
+    }
+    let shards = restored[0].shards;
+    let missing: Vec<u32> = (0..shards).filter(|s| !seen.contains_key(s)).collect();
     if !missing.is_empty() {
-        bail!("no backup of shard(s) {missing:?}");
+        return Err(RestoreError::Set(format!(
+            "no backup of shard(s) {missing:?} of the {shards}-shard cluster"
+        )));
     }
-    let refs: Vec<&allot_statemachine::State> = states.iter().collect();
-    let drift = allot_statemachine::backup::token_disagreements(&refs);
+    let drift = format::views_disagree(&tokens);
     if !drift.is_empty() {
-        bail!(
+        return Err(RestoreError::Set(format!(
             "the shards' token tables disagree on principals {drift:?} (a token was created, \
              rotated or revoked while the shards were copied one by one): take the backup \
              again"
-        );
+        )));
     }
-    std::fs::create_dir_all(data_dir)
-        .with_context(|| format!("creating {}", data_dir.display()))?;
-    let db = store::open_db(&data_dir.join("db"))
-        .with_context(|| format!("opening RocksDB in {}", data_dir.display()))?;
-    for s in 0..shards {
-        if store::has_snapshot(&db, s)? || !store::log::is_pristine(&db, s)? {
-            bail!(
-                "{} already holds shard {s}: restore into an empty data dir",
-                data_dir.display()
-            );
-        }
-    }
-    crate::node::check_shard_count(&db, shards)?;
-    // Each shard in one synced batch — audit rows, snapshot, log metadata — so a crash
-    // leaves the shard either restored or untouched (and a rerun refused or allowed
-    // accordingly), never a snapshot without its vote and purge point.
-    for (shard, b) in by_shard {
-        let voters: Vec<(u64, String)> = match members {
-            Some(m) => m.to_vec(),
-            None => b.members.clone(),
-        };
-        if !voters.iter().any(|(id, _)| *id == node_id) {
-            bail!("node {node_id} is not among the voters {voters:?} of shard {shard}");
-        }
-        let last = b
-            .position
-            .map(|p| LogId::new(CommittedLeaderId::new(p.term, 0), p.index));
-        let ids: BTreeSet<u64> = voters.iter().map(|(id, _)| *id).collect();
-        let nodes: BTreeMap<u64, BasicNode> = voters
-            .iter()
-            .map(|(id, addr)| (*id, BasicNode::new(addr.clone())))
-            .collect();
-        let meta = SnapshotMeta {
-            last_log_id: last,
-            last_membership: StoredMembership::new(last, Membership::new(vec![ids], nodes)),
-            snapshot_id: format!("restored-{shard}-{}", last.map_or(0, |l| l.index)),
-        };
-        let audit = store::cf(&db, CF_AUDIT);
-        let mut batch = rocksdb::WriteBatch::default();
-        for row in &b.audit {
+    crate::node::check_shard_count(&db, shards).map_err(|e| storage(&e))?;
+    db.flush_wal(true).map_err(|e| storage(&e))?;
+    Ok(restored)
+}
+
+/// Reads one backup file into `db`: its audit rows as they stream by, then (checked
+/// whole) its snapshot and log metadata in one synced batch.
+fn restore_shard(
+    db: &rocksdb::DB,
+    node_id: u64,
+    file: &Path,
+    members: Option<&[(u64, String)]>,
+) -> Result<(Restored, TokenView), RestoreError> {
+    let storage = |e: &dyn std::fmt::Display| RestoreError::Storage(e.to_string());
+    let input = std::fs::File::open(file)
+        .map_err(|e| storage(&format!("reading {}: {e}", file.display())))?;
+    let audit = store::cf(db, CF_AUDIT);
+    let mut batch = rocksdb::WriteBatch::default();
+    let mut rows = 0u64;
+    // The shard is only known from the header, which comes with the first read; rows
+    // are keyed once it is (the reader hands rows only after the header).
+    let shard_of = std::cell::Cell::new(None::<u32>);
+    let mut put = |chunk: &[AuditRow]| -> Result<(), String> {
+        let shard = shard_of.get().ok_or("rows before the header")?;
+        for row in chunk {
             let space = match row.kind {
                 AuditRowKind::Events => AUDIT_EVENTS,
                 AuditRowKind::Batch => AUDIT_BATCHES,
             };
             batch.put_cf(audit, audit_key(shard, space, row.key), &row.value);
+            rows += 1;
         }
-        store::put_snapshot(&mut batch, &db, shard, meta, b.state.clone())?;
-        if let Some(last) = last {
-            let vote = Vote::new(last.leader_id.term, node_id);
-            store::log::put_restored_meta(&mut batch, &db, shard, last, vote)?;
+        if batch.size_in_bytes() >= RESTORE_BATCH_BYTES {
+            db.write(std::mem::take(&mut batch))
+                .map_err(|e| e.to_string())?;
         }
-        store::log::write_synced(&db, batch)?;
+        Ok(())
+    };
+    let verified = format::stream::read_verified_with(
+        std::io::BufReader::with_capacity(1 << 20, input),
+        |h| shard_of.set(Some(h.shard)),
+        &mut put,
+    )
+    .map_err(|e| match e {
+        ReadError::Backup(source) => RestoreError::Backup {
+            file: file.to_path_buf(),
+            source,
+        },
+        ReadError::Sink(e) => storage(&e),
+    })?;
+    let h = &verified.header;
+    let shard = h.shard;
+    crate::versions::check_rules(
+        shard,
+        h.rules_active,
+        allot_statemachine::version::RULES_MAX,
+    )
+    .map_err(|e| RestoreError::Set(format!("{}: {e:#}", file.display())))?;
+    let voters: Vec<(u64, String)> = match members {
+        Some(m) => m.to_vec(),
+        None => h.members.clone(),
+    };
+    if !voters.iter().any(|(id, _)| *id == node_id) {
+        return Err(RestoreError::Set(format!(
+            "node {node_id} is not among the voters {voters:?} of shard {shard} (pass \
+             --member for each voter of the restored cluster)"
+        )));
     }
-    Ok(())
+    let last = h
+        .position
+        .map(|p| LogId::new(CommittedLeaderId::new(p.term, 0), p.index));
+    let ids: BTreeSet<u64> = voters.iter().map(|(id, _)| *id).collect();
+    let nodes: BTreeMap<u64, BasicNode> = voters
+        .iter()
+        .map(|(id, addr)| (*id, BasicNode::new(addr.clone())))
+        .collect();
+    let meta = SnapshotMeta {
+        last_log_id: last,
+        last_membership: StoredMembership::new(last, Membership::new(vec![ids], nodes)),
+        snapshot_id: format!("restored-{shard}-{}", last.map_or(0, |l| l.index)),
+    };
+    // The snapshot and log metadata in one synced batch with the last rows: the shard
+    // is installed whole or not at all (and the staging dir is discarded on failure).
+    store::put_snapshot(&mut batch, db, shard, meta, verified.state).map_err(|e| storage(&e))?;
+    if let Some(last) = last {
+        let vote = Vote::new(last.leader_id.term, node_id);
+        store::log::put_restored_meta(&mut batch, db, shard, last, vote)
+            .map_err(|e| storage(&e))?;
+    }
+    store::log::write_synced(db, batch).map_err(|e| storage(&e))?;
+    Ok((
+        Restored {
+            file: file.to_path_buf(),
+            summary: verified.summary,
+            rows,
+            shards: h.shards,
+        },
+        h.tokens.clone(),
+    ))
 }

@@ -61,17 +61,20 @@ enum Cmd {
         #[arg(long, env = "ALLOT_TOKEN", hide_env_values = true)]
         token: Option<String>,
     },
-    /// Seeds an empty data dir from shard backups (`allotctl backup create`): one file per
-    /// shard of the cluster, each verified first (state hash, invariants, audit chain).
-    /// Run it for every node of the new cluster with the same files (and the same
-    /// --member list when the hosts changed), then start the nodes with `run` — no `init`:
-    /// the shards continue the backed-up log, and secured shards keep their tokens.
+    /// Creates a node's data dir from a backup set (`allotctl backup create`): one file
+    /// per shard of the cluster, each read as a stream and verified whole first
+    /// (checksum, state hash, invariants, audit chain). Copy the same set to every node
+    /// of the new cluster and run this there (with the same --member list when the hosts
+    /// changed), then start the nodes with `run` — no `init`: the shards continue the
+    /// backed-up log, and secured shards keep their tokens. The data dir must not exist
+    /// or be empty; it is built beside it and renamed into place when complete.
     Restore {
         #[arg(long, env = "ALLOT_NODE_ID")]
         node_id: u64,
         #[arg(long, env = "ALLOT_DATA_DIR")]
         data_dir: PathBuf,
-        /// Backup files, one per shard (repeatable).
+        /// Backup files, one per shard (repeatable), or a directory holding a set (its
+        /// `*.allot-backup` files).
         #[arg(long = "backup", required = true)]
         backups: Vec<PathBuf>,
         /// The restored cluster's voters, `id=host:port` (repeated); default: the voters
@@ -464,6 +467,28 @@ fn parse_members(members: Vec<String>) -> anyhow::Result<Vec<(u64, String)>> {
     Ok(ms)
 }
 
+/// The backup files named: a directory stands for its `*.allot-backup` files.
+fn backup_files(paths: Vec<PathBuf>) -> anyhow::Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    for p in paths {
+        if !p.is_dir() {
+            files.push(p);
+            continue;
+        }
+        let mut set: Vec<PathBuf> = std::fs::read_dir(&p)
+            .with_context(|| format!("reading {}", p.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|f| f.extension().is_some_and(|x| x == "allot-backup"))
+            .collect();
+        if set.is_empty() {
+            bail!("{} holds no *.allot-backup file", p.display());
+        }
+        set.sort();
+        files.extend(set);
+    }
+    Ok(files)
+}
+
 fn restore(
     node_id: u64,
     data_dir: PathBuf,
@@ -471,24 +496,21 @@ fn restore(
     members: Vec<String>,
 ) -> anyhow::Result<()> {
     let members = parse_members(members)?;
-    let mut backups = Vec::new();
-    for f in &files {
-        let bytes = std::fs::read(f).with_context(|| format!("reading {}", f.display()))?;
-        let b = allot_statemachine::backup::ShardBackup::decode(&bytes)
-            .with_context(|| format!("{}", f.display()))?;
-        backups.push(b);
-    }
-    let shards = backups.first().map_or(0, |b| b.shards);
     let members = (!members.is_empty()).then_some(members.as_slice());
-    allot_node::backup::restore(&data_dir, node_id, shards, &backups, members)?;
-    for b in &backups {
+    let files = backup_files(files)?;
+    let restored = allot_node::backup::restore(&data_dir, node_id, &files, members)?;
+    let shards = restored.first().map_or(0, |r| r.shards);
+    for r in &restored {
         println!(
-            "shard {}: restored at log index {} (logical time {} ms, state hash {}, {} audit rows)",
-            b.shard,
-            b.position.map_or(0, |p| p.index),
-            b.logical_time_ms,
-            hex(&b.state_hash[..8]),
-            b.audit.len()
+            "shard {}: restored at log index {} (logical time {} ms, state hash {}, {} audit \
+             events, {} audit rows) from {}",
+            r.summary.shard,
+            r.summary.position.map_or(0, |p| p.index),
+            r.summary.logical_time_ms,
+            hex(&r.summary.state_hash[..8]),
+            r.summary.audit_events,
+            r.rows,
+            r.file.display()
         );
     }
     println!(

@@ -449,6 +449,40 @@ type BackupStream = Pin<Box<dyn Stream<Item = Result<BackupChunk, Status>> + Sen
 /// Backup chunks stay well under every gRPC message bound.
 const BACKUP_CHUNK_BYTES: usize = 1 << 20;
 
+/// The backup's output: bytes cut into chunks and handed to the RPC's stream, waiting
+/// while it is full (the client's pace). A closed stream is a broken pipe.
+struct ChunkSender {
+    tx: tokio::sync::mpsc::Sender<Result<BackupChunk, Status>>,
+    buf: Vec<u8>,
+}
+
+impl ChunkSender {
+    fn send(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let data = std::mem::replace(&mut self.buf, Vec::with_capacity(BACKUP_CHUNK_BYTES));
+        self.tx
+            .blocking_send(Ok(BackupChunk { data }))
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::BrokenPipe))
+    }
+}
+
+impl std::io::Write for ChunkSender {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        let take = bytes.len().min(BACKUP_CHUNK_BYTES - self.buf.len());
+        self.buf.extend_from_slice(&bytes[..take]);
+        if self.buf.len() == BACKUP_CHUNK_BYTES {
+            self.send()?;
+        }
+        Ok(take)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.send()
+    }
+}
+
 impl Services {
     /// A GPU node's assignments as a stream of whole sets (`Api.WatchAssignments`): the
     /// current one, then a new one whenever the set changes. Only the node's own agent or
@@ -747,10 +781,14 @@ impl Admin for Services {
         auth::require_admin(&self.node, req.metadata(), "admin:backup", false)?;
         let id = shard_of(&self.node, req.into_inner().shard)?.id;
         let node = self.node.clone();
-        // Encoding a large state takes a while: off the runtime's workers.
-        let bytes = tokio::task::spawn_blocking(move || {
-            crate::backup::take(&node, &node.shards[id as usize]).map(|b| b.encode())
-        })
+        // Cloning the state and scanning the audit rows' coverage: off the runtime's
+        // workers. A replica missing rows refuses before a byte is sent.
+        let prepared = {
+            let node = node.clone();
+            tokio::task::spawn_blocking(move || {
+                crate::backup::prepare(&node, &node.shards[id as usize])
+            })
+        }
         .await
         .map_err(|e| Status::internal(format!("backup task: {e}")))?
         .map_err(|e| match e {
@@ -759,11 +797,27 @@ impl Admin for Services {
             }
             e => Status::internal(e.to_string()),
         })?;
-        let chunks: Vec<Result<BackupChunk, Status>> = bytes
-            .chunks(BACKUP_CHUNK_BYTES)
-            .map(|c| Ok(BackupChunk { data: c.to_vec() }))
-            .collect();
-        Ok(tonic::Response::new(Box::pin(tokio_stream::iter(chunks))))
+        // Streamed as it is written, a few chunks ahead of the client at most: the node
+        // never holds the copy whole, and a client that stops reading stops the writer.
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tokio::task::spawn_blocking(move || {
+            let out = ChunkSender {
+                tx: tx.clone(),
+                buf: Vec::with_capacity(BACKUP_CHUNK_BYTES),
+            };
+            match prepared.write(&node, out) {
+                Ok(_) => {}
+                Err(crate::backup::BackupError::Output(e))
+                    if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+                Err(e) => {
+                    tracing::warn!(shard = id, "backup failed: {e}");
+                    let _ = tx.blocking_send(Err(Status::internal(e.to_string())));
+                }
+            }
+        });
+        Ok(tonic::Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
 
     async fn shard_hash(

@@ -87,6 +87,29 @@ pub fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
     buf
 }
 
+/// [`encode`] streamed into `w`: a large value (a backup's state) is never held whole.
+/// Fails only when `w` does.
+pub fn encode_to<T: Serialize + ?Sized, W: std::io::Write>(
+    mut w: W,
+    value: &T,
+) -> std::io::Result<()> {
+    w.write_all(&[FORMAT_VERSION])?;
+    encode_body_to(w, value)
+}
+
+/// [`encode_into`] streamed into `w` (no version byte).
+pub fn encode_body_to<T: Serialize + ?Sized, W: std::io::Write>(
+    w: W,
+    value: &T,
+) -> std::io::Result<()> {
+    encode_options()
+        .serialize_into(w, value)
+        .map_err(|e| match *e {
+            bincode::ErrorKind::Io(e) => e,
+            e => std::io::Error::other(e.to_string()),
+        })
+}
+
 /// [`decode`] from a reader (a large blob on disk: a received snapshot), holding no more
 /// than the decoder's buffer for input that does not decode. The reader must end where
 /// the value does (trailing bytes are refused, as [`decode`] refuses them).

@@ -134,9 +134,26 @@ impl State {
     /// SHA-256 of the canonical encoding of the whole state. Two replicas that applied
     /// the same log have the same hash.
     pub fn state_hash(&self) -> [u8; 32] {
-        let mut buf = Vec::new();
-        codec::encode_into(&mut buf, self);
-        Sha256::digest(&buf).into()
+        use std::io::Write;
+        // Streamed through the hash: a large state's encoding is never held whole.
+        struct Hashing(Sha256);
+        impl std::io::Write for Hashing {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.update(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let mut h = Hashing(Sha256::new());
+        let mut w = std::io::BufWriter::with_capacity(64 << 10, &mut h);
+        // Serialising an in-memory value into a writer that never fails cannot fail.
+        if let Err(e) = codec::encode_body_to(&mut w, self).and_then(|()| w.flush()) {
+            unreachable!("hashing the state failed: {e}");
+        }
+        drop(w);
+        h.0.finalize().into()
     }
 
     /// Snapshot encoding (versioned).

@@ -104,26 +104,6 @@ impl Syncer {
     }
 }
 
-/// Whether a shard's log holds nothing at all: no entry, no purge point, no vote.
-pub(crate) fn is_pristine(db: &DB, shard: ShardId) -> Result<bool, StorageError> {
-    let meta = cf(db, CF_META);
-    for tag in [META_VOTE, META_PURGED, META_COMMITTED] {
-        if db
-            .get_cf(meta, shard_key(shard, tag))
-            .map_err(io_read)?
-            .is_some()
-        {
-            return Ok(false);
-        }
-    }
-    let mut it = db.iterator_cf_opt(
-        cf(db, CF_LOG),
-        bounded(shard, index_key(shard, 0), None),
-        IteratorMode::Start,
-    );
-    Ok(it.next().is_none())
-}
-
 /// Adds a restored shard's log metadata to `batch`: the log starts after `last` (as if
 /// purged up to it, the entries being inside the restored snapshot), `last` is
 /// committed, and the node has seen `vote` — the term of `last` — so its first election

@@ -20,11 +20,11 @@ pub mod timeline;
 pub mod trigger;
 
 pub use log::LogStore;
+pub(crate) use sm::put_snapshot;
 pub use sm::{
     audit_key, read_audit, AppliedState, AuditReadError, ShardView, StateMachineStore,
     AUDIT_BATCHES, AUDIT_EVENTS,
 };
-pub(crate) use sm::{has_snapshot, put_snapshot};
 pub use timeline::Timeline;
 pub use trigger::SnapshotTrigger;
 

@@ -340,11 +340,6 @@ pub(crate) fn put_snapshot(
     Ok(())
 }
 
-/// Whether the shard has a stored snapshot.
-pub(crate) fn has_snapshot(db: &DB, shard: ShardId) -> Result<bool, StorageError> {
-    Ok(load_snapshot(db, shard)?.is_some())
-}
-
 impl RaftStateMachine<TypeConfig> for StateMachineStore {
     type SnapshotBuilder = SnapshotBuilder;
 

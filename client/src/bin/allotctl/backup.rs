@@ -4,18 +4,21 @@
 
 use crate::connect::Ctx;
 use crate::output::{show, Table};
-use allot_statemachine::backup::{BackupSummary, ShardBackup};
+use allot_client::SavedBackup;
+use allot_statemachine::backup::BackupSummary;
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use serde::Serialize;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(Subcommand, Debug)]
 pub enum BackupCmd {
     /// Copies each shard (state, Raft position, voters, audit trail) into DIR as
-    /// `shard-<n>.allot-backup`, verified before it is written.
+    /// `shard-<n>.allot-backup`, streamed to disk and checked as a stream (checksum,
+    /// state hash, audit chain and commands) before it takes its name.
     Create(CreateArgs),
-    /// Verifies backup files offline: state hash, invariants, audit chain.
+    /// Verifies backup files offline and whole: checksum, state hash, audit chain and
+    /// commands, the decoded state's invariants and its agreement with the header.
     Verify {
         #[arg(required = true)]
         files: Vec<PathBuf>,
@@ -41,10 +44,10 @@ struct Row {
     logical_time_ms: u64,
     state_hash: String,
     audit_events: u64,
-    bytes: usize,
+    bytes: u64,
 }
 
-fn row(file: String, s: &BackupSummary, bytes: usize) -> Row {
+fn row(file: String, s: &BackupSummary, bytes: u64) -> Row {
     Row {
         file,
         shard: s.shard,
@@ -81,26 +84,41 @@ fn print(ctx: &Ctx, rows: &[Row]) -> anyhow::Result<()> {
     show(ctx.format, &rows, &[t])
 }
 
-async fn take_all(ctx: &Ctx, shards: &[u32]) -> anyhow::Result<Vec<ShardBackup>> {
+/// Copies `shards` into `dir`, one streamed file each.
+async fn take_all(
+    ctx: &Ctx,
+    dir: &Path,
+    shards: &[u32],
+) -> anyhow::Result<Vec<(PathBuf, SavedBackup)>> {
     let mut out = Vec::new();
     for &shard in shards {
-        out.push(
-            ctx.client
-                .backup(shard)
-                .await
-                .with_context(|| format!("backing up shard {shard}"))?,
-        );
+        let file = dir.join(format!("shard-{shard}.allot-backup"));
+        let saved = ctx
+            .client
+            .backup_to_file(shard, &file)
+            .await
+            .with_context(|| format!("backing up shard {shard}"))?;
+        out.push((file, saved));
     }
     Ok(out)
 }
 
-fn token_drift(taken: &[ShardBackup]) -> anyhow::Result<Vec<allot_statemachine::PrincipalId>> {
-    let mut states = Vec::new();
-    for b in taken {
-        states.push(b.verify()?.0);
-    }
-    let refs: Vec<&allot_statemachine::State> = states.iter().collect();
-    Ok(allot_statemachine::backup::token_disagreements(&refs))
+fn token_drift(taken: &[(PathBuf, SavedBackup)]) -> Vec<allot_statemachine::PrincipalId> {
+    let views: Vec<_> = taken.iter().map(|(_, s)| s.header.tokens.clone()).collect();
+    allot_statemachine::backup::views_disagree(&views)
+}
+
+/// Verifies one file whole: the stream's checks, then the decoded state's (hash,
+/// invariants, agreement with the header). Holds the state, never the audit trail.
+fn verify_file(f: &Path) -> anyhow::Result<BackupSummary> {
+    let file = std::fs::File::open(f).with_context(|| format!("reading {}", f.display()))?;
+    let v = allot_statemachine::backup::read_verified(
+        std::io::BufReader::with_capacity(1 << 20, file),
+        |_| Ok::<(), std::convert::Infallible>(()),
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))
+    .with_context(|| format!("{} does not verify", f.display()))?;
+    Ok(v.summary)
 }
 
 pub async fn run(ctx: &Ctx, cmd: BackupCmd) -> anyhow::Result<()> {
@@ -112,10 +130,10 @@ pub async fn run(ctx: &Ctx, cmd: BackupCmd) -> anyhow::Result<()> {
             // The shards are copied one after another; token commands run on every
             // shard in turn, so a copy that caught one in flight has shards whose token
             // tables disagree (a restore would refuse it): copy again, once.
-            let mut taken = take_all(ctx, &shards).await?;
-            if !token_drift(&taken)?.is_empty() {
-                taken = take_all(ctx, &shards).await?;
-                let drift = token_drift(&taken)?;
+            let mut taken = take_all(ctx, &a.out, &shards).await?;
+            if !token_drift(&taken).is_empty() {
+                taken = take_all(ctx, &a.out, &shards).await?;
+                let drift = token_drift(&taken);
                 if !drift.is_empty() {
                     anyhow::bail!(
                         "token commands kept changing principals {drift:?} while the shards \
@@ -123,26 +141,21 @@ pub async fn run(ctx: &Ctx, cmd: BackupCmd) -> anyhow::Result<()> {
                     );
                 }
             }
-            let mut rows = Vec::new();
-            for b in &taken {
-                let (_, summary) = b.verify()?;
-                let bytes = b.encode();
-                let file = a.out.join(format!("shard-{}.allot-backup", b.shard));
-                std::fs::write(&file, &bytes)
-                    .with_context(|| format!("writing {}", file.display()))?;
-                rows.push(row(file.display().to_string(), &summary, bytes.len()));
-            }
+            let rows: Vec<Row> = taken
+                .iter()
+                .map(|(file, s)| row(file.display().to_string(), &s.summary, s.bytes))
+                .collect();
             print(ctx, &rows)
         }
         BackupCmd::Verify { files } => {
             let mut rows = Vec::new();
             for f in files {
-                let bytes =
-                    std::fs::read(&f).with_context(|| format!("reading {}", f.display()))?;
-                let (_, summary) = ShardBackup::decode(&bytes)
-                    .and_then(|b| b.verify())
-                    .with_context(|| format!("{} does not verify", f.display()))?;
-                rows.push(row(f.display().to_string(), &summary, bytes.len()));
+                let bytes = std::fs::metadata(&f)
+                    .with_context(|| format!("reading {}", f.display()))?
+                    .len();
+                let check = f.clone();
+                let summary = tokio::task::spawn_blocking(move || verify_file(&check)).await??;
+                rows.push(row(f.display().to_string(), &summary, bytes));
             }
             print(ctx, &rows)
         }

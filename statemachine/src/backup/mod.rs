@@ -4,7 +4,14 @@
 //! serves and verifies its whole audit trail. Pure data and checks; taking a backup and
 //! restoring one (RocksDB, Raft metadata) is the node's job (`node/src/backup.rs`).
 //!
-//! A backup file is `codec::encode(&ShardBackup)`: versioned like every persisted blob.
+//! A backup file is streamed ([`stream`]: framed, checksummed, read and written in
+//! bounded pieces). The releases before it wrote one `codec::encode(&ShardBackup)`, which
+//! every reader here still accepts.
+
+pub mod stream;
+pub use stream::{
+    read_verified, write_streamed, BackupHeader, BackupReader, BackupWriter, VerifiedBackup,
+};
 
 use crate::audit::{verify_chain, verify_commands, AuditChain, AuditEvent};
 use crate::codec::{self, CodecError};
@@ -89,6 +96,20 @@ pub enum BackupError {
     AuditIncomplete { found: u64, expected: u64 },
     #[error("the audit trail's commands do not match their events: {0}")]
     AuditCommands(String),
+    #[error("the backup is truncated (it ends before its end record): copy it again")]
+    Truncated,
+    #[error("the backup's checksum does not match its content: the file is corrupted")]
+    Checksum,
+    #[error("the backup is malformed: {0}")]
+    Frame(String),
+    #[error(
+        "the backup was written in layout {0} by a newer release: restore it with that release"
+    )]
+    NewerLayout(u8),
+    #[error("the state disagrees with the backup's header on its {0}")]
+    HeaderMismatch(&'static str),
+    #[error("reading the backup: {0}")]
+    Io(String),
 }
 
 impl ShardBackup {
@@ -96,8 +117,17 @@ impl ShardBackup {
         codec::encode(self)
     }
 
+    /// Reads a backup file of either layout whole (streamed: checked as it is read).
     pub fn decode(bytes: &[u8]) -> Result<ShardBackup, BackupError> {
+        if stream::is_streamed(bytes) {
+            return stream::read_whole(bytes);
+        }
         Ok(codec::decode(bytes)?)
+    }
+
+    /// The streamed layout of this backup (what `allotctl backup create` writes).
+    pub fn encode_streamed(&self) -> Result<Vec<u8>, BackupError> {
+        stream::write_streamed(self, Vec::new(), stream::FRAME_TARGET)
     }
 
     /// Checks everything a restore relies on: the state decodes to the recorded hash and
@@ -171,11 +201,14 @@ impl ShardBackup {
     }
 }
 
+/// Per operator principal: revoked, and its key digests.
+pub type TokenView = BTreeMap<PrincipalId, (bool, BTreeSet<TokenDigest>)>;
+
 /// Who holds which of the operator's tokens (admin and agent principals: the ones
 /// installed on every shard), as one shard's token table says (key expiry instants left
 /// out: they are stamped by each shard's own logical time). An org's own principals live
 /// only on its home shard, so they are not compared.
-fn token_view(state: &State) -> BTreeMap<PrincipalId, (bool, BTreeSet<TokenDigest>)> {
+pub fn token_view(state: &State) -> TokenView {
     state
         .security
         .principals
@@ -190,9 +223,14 @@ fn token_view(state: &State) -> BTreeMap<PrincipalId, (bool, BTreeSet<TokenDiges
 /// and a restore would then bring back, on some shards, a token revoked on others.
 /// Returns the principals the shards disagree on (empty: they agree).
 pub fn token_disagreements(states: &[&State]) -> Vec<PrincipalId> {
-    let views: Vec<_> = states.iter().map(|s| token_view(s)).collect();
+    let views: Vec<TokenView> = states.iter().map(|s| token_view(s)).collect();
+    views_disagree(&views)
+}
+
+/// [`token_disagreements`] of views already taken (backup headers).
+pub fn views_disagree(views: &[TokenView]) -> Vec<PrincipalId> {
     let mut ids: BTreeSet<PrincipalId> = BTreeSet::new();
-    for v in &views {
+    for v in views {
         ids.extend(v.keys().copied());
     }
     ids.into_iter()
