@@ -3,7 +3,7 @@
 # core (apply throughput on one core; memory per account) and the scheduler pass.
 # Run on a quiet machine; figures are best-of and median-of repetitions.
 #
-#   scripts/bench.sh [replicated|ledger|scheduler|sim|all] [-- extra args]
+#   scripts/bench.sh [replicated|ledger|scheduler|sim|backup|all] [-- extra args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -18,6 +18,7 @@ case "$what" in
   ledger) cargo bench --locked -p allot-statemachine --bench ledger -- "$@" ;;
   scheduler) cargo bench --locked -p allot-statemachine --bench scheduler -- "$@" ;;
   sim) cargo run --release --locked -q -p allot-statemachine --features sim --bin allot-sim -- "$@" ;;
+  backup) scripts/bench-backup.sh "$@" ;;
   all)
     cargo build --release --locked -q -p allot-node --bins
     "$CARGO_TARGET_DIR/release/allot-bench"

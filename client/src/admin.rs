@@ -169,6 +169,49 @@ impl Client {
         Ok(saved)
     }
 
+    /// Hands `shard`'s leadership to voter `to` (`None`: the most up-to-date other one)
+    /// without an unplanned election (`Admin.TransferLeader`, asked of the leader; see
+    /// docs/DESIGN.md §49). Writes wait (callers retry) for the transfer's few hundred
+    /// milliseconds. Retried, until the client's timeout, while the shard has no leader
+    /// or its leader changes under the call.
+    pub async fn transfer_leader(
+        &self,
+        shard: u32,
+        to: Option<u64>,
+    ) -> Result<allot_proto::TransferLeaderReply> {
+        let deadline = Instant::now() + self.timeout();
+        loop {
+            let last = match self.leader_addr(shard).await {
+                None => "no leader".to_string(),
+                Some(addr) => {
+                    let req = self.request(
+                        allot_proto::TransferLeaderRequest {
+                            shard,
+                            to: to.unwrap_or(0),
+                        },
+                        self.attempt_timeout().max(Duration::from_secs(15)),
+                    );
+                    match self.admin_at(&addr)?.transfer_leader(req).await {
+                        Ok(r) => return Ok(r.into_inner()),
+                        Err(s) if reason_of(&s).as_deref() == Some("NOT_LEADER") => {
+                            s.message().to_string()
+                        }
+                        Err(s) => return Err(Error::from_status(&s)),
+                    }
+                }
+            };
+            if Instant::now() >= deadline {
+                return Err(Error::Unavailable {
+                    attempts: 0,
+                    elapsed: self.timeout(),
+                    last,
+                    cause: None,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Tries `attempt` on the shard's leader, then on every other endpoint, until one
     /// succeeds or fails finally.
     async fn ask_replicas<T>(

@@ -27,6 +27,7 @@ pub mod serve;
 pub mod server;
 pub mod store;
 pub mod tls;
+pub mod transfer;
 pub mod types;
 pub mod versions;
 pub mod workload;

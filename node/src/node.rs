@@ -86,6 +86,10 @@ pub struct Shard {
     pub inbound: tokio::sync::Mutex<crate::peer::SnapshotReceiver>,
     /// A received snapshot's state, decoded (checked) before openraft installs it.
     pub preloaded: store::sm::Preloaded,
+    /// Set while this node hands the shard's leadership over: proposals wait.
+    pub pause: Arc<crate::transfer::Pause>,
+    /// Elections held for another node's leader transfer.
+    pub hold: Arc<crate::transfer::Hold>,
 }
 
 pub struct Node {
@@ -203,7 +207,9 @@ impl Node {
             )
             .await
             .with_context(|| format!("starting raft of shard {id}"))?;
+            let pause = Arc::new(crate::transfer::Pause::default());
             let proposer = ProposerTask {
+                pause: pause.clone(),
                 shard: id,
                 me: config.id,
                 raft: raft.clone(),
@@ -227,6 +233,8 @@ impl Node {
                         .join(format!("shard-{id}.snapshot")),
                 )),
                 preloaded,
+                pause,
+                hold: Arc::default(),
             });
         }
         let node = Arc::new(Node {

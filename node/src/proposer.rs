@@ -122,6 +122,8 @@ impl Proposer {
 }
 
 pub struct ProposerTask {
+    /// Set while the leadership is being handed over (`crate::transfer`).
+    pub pause: Arc<crate::transfer::Pause>,
     pub shard: ShardId,
     pub me: NodeId,
     pub raft: Raft,
@@ -241,8 +243,17 @@ impl ProposerTask {
             let applied_ms = self.view.read().state.time_ms;
             stamper.observe(applied_ms, self.clock.mono_ms());
             let (leader, _, term) = leader_of(&self.raft);
-            if leader != Some(self.me) {
-                let err = not_leader(&self.raft);
+            if leader != Some(self.me) || self.pause.active() {
+                // Handing over: no entry (nor tick) may refresh the followers' lease on
+                // this leader; callers retry and find the next one.
+                let err = if leader == Some(self.me) {
+                    ProposeError::NotLeader {
+                        leader: None,
+                        addr: None,
+                    }
+                } else {
+                    not_leader(&self.raft)
+                };
                 for p in group {
                     let _ = p.reply.send(Err(err.clone()));
                 }

@@ -35,7 +35,7 @@ use openraft::BasicNode;
 use std::collections::{BTreeMap, BTreeSet};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio_stream::Stream;
 use tonic::metadata::MetadataValue;
 use tonic::Status;
@@ -820,6 +820,19 @@ impl Admin for Services {
         )))
     }
 
+    async fn transfer_leader(
+        &self,
+        req: tonic::Request<allot_proto::TransferLeaderRequest>,
+    ) -> Result<tonic::Response<allot_proto::TransferLeaderReply>, Status> {
+        auth::require_admin(&self.node, req.metadata(), "admin:transfer_leader", false)?;
+        let msg = req.into_inner();
+        let shard = shard_of(&self.node, msg.shard)?;
+        let to = (msg.to != 0).then_some(msg.to);
+        Ok(tonic::Response::new(
+            crate::transfer::transfer(&self.node, shard, to).await?,
+        ))
+    }
+
     async fn shard_hash(
         &self,
         req: tonic::Request<ShardRequest>,
@@ -1032,6 +1045,18 @@ impl RaftService for Services {
         .map_err(|e| Status::internal(format!("audit rows task: {e}")))?
         .map_err(|e| edge::with_reason(Status::failed_precondition(e), "AUDIT_ROWS"))?;
         encode_peer(&rows)
+    }
+
+    async fn handoff(
+        &self,
+        req: tonic::Request<allot_proto::HandoffRequest>,
+    ) -> Result<tonic::Response<allot_proto::HandoffReply>, Status> {
+        let msg = req.into_inner();
+        let shard = shard_of(&self.node, msg.shard)?;
+        let step = allot_proto::handoff_request::Step::try_from(msg.step)
+            .map_err(|_| Status::invalid_argument(format!("unknown handoff step {}", msg.step)))?;
+        crate::transfer::step(shard, step, Duration::from_millis(msg.hold_ms)).await?;
+        Ok(tonic::Response::new(allot_proto::HandoffReply {}))
     }
 
     async fn versions(

@@ -1171,3 +1171,135 @@ async fn a_data_dir_of_a_newer_format_is_refused_untouched() {
         other => panic!("{other:?}"),
     }
 }
+
+// ---------------------------------------------------------------- leader transfer (§49)
+
+/// Leadership handed over under load: shard 0 goes to a chosen voter in exactly one new
+/// term, then every shard node 1 leads is handed away and node 1 is restarted without
+/// any election at all. No write fails (callers retry through the pause); every
+/// acknowledged write survives and the replicas agree. A transfer to a non-voter, to the
+/// leader itself, or asked of a follower is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_hands_over_under_load_without_an_unplanned_election() {
+    let shards = 2;
+    let (_dir, mut c) = cluster("transfer", 3, shards);
+    up(&mut c).await;
+    let client = allot_node::local_cluster::client(c.endpoints());
+    setup_shards(&client, shards).await;
+    let acked: Acked = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..4u64)
+        .map(|w| {
+            spawn_worker(
+                client.clone(),
+                (w % shards as u64) as u32,
+                w + 1,
+                stop.clone(),
+                acked.clone(),
+            )
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // Refusals first: nothing changes.
+    let leader = c.leader_of(0).await.expect("leader");
+    let term = c.status(leader).await.unwrap().shards[0].term;
+    let refused = client.transfer_leader(0, Some(leader)).await;
+    assert!(
+        format!("{refused:?}").contains("already leads"),
+        "{refused:?}"
+    );
+    let refused = client.transfer_leader(0, Some(9)).await;
+    assert!(
+        format!("{refused:?}").contains("not a voter"),
+        "{refused:?}"
+    );
+    let follower = (1..=3).find(|id| *id != leader).unwrap();
+    let mut admin = allot_node::local_cluster::admin(&c.node(follower).addr)
+        .await
+        .unwrap();
+    let refused = admin
+        .transfer_leader(allot_proto::TransferLeaderRequest { shard: 0, to: 0 })
+        .await;
+    assert!(
+        format!("{refused:?}").contains("is not the leader"),
+        "{refused:?}"
+    );
+    assert_eq!(c.status(leader).await.unwrap().shards[0].term, term);
+
+    // Shard 0 to a chosen voter: one new term, that voter leads it.
+    let target = (1..=3).find(|id| *id != leader).unwrap();
+    let r = client
+        .transfer_leader(0, Some(target))
+        .await
+        .expect("transfer");
+    assert_eq!((r.from, r.to, r.term), (leader, target, term + 1), "{r:?}");
+    assert_eq!(c.leader_of(0).await.ok(), Some(target));
+    eprintln!(
+        "shard 0: node {leader} -> node {target} in {} ms",
+        r.elapsed_ms
+    );
+
+    // Every shard that node leads (shard 0 at least) goes elsewhere; then it restarts
+    // with no election at all.
+    let restarted = target;
+    let watch_stop = Arc::new(AtomicBool::new(false));
+    let watcher = watch_leaders(c.endpoints(), watch_stop.clone());
+    let mut handed = 0;
+    for s in 0..shards {
+        if c.leader_of(s).await.ok() == Some(restarted) {
+            let r = client.transfer_leader(s, None).await.expect("transfer");
+            assert_ne!(r.to, restarted);
+            handed += 1;
+            eprintln!(
+                "shard {s}: node {restarted} -> node {} in {} ms",
+                r.to, r.elapsed_ms
+            );
+        }
+    }
+    assert!(handed >= 1);
+    let mut terms = Vec::new();
+    for s in 0..shards {
+        let l = c.leader_of(s).await.expect("leader");
+        assert_ne!(
+            l, restarted,
+            "node {restarted} leads nothing before its restart"
+        );
+        terms.push((l, c.status(l).await.unwrap().shards[s as usize].term));
+    }
+    let status = c.terminate(restarted, Duration::from_secs(30));
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    c.start(restarted).expect("restart");
+    c.wait_listening(restarted, Duration::from_secs(60))
+        .expect("listening");
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    for (s, (l, term)) in terms.iter().enumerate() {
+        assert_eq!(
+            c.leader_of(s as u32).await.ok(),
+            Some(*l),
+            "shard {s} kept its leader"
+        );
+        assert_eq!(
+            c.status(*l).await.unwrap().shards[s].term,
+            *term,
+            "shard {s}: the restart cost an election"
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.await.expect("no write failed");
+    }
+    watch_stop.store(true, Ordering::Relaxed);
+    let seen = watcher.await.expect("watcher");
+    for (s, (_, term)) in terms.iter().enumerate() {
+        assert!(
+            seen.iter().all(|(sh, t, _)| *sh != s as u32 || t <= term),
+            "shard {s}: an election during the restart: {seen:?}"
+        );
+    }
+    let acked = std::mem::take(&mut *acked.lock().unwrap());
+    assert!(acked.len() > 50, "load ran throughout: {}", acked.len());
+    assert!(acked.iter().all(|a| a.2.is_ok()));
+    assert_acked_survived(&client, &acked, shards).await;
+    assert_replicas_agree(&c, &client, shards).await;
+}

@@ -328,3 +328,18 @@ fn audit_rows_out_of_log_order_are_refused() {
     let bytes = w.finish().unwrap();
     assert!(matches!(read(&bytes), Err(BackupError::AuditCommands(_))));
 }
+
+/// Entries the state machine never sees (a new leader's blank entry, a membership
+/// change) advance a backup's position past the state's own last index: still a
+/// faithful copy (a backup taken right after a node started was refused by `verify`).
+#[test]
+fn a_position_past_the_states_last_entry_is_a_faithful_copy() {
+    let h = history();
+    let mut b = backup_of(&h);
+    b.position = Some(LogPosition {
+        term: 2,
+        index: h.index + 2,
+    });
+    let v = read(&streamed(&b, 4096)).unwrap();
+    assert_eq!(v.summary.position.unwrap().index, h.index + 2);
+}

@@ -97,9 +97,9 @@ impl BackupHeader {
             Some("rule version")
         } else if token_view(state) != self.tokens {
             Some("operator tokens")
-        } else if state.last_applied.is_some()
-            && state.last_applied != self.position.map(|p| p.index)
-        {
+        } else if state.last_applied > self.position.map(|p| p.index) {
+            // Entries without commands for the state machine (a leader's blank entry, a
+            // membership change) advance the position, not the state's own index.
             Some("applied index")
         } else {
             None

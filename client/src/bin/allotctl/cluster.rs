@@ -55,6 +55,32 @@ pub enum ShardCmd {
     /// Each replica's state hash per shard (endpoint, shard, applied index, hash): equal
     /// hashes at equal applied indexes mean identical replicas.
     Hash(HashArgs),
+    /// Hands shard leadership to another voter without an unplanned election: before
+    /// restarting or removing the leader's node. Writes wait (and are retried) for the
+    /// transfer's few hundred milliseconds.
+    TransferLeader(TransferArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct TransferArgs {
+    /// The shard to hand over (or --from-node).
+    #[arg(long, conflicts_with = "from_node")]
+    shard: Option<u32>,
+    /// Every shard this node leads (before restarting it).
+    #[arg(long)]
+    from_node: Option<u64>,
+    /// The voter to hand over to (default: the most up-to-date other voter).
+    #[arg(long)]
+    to: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct TransferRow {
+    shard: u32,
+    from: u64,
+    to: u64,
+    term: u64,
+    elapsed_ms: u64,
 }
 
 #[derive(Args, Debug)]
@@ -82,6 +108,7 @@ pub async fn run_endpoint(ctx: &Ctx, cmd: EndpointCmd) -> anyhow::Result<()> {
 pub async fn run_shard(ctx: &Ctx, cmd: ShardCmd) -> anyhow::Result<()> {
     match cmd {
         ShardCmd::Hash(a) => shard_hash(ctx, a).await,
+        ShardCmd::TransferLeader(a) => transfer_leader(ctx, a).await,
     }
 }
 
@@ -393,6 +420,57 @@ struct HashRow {
     logical_time_ms: Option<u64>,
     state_hash: Option<String>,
     error: Option<String>,
+}
+
+async fn transfer_leader(ctx: &Ctx, a: TransferArgs) -> anyhow::Result<()> {
+    let shards: Vec<u32> = match (a.shard, a.from_node) {
+        (Some(s), _) => vec![s],
+        (None, Some(node)) => {
+            // The shards `node` leads, as the first answering endpoint sees them.
+            let mut led = None;
+            for e in ctx.client.endpoints() {
+                if let Ok(status) = ctx.client.status_of(e).await {
+                    led = Some(
+                        status
+                            .shards
+                            .iter()
+                            .filter(|s| s.leader == node)
+                            .map(|s| s.shard)
+                            .collect::<Vec<u32>>(),
+                    );
+                    break;
+                }
+            }
+            led.ok_or_else(|| anyhow::anyhow!("no endpoint answered"))?
+        }
+        (None, None) => return Err(usage("give --shard S or --from-node N")),
+    };
+    let mut rows = Vec::new();
+    for shard in shards {
+        let r = ctx
+            .client
+            .transfer_leader(shard, a.to)
+            .await
+            .map_err(|e| anyhow::anyhow!("shard {shard}: {e}"))?;
+        rows.push(TransferRow {
+            shard: r.shard,
+            from: r.from,
+            to: r.to,
+            term: r.term,
+            elapsed_ms: r.elapsed_ms,
+        });
+    }
+    let mut t = Table::new(&["SHARD", "FROM", "TO", "TERM", "ELAPSED"]);
+    for r in &rows {
+        t.row(vec![
+            r.shard.to_string(),
+            r.from.to_string(),
+            r.to.to_string(),
+            r.term.to_string(),
+            format!("{} ms", r.elapsed_ms),
+        ]);
+    }
+    show(ctx.format, &rows, &[t])
 }
 
 async fn shard_hash(ctx: &Ctx, a: HashArgs) -> anyhow::Result<()> {

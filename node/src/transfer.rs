@@ -1,0 +1,294 @@
+//! Leader transfer (docs/DESIGN.md §49): hands a shard's leadership to another voter so
+//! that restarting or removing the leader's node costs no unplanned election.
+//!
+//! openraft 0.9 has no transfer of its own, and its leader lease (a voter refuses to vote
+//! while it heard from a leader within `election_timeout_max`) makes a challenger fail
+//! while the leader is alive. So the leader steps aside in order:
+//! 1. it **pauses proposals** (callers get "not the leader", which clients retry; ticks
+//!    stop too), so no entry refreshes the followers' lease;
+//! 2. it waits until the **target has every entry** it holds (no vote could be refused
+//!    for a shorter log);
+//! 3. it asks the **other voters to hold their elections** for a bounded time (they
+//!    still vote), holds its own, and **stops heartbeating**;
+//! 4. once its lease has run out on every follower, it tells the **target to
+//!    campaign**; the target wins the next term with the other voters' votes, and the
+//!    old leader steps down on seeing it;
+//! 5. whatever happened, everything is undone: heartbeats, elections, proposals. Every
+//!    hold also ends by itself after its bound, so a transfer cut short (the leader
+//!    crashing mid-way) leaves no voter unable to elect.
+
+use crate::node::{Node, Shard};
+use allot_proto::handoff_request::Step;
+use allot_proto::{HandoffRequest, TransferLeaderReply};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+use tonic::Status;
+
+/// New proposals wait while this is set (a leader transfer in progress).
+#[derive(Default)]
+pub struct Pause {
+    until: Mutex<Option<Instant>>,
+}
+
+impl Pause {
+    pub fn active(&self) -> bool {
+        let g = self.until.lock().unwrap_or_else(|p| p.into_inner());
+        g.is_some_and(|u| Instant::now() < u)
+    }
+
+    fn set(&self, until: Option<Instant>) {
+        *self.until.lock().unwrap_or_else(|p| p.into_inner()) = until;
+    }
+}
+
+/// A voter's held elections: resumed at the deadline unless a later hold extended it.
+#[derive(Default)]
+pub struct Hold {
+    until: Mutex<Option<Instant>>,
+}
+
+/// Applies a handoff step on this node (the peer RPC `Raft.Handoff`).
+pub async fn step(shard: &Shard, step: Step, hold: Duration) -> Result<(), Status> {
+    match step {
+        Step::HoldElections => {
+            let until = Instant::now() + hold.min(HOLD_MAX);
+            *shard.hold.until.lock().unwrap_or_else(|p| p.into_inner()) = Some(until);
+            shard.raft.runtime_config().elect(false);
+            let (raft, hold_state) = (shard.raft.clone(), shard.hold.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep_until(until.into()).await;
+                let mut g = hold_state.until.lock().unwrap_or_else(|p| p.into_inner());
+                if g.is_some_and(|u| u <= Instant::now()) {
+                    *g = None;
+                    raft.runtime_config().elect(true);
+                }
+            });
+            Ok(())
+        }
+        Step::ResumeElections => {
+            *shard.hold.until.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            shard.raft.runtime_config().elect(true);
+            Ok(())
+        }
+        Step::Campaign => shard
+            .raft
+            .trigger()
+            .elect()
+            .await
+            .map_err(|e| Status::internal(e.to_string())),
+        Step::Unspecified => Err(Status::invalid_argument("a handoff step is required")),
+    }
+}
+
+/// The longest any voter holds its elections for one transfer.
+const HOLD_MAX: Duration = Duration::from_secs(30);
+
+/// Hands `shard`'s leadership from this node (its leader) to `to` (`None`: the most
+/// up-to-date other voter).
+pub async fn transfer(
+    node: &Node,
+    shard: &Shard,
+    to: Option<u64>,
+) -> Result<TransferLeaderReply, Status> {
+    let started = Instant::now();
+    let metrics = shard.raft.metrics().borrow().clone();
+    if metrics.current_leader != Some(node.id) {
+        return Err(crate::edge::with_reason(
+            Status::failed_precondition(format!(
+                "node {} is not the leader of shard {} (the leader is {:?}): ask the leader",
+                node.id, shard.id, metrics.current_leader
+            )),
+            "NOT_LEADER",
+        ));
+    }
+    let voters: Vec<(u64, String)> = {
+        let m = metrics.membership_config.membership();
+        m.voter_ids()
+            .map(|id| {
+                (
+                    id,
+                    m.get_node(&id).map(|n| n.addr.clone()).unwrap_or_default(),
+                )
+            })
+            .collect()
+    };
+    let matched = |m: &openraft::RaftMetrics<u64, openraft::BasicNode>, id: u64| {
+        m.replication
+            .as_ref()
+            .and_then(|r| r.get(&id).cloned().flatten())
+            .map_or(0, |l| l.index)
+    };
+    let target = match to {
+        Some(t) if t == node.id => {
+            return Err(Status::invalid_argument(format!(
+                "node {t} already leads shard {}",
+                shard.id
+            )))
+        }
+        Some(t) if !voters.iter().any(|(id, _)| *id == t) => {
+            return Err(Status::invalid_argument(format!(
+                "node {t} is not a voter of shard {}",
+                shard.id
+            )))
+        }
+        Some(t) => t,
+        None => voters
+            .iter()
+            .map(|(id, _)| *id)
+            .filter(|id| *id != node.id)
+            .max_by_key(|id| (matched(&metrics, *id), std::cmp::Reverse(*id)))
+            .ok_or_else(|| {
+                Status::failed_precondition(format!(
+                    "shard {} has no other voter to hand over to",
+                    shard.id
+                ))
+            })?,
+    };
+    let election_max = Duration::from_millis(node.config.raft.election_max_ms);
+    // The whole transfer's bound: catching up, a lease, a few election rounds.
+    let budget = election_max * 6 + Duration::from_secs(2);
+    let deadline = started + budget;
+    shard.pause.set(Some(deadline));
+    let others: Vec<&(u64, String)> = voters
+        .iter()
+        .filter(|(id, _)| *id != node.id && *id != target)
+        .collect();
+    let outcome = hand_over(node, shard, target, &others, election_max, deadline).await;
+    // Undo everything, whatever happened.
+    shard.raft.runtime_config().heartbeat(true);
+    shard.raft.runtime_config().elect(true);
+    shard.pause.set(None);
+    for (_, addr) in &others {
+        let _ = ask(node, addr, shard.id, Step::ResumeElections, Duration::ZERO).await;
+    }
+    let term = outcome?;
+    Ok(TransferLeaderReply {
+        shard: shard.id,
+        from: node.id,
+        to: target,
+        term,
+        elapsed_ms: started.elapsed().as_millis() as u64,
+    })
+}
+
+async fn hand_over(
+    node: &Node,
+    shard: &Shard,
+    target: u64,
+    others: &[&(u64, String)],
+    election_max: Duration,
+    deadline: Instant,
+) -> Result<u64, Status> {
+    let timed_out = |what: &str| {
+        crate::edge::with_reason(
+            Status::unavailable(format!(
+                "leader transfer of shard {} to node {target}: {what}; nothing changed (the \
+                 leader stays, writes resume)",
+                shard.id
+            )),
+            "TRANSFER_TIMEOUT",
+        )
+    };
+    let mut watch = shard.raft.metrics();
+    // 2. The target holds every entry this leader holds (proposals are paused: the
+    //    last index only moves for batches already in flight).
+    loop {
+        let caught_up = {
+            let m = watch.borrow();
+            let last = m.last_log_index.unwrap_or(0);
+            let matched = m
+                .replication
+                .as_ref()
+                .and_then(|r| r.get(&target).cloned().flatten())
+                .map_or(0, |l| l.index);
+            matched >= last
+        };
+        if caught_up {
+            break;
+        }
+        if tokio::time::timeout_at(deadline.into(), watch.changed())
+            .await
+            .is_err()
+        {
+            return Err(timed_out("the target did not catch up"));
+        }
+    }
+    // 3. The other voters and this one hold their elections; heartbeats stop.
+    let hold = deadline.saturating_duration_since(Instant::now()) + election_max;
+    for (id, addr) in others {
+        if let Err(e) = ask(node, addr, shard.id, Step::HoldElections, hold).await {
+            // It may campaign too; the target still wins with the others' votes or
+            // the next round. Worth a line, not a refusal.
+            tracing::warn!(
+                shard = shard.id,
+                node = id,
+                "leader transfer: hold refused: {e}"
+            );
+        }
+    }
+    shard.raft.runtime_config().elect(false);
+    shard.raft.runtime_config().heartbeat(false);
+    let stopped = Instant::now();
+    // 4. Once the followers' lease on this leader has run out, the target campaigns;
+    //    again every election timeout until it leads (or the deadline).
+    let target_addr = {
+        let m = watch.borrow();
+        m.membership_config
+            .membership()
+            .get_node(&target)
+            .map(|n| n.addr.clone())
+            .unwrap_or_default()
+    };
+    tokio::time::sleep_until((stopped + election_max + Duration::from_millis(20)).into()).await;
+    loop {
+        if let Err(e) = ask(node, &target_addr, shard.id, Step::Campaign, Duration::ZERO).await {
+            tracing::warn!(
+                shard = shard.id,
+                node = target,
+                "leader transfer: campaign: {e}"
+            );
+        }
+        let round = Instant::now() + election_max;
+        loop {
+            {
+                let m = watch.borrow();
+                if m.current_leader == Some(target) {
+                    return Ok(m.current_term);
+                }
+            }
+            let until = round.min(deadline);
+            if tokio::time::timeout_at(until.into(), watch.changed())
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+        if Instant::now() >= deadline {
+            let leader = watch.borrow().current_leader;
+            return Err(timed_out(&format!(
+                "the target was not elected in time (the leader is now {leader:?})"
+            )));
+        }
+    }
+}
+
+async fn ask(
+    node: &Node,
+    addr: &str,
+    shard: u32,
+    step: Step,
+    hold: Duration,
+) -> Result<(), String> {
+    let mut c = node.channels.raft_client(addr).map_err(|e| e.to_string())?;
+    let call = c.handoff(node.channels.peer_request(HandoffRequest {
+        shard,
+        step: step as i32,
+        hold_ms: hold.as_millis() as u64,
+    }));
+    match tokio::time::timeout(Duration::from_secs(2), call).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(s)) => Err(s.message().to_string()),
+        Err(_) => Err("timed out".into()),
+    }
+}
