@@ -77,7 +77,52 @@ async fn allotctl_drives_a_real_cluster() {
     operator_commands(&eps);
     bench(&eps);
     versions(&eps);
+    leader_transfer(&eps);
     membership(dir.path(), &eps);
+}
+
+/// `shard transfer-leader` (docs/DESIGN.md §49): one shard to a chosen voter, then
+/// every shard a node leads; refusals and usage errors change nothing.
+fn leader_transfer(eps: &str) {
+    let leader_of = |shard: u64| -> u64 {
+        let rows = json(eps, &["endpoint", "status"]);
+        rows.as_array()
+            .unwrap()
+            .iter()
+            .find(|r| u(&r["shard"]) == shard && u(&r["leader"]) >= 1)
+            .map(|r| u(&r["leader"]))
+            .expect("a leader")
+    };
+    let from = leader_of(0);
+    let to = (1..=3).find(|id| *id != from).unwrap();
+    let rows = json(
+        eps,
+        &[
+            "shard",
+            "transfer-leader",
+            "--shard",
+            "0",
+            "--to",
+            &to.to_string(),
+        ],
+    );
+    let r = &rows.as_array().unwrap()[0];
+    assert_eq!((u(&r["from"]), u(&r["to"])), (from, to), "{r}");
+    assert_eq!(leader_of(0), to);
+    let rows = json(
+        eps,
+        &["shard", "transfer-leader", "--from-node", &to.to_string()],
+    );
+    let rows = rows.as_array().unwrap();
+    assert!(!rows.is_empty() && rows.iter().all(|r| u(&r["to"]) != to));
+    assert_ne!(leader_of(0), to);
+    fails(eps, &["shard", "transfer-leader"], 2);
+    let e = fails(
+        eps,
+        &["shard", "transfer-leader", "--shard", "0", "--to", "9"],
+        1,
+    );
+    assert!(e.contains("not a voter"), "{e}");
 }
 
 /// `version status` and `version activate` (docs/DESIGN.md §48), and the new columns
