@@ -39,6 +39,16 @@ impl Pause {
     fn set(&self, until: Option<Instant>) {
         *self.until.lock().unwrap_or_else(|p| p.into_inner()) = until;
     }
+
+    /// Starts a pause until `until`, unless one is under way (one transfer at a time).
+    fn begin(&self, until: Instant) -> bool {
+        let mut g = self.until.lock().unwrap_or_else(|p| p.into_inner());
+        if g.is_some_and(|u| Instant::now() < u) {
+            return false;
+        }
+        *g = Some(until);
+        true
+    }
 }
 
 /// A voter's held elections: resumed at the deadline unless a later hold extended it.
@@ -148,7 +158,12 @@ pub async fn transfer(
     // The whole transfer's bound: catching up, a lease, a few election rounds.
     let budget = election_max * 6 + Duration::from_secs(2);
     let deadline = started + budget;
-    shard.pause.set(Some(deadline));
+    if !shard.pause.begin(deadline) {
+        return Err(Status::failed_precondition(format!(
+            "a leader transfer of shard {} is already under way",
+            shard.id
+        )));
+    }
     let others: Vec<&(u64, String)> = voters
         .iter()
         .filter(|(id, _)| *id != node.id && *id != target)
@@ -191,7 +206,10 @@ async fn hand_over(
     };
     let mut watch = shard.raft.metrics();
     // 2. The target holds every entry this leader holds (proposals are paused: the
-    //    last index only moves for batches already in flight).
+    //    last index only moves for batches already in flight). A target that does not
+    //    catch up within two election timeouts (down, or far behind) is given up on
+    //    early: writes wait meanwhile.
+    let caught_up_by = (Instant::now() + election_max * 2).min(deadline);
     loop {
         let caught_up = {
             let m = watch.borrow();
@@ -206,7 +224,7 @@ async fn hand_over(
         if caught_up {
             break;
         }
-        if tokio::time::timeout_at(deadline.into(), watch.changed())
+        if tokio::time::timeout_at(caught_up_by.into(), watch.changed())
             .await
             .is_err()
         {
@@ -242,11 +260,9 @@ async fn hand_over(
     tokio::time::sleep_until((stopped + election_max + Duration::from_millis(20)).into()).await;
     loop {
         if let Err(e) = ask(node, &target_addr, shard.id, Step::Campaign, Duration::ZERO).await {
-            tracing::warn!(
-                shard = shard.id,
-                node = target,
-                "leader transfer: campaign: {e}"
-            );
+            // A target that cannot be told to campaign (down, unreachable) will not
+            // lead: give up now rather than keep writes waiting to the deadline.
+            return Err(timed_out(&format!("the target did not answer ({e})")));
         }
         let round = Instant::now() + election_max;
         loop {

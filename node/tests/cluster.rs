@@ -1226,6 +1226,26 @@ async fn a_leader_hands_over_under_load_without_an_unplanned_election() {
         "{refused:?}"
     );
     assert_eq!(c.status(leader).await.unwrap().shards[0].term, term);
+    // A target that is down: refused within a few election timeouts, the leader stays.
+    let down = (1..=3).find(|id| *id != leader).unwrap();
+    assert!(c.terminate(down, Duration::from_secs(30)).is_some());
+    let asked = Instant::now();
+    let refused = client.transfer_leader(0, Some(down)).await;
+    assert!(
+        format!("{refused:?}").contains("leader transfer"),
+        "{refused:?}"
+    );
+    assert!(
+        asked.elapsed() < Duration::from_secs(6),
+        "{:?}",
+        asked.elapsed()
+    );
+    eprintln!("to a stopped voter: refused in {:?}", asked.elapsed());
+    assert_eq!(c.leader_of(0).await.ok(), Some(leader));
+    c.start(down).expect("restart");
+    c.wait_listening(down, Duration::from_secs(60))
+        .expect("listening");
+    let term = c.status(leader).await.unwrap().shards[0].term;
 
     // Shard 0 to a chosen voter: one new term, that voter leads it.
     let target = (1..=3).find(|id| *id != leader).unwrap();
