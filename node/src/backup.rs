@@ -186,7 +186,6 @@ pub fn restore(
     files: &[PathBuf],
     members: Option<&[(u64, String)]>,
 ) -> Result<Vec<Restored>, RestoreError> {
-    let storage = |e: &dyn std::fmt::Display| RestoreError::Storage(e.to_string());
     if let Ok(mut entries) = std::fs::read_dir(data_dir) {
         if entries.next().is_some() {
             return Err(RestoreError::NotEmpty(data_dir.to_path_buf()));
@@ -199,9 +198,9 @@ pub fn restore(
     }
     let staging = staging_dir(data_dir)?;
     if staging.exists() {
-        std::fs::remove_dir_all(&staging).map_err(|e| storage(&e))?;
+        std::fs::remove_dir_all(&staging).map_err(storage)?;
     }
-    std::fs::create_dir_all(&staging).map_err(|e| storage(&e))?;
+    std::fs::create_dir_all(&staging).map_err(storage)?;
     let result = build(&staging, node_id, files, members);
     let restored = match result {
         Ok(r) => r,
@@ -224,8 +223,12 @@ pub fn restore(
         std::fs::File::open(parent)?.sync_all()?;
         Ok(())
     };
-    install().map_err(|e| storage(&format!("installing {}: {e:#}", data_dir.display())))?;
+    install().map_err(|e| storage(format!("installing {}: {e:#}", data_dir.display())))?;
     Ok(restored)
+}
+
+fn storage(e: impl std::fmt::Display) -> RestoreError {
+    RestoreError::Storage(e.to_string())
 }
 
 fn staging_dir(data_dir: &Path) -> Result<PathBuf, RestoreError> {
@@ -243,8 +246,7 @@ fn build(
     files: &[PathBuf],
     members: Option<&[(u64, String)]>,
 ) -> Result<Vec<Restored>, RestoreError> {
-    let storage = |e: &dyn std::fmt::Display| RestoreError::Storage(e.to_string());
-    let db = store::open_db(&dir.join("db")).map_err(|e| storage(&e))?;
+    let db = store::open_db(&dir.join("db")).map_err(storage)?;
     let mut restored: Vec<Restored> = Vec::new();
     let mut tokens: Vec<TokenView> = Vec::new();
     let mut seen: BTreeMap<u32, PathBuf> = BTreeMap::new();
@@ -287,8 +289,8 @@ fn build(
              again"
         )));
     }
-    crate::node::check_shard_count(&db, shards).map_err(|e| storage(&e))?;
-    db.flush_wal(true).map_err(|e| storage(&e))?;
+    crate::node::check_shard_count(&db, shards).map_err(storage)?;
+    db.flush_wal(true).map_err(storage)?;
     Ok(restored)
 }
 
@@ -300,9 +302,8 @@ fn restore_shard(
     file: &Path,
     members: Option<&[(u64, String)]>,
 ) -> Result<(Restored, TokenView), RestoreError> {
-    let storage = |e: &dyn std::fmt::Display| RestoreError::Storage(e.to_string());
     let input = std::fs::File::open(file)
-        .map_err(|e| storage(&format!("reading {}: {e}", file.display())))?;
+        .map_err(|e| storage(format!("reading {}: {e}", file.display())))?;
     let audit = store::cf(db, CF_AUDIT);
     let mut batch = rocksdb::WriteBatch::default();
     let mut rows = 0u64;
@@ -335,7 +336,7 @@ fn restore_shard(
             file: file.to_path_buf(),
             source,
         },
-        ReadError::Sink(e) => storage(&e),
+        ReadError::Sink(e) => storage(e),
     })?;
     let h = &verified.header;
     let shard = h.shard;
@@ -370,13 +371,12 @@ fn restore_shard(
     };
     // The snapshot and log metadata in one synced batch with the last rows: the shard
     // is installed whole or not at all (and the staging dir is discarded on failure).
-    store::put_snapshot(&mut batch, db, shard, meta, verified.state).map_err(|e| storage(&e))?;
+    store::put_snapshot(&mut batch, db, shard, meta, verified.state).map_err(storage)?;
     if let Some(last) = last {
         let vote = Vote::new(last.leader_id.term, node_id);
-        store::log::put_restored_meta(&mut batch, db, shard, last, vote)
-            .map_err(|e| storage(&e))?;
+        store::log::put_restored_meta(&mut batch, db, shard, last, vote).map_err(storage)?;
     }
-    store::log::write_synced(db, batch).map_err(|e| storage(&e))?;
+    store::log::write_synced(db, batch).map_err(storage)?;
     Ok((
         Restored {
             file: file.to_path_buf(),

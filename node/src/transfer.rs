@@ -36,8 +36,8 @@ impl Pause {
         g.is_some_and(|u| Instant::now() < u)
     }
 
-    fn set(&self, until: Option<Instant>) {
-        *self.until.lock().unwrap_or_else(|p| p.into_inner()) = until;
+    fn end(&self) {
+        *self.until.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 
     /// Starts a pause until `until`, unless one is under way (one transfer at a time).
@@ -122,12 +122,6 @@ pub async fn transfer(
             })
             .collect()
     };
-    let matched = |m: &openraft::RaftMetrics<u64, openraft::BasicNode>, id: u64| {
-        m.replication
-            .as_ref()
-            .and_then(|r| r.get(&id).cloned().flatten())
-            .map_or(0, |l| l.index)
-    };
     let target = match to {
         Some(t) if t == node.id => {
             return Err(Status::invalid_argument(format!(
@@ -172,7 +166,7 @@ pub async fn transfer(
     // Undo everything, whatever happened.
     shard.raft.runtime_config().heartbeat(true);
     shard.raft.runtime_config().elect(true);
-    shard.pause.set(None);
+    shard.pause.end();
     for (_, addr) in &others {
         let _ = ask(node, addr, shard.id, Step::ResumeElections, Duration::ZERO).await;
     }
@@ -213,13 +207,7 @@ async fn hand_over(
     loop {
         let caught_up = {
             let m = watch.borrow();
-            let last = m.last_log_index.unwrap_or(0);
-            let matched = m
-                .replication
-                .as_ref()
-                .and_then(|r| r.get(&target).cloned().flatten())
-                .map_or(0, |l| l.index);
-            matched >= last
+            matched(&m, target) >= m.last_log_index.unwrap_or(0)
         };
         if caught_up {
             break;
@@ -287,6 +275,14 @@ async fn hand_over(
             )));
         }
     }
+}
+
+/// The last log index the leader knows `id` holds (0: none, or not the leader).
+fn matched(m: &openraft::RaftMetrics<u64, openraft::BasicNode>, id: u64) -> u64 {
+    m.replication
+        .as_ref()
+        .and_then(|r| r.get(&id).cloned().flatten())
+        .map_or(0, |l| l.index)
 }
 
 async fn ask(

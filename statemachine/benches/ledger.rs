@@ -284,21 +284,9 @@ fn memory_per_account(accounts: u64) -> (f64, f64) {
     for chunk_start in (1..=accounts).step_by(4_000) {
         let mut reqs = Vec::with_capacity(8_000);
         for o in chunk_start..(chunk_start + 4_000).min(accounts + 1) {
-            reqs.push(req(&mut rid, ADMIN, Command::CreateOrg { org: OrgId(o) }));
-            reqs.push(req(
-                &mut rid,
-                ADMIN,
-                Command::IssueGrant(Grant {
-                    bucket: BucketId(o),
-                    owner: Account::Org(OrgId(o)),
-                    kind: BucketKind::Paid,
-                    amount_micro: credits(100),
-                    expires_at_ms: None,
-                    priority: 100,
-                    policy: None,
-                    source_ref: None,
-                }),
-            ));
+            for command in Harness::account_commands(o) {
+                reqs.push(req(&mut rid, ADMIN, command));
+            }
         }
         batch(&mut index, &mut state, reqs, T0_MS);
     }

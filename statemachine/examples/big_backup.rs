@@ -86,20 +86,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for start in (1..=accounts).step_by(4_000) {
         let mut reqs = Vec::with_capacity(8_000);
         for o in start..(start + 4_000).min(accounts + 1) {
-            reqs.push(req(&mut rid, Command::CreateOrg { org: OrgId(o) }));
-            reqs.push(req(
-                &mut rid,
-                Command::IssueGrant(Grant {
-                    bucket: BucketId(o),
-                    owner: Account::Org(OrgId(o)),
-                    kind: BucketKind::Paid,
-                    amount_micro: credits(100),
-                    expires_at_ms: None,
-                    priority: 100,
-                    policy: None,
-                    source_ref: None,
-                }),
-            ));
+            for command in Harness::account_commands(o) {
+                reqs.push(req(&mut rid, command));
+            }
         }
         apply_entry(&mut state, reqs, T0_MS)?;
     }

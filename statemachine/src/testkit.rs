@@ -264,6 +264,24 @@ impl Harness {
         }));
     }
 
+    /// One "account" of the memory benchmark and the 1,000,000-account backup: org `o`
+    /// and a paid bucket (also numbered `o`) of 100 credits.
+    pub fn account_commands(o: u64) -> [Command; 2] {
+        [
+            Command::CreateOrg { org: OrgId(o) },
+            Command::IssueGrant(Grant {
+                bucket: BucketId(o),
+                owner: Account::Org(OrgId(o)),
+                kind: BucketKind::Paid,
+                amount_micro: credits(100),
+                expires_at_ms: None,
+                priority: 100,
+                policy: None,
+                source_ref: None,
+            }),
+        ]
+    }
+
     pub fn hold_spec(hold: u64, amount: u64) -> HoldSpec {
         HoldSpec {
             hold: HoldId(hold),
