@@ -64,12 +64,25 @@ struct Mix {
     cursor: usize,
 }
 
+/// A request in the org its command names; the bench's project `n` and user `n` are in
+/// org `n`.
 fn req(rid: &mut u128, actor: Actor, command: Command) -> Request {
+    let org = command.own_org().or(match &command {
+        Command::IssueGrant(Grant {
+            owner: Account::Project(p),
+            ..
+        }) => Some(OrgId(p.0)),
+        _ => None,
+    });
+    req_in(rid, actor, org, command)
+}
+
+fn req_in(rid: &mut u128, actor: Actor, org: Option<OrgId>, command: Command) -> Request {
     *rid += 1;
     Request {
         actor,
         request_id: *rid,
-        org: None,
+        org,
         command,
     }
 }
@@ -137,7 +150,11 @@ fn setup(state: &mut State, mix: &mut Mix) -> u64 {
             },
         )
         .unwrap();
-        assert!(out.outcomes.iter().all(|o| o.is_ok()));
+        assert!(
+            out.outcomes.iter().all(|o| o.is_ok()),
+            "{:?}",
+            out.outcomes.iter().find(|o| o.is_err())
+        );
     }
     index
 }
@@ -157,7 +174,12 @@ fn next(mix: &mut Mix) -> Request {
             let mut spec = Harness::hold_spec(id, credits(40));
             spec.project = ProjectId(project);
             spec.user = UserId(project);
-            return req(&mut mix.rid, ADMIN, Command::CreateHold(spec));
+            return req_in(
+                &mut mix.rid,
+                ADMIN,
+                Some(OrgId(project)),
+                Command::CreateHold(spec),
+            );
         }
         None => {
             mix.running[i].2 = Some(0);
@@ -170,9 +192,10 @@ fn next(mix: &mut Mix) -> Request {
         }
         Some(n) if n < HEARTBEATS_PER_HOLD => {
             mix.running[i].2 = Some(n + 1);
-            return req(
+            return req_in(
                 &mut mix.rid,
                 agent,
+                Some(OrgId(project)),
                 Command::Heartbeat(Heartbeat {
                     hold: HoldId(hold),
                     attempt: 1,
@@ -186,9 +209,10 @@ fn next(mix: &mut Mix) -> Request {
             mix.running[i] = (0, project, None);
             if mix.cursor.is_multiple_of(8) {
                 // Every so often a transfer from the org's pool to the project.
-                return req(
+                return req_in(
                     &mut mix.rid,
                     ADMIN,
+                    Some(OrgId(project)),
                     Command::Transfer {
                         from: Account::Org(OrgId(project)),
                         to: Account::Project(ProjectId(project)),
@@ -196,9 +220,10 @@ fn next(mix: &mut Mix) -> Request {
                     },
                 );
             }
-            return req(
+            return req_in(
                 &mut mix.rid,
                 agent,
+                Some(OrgId(project)),
                 Command::Settle {
                     hold: HoldId(hold),
                     attempt: 1,
@@ -207,7 +232,7 @@ fn next(mix: &mut Mix) -> Request {
             );
         }
     };
-    req(&mut mix.rid, ADMIN, command)
+    req_in(&mut mix.rid, ADMIN, Some(OrgId(project)), command)
 }
 
 fn throughput() -> (f64, usize, usize) {
@@ -264,7 +289,9 @@ fn throughput() -> (f64, usize, usize) {
     (commands as f64 / secs, commands, heartbeats)
 }
 
-fn memory_per_account(accounts: u64) -> (f64, f64) {
+/// Bytes per account without and with its creation commands' idempotency records, and
+/// bytes per idempotency record (the difference over the records).
+fn memory_per_account(accounts: u64) -> (f64, f64, f64) {
     let base = LIVE_BYTES.load(Ordering::Relaxed);
     let mut state = State::default();
     let mut rid = 0u128;
@@ -291,6 +318,7 @@ fn memory_per_account(accounts: u64) -> (f64, f64) {
         batch(&mut index, &mut state, reqs, T0_MS);
     }
     let with_idempotency = (LIVE_BYTES.load(Ordering::Relaxed) - base) as f64 / accounts as f64;
+    let records = state.idempotency.records.len() as f64;
     // After the idempotency retention window the request records are pruned.
     let mut t = T0_MS + state.config.idempotency_retention_ms;
     while !state.idempotency.records.is_empty() {
@@ -301,7 +329,8 @@ fn memory_per_account(accounts: u64) -> (f64, f64) {
     state.idempotency.queue = Default::default();
     let steady = (LIVE_BYTES.load(Ordering::Relaxed) - base) as f64 / accounts as f64;
     std::hint::black_box(&state);
-    (steady, with_idempotency)
+    let per_record = (with_idempotency - steady) * accounts as f64 / records;
+    (steady, with_idempotency, per_record)
 }
 
 fn main() {
@@ -322,14 +351,14 @@ fn main() {
     }
     rates.sort_by(|a, b| a.total_cmp(b));
     let (best, median) = (rates[rates.len() - 1], rates[rates.len() / 2]);
-    let (steady, with_idem) = if only_throughput {
-        (0.0, 0.0)
+    let (steady, with_idem, per_record) = if only_throughput {
+        (0.0, 0.0, 0.0)
     } else {
         memory_per_account(1_000_000)
     };
     if json {
         println!(
-            "{{\"apply_commands_per_s_best\":{best:.0},\"apply_commands_per_s_median\":{median:.0},\"repetitions\":{reps},\"holds_concurrent\":{},\"commands_per_repetition\":{commands},\"heartbeat_share\":{:.3},\"bytes_per_account\":{steady:.0},\"bytes_per_account_with_idempotency_records\":{with_idem:.0}}}",
+            "{{\"apply_commands_per_s_best\":{best:.0},\"apply_commands_per_s_median\":{median:.0},\"repetitions\":{reps},\"holds_concurrent\":{},\"commands_per_repetition\":{commands},\"heartbeat_share\":{:.3},\"bytes_per_account\":{steady:.0},\"bytes_per_account_with_idempotency_records\":{with_idem:.0},\"bytes_per_idempotency_record\":{per_record:.0}}}",
             holds_concurrent(),
             heartbeats as f64 / commands as f64
         );
@@ -351,5 +380,6 @@ fn main() {
         println!("memory per account (1,000,000 orgs, one paid bucket each)");
         println!("  bytes/account steady    {steady:.0}   (target <= 1024)");
         println!("  bytes/account incl. idempotency records still in retention  {with_idem:.0}");
+        println!("  bytes per idempotency record (its map entry and queue slot)  {per_record:.0}");
     }
 }
