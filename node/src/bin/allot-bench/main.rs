@@ -306,7 +306,6 @@ struct Spec<'a> {
 /// One client's calls: one histogram and command count per window.
 type ClientStats = (Vec<Hist>, Vec<u64>);
 
-#[allow(clippy::too_many_arguments)]
 async fn drive(
     target: &Target,
     spec: &Spec<'_>,
@@ -504,7 +503,6 @@ impl Call {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 async fn run(
     target: &Target,
     metrics: &[String],
