@@ -249,6 +249,73 @@ async fn a_killed_leader_loses_no_acknowledged_command_and_replicas_converge() {
     assert_replicas_agree(&c, &client, shards).await;
 }
 
+/// Sums a histogram's `_count` and its `le="1"` bucket from a node's metrics text.
+fn calls_and_single(metrics: &str, name: &str) -> (f64, f64) {
+    let value = |prefix: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (
+        value(&format!("{name}_count")),
+        value(&format!("{name}_bucket{{le=\"1\"}}")),
+    )
+}
+
+/// One replication stream per node pair (DESIGN §51): a node leading several shards
+/// sends their AppendEntries to a follower together (`Raft.AppendMany`), and a node
+/// with `--peer-batching off` (each on its own call, as an older binary would) works
+/// beside them — every acknowledged command survives and the replicas agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shards_bound_for_the_same_follower_share_one_call() {
+    let shards = 6;
+    let (_dir, mut c) = cluster("batch", 3, shards);
+    c.nodes[2].extra_args = ["--peer-batching", "off"].map(String::from).to_vec();
+    up(&mut c).await;
+    let client = allot_node::local_cluster::client(c.endpoints());
+    setup_shards(&client, shards).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let acked: Acked = Arc::default();
+    let workers: Vec<_> = (0..12u64)
+        .map(|w| {
+            spawn_worker(
+                client.clone(),
+                (w % shards as u64) as u32,
+                w + 1,
+                stop.clone(),
+                acked.clone(),
+            )
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.await.expect("worker");
+    }
+    let acked = std::mem::take(&mut *acked.lock().unwrap());
+    assert!(acked.len() > 100, "{} acknowledged", acked.len());
+    let name = "allot_peer_append_batch_messages";
+    let mut batched = 0.0;
+    for id in 1..=3u64 {
+        let (calls, single) = calls_and_single(
+            &http_get(&c.node(id).metrics_addr, "/metrics").await,
+            name,
+        );
+        assert!(calls > 0.0, "node {id} sent no AppendEntries");
+        if id == 3 {
+            assert_eq!(calls, single, "node 3 (batching off) sent only single calls");
+        } else {
+            batched += calls - single;
+        }
+    }
+    assert!(batched > 0.0, "no call carried more than one shard");
+    assert_acked_survived(&client, &acked, shards).await;
+    assert_replicas_agree(&c, &client, shards).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_behind_the_purged_log_catches_up_by_snapshot() {
     let shards = 2;
