@@ -23,7 +23,6 @@ pub mod node;
 pub mod peer;
 pub mod proposer;
 pub mod ratelimit;
-pub mod replicate;
 pub mod serve;
 pub mod server;
 pub mod store;

@@ -220,12 +220,6 @@ struct RunArgs {
     /// environment variable takes a comma-separated list). For fault-injection proxies.
     #[arg(long = "peer-route", env = "ALLOT_PEER_ROUTE", value_delimiter = ',')]
     peer_route: Vec<String>,
-    /// One replication stream per peer: the AppendEntries of every shard bound for the
-    /// same node wait for each other while one is in flight and go as one call
-    /// (`on`, the default), or each on its own call (`off`).
-    #[arg(long, env = "ALLOT_PEER_BATCHING", default_value = "on",
-          value_parser = ["on", "off"])]
-    peer_batching: String,
     /// INSECURE: accept requests without a bearer token (the identity the client claims
     /// is taken as given) while the cluster has no admin token. For local development
     /// and tests only; logged loudly. Without it every call needs a token (except
@@ -387,7 +381,6 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         test_clock_offset_file: a.test_clock_offset_file.clone(),
         peer_routes,
         insecure_dev_mode: a.insecure_dev_mode,
-        peer_batching: a.peer_batching == "on",
         test_fsync_fail_file: a.test_fsync_fail_file.clone(),
         rules_max: a.max_rules_version,
         peer_secret: match &a.peer_secret_file {

@@ -29,9 +29,6 @@ pub struct Metrics {
     pub follower_append: HistogramVec,
     /// Duration of each WAL fsync (one covers the waiting appends of every shard).
     pub wal_sync: prometheus::Histogram,
-    /// Messages (shards' AppendEntries) per call this node sent to a peer
-    /// (`crate::replicate`): 1 is a plain `Append`, more an `AppendMany`.
-    pub peer_append_batch: prometheus::Histogram,
     pub raft: GaugeVec,
     pub queue_depth: GaugeVec,
     pub gpus: GaugeVec,
@@ -116,13 +113,6 @@ impl Metrics {
             .buckets(latency_buckets()),
             &["shard"],
         ));
-        let peer_append_batch = must(prometheus::Histogram::with_opts(
-            HistogramOpts::new(
-                "peer_append_batch_messages",
-                "Shards' AppendEntries per call sent to a peer",
-            )
-            .buckets(vec![1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0]),
-        ));
         let wal_sync = must(prometheus::Histogram::with_opts(
             HistogramOpts::new("wal_sync_seconds", "WAL fsync duration (group commit)")
                 .buckets(latency_buckets()),
@@ -188,7 +178,6 @@ impl Metrics {
             Box::new(stage.clone()),
             Box::new(follower_append.clone()),
             Box::new(wal_sync.clone()),
-            Box::new(peer_append_batch.clone()),
             Box::new(raft.clone()),
             Box::new(queue_depth.clone()),
             Box::new(gpus.clone()),
@@ -207,7 +196,6 @@ impl Metrics {
             stage,
             follower_append,
             wal_sync,
-            peer_append_batch,
             raft,
             queue_depth,
             gpus,

@@ -10,10 +10,9 @@
 
 use crate::limits::{APPEND_BYTES_MAX, APPEND_ENTRIES_MAX, RAFT_MESSAGE_MAX, SNAPSHOT_CHUNK_BYTES};
 use crate::peer::{self, PeerCredential};
-use crate::replicate::{Link, PeerStream, Replies};
 use crate::types::{LogEntry, LogId, NodeId, ShardId, SnapshotMeta, TypeConfig, Vote};
 use allot_proto::raft_client::RaftClient;
-use allot_proto::{RaftBatch, RaftMessage};
+use allot_proto::RaftMessage;
 use allot_statemachine::codec;
 use openraft::error::{
     Fatal, InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, ReplicationClosed,
@@ -37,11 +36,6 @@ use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 #[derive(Default)]
 pub struct Channels {
     map: Mutex<HashMap<String, Channel>>,
-    /// The AppendEntries stream to each peer address (`crate::replicate`), shared by
-    /// every shard; `None` when batching is off (`--peer-batching off`).
-    streams: Option<Mutex<HashMap<String, Arc<PeerStream<GrpcLink>>>>>,
-    /// Messages per AppendEntries call sent (observed by the streams).
-    batch_sizes: Option<prometheus::Histogram>,
     /// Peer routes (`--peer-route ADDR=VIA`): a peer advertised at `ADDR` is dialled at
     /// `VIA` instead (e.g. through a test proxy). The map is keyed by the advertised
     /// address either way, so Raft, forwarding and clock sampling all follow the route.
@@ -60,67 +54,10 @@ impl Channels {
     ) -> Channels {
         Channels {
             map: Mutex::default(),
-            streams: Some(Mutex::default()),
-            batch_sizes: None,
             routes,
             tls,
             credential,
         }
-    }
-
-    /// Sends every AppendEntries on its own call, as before per-peer streams existed.
-    pub fn without_batching(mut self) -> Channels {
-        self.streams = None;
-        self
-    }
-
-    /// Observes the messages per AppendEntries call sent in `h`.
-    pub fn observed(mut self, h: prometheus::Histogram) -> Channels {
-        self.batch_sizes = Some(h);
-        self
-    }
-
-    /// One shard's AppendEntries to the peer at `addr`: through the peer's stream (with
-    /// the other shards' messages waiting for it), or alone when batching is off.
-    async fn append(
-        &self,
-        addr: &str,
-        msg: RaftMessage,
-        timeout: Duration,
-    ) -> Result<RaftMessage, tonic::Status> {
-        let bad = |e: tonic::transport::Error| {
-            tonic::Status::unavailable(format!("bad peer address {addr}: {e}"))
-        };
-        let Some(streams) = &self.streams else {
-            if let Some(h) = &self.batch_sizes {
-                h.observe(1.0);
-            }
-            let link = GrpcLink {
-                client: self.raft_client(addr).map_err(bad)?,
-                credential: self.credential.clone(),
-            };
-            return link.one(msg, timeout).await;
-        };
-        let stream = {
-            let mut map = streams.lock().unwrap_or_else(|p| p.into_inner());
-            match map.get(addr) {
-                Some(s) => s.clone(),
-                None => {
-                    let link = GrpcLink {
-                        client: self.raft_client(addr).map_err(bad)?,
-                        credential: self.credential.clone(),
-                    };
-                    let observe = self.batch_sizes.clone().map(|h| {
-                        Box::new(move |n: usize| h.observe(n as f64))
-                            as Box<dyn Fn(usize) + Send + Sync>
-                    });
-                    let s = PeerStream::new(link, observe);
-                    map.insert(addr.to_string(), s.clone());
-                    s
-                }
-            }
-        };
-        stream.append(msg, timeout).await
     }
 
     /// The address actually dialled for a peer advertised at `addr`.
@@ -161,40 +98,6 @@ impl Channels {
         let mut r = tonic::Request::new(msg);
         self.credential.attach(r.metadata_mut());
         r
-    }
-}
-
-/// The Raft service of one peer, as a [`PeerStream`] reaches it.
-pub struct GrpcLink {
-    client: RaftClient<Channel>,
-    credential: PeerCredential,
-}
-
-impl GrpcLink {
-    fn request<T>(&self, msg: T, timeout: Duration) -> tonic::Request<T> {
-        let mut r = tonic::Request::new(msg);
-        self.credential.attach(r.metadata_mut());
-        r.set_timeout(timeout);
-        r
-    }
-}
-
-impl Link for GrpcLink {
-    async fn one(&self, msg: RaftMessage, timeout: Duration) -> Result<RaftMessage, tonic::Status> {
-        let mut client = self.client.clone();
-        Ok(client
-            .append(self.request(msg, timeout))
-            .await?
-            .into_inner())
-    }
-
-    async fn many(&self, batch: RaftBatch, timeout: Duration) -> Result<Replies, tonic::Status> {
-        let mut client = self.client.clone();
-        let replies = client
-            .append_many(self.request(batch, timeout))
-            .await?
-            .into_inner();
-        Ok(Box::pin(replies))
     }
 }
 
@@ -355,28 +258,18 @@ impl Peer {
                 self.addr
             )));
         };
-        let msg = RaftMessage {
+        let mut request = self.channels.peer_request(RaftMessage {
             shard: self.shard,
             payload: codec::encode(req),
-        };
-        let request = |msg| {
-            let mut r = self.channels.peer_request(msg);
-            r.set_timeout(timeout);
-            r
-        };
+        });
+        request.set_timeout(timeout);
         let reply = match rpc {
-            Rpc::Append => self.channels.append(&self.addr, msg, timeout).await,
-            Rpc::Vote => client
-                .vote(request(msg))
-                .await
-                .map(tonic::Response::into_inner),
-            Rpc::Snapshot => client
-                .snapshot(request(msg))
-                .await
-                .map(tonic::Response::into_inner),
+            Rpc::Append => client.append(request).await,
+            Rpc::Vote => client.vote(request).await,
+            Rpc::Snapshot => client.snapshot(request).await,
         };
         let reply = match reply {
-            Ok(r) => r,
+            Ok(r) => r.into_inner(),
             Err(status) => {
                 return Err(match status.code() {
                     tonic::Code::Unavailable | tonic::Code::Unknown => {

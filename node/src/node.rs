@@ -62,9 +62,6 @@ pub struct NodeConfig {
     /// Peer routes: dial the peer advertised at the key at the value instead
     /// (`--peer-route`; used by the fault-injection harness's per-link proxies).
     pub peer_routes: Vec<(String, String)>,
-    /// One replication stream per peer: the AppendEntries of every shard bound for the
-    /// same node go together (`crate::replicate`). On unless `--peer-batching off`.
-    pub peer_batching: bool,
     /// Accept requests without a bearer token (their claimed actor) while the shard is
     /// unsecured. Off unless `--insecure-dev-mode`; logged loudly at start.
     pub insecure_dev_mode: bool,
@@ -139,17 +136,11 @@ impl Node {
         check_shard_count(&db, config.shards)?;
         let clock = Arc::new(ClusterClock::new(config.clock_offset_ms));
         let tls = config.tls.as_ref().map(crate::tls::Tls::load).transpose()?;
-        let metrics = Arc::new(Metrics::new());
-        let mut channels = Channels::new(
+        let channels = Arc::new(Channels::new(
             config.peer_routes.iter().cloned().collect(),
             tls.as_ref().map(|t| t.client.clone()),
             crate::peer::PeerCredential::new(config.peer_secret.as_deref())?,
-        )
-        .observed(metrics.peer_append_batch.clone());
-        if !config.peer_batching {
-            channels = channels.without_batching();
-        }
-        let channels = Arc::new(channels);
+        ));
         let peer_auth = crate::peer::PeerAuth::new(tls.is_some(), config.peer_secret.as_deref());
         if !peer_auth.configured() {
             tracing::warn!(
@@ -158,6 +149,7 @@ impl Node {
                  the cluster's nodes can connect"
             );
         }
+        let metrics = Arc::new(Metrics::new());
         let wal = metrics.wal_sync.clone();
         let syncer = store::log::Syncer::start_observed(
             db.clone(),

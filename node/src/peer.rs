@@ -201,24 +201,6 @@ fn check_entry(e: &LogEntry) -> Result<(), String> {
     }
 }
 
-/// The shape of an `AppendMany` batch: each shard at most once, and no more messages
-/// than this node has shards (a sender's batch is one message per shard it leads). Each
-/// message is then checked as an `Append` would be ([`check_append`]).
-pub fn check_batch(shards: impl Iterator<Item = u32>, node_shards: usize) -> Result<(), String> {
-    let mut seen = std::collections::BTreeSet::new();
-    for s in shards {
-        if seen.len() == node_shards {
-            return Err(format!(
-                "more messages in one AppendMany than this node's {node_shards} shards"
-            ));
-        }
-        if !seen.insert(s) {
-            return Err(format!("shard {s} twice in one AppendMany"));
-        }
-    }
-    Ok(())
-}
-
 /// An AppendEntries from a peer, against this node's id and committed log id.
 pub fn check_append(req: &AppendWire, me: NodeId, committed: Option<&LogId>) -> Result<(), String> {
     let vote = &req.vote;
@@ -591,18 +573,6 @@ mod tests {
 
     fn leader(term: u64) -> Vote {
         Vote::new_committed(term, ME)
-    }
-
-    #[test]
-    fn batches_name_each_shard_once_and_no_more_than_there_are() {
-        assert!(check_batch([0, 3, 1].into_iter(), 4).is_ok());
-        assert!(check_batch(std::iter::empty(), 4).is_ok(), "the probe");
-        let twice = check_batch([0, 3, 0].into_iter(), 4).unwrap_err();
-        assert!(twice.contains("shard 0 twice"), "{twice}");
-        let many = check_batch([0, 1, 2, 3, 4].into_iter(), 4).unwrap_err();
-        assert!(many.contains("4 shards"), "{many}");
-        // Unknown shard ids pass the shape check; each is answered UNKNOWN_SHARD.
-        assert!(check_batch([7, 9].into_iter(), 4).is_ok());
     }
 
     #[test]

@@ -36,7 +36,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use futures::StreamExt;
 use tokio_stream::Stream;
 use tonic::metadata::MetadataValue;
 use tonic::Status;
@@ -921,14 +920,16 @@ impl Services {
     }
 }
 
-type AppendManyStream = Pin<Box<dyn Stream<Item = Result<allot_proto::RaftReply, Status>> + Send>>;
-
-impl Services {
-    /// One shard's AppendEntries from its leader (`Append`, or one message of
-    /// `AppendMany`): decoded, checked by the guard, handed to openraft.
-    async fn append_one(&self, msg: RaftMessage) -> Result<RaftMessage, Status> {
+#[tonic::async_trait]
+impl RaftService for Services {
+    async fn append(
+        &self,
+        req: tonic::Request<RaftMessage>,
+    ) -> Result<tonic::Response<RaftMessage>, Status> {
+        let msg = req.into_inner();
         let shard = shard_of(&self.node, msg.shard)?;
         let started = std::time::Instant::now();
+        let _permit = self.node.raft_permit().await?;
         let wire: AppendWire = decode_peer(&msg.payload)?;
         drop(msg);
         // One inbound message per shard at a time: the committed log id the guard
@@ -938,57 +939,13 @@ impl Services {
         peer::check_append(&wire, self.node.id, committed.as_ref())
             .map_err(|e| self.peer_refused("raft:append", e))?;
         let r = shard.raft.append_entries(wire.into()).await;
-        let reply = encode_peer(&r).map(tonic::Response::into_inner);
+        let reply = encode_peer(&r);
         self.node
             .metrics
             .follower_append
             .with_label_values(&[&shard.id.to_string()])
             .observe(started.elapsed().as_secs_f64());
         reply
-    }
-}
-
-#[tonic::async_trait]
-impl RaftService for Services {
-    async fn append(
-        &self,
-        req: tonic::Request<RaftMessage>,
-    ) -> Result<tonic::Response<RaftMessage>, Status> {
-        let msg = req.into_inner();
-        shard_of(&self.node, msg.shard)?;
-        let _permit = self.node.raft_permit().await?;
-        self.append_one(msg).await.map(tonic::Response::new)
-    }
-
-    type AppendManyStream = AppendManyStream;
-
-    async fn append_many(
-        &self,
-        req: tonic::Request<allot_proto::RaftBatch>,
-    ) -> Result<tonic::Response<AppendManyStream>, Status> {
-        let batch = req.into_inner();
-        peer::check_batch(
-            batch.messages.iter().map(|m| m.shard),
-            self.node.shards.len(),
-        )
-        .map_err(|e| self.peer_refused("raft:append_many", e))?;
-        // One permit for the batch: its bytes are within one Raft message's bound.
-        let permit = self.node.raft_permit().await?;
-        let answers: futures::stream::FuturesUnordered<_> = batch
-            .messages
-            .into_iter()
-            .enumerate()
-            .map(|(i, msg)| {
-                let me = self.clone();
-                async move { crate::replicate::reply_to(i, me.append_one(msg).await) }
-            })
-            .collect();
-        // Each answer as soon as it is ready; the permit lives as long as the stream.
-        let answers = answers.map(move |r| {
-            let _held = &permit;
-            Ok(r)
-        });
-        Ok(tonic::Response::new(Box::pin(answers)))
     }
 
     async fn vote(

@@ -550,100 +550,6 @@ async fn defect_3_raft_messages_cost_what_they_carry_and_need_a_peer() {
     h.assert_all_running();
 }
 
-/// Sends `messages` as one `Raft.AppendMany` from a peer; the answers as `Append` would
-/// have given them, by message index, in the order they came.
-async fn append_many(
-    c: &mut RaftClient<Channel>,
-    secret: &str,
-    messages: Vec<RaftMessage>,
-) -> Result<Vec<(u32, Result<RaftMessage, tonic::Status>)>, tonic::Status> {
-    let mut stream = c
-        .append_many(as_peer(RaftBatch { messages }, secret))
-        .await?
-        .into_inner();
-    let mut out = Vec::new();
-    while let Some(reply) = stream.message().await? {
-        let i = reply.index;
-        out.push((i, allot_node::replicate::reply_of(reply)));
-    }
-    Ok(out)
-}
-
-/// One replication stream per node pair (DESIGN §51): a batch of shards'
-/// AppendEntries needs the peer credential, names each shard once and at most as many
-/// as the node has, and each of its messages is checked and answered as `Append` would
-/// answer it — a refused one beside a well-formed one refuses only itself.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn append_many_answers_each_message_as_append_would() {
-    let mut h = secured(2).await;
-    let secret = h.secret();
-    let mut c = raft(channel(&h.addr(1)).await);
-    let forged = |shard: u32, term: u64| RaftMessage {
-        shard,
-        payload: codec::encode(&AppendWire {
-            vote: Vote::new_committed(term, 2),
-            prev_log_id: None,
-            leader_commit: None,
-            entries: Vec::new(),
-        }),
-    };
-    // Without the peer credential the body is never read.
-    let e = c
-        .append_many(RaftBatch {
-            messages: vec![forged(0, 1)],
-        })
-        .await
-        .unwrap_err();
-    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
-    assert_eq!(reason(&e), "PEER_UNAUTHENTICATED");
-    // The probe a sender makes: an empty batch, answered by an empty stream.
-    assert!(append_many(&mut c, &secret, Vec::new())
-        .await
-        .unwrap()
-        .is_empty());
-    // A shard twice, or more messages than shards: the whole batch is refused.
-    for messages in [
-        vec![forged(0, 1), forged(0, 1)],
-        vec![forged(0, 1), forged(1, 1), forged(5, 1)],
-    ] {
-        let e = append_many(&mut c, &secret, messages).await.unwrap_err();
-        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
-        assert_eq!(reason(&e), "PEER_MESSAGE_REFUSED");
-    }
-    // Per message: malformed bytes, an unknown shard, a term above the bound.
-    let answers = append_many(
-        &mut c,
-        &secret,
-        vec![
-            RaftMessage {
-                shard: 0,
-                payload: vec![0xff; 40],
-            },
-            forged(7, 1),
-        ],
-    )
-    .await
-    .unwrap();
-    let mut answers: Vec<_> = answers
-        .into_iter()
-        .map(|(i, r)| (i, r.unwrap_err()))
-        .collect();
-    answers.sort_by_key(|(i, _)| *i);
-    assert_eq!(answers.len(), 2, "{answers:?}");
-    assert_eq!(answers[0].1.code(), Code::InvalidArgument);
-    assert_eq!(reason(&answers[0].1), "MALFORMED");
-    assert_eq!(answers[1].1.code(), Code::NotFound);
-    assert_eq!(reason(&answers[1].1), "UNKNOWN_SHARD");
-    let answers = append_many(&mut c, &secret, vec![forged(1, TERM_MAX + 1)])
-        .await
-        .unwrap();
-    let e = answers[0].1.as_ref().unwrap_err();
-    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
-    assert_eq!(reason(e), "PEER_MESSAGE_REFUSED");
-    h.assert_all_running();
-    h.every_shard_commits(Duration::from_secs(5), 100).await;
-}
-
 /// Defect 4: a forged `Raft.Vote` with term u64::MAX killed the replica (openraft's
 /// `term + 1` overflows). Now refused before openraft sees it, like every term or index
 /// above 2^62 and every vote in the receiver's own name.
@@ -1572,16 +1478,10 @@ async fn one_hostile_message(r: &mut Rng, addr: &str, me: u64, secret: &str, rev
             };
             let msg = RaftMessage { shard, payload };
             let mut c = raft(ch);
-            let _ = match r.below(5) {
+            let _ = match r.below(4) {
                 0 => c.append(msg).await.map(|_| ()),
                 1 => c.vote(msg).await.map(|_| ()),
                 2 => c.snapshot(msg).await.map(|_| ()),
-                3 => c
-                    .append_many(RaftBatch {
-                        messages: vec![msg],
-                    })
-                    .await
-                    .map(|_| ()),
                 _ => c.report_denials(msg).await.map(|_| ()),
             };
         }
@@ -1589,7 +1489,7 @@ async fn one_hostile_message(r: &mut Rng, addr: &str, me: u64, secret: &str, rev
             // From a peer (the secret): every such message breaks a guard.
             let shard = 0;
             let mut c = raft(ch);
-            let which = r.below(4);
+            let which = r.below(3);
             let append = hostile_append(r, me);
             let what = format!("{which}: {:?}", append.vote);
             let e = match which {
@@ -1603,16 +1503,6 @@ async fn one_hostile_message(r: &mut Rng, addr: &str, me: u64, secret: &str, rev
                     ))
                     .await
                     .err(),
-                3 => append_many(
-                    &mut c,
-                    secret,
-                    vec![RaftMessage {
-                        shard,
-                        payload: codec::encode(&append),
-                    }],
-                )
-                .await
-                .map_or_else(Some, |mut replies| replies.pop().and_then(|(_, r)| r.err())),
                 1 => c
                     .vote(as_peer(
                         RaftMessage {
