@@ -16,7 +16,8 @@ cargo fmt --all -- --check
 step "clippy (-D warnings)"
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 
-step "simulator smoke run (exits non-zero on any invariant violation)"
+step "simulator unit tests and smoke run (exits non-zero on any invariant violation)"
+cargo test --locked -q -p allot-statemachine --features sim --bin allot-sim
 cargo run --locked -q -p allot-statemachine --features sim --bin allot-sim -- --hours 0.25 --flood 100 >/dev/null
 
 step "doc tests"

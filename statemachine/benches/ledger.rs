@@ -333,6 +333,69 @@ fn memory_per_account(accounts: u64) -> (f64, f64, f64) {
     (steady, with_idempotency, per_record)
 }
 
+/// What the replicated benchmark's traffic leaves in one shard's memory, per command:
+/// `commands` hold cycles' commands (CreateHold, Capture, ReleaseHold from 16 clients,
+/// 16 commands an entry, 3 ms of logical time apart: the same commands `allot-bench`
+/// sends) into one state. Returns bytes per command with everything retained, bytes per
+/// command once the idempotency records are pruned (the settled holds' tombstones and
+/// the rest), the records and the tombstones the state held.
+fn memory_per_hold_cycle(commands: u64) -> (f64, f64, usize, usize) {
+    use allot_statemachine::workload::{setup, HoldCycle};
+    let mut state = State::default();
+    let mut index = 0u64;
+    let mut t = T0_MS;
+    let mut step = |state: &mut State, requests: Vec<Request>, t: u64| {
+        index += 1;
+        let e = Entry {
+            log_index: index,
+            logical_time_ms: t,
+            requests,
+        };
+        let out = apply(state, &e).unwrap();
+        assert!(out.outcomes.iter().all(|o| o.is_ok()), "{:?}", out.outcomes);
+    };
+    step(&mut state, setup(limits::AMOUNT_MICRO_MAX / 10), t);
+    // The bench tenant's quota as `allot-bench --rate` sets it.
+    step(
+        &mut state,
+        vec![allot_statemachine::workload::admin(
+            allot_statemachine::workload::rid(0, 1001),
+            Command::SetQuota {
+                org: ORG,
+                quota: Some(Quota {
+                    records_max: 16_000_000,
+                    ..Quota::default()
+                }),
+            },
+        )],
+        t,
+    );
+    let base = LIVE_BYTES.load(Ordering::Relaxed);
+    let mut clients: Vec<HoldCycle> = (1..=16).map(|s| HoldCycle::new(s, 3_000_000)).collect();
+    let mut sent = 0;
+    while sent < commands {
+        let reqs: Vec<Request> = clients.iter_mut().map(HoldCycle::request).collect();
+        sent += reqs.len() as u64;
+        t += 3;
+        step(&mut state, reqs, t);
+    }
+    let retained = (LIVE_BYTES.load(Ordering::Relaxed) - base) as f64 / sent as f64;
+    let records = state.idempotency.records.len();
+    let tombstones = state.ledger.holds.settled.len();
+    // Past the idempotency retention window the request records go; the tombstones
+    // (kept as long, or to the org's quota) are then cut to nothing for the difference.
+    let mut later = t + state.config.idempotency_retention_ms;
+    while !state.idempotency.records.is_empty() {
+        later += 1;
+        step(&mut state, vec![], later);
+    }
+    state.idempotency.records = Default::default();
+    state.idempotency.queue = Default::default();
+    let without_records = (LIVE_BYTES.load(Ordering::Relaxed) - base) as f64 / sent as f64;
+    std::hint::black_box(&state);
+    (retained, without_records, records, tombstones)
+}
+
 fn main() {
     let json = std::env::args().any(|a| a == "--json");
     let only_throughput = std::env::args().any(|a| a == "--throughput-only");
@@ -356,9 +419,15 @@ fn main() {
     } else {
         memory_per_account(1_000_000)
     };
+    // A shard's share of 30 minutes of `allot-bench --rate 1200` (4 shards): 540,000.
+    let (cycle, cycle_pruned, cycle_records, cycle_tombstones) = if only_throughput {
+        (0.0, 0.0, 0, 0)
+    } else {
+        memory_per_hold_cycle(540_000)
+    };
     if json {
         println!(
-            "{{\"apply_commands_per_s_best\":{best:.0},\"apply_commands_per_s_median\":{median:.0},\"repetitions\":{reps},\"holds_concurrent\":{},\"commands_per_repetition\":{commands},\"heartbeat_share\":{:.3},\"bytes_per_account\":{steady:.0},\"bytes_per_account_with_idempotency_records\":{with_idem:.0},\"bytes_per_idempotency_record\":{per_record:.0}}}",
+            "{{\"apply_commands_per_s_best\":{best:.0},\"apply_commands_per_s_median\":{median:.0},\"repetitions\":{reps},\"holds_concurrent\":{},\"commands_per_repetition\":{commands},\"heartbeat_share\":{:.3},\"bytes_per_account\":{steady:.0},\"bytes_per_account_with_idempotency_records\":{with_idem:.0},\"bytes_per_idempotency_record\":{per_record:.0},\"bench_bytes_per_command\":{cycle:.0},\"bench_bytes_per_command_records_pruned\":{cycle_pruned:.0},\"bench_records\":{cycle_records},\"bench_tombstones\":{cycle_tombstones}}}",
             holds_concurrent(),
             heartbeats as f64 / commands as f64
         );
@@ -381,5 +450,8 @@ fn main() {
         println!("  bytes/account steady    {steady:.0}   (target <= 1024)");
         println!("  bytes/account incl. idempotency records still in retention  {with_idem:.0}");
         println!("  bytes per idempotency record (its map entry and queue slot)  {per_record:.0}");
+        println!("memory per command of the replicated benchmark's traffic (540,000 hold-cycle commands, one shard)");
+        println!("  bytes/command retained  {cycle:.0}   ({cycle_records} idempotency records, {cycle_tombstones} settled-hold tombstones)");
+        println!("  bytes/command once the records are pruned  {cycle_pruned:.0}");
     }
 }

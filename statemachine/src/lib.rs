@@ -57,6 +57,7 @@ pub mod tombstones;
 pub mod units;
 pub mod validate;
 pub mod version;
+pub mod workload;
 
 pub use audit::{verify_chain, AuditChain, AuditEvent, EventBody};
 pub use command::*;

@@ -6,8 +6,13 @@
 //! ```text
 //! cargo run --release -p allot-statemachine --features sim --bin allot-sim -- \
 //!     [--seed N] [--hours H] [--load X] [--flood N] [--json] \
-//!     [--trace-out FILE] [--trace-in FILE] [--policies fair,strict,fifo] [--flexible]
+//!     [--trace-out FILE] [--trace-in FILE] [--policies fair,strict,fifo] [--flexible] \
+//!     [--big-jobs PCT]
 //! ```
+//!
+//! Besides each tier's waits, it reports the time to admission (submission to first
+//! placement) per tier and job size (1, 2, 4, 8 GPUs), as Kueue reports admission wait
+//! per queue.
 
 use allot_statemachine::scheduler::{JobState, Policy};
 use allot_statemachine::testkit::{a100, h100, A100_PRICE, H100_PRICE, T0_MS};
@@ -72,9 +77,21 @@ struct Args {
     policies: Vec<Policy>,
     /// Every job accepts both GPU types (isolates fairness from type constraints).
     flexible: bool,
+    /// Percent of jobs that take a whole node (8 GPUs); the rest are 1, 2 and 4 GPUs in
+    /// the proportions 4:3:2. The default, 10, is the original trace, draw for draw.
+    big_jobs_pct: u64,
 }
 
+const USAGE: &str = "usage: allot-sim [--seed N] [--hours H] [--load X] [--flood N] [--json] [--trace-out F] [--trace-in F] [--policies fair,strict,fifo] [--flexible] [--big-jobs PCT]";
+
+/// Job sizes reported apart (GPUs per job).
+const SIZES: [u32; 4] = [1, 2, 4, 8];
+
 fn parse_args() -> Result<Args, String> {
+    parse_from(std::env::args().skip(1))
+}
+
+fn parse_from(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
     let mut a = Args {
         seed: 42,
         hours: 4.0,
@@ -85,8 +102,8 @@ fn parse_args() -> Result<Args, String> {
         trace_in: None,
         policies: vec![Policy::Fair, Policy::StrictPriority, Policy::Fifo],
         flexible: false,
+        big_jobs_pct: 10,
     };
-    let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
         match flag.as_str() {
@@ -96,6 +113,9 @@ fn parse_args() -> Result<Args, String> {
             "--flood" => a.flood = value()?.parse().map_err(|e| format!("--flood: {e}"))?,
             "--json" => a.json = true,
             "--flexible" => a.flexible = true,
+            "--big-jobs" => {
+                a.big_jobs_pct = value()?.parse().map_err(|e| format!("--big-jobs: {e}"))?
+            }
             "--trace-out" => a.trace_out = Some(value()?),
             "--trace-in" => a.trace_in = Some(value()?),
             "--policies" => {
@@ -109,12 +129,15 @@ fn parse_args() -> Result<Args, String> {
                     })
                     .collect::<Result<_, _>>()?
             }
-            "-h" | "--help" => return Err("usage: allot-sim [--seed N] [--hours H] [--load X] [--flood N] [--json] [--trace-out F] [--trace-in F] [--policies fair,strict,fifo] [--flexible]".into()),
+            "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown flag {other:?} (try --help)")),
         }
     }
     if !(a.hours > 0.0 && a.hours <= 48.0 && a.load > 0.0 && a.load <= 10.0) {
         return Err("--hours must be in (0, 48] and --load in (0, 10]".into());
+    }
+    if a.big_jobs_pct > 100 {
+        return Err("--big-jobs is a percentage: 0 to 100".into());
     }
     Ok(a)
 }
@@ -126,14 +149,21 @@ fn parse_args() -> Result<Args, String> {
 fn generate(args: &Args) -> Vec<TraceJob> {
     let mut rng = Rng(args.seed);
     let capacity = (NODES * GPUS_PER_NODE as u64) as f64;
-    let mean_gpus = 0.4 * 1.0 + 0.3 * 2.0 + 0.2 * 4.0 + 0.1 * 8.0;
+    // 1, 2 and 4 GPUs in the proportions 4:3:2 (a mean of 2), 8 GPUs for the rest. The
+    // default's expression is the original's, so its arrival times are bit for bit.
+    let mean_gpus = if args.big_jobs_pct == 10 {
+        0.4 * 1.0 + 0.3 * 2.0 + 0.2 * 4.0 + 0.1 * 8.0
+    } else {
+        let big = args.big_jobs_pct as f64 / 100.0;
+        big * 8.0 + (1.0 - big) * 2.0
+    };
     let mean_work_s = (600.0 - 20.0) / (600.0f64 / 20.0).ln();
     let rate_per_ms = args.load * capacity / (mean_gpus * mean_work_s) / 1_000.0;
     let end_ms = (args.hours * 3_600_000.0) as u64;
     let mut jobs = Vec::new();
     let mut t = 0.0f64;
     let make = |rng: &mut Rng, t_ms: u64, tier: u8, org: u64, job: u64| {
-        let gpus = [1, 1, 1, 1, 2, 2, 2, 4, 4, 8][rng.below(10) as usize];
+        let gpus = job_gpus(rng, args.big_jobs_pct);
         let work_ms = (20_000.0 * (30.0f64).powf(rng.unit())) as u64;
         let types = match if args.flexible { 1 } else { rng.below(3) } {
             0 => vec!["H100".to_string()],
@@ -192,6 +222,23 @@ fn generate(args: &Args) -> Vec<TraceJob> {
     }
     jobs.sort_by_key(|j| (j.t_ms, j.job));
     jobs
+}
+
+/// A job's size: whole-node (8 GPUs) for `big_pct` percent of jobs, else 1, 2 or 4 GPUs
+/// in the proportions 4:3:2. At 10 % it draws exactly as the original trace did (one
+/// draw below 10), so seeds reproduce their published figures.
+fn job_gpus(rng: &mut Rng, big_pct: u64) -> u32 {
+    const SMALL: [u32; 9] = [1, 1, 1, 1, 2, 2, 2, 4, 4];
+    if big_pct == 10 {
+        let i = rng.below(10) as usize;
+        return SMALL.get(i).copied().unwrap_or(8);
+    }
+    let r = rng.below(100);
+    if r < big_pct {
+        8
+    } else {
+        SMALL[((r - big_pct) * 9 / (100 - big_pct)) as usize]
+    }
 }
 
 fn org_id(tier: u8, k: u64) -> u64 {
@@ -493,6 +540,43 @@ struct TierFigures {
     jct_p50_s: f64,
     jain_index: f64,
     backlogged_orgs: usize,
+    /// Share of the overload window's steps in which the tier had jobs queued.
+    backlogged_pct: f64,
+    /// Of those, the share in which it held at least its floor of the fleet's GPUs:
+    /// 100 is "never starved".
+    floor_met_pct: f64,
+    /// Time to admission (submission to first placement) by job size.
+    by_gpus: Vec<SizeFigures>,
+}
+
+/// Time to admission of one tier's jobs of one size. A job never placed counts with the
+/// time it had waited when the run ended (censored), like the tier's waits.
+#[derive(Serialize, Debug, PartialEq)]
+struct SizeFigures {
+    gpus: u32,
+    jobs: usize,
+    placed: usize,
+    wait_p50_s: f64,
+    wait_p95_s: f64,
+    wait_max_s: f64,
+}
+
+/// Per size in [`SIZES`]: the figures of `waits` (GPUs, wait ms, placed).
+fn by_size(waits: &[(u32, u64, bool)]) -> Vec<SizeFigures> {
+    SIZES
+        .iter()
+        .map(|&g| {
+            let mut w: Vec<u64> = waits.iter().filter(|x| x.0 == g).map(|x| x.1).collect();
+            SizeFigures {
+                gpus: g,
+                jobs: w.len(),
+                placed: waits.iter().filter(|x| x.0 == g && x.2).count(),
+                wait_p50_s: pct(&mut w, 0.50),
+                wait_p95_s: pct(&mut w, 0.95),
+                wait_max_s: pct(&mut w, 1.0),
+            }
+        })
+        .collect()
 }
 
 #[derive(Serialize)]
@@ -556,6 +640,18 @@ fn simulate(policy: Policy, trace: &[TraceJob], hours: f64) -> Figures {
     let mut received: BTreeMap<u64, u64> = BTreeMap::new();
     let mut backlogged: BTreeMap<u64, u64> = BTreeMap::new();
     let mut window_steps = 0u64;
+    // Per tier: overload-window steps it was backlogged, and those of them in which it
+    // held at least its floor of the fleet's GPUs (not starved).
+    let mut tier_backlogged = [0u64; 3];
+    let mut tier_floor_met = [0u64; 3];
+    let floors: Vec<u64> = sim
+        .state
+        .config
+        .scheduler
+        .tiers
+        .iter()
+        .map(|t| t.floor_pct as u64)
+        .collect();
     let drain_until = end_arrivals + 3_600_000;
     while sim.now < drain_until {
         sim.now += STEP_MS;
@@ -574,6 +670,16 @@ fn simulate(policy: Policy, trace: &[TraceJob], hours: f64) -> Figures {
             sim.used_samples
                 .push((s.used_gpus as u64, s.fleet_gpus as u64));
             window_steps += 1;
+            for t in 0..3u8 {
+                if s.queue.get(&Tier(t)).is_some_and(|q| !q.is_empty()) {
+                    tier_backlogged[t as usize] += 1;
+                    let floor =
+                        s.fleet_gpus as u64 * floors.get(t as usize).copied().unwrap_or(0) / 100;
+                    if s.tier_gpus.get(&Tier(t)).copied().unwrap_or(0) as u64 >= floor {
+                        tier_floor_met[t as usize] += 1;
+                    }
+                }
+            }
             for (tier, orgs) in &s.queue {
                 let _ = tier;
                 for org in orgs.keys() {
@@ -603,6 +709,7 @@ fn simulate(policy: Policy, trace: &[TraceJob], hours: f64) -> Figures {
             .filter(|j| j.tier == tier && (group < 3 || j.org != flood_org))
             .collect();
         let (mut waits, mut jcts, mut placed, mut shed) = (Vec::new(), Vec::new(), 0, 0);
+        let mut sized = Vec::new();
         for tj in &jobs {
             let Some(j) = s.jobs.get(&(OrgId(tj.org), JobId(tj.job))) else {
                 shed += 1;
@@ -611,9 +718,14 @@ fn simulate(policy: Policy, trace: &[TraceJob], hours: f64) -> Figures {
             match j.waits_ms.first() {
                 Some(w) => {
                     waits.push(*w);
+                    sized.push((tj.gpus, *w, true));
                     placed += 1;
                 }
-                None => waits.push(sim.now - j.submitted_ms), // never placed: censored wait
+                None => {
+                    // Never placed: censored wait.
+                    waits.push(sim.now - j.submitted_ms);
+                    sized.push((tj.gpus, sim.now - j.submitted_ms, false));
+                }
             }
             if j.state == JobState::Succeeded {
                 jcts.push(j.finished_ms.unwrap_or(sim.now) - j.submitted_ms);
@@ -644,6 +756,11 @@ fn simulate(policy: Policy, trace: &[TraceJob], hours: f64) -> Figures {
             jct_p50_s: pct(&mut jcts, 0.50),
             jain_index: jain(&x),
             backlogged_orgs: x.len(),
+            backlogged_pct: 100.0 * tier_backlogged[tier as usize] as f64
+                / window_steps.max(1) as f64,
+            floor_met_pct: 100.0 * tier_floor_met[tier as usize] as f64
+                / tier_backlogged[tier as usize].max(1) as f64,
+            by_gpus: by_size(&sized),
         });
     }
     let micro = |m: u128| m as f64 / 1e6;
@@ -700,12 +817,27 @@ fn print_table(all: &[Figures]) {
                 f.tiers[t].jain_index, f.tiers[t].backlogged_orgs
             )
         });
+        row(&format!("{name}: backlogged % / floor held %"), &|f| {
+            format!(
+                "{:.0} / {:.1}",
+                f.tiers[t].backlogged_pct, f.tiers[t].floor_met_pct
+            )
+        });
         row(&format!("{name}: placed / shed / jobs"), &|f| {
             format!(
                 "{}/{}/{}",
                 f.tiers[t].placed, f.tiers[t].shed, f.tiers[t].jobs
             )
         });
+        for (k, g) in SIZES.iter().enumerate() {
+            row(&format!("{name}: {g}-GPU admission p50/p95/max s"), &|f| {
+                let b = &f.tiers[t].by_gpus[k];
+                format!(
+                    "{:.0}/{:.0}/{:.0}",
+                    b.wait_p50_s, b.wait_p95_s, b.wait_max_s
+                )
+            });
+        }
     }
     row("preemptions", &|f| f.preemptions.to_string());
     row("GPU-h delivered / lost", &|f| {
@@ -755,8 +887,8 @@ fn main() {
     });
     if !args.json {
         eprintln!(
-            "allot-sim: seed {} · {} jobs over {:.1} h · fleet {} nodes × {} GPUs (half A100, half H100) · load {:.2}× capacity · enterprise flood {} jobs at min(1 h, a quarter of the trace)",
-            args.seed, trace.len(), hours, NODES, GPUS_PER_NODE, args.load, args.flood
+            "allot-sim: seed {} · {} jobs over {:.1} h · fleet {} nodes × {} GPUs (half A100, half H100) · load {:.2}× capacity · {}% whole-node jobs · enterprise flood {} jobs at min(1 h, a quarter of the trace)",
+            args.seed, trace.len(), hours, NODES, GPUS_PER_NODE, args.load, args.big_jobs_pct, args.flood
         );
     }
     let all: Vec<Figures> = args
@@ -801,4 +933,107 @@ fn save(path: &str, trace: &[TraceJob]) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     }
     f.flush().map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(flags: &[&str]) -> Result<Args, String> {
+        parse_from(flags.iter().map(|s| s.to_string()))
+    }
+
+    fn sizes(trace: &[TraceJob]) -> BTreeMap<u32, usize> {
+        let mut n = BTreeMap::new();
+        for j in trace {
+            *n.entry(j.gpus).or_default() += 1;
+        }
+        n
+    }
+
+    #[test]
+    fn the_default_trace_draws_as_the_original_did() {
+        // The original draw, inline: one `below(10)` into [1,1,1,1,2,2,2,4,4,8].
+        let mut a = Rng(7);
+        let mut b = Rng(7);
+        for _ in 0..10_000 {
+            let original = [1, 1, 1, 1, 2, 2, 2, 4, 4, 8][a.below(10) as usize];
+            assert_eq!(job_gpus(&mut b, 10), original);
+        }
+    }
+
+    #[test]
+    fn big_jobs_set_the_share_of_whole_node_jobs() {
+        for pct in [0u64, 30, 100] {
+            let a = args(&[
+                "--hours",
+                "2",
+                "--big-jobs",
+                &pct.to_string(),
+                "--flood",
+                "0",
+            ])
+            .unwrap();
+            let trace = generate(&a);
+            let n = sizes(&trace);
+            let big = n.get(&8).copied().unwrap_or(0) as f64 / trace.len() as f64;
+            assert!(
+                (big - pct as f64 / 100.0).abs() < 0.02,
+                "{pct}%: {big} of {} ({n:?})",
+                trace.len()
+            );
+            // Only the four sizes; 1:2:4 stay 4:3:2 among the rest.
+            assert!(n.keys().all(|g| SIZES.contains(g)), "{n:?}");
+            if pct < 100 {
+                let ones = n[&1] as f64;
+                assert!((n[&4] as f64 / ones - 0.5).abs() < 0.1, "{n:?}");
+            }
+        }
+        // The arrival rate follows the mean size: the offered GPU load stays the same.
+        let gpu_work = |pct: &str| {
+            let a = args(&["--hours", "4", "--big-jobs", pct, "--flood", "0"]).unwrap();
+            generate(&a)
+                .iter()
+                .map(|j| j.gpus as f64 * j.work_ms as f64)
+                .sum::<f64>()
+        };
+        let (ten, thirty) = (gpu_work("10"), gpu_work("30"));
+        assert!((thirty / ten - 1.0).abs() < 0.1, "{ten} vs {thirty}");
+    }
+
+    #[test]
+    fn bad_flags_are_usage_errors() {
+        for bad in [
+            vec!["--big-jobs", "101"],
+            vec!["--big-jobs", "x"],
+            vec!["--big-jobs"],
+            vec!["--load", "0"],
+            vec!["--policies", "slurm?"],
+            vec!["--bogus"],
+        ] {
+            assert!(args(&bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(args(&["--help"]).err().as_deref(), Some(USAGE));
+        assert_eq!(args(&[]).unwrap().big_jobs_pct, 10);
+    }
+
+    #[test]
+    fn admission_times_are_reported_per_size_censored_included() {
+        let waits = [
+            (1, 1_000, true),
+            (1, 3_000, true),
+            (8, 60_000, true),
+            (8, 900_000, false),
+        ];
+        let f = by_size(&waits);
+        assert_eq!(f.iter().map(|x| x.gpus).collect::<Vec<_>>(), SIZES);
+        assert_eq!((f[0].jobs, f[0].placed), (2, 2));
+        assert_eq!(f[0].wait_max_s, 3.0);
+        assert_eq!((f[1].jobs, f[1].placed, f[1].wait_p50_s), (0, 0, 0.0));
+        assert_eq!((f[3].jobs, f[3].placed), (2, 1));
+        assert_eq!(
+            f[3].wait_max_s, 900.0,
+            "a job never placed counts as waiting"
+        );
+    }
 }
