@@ -340,7 +340,7 @@ fn memory_per_account(accounts: u64) -> (f64, f64, f64) {
 /// command once the idempotency records are pruned (the settled holds' tombstones and
 /// the rest), the records and the tombstones the state held.
 fn memory_per_hold_cycle(commands: u64) -> (f64, f64, usize, usize) {
-    use allot_statemachine::workload::{setup, HoldCycle};
+    use allot_statemachine::workload::{setup, sustained_quota, HoldCycle};
     let mut state = State::default();
     let mut index = 0u64;
     let mut t = T0_MS;
@@ -356,20 +356,7 @@ fn memory_per_hold_cycle(commands: u64) -> (f64, f64, usize, usize) {
     };
     step(&mut state, setup(limits::AMOUNT_MICRO_MAX / 10), t);
     // The bench tenant's quota as `allot-bench --rate` sets it.
-    step(
-        &mut state,
-        vec![allot_statemachine::workload::admin(
-            allot_statemachine::workload::rid(0, 1001),
-            Command::SetQuota {
-                org: ORG,
-                quota: Some(Quota {
-                    records_max: 16_000_000,
-                    ..Quota::default()
-                }),
-            },
-        )],
-        t,
-    );
+    step(&mut state, vec![sustained_quota()], t);
     let base = LIVE_BYTES.load(Ordering::Relaxed);
     let mut clients: Vec<HoldCycle> = (1..=16).map(|s| HoldCycle::new(s, 3_000_000)).collect();
     let mut sent = 0;
@@ -382,8 +369,8 @@ fn memory_per_hold_cycle(commands: u64) -> (f64, f64, usize, usize) {
     let retained = (LIVE_BYTES.load(Ordering::Relaxed) - base) as f64 / sent as f64;
     let records = state.idempotency.records.len();
     let tombstones = state.ledger.holds.settled.len();
-    // Past the idempotency retention window the request records go; the tombstones
-    // (kept as long, or to the org's quota) are then cut to nothing for the difference.
+    // Past the idempotency retention window (24 h) the request records go; the settled
+    // holds' tombstones (kept 7 days, or to the org's quota) stay: what remains is theirs.
     let mut later = t + state.config.idempotency_retention_ms;
     while !state.idempotency.records.is_empty() {
         later += 1;

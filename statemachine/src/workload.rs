@@ -24,6 +24,23 @@ pub fn as_tenant(request_id: u128, command: Command) -> Request {
     }
 }
 
+/// What an operator gives the benchmark's tenant for a sustained run: an idempotency
+/// records quota of the shard's whole table but its operator reserve (a day of its
+/// traffic would pass the default), as an admin request with an id from stream 0.
+pub fn sustained_quota() -> Request {
+    use crate::limits::{IDEMPOTENCY_ENTRIES_MAX, IDEMPOTENCY_RESERVED_MAX};
+    admin(
+        rid(0, 1001),
+        Command::SetQuota {
+            org: ORG,
+            quota: Some(crate::Quota {
+                records_max: (IDEMPOTENCY_ENTRIES_MAX - IDEMPOTENCY_RESERVED_MAX) as u32,
+                ..crate::Quota::default()
+            }),
+        },
+    )
+}
+
 /// Request ids of a run: `(stream << 64) | n`, so workers never collide.
 pub fn rid(stream: u64, n: u64) -> u128 {
     ((stream as u128) << 64) | n as u128

@@ -639,20 +639,8 @@ async fn start_allot(o: &Opts, dir: &std::path::Path) -> anyhow::Result<(LocalCl
     for s in 0..o.shards {
         let mut setup = workload::setup(allot_statemachine::limits::AMOUNT_MICRO_MAX / 10);
         if o.rate.is_some() {
-            // A sustained run keeps a day's idempotency records: the operator gives a
-            // tenant with this traffic a records quota to match (the shard's whole
-            // table but its operator reserve), as DESIGN §50 says.
-            use allot_statemachine::limits::{IDEMPOTENCY_ENTRIES_MAX, IDEMPOTENCY_RESERVED_MAX};
-            setup.push(workload::admin(
-                workload::rid(0, 1001),
-                allot_statemachine::Command::SetQuota {
-                    org: allot_statemachine::testkit::ORG,
-                    quota: Some(allot_statemachine::Quota {
-                        records_max: (IDEMPOTENCY_ENTRIES_MAX - IDEMPOTENCY_RESERVED_MAX) as u32,
-                        ..allot_statemachine::Quota::default()
-                    }),
-                },
-            ));
+            // A sustained run keeps a day's idempotency records (DESIGN §50).
+            setup.push(workload::sustained_quota());
         }
         let (outs, _) = client.execute(s, &setup).await?;
         if let Some(bad) = outs.iter().find(|x| x.is_err()) {
