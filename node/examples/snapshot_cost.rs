@@ -54,7 +54,7 @@ fn main() {
         println!(
             "round {round}: {done} commands, {} idempotency records: clone {whole:?} \
              (idempotency {idem:?}, ledger {led:?}), encode {encode:?}, {bytes} bytes",
-            state.idempotency.records.len()
+            state.idempotency.len()
         );
     }
 }

@@ -210,7 +210,7 @@ pub fn restore(
         }
     };
     let install = || -> anyhow::Result<()> {
-        crate::versions::mark_data_dir(&staging)?;
+        crate::versions::mark_data_dir(&staging, crate::versions::START_FORMAT)?;
         if let Some(parent) = data_dir.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent)?;
         }

@@ -156,8 +156,9 @@ impl Node {
             move |d, _| wal.observe(d.as_secs_f64()),
             config.test_fsync_fail_file.clone(),
         );
-        // Every shard opened: from here this binary's format may be written.
-        crate::versions::mark_data_dir(&config.data_dir)?;
+        // Every shard opened: from here this binary's log and audit format may be
+        // written (snapshots mark their own format as they are stored).
+        crate::versions::mark_data_dir(&config.data_dir, crate::versions::START_FORMAT)?;
         let mut shards = Vec::new();
         for id in 0..config.shards {
             let trigger = Arc::new(SnapshotTrigger::new(

@@ -751,7 +751,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut r = SnapshotReceiver::new(dir.path().join("s"));
         let state = allot_statemachine::State::default();
-        let bytes = allot_statemachine::codec::encode(&state);
+        let bytes = state.encode();
         let n = bytes.len() as u64;
         let got = r.receive(chunk("a", 0, n, &bytes)).await.unwrap().unwrap();
         let (decoded, raw) = got.decode().unwrap();

@@ -3,7 +3,7 @@
 //! version gate an `ActivateVersion` passes before it is proposed.
 
 use crate::node::{Node, Shard};
-use allot_statemachine::codec::{FORMAT_READ_MIN, FORMAT_VERSION};
+use allot_statemachine::codec::{FORMAT_READ_MIN, FORMAT_VERSION, WIRE_FORMAT};
 use allot_statemachine::{Command, Request};
 use anyhow::{bail, Context};
 use std::path::Path;
@@ -56,18 +56,36 @@ pub fn check_data_dir(dir: &Path) -> anyhow::Result<()> {
     }
 }
 
-/// Records that the data dir may now hold this build's format (atomically: a temporary
-/// file renamed over the marker).
-pub fn mark_data_dir(dir: &Path) -> anyhow::Result<()> {
-    if data_dir_format(dir)? == Some(FORMAT_VERSION) {
+/// Records that the data dir may now hold blobs of `format` (atomically: a temporary
+/// file renamed over the marker). Never lowers it. A node marks its dir with
+/// [`WIRE_FORMAT`] when it starts — what it writes into the log and the audit store —
+/// and with a state's format before it stores a snapshot of it
+/// ([`mark_for_snapshot`]): so until rule version 3 makes snapshots format 7, the dir
+/// stays readable by the previous release (a rollback).
+pub fn mark_data_dir(dir: &Path, format: u8) -> anyhow::Result<()> {
+    if data_dir_format(dir)?.is_some_and(|v| v >= format) {
         return Ok(());
     }
     let tmp = dir.join(format!("{FORMAT_FILE}.tmp"));
-    std::fs::write(&tmp, format!("allot-format {FORMAT_VERSION}\n"))
+    std::fs::write(&tmp, format!("allot-format {format}\n"))
         .and_then(|()| std::fs::File::open(&tmp)?.sync_all())
         .and_then(|()| std::fs::rename(&tmp, dir.join(FORMAT_FILE)))
         .and_then(|()| std::fs::File::open(dir)?.sync_all())
         .with_context(|| format!("writing the format marker in {}", dir.display()))
+}
+
+/// The format a node marks its data dir with when it starts.
+pub const START_FORMAT: u8 = WIRE_FORMAT;
+
+/// Marks the data dir of the store at `db_path` (`<data dir>/db`) before a snapshot
+/// whose encoding is `state` is stored in it.
+pub fn mark_for_snapshot(db_path: &Path, state: &[u8]) -> std::io::Result<()> {
+    match (state.first(), db_path.parent()) {
+        (Some(&format), Some(dir)) if format > WIRE_FORMAT => {
+            mark_data_dir(dir, format).map_err(|e| std::io::Error::other(format!("{e:#}")))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Refuses to run shard `shard` whose active rule version is newer than this node

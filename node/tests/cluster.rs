@@ -836,6 +836,23 @@ async fn a_learner_joins_is_promoted_and_the_removed_voter_does_not_disrupt() {
 // ---------------------------------------------------------------- upgrades (§48)
 
 const OLD_RELEASE: [&str; 2] = ["--max-rules-version", "1"];
+/// Snapshots every 200 entries in the upgrade test, so that each release's snapshots
+/// are written, stored and read again on restart during it.
+const SNAPSHOT_OFTEN: [&str; 2] = ["--snapshot-every", "200"];
+
+/// The node arguments of "the previous release" (`old`) or of this one.
+fn release_args(old: bool) -> Vec<String> {
+    let mut args = SNAPSHOT_OFTEN.map(String::from).to_vec();
+    if old {
+        args.extend(OLD_RELEASE.map(String::from));
+    }
+    args
+}
+
+/// The format marker of node `id`'s data dir.
+fn marker(c: &LocalCluster, id: u64) -> String {
+    std::fs::read_to_string(c.dir.join(format!("node-{id}")).join("FORMAT")).expect("marker")
+}
 
 /// (shard, term) of every leader any running node reported, polled every 25 ms until
 /// `stop`: the elections that happened (a campaign that won no leader is not one).
@@ -910,7 +927,7 @@ async fn a_rolling_upgrade_under_load_switches_rules_only_when_every_node_suppor
     let shards = 2;
     let (_dir, mut c) = cluster("upgrade", 3, shards);
     for n in &mut c.nodes {
-        n.extra_args = OLD_RELEASE.map(String::from).to_vec();
+        n.extra_args = release_args(true);
     }
     up(&mut c).await;
     let client = allot_node::local_cluster::client(c.endpoints());
@@ -962,11 +979,7 @@ async fn a_rolling_upgrade_under_load_switches_rules_only_when_every_node_suppor
             status.is_some_and(|s| s.success()),
             "node {id} stops cleanly on SIGTERM: {status:?}"
         );
-        c.nodes[id as usize - 1].extra_args = if new {
-            Vec::new()
-        } else {
-            OLD_RELEASE.map(String::from).to_vec()
-        };
+        c.nodes[id as usize - 1].extra_args = release_args(!new);
         c.start(id).expect("restart");
         c.wait_listening(id, Duration::from_secs(60))
             .expect("listening");
@@ -1048,15 +1061,82 @@ async fn a_rolling_upgrade_under_load_switches_rules_only_when_every_node_suppor
     // After activation, the old release refuses to start (clearly; nothing changed),
     // and the new one starts on the same data dir.
     assert!(c.terminate(3, Duration::from_secs(30)).is_some());
-    c.nodes[2].extra_args = OLD_RELEASE.map(String::from).to_vec();
+    c.nodes[2].extra_args = release_args(true);
     let log = refused_start(&mut c, 3);
     assert!(
         log.contains("cannot be undone"),
         "the refusal says why: {log}"
     );
-    c.nodes[2].extra_args = Vec::new();
+    c.nodes[2].extra_args = release_args(false);
     c.start(3).expect("restart new");
     c.wait_listening(3, Duration::from_secs(60))
+        .expect("listening");
+    c.wait_leaders(Duration::from_secs(30))
+        .await
+        .expect("leaders");
+
+    // Until rule version 3 every data dir holds only what the previous release reads
+    // (format 6: its snapshots too), so rolling back stayed possible.
+    for n in 1..=3 {
+        assert_eq!(marker(&c, n), "allot-format 6\n", "node {n}");
+    }
+    // Version 3: snapshots are written in format 7 from its entry on (every 200
+    // entries here), each node marks its dir before it stores one, restarts read them.
+    for s in 0..shards {
+        let (outs, _) = client
+            .execute(s, &[activate(3, 20 + s as u64)])
+            .await
+            .expect("activation");
+        assert_eq!(
+            outs,
+            vec![Ok(allot_statemachine::Reply::RulesActive { version: 3 })]
+        );
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..4u64)
+        .map(|w| {
+            stream += 1;
+            spawn_worker(
+                client.clone(),
+                (w % shards as u64) as u32,
+                stream,
+                stop.clone(),
+                acked.clone(),
+            )
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while (1..=3).any(|n| marker(&c, n) != "allot-format 7\n") {
+        assert!(
+            Instant::now() < deadline,
+            "no format-7 snapshot within 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(c.terminate(2, Duration::from_secs(30)).is_some());
+    c.start(2).expect("restart on a format-7 snapshot");
+    c.wait_listening(2, Duration::from_secs(60))
+        .expect("listening");
+    c.wait_leaders(Duration::from_secs(30))
+        .await
+        .expect("leaders");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.await.expect("worker");
+    }
+    assert_replicas_agree(&c, &client, shards).await;
+    // A node of the release before (here: one that supports version 2) refuses it.
+    assert!(c.terminate(1, Duration::from_secs(30)).is_some());
+    c.nodes[0].extra_args = release_args(false);
+    c.nodes[0]
+        .extra_args
+        .extend(["--max-rules-version", "2"].map(String::from));
+    let log = refused_start(&mut c, 1);
+    assert!(log.contains("cannot be undone"), "{log}");
+    c.nodes[0].extra_args = release_args(false);
+    c.start(1).expect("restart new");
+    c.wait_listening(1, Duration::from_secs(60))
         .expect("listening");
     c.wait_leaders(Duration::from_secs(30))
         .await
@@ -1138,12 +1218,10 @@ async fn a_data_dir_of_a_newer_format_is_refused_untouched() {
         .is_some_and(|s| s.success()));
     let data = c.dir.join("node-1");
     let marker = std::fs::read_to_string(data.join("FORMAT")).expect("the node wrote its marker");
+    // Before rule version 3 the dir holds what the previous release reads.
     assert_eq!(
         marker,
-        format!(
-            "allot-format {}\n",
-            allot_statemachine::codec::FORMAT_VERSION
-        )
+        format!("allot-format {}\n", allot_node::versions::START_FORMAT)
     );
     let newer = allot_statemachine::codec::FORMAT_VERSION + 1;
     std::fs::write(data.join("FORMAT"), format!("allot-format {newer}\n")).expect("marker");

@@ -318,15 +318,15 @@ fn memory_per_account(accounts: u64) -> (f64, f64, f64) {
         batch(&mut index, &mut state, reqs, T0_MS);
     }
     let with_idempotency = (LIVE_BYTES.load(Ordering::Relaxed) - base) as f64 / accounts as f64;
-    let records = state.idempotency.records.len() as f64;
+    let records = state.idempotency.len() as f64;
     // After the idempotency retention window the request records are pruned.
     let mut t = T0_MS + state.config.idempotency_retention_ms;
-    while !state.idempotency.records.is_empty() {
+    while !state.idempotency.is_empty() {
         t += 1;
         batch(&mut index, &mut state, vec![], t);
     }
-    state.idempotency.records = Default::default();
-    state.idempotency.queue = Default::default();
+    // Emptied, the table keeps its index's capacity: a fresh one counts what remains.
+    state.idempotency = IdempotencyTable::new(state.config.idempotency_retention_ms);
     let steady = (LIVE_BYTES.load(Ordering::Relaxed) - base) as f64 / accounts as f64;
     std::hint::black_box(&state);
     let per_record = (with_idempotency - steady) * accounts as f64 / records;
@@ -367,17 +367,17 @@ fn memory_per_hold_cycle(commands: u64) -> (f64, f64, usize, usize) {
         step(&mut state, reqs, t);
     }
     let retained = (LIVE_BYTES.load(Ordering::Relaxed) - base) as f64 / sent as f64;
-    let records = state.idempotency.records.len();
+    let records = state.idempotency.len();
     let tombstones = state.ledger.holds.settled.len();
     // Past the idempotency retention window (24 h) the request records go; the settled
     // holds' tombstones (kept 7 days, or to the org's quota) stay: what remains is theirs.
     let mut later = t + state.config.idempotency_retention_ms;
-    while !state.idempotency.records.is_empty() {
+    while !state.idempotency.is_empty() {
         later += 1;
         step(&mut state, vec![], later);
     }
-    state.idempotency.records = Default::default();
-    state.idempotency.queue = Default::default();
+    // Emptied, the table keeps its index's capacity: a fresh one counts what remains.
+    state.idempotency = IdempotencyTable::new(state.config.idempotency_retention_ms);
     let without_records = (LIVE_BYTES.load(Ordering::Relaxed) - base) as f64 / sent as f64;
     std::hint::black_box(&state);
     (retained, without_records, records, tombstones)

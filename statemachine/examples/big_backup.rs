@@ -93,7 +93,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         apply_entry(&mut state, reqs, T0_MS)?;
     }
     let mut t = T0_MS + state.config.idempotency_retention_ms;
-    while !state.idempotency.records.is_empty() {
+    while !state.idempotency.is_empty() {
         t += 1_000;
         apply_entry(&mut state, vec![], t)?;
     }

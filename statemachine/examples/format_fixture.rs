@@ -6,7 +6,9 @@
 //!
 //! Run on the last commit of a format before its version is bumped, so that the next
 //! release's tests read what this one wrote (`statemachine/tests/formats.rs`;
-//! `tests/fixtures/format5` was written by commit 62f6f77, format 5).
+//! `tests/fixtures/format5` was written by commit 62f6f77, format 5, and
+//! `tests/fixtures/format6` by commit d1226df, format 6). It writes the state in the
+//! format of the fixture's rule version (the baseline: `State::format`).
 use allot_statemachine::testkit::*;
 use allot_statemachine::*;
 
@@ -79,7 +81,7 @@ fn main() {
     write("events.bin", codec::encode(&h.events));
     println!(
         "format {}: {} entries, {} events, state {} bytes",
-        codec::FORMAT_VERSION,
+        h.state.format(),
         h.entries.len(),
         h.events.len(),
         h.state.encode().len()

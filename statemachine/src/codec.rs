@@ -18,7 +18,16 @@ use serde::{de::DeserializeOwned, Serialize};
 ///   `UnsupportedRulesVersion` were appended (appended variants leave older bytes
 ///   decodable). Every other layout is format 5's, so format-5 blobs decode as format 6
 ///   does, and a format-5 state is read through `state::StateV5`.
-pub const FORMAT_VERSION: u8 = 6;
+/// - 7: the state's idempotency table is encoded compactly (its records in log order,
+///   actors numbered; `crate::idempotency`). Only the state's layout changed: every
+///   other blob is still written as format 6 ([`WIRE_FORMAT`]), and a state is written
+///   as format 7 only from rule version 3 on (`crate::version::state_format`).
+pub const FORMAT_VERSION: u8 = 7;
+/// The format this build writes for every blob whose layout did not change in format 7:
+/// log entries' requests, audit rows, peer messages, backup frames other than the
+/// state. A node of the previous release (format 6) reads them, so it can stay in the
+/// cluster during a rolling upgrade.
+pub const WIRE_FORMAT: u8 = 6;
 /// The oldest format this build reads. The support window: a release reads what the
 /// two releases before it wrote (docs/DESIGN.md §48); reading an older blob is a clear
 /// refusal ([`CodecError::UnsupportedVersion`]), as is a newer one
@@ -80,20 +89,28 @@ pub fn encoded_len<T: Serialize + ?Sized>(value: &T) -> u64 {
     encode_options().serialized_size(value).unwrap_or(u64::MAX)
 }
 
-/// Versioned encoding: `[FORMAT_VERSION] ++ bincode(value)`.
+/// Versioned encoding: `[WIRE_FORMAT] ++ bincode(value)`, for every type whose layout
+/// is format 6's (all but the state, which picks its format: `State::encode`).
 pub fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
-    let mut buf = vec![FORMAT_VERSION];
+    encode_as(WIRE_FORMAT, value)
+}
+
+/// `[version] ++ bincode(value)`: `value`'s serialisation must be the layout of format
+/// `version`.
+pub fn encode_as<T: Serialize + ?Sized>(version: u8, value: &T) -> Vec<u8> {
+    let mut buf = vec![version];
     encode_into(&mut buf, value);
     buf
 }
 
-/// [`encode`] streamed into `w`: a large value (a backup's state) is never held whole.
-/// Fails only when `w` does.
+/// [`encode_as`] streamed into `w`: a large value (a backup's state) is never held
+/// whole. Fails only when `w` does.
 pub fn encode_to<T: Serialize + ?Sized, W: std::io::Write>(
     mut w: W,
+    version: u8,
     value: &T,
 ) -> std::io::Result<()> {
-    w.write_all(&[FORMAT_VERSION])?;
+    w.write_all(&[version])?;
     encode_body_to(w, value)
 }
 
@@ -148,6 +165,14 @@ pub fn decode_body_from<T: DeserializeOwned, R: std::io::Read>(r: &mut R) -> Res
         .map_err(|e| CodecError::Malformed(e.to_string()))
 }
 
+/// Decodes a body (no version byte) the current format laid out, all of `bytes` and
+/// nothing more.
+pub fn decode_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
+    decode_options()
+        .deserialize(bytes)
+        .map_err(|e| CodecError::Malformed(e.to_string()))
+}
+
 /// Decodes a versioned blob of a type whose layout is the same in every format of the
 /// support window; any malformed input is an error, never a panic.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
@@ -165,7 +190,7 @@ mod tests {
     #[test]
     fn blobs_outside_the_support_window_are_refused_by_name() {
         let mut blob = encode(&(7u64, "x".to_string()));
-        assert_eq!(blob[0], FORMAT_VERSION);
+        assert_eq!(blob[0], WIRE_FORMAT);
         assert_eq!(decode::<(u64, String)>(&blob), Ok((7, "x".to_string())));
         blob[0] = FORMAT_VERSION + 1;
         assert_eq!(

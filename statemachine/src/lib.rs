@@ -61,6 +61,7 @@ pub mod workload;
 
 pub use audit::{verify_chain, AuditChain, AuditEvent, EventBody};
 pub use command::*;
+pub use idempotency::IdempotencyTable;
 pub use ids::*;
 pub use invariants::{check_invariants, Violation};
 pub use outcome::*;

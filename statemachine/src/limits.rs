@@ -35,8 +35,12 @@ pub const HOLDS_OPEN_MAX: usize = 1_000_000;
 pub const HOLDS_SETTLED_MAX: usize = 4_000_000;
 /// Bucket draws one hold may record (top-ups add draws).
 pub const DRAWS_PER_HOLD_MAX: usize = 64;
-/// Entries in the idempotency table per shard.
+/// Entries in the idempotency table per shard (rule versions 1 and 2).
 pub const IDEMPOTENCY_ENTRIES_MAX: usize = 18_000_000;
+/// Entries in the idempotency table per shard from rule version 3 on: four times as
+/// many, in less memory than the 18,000,000 took before the compact table
+/// (`crate::idempotency`, docs/DESIGN.md §51).
+pub const IDEMPOTENCY_ENTRIES_MAX_V3: usize = 72_000_000;
 /// Of those, the entries only the operator, agents and the system may take: tenants
 /// together are refused at `IDEMPOTENCY_ENTRIES_MAX - IDEMPOTENCY_RESERVED_MAX`, so
 /// however many orgs fill their quotas, agents' heartbeats and finishes and the

@@ -42,8 +42,10 @@ impl Default for Config {
 }
 
 /// A shard's whole replicated state. Everything in it is ordered (BTreeMap, VecDeque in
-/// log order), so its encoding, and so [`State::state_hash`], is canonical.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// log order), so its encoding, and so [`State::state_hash`], is canonical. It is
+/// encoded in the format of its rule version ([`crate::version::state_format`]: the
+/// idempotency table's layout differs), and decoded from any format of the window.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 pub struct State {
     pub config: Config,
     /// Logical time of the last applied entry; never goes back.
@@ -62,6 +64,65 @@ pub struct State {
     pub rules: crate::version::Rules,
 }
 
+/// Written field by field so that the idempotency table takes the layout of the state's
+/// format: format 6's (what the previous release reads) until rule version 3, the
+/// compact one of format 7 from it on.
+impl Serialize for State {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut st = s.serialize_struct("State", 10)?;
+        st.serialize_field("config", &self.config)?;
+        st.serialize_field("time_ms", &self.time_ms)?;
+        st.serialize_field("last_applied", &self.last_applied)?;
+        st.serialize_field("ledger", &self.ledger)?;
+        st.serialize_field("scheduler", &self.scheduler)?;
+        if self.format() >= 7 {
+            st.serialize_field("idempotency", &self.idempotency.compact())?;
+        } else {
+            st.serialize_field("idempotency", &self.idempotency.layout_v6())?;
+        }
+        st.serialize_field("audit", &self.audit)?;
+        st.serialize_field("security", &self.security)?;
+        st.serialize_field("alerts", &self.alerts)?;
+        st.serialize_field("rules", &self.rules)?;
+        st.end()
+    }
+}
+
+/// The state as format 6 wrote it: [`State`] with the idempotency table in its old
+/// layout (`idempotency::FromV6`). Frozen: it changes only when format 6 leaves the
+/// support window.
+#[derive(Deserialize)]
+struct StateV6 {
+    config: Config,
+    time_ms: u64,
+    last_applied: Option<u64>,
+    ledger: Ledger,
+    scheduler: Scheduler,
+    idempotency: crate::idempotency::FromV6,
+    audit: AuditChain,
+    security: Security,
+    alerts: crate::alerts::Alerts,
+    rules: crate::version::Rules,
+}
+
+impl From<StateV6> for State {
+    fn from(s: StateV6) -> State {
+        State {
+            config: s.config,
+            time_ms: s.time_ms,
+            last_applied: s.last_applied,
+            ledger: s.ledger,
+            scheduler: s.scheduler,
+            idempotency: s.idempotency.0,
+            audit: s.audit,
+            security: s.security,
+            alerts: s.alerts,
+            rules: s.rules,
+        }
+    }
+}
+
 /// The state as format 5 wrote it (before rule versions): read by [`State::decode`]
 /// and converted, so that a data dir or backup of the previous release is read in
 /// place. Frozen: it changes only when format 5 leaves the support window.
@@ -72,7 +133,7 @@ struct StateV5 {
     last_applied: Option<u64>,
     ledger: Ledger,
     scheduler: Scheduler,
-    idempotency: IdempotencyTable,
+    idempotency: crate::idempotency::FromV6,
     audit: AuditChain,
     security: Security,
     alerts: crate::alerts::Alerts,
@@ -86,7 +147,7 @@ impl From<StateV5> for State {
             last_applied: s.last_applied,
             ledger: s.ledger,
             scheduler: s.scheduler,
-            idempotency: s.idempotency,
+            idempotency: s.idempotency.0,
             audit: s.audit,
             security: s.security,
             alerts: s.alerts,
@@ -156,13 +217,24 @@ impl State {
         h.0.finalize().into()
     }
 
-    /// Snapshot encoding (versioned).
+    /// The format this state is encoded in: that of its rule version
+    /// ([`crate::version::state_format`]).
+    pub fn format(&self) -> u8 {
+        crate::version::state_format(self.rules.active)
+    }
+
+    /// Snapshot encoding (versioned, in [`State::format`]).
     pub fn encode(&self) -> Vec<u8> {
-        codec::encode(self)
+        codec::encode_as(self.format(), self)
+    }
+
+    /// [`State::encode`] streamed into `w` (a backup): never held whole.
+    pub fn encode_to(&self, w: impl std::io::Write) -> std::io::Result<()> {
+        codec::encode_to(w, self.format(), self)
     }
 
     /// Decodes a snapshot of any format in the support window (format 5: converted
-    /// from [`StateV5`], at the baseline rule version).
+    /// from [`StateV5`], at the baseline rule version; format 6 through [`StateV6`]).
     pub fn decode(bytes: &[u8]) -> Result<State, codec::CodecError> {
         Self::decode_from(bytes)
     }
@@ -171,6 +243,7 @@ impl State {
     pub fn decode_from(r: impl std::io::Read) -> Result<State, codec::CodecError> {
         codec::decode_versioned_from(r, |version, r| match version {
             5 => codec::decode_body_from::<StateV5, _>(r).map(State::from),
+            6 => codec::decode_body_from::<StateV6, _>(r).map(State::from),
             _ => codec::decode_body_from(r),
         })
     }
@@ -363,7 +436,10 @@ fn apply_request(
             return (Err(CommandError::QuotaExceeded(QuotaKind::Records)), false);
         }
     }
-    if state.idempotency.is_full(actor.org().is_some()) {
+    if state
+        .idempotency
+        .is_full(actor.org().is_some(), state.rules.active)
+    {
         return (
             Err(CommandError::LimitReached(Limit::IdempotencyEntries)),
             false,
@@ -372,7 +448,7 @@ fn apply_request(
     let outcome = execute(state, actor, ns, &req.command, now, effects);
     state
         .idempotency
-        .insert(actor, req.request_id, fp, now, outcome.clone());
+        .insert(actor, req.request_id, fp, now, &outcome);
     (outcome, false)
 }
 

@@ -18,6 +18,12 @@
 //!   [`crate::limits::JOB_DURATION_MS_MAX`] (30): long training runs no longer need to be
 //!   split, and a longer maximum is a longer reservation, so old and new replicas must
 //!   agree on which applies.
+//! - **3** — the idempotency table holds up to
+//!   [`crate::limits::IDEMPOTENCY_ENTRIES_MAX_V3`] records (4× version 2's bound, in
+//!   less memory: `crate::idempotency`), and snapshots are written in format 7 (the
+//!   table's compact encoding, [`crate::codec::FORMAT_VERSION`]); before it, this
+//!   release writes format 6, which the previous release reads, so that a rolling
+//!   upgrade can still be rolled back until the operator activates version 3.
 
 use serde::{Deserialize, Serialize};
 
@@ -26,7 +32,7 @@ pub const RULES_BASELINE: u32 = 1;
 /// The newest rule version this build implements. A node may be told to support less
 /// (`allot-node --max-rules-version`, to rehearse an upgrade or to hold one back), never
 /// more.
-pub const RULES_MAX: u32 = 2;
+pub const RULES_MAX: u32 = 3;
 /// A job's longest `max_duration_ms` from rule version 2 on.
 pub const JOB_DURATION_MS_MAX_V2: u64 = 90 * 86_400_000;
 
@@ -45,6 +51,17 @@ impl Default for Rules {
             active: RULES_BASELINE,
             activations: Vec::new(),
         }
+    }
+}
+
+/// The format a state is encoded in under rule version `rules` (snapshots, backups,
+/// the state hash): format 6's layout until version 3, so that a node of the previous
+/// release can still read every snapshot until the operator activates the new rules.
+pub fn state_format(rules: u32) -> u8 {
+    if rules >= 3 {
+        crate::codec::FORMAT_VERSION
+    } else {
+        crate::codec::WIRE_FORMAT
     }
 }
 

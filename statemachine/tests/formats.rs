@@ -1,47 +1,52 @@
-//! Persisted formats across releases (docs/DESIGN.md §48): this build reads what the
-//! previous release wrote — its log entries, its snapshot and its audit rows — and
-//! replaying the old log under the baseline rule version rebuilds exactly the old
-//! snapshot; a blob of a newer format is refused by name, never misread.
+//! Persisted formats across releases (docs/DESIGN.md §48, §51): this build reads what
+//! the two previous releases wrote — their log entries, their snapshots and their
+//! audit rows — and replaying an old log under the baseline rule version rebuilds
+//! exactly the old snapshot; until rule version 3 is activated it writes the previous
+//! release's format, byte for byte; a blob of a newer format is refused by name, never
+//! misread.
 //!
-//! `tests/fixtures/format5` was written by commit 62f6f77 (format 5) with
+//! `tests/fixtures/format5` was written by commit 62f6f77 (format 5) and
+//! `tests/fixtures/format6` by commit d1226df (format 6), with
 //! `examples/format_fixture.rs`.
 
-use allot_statemachine::codec::{self, CodecError, FORMAT_VERSION};
+use allot_statemachine::codec::{self, CodecError, FORMAT_VERSION, WIRE_FORMAT};
 use allot_statemachine::version::{Rules, RULES_BASELINE};
 use allot_statemachine::{apply, check_invariants, verify_chain, AuditEvent, Entry, State};
 
-fn fixture(name: &str) -> Vec<u8> {
+fn fixture(format: u8, name: &str) -> Vec<u8> {
     let path = format!(
-        "{}/tests/fixtures/format5/{name}",
+        "{}/tests/fixtures/format{format}/{name}",
         env!("CARGO_MANIFEST_DIR")
     );
     std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
 }
 
-#[test]
-fn the_previous_releases_log_replays_to_its_own_snapshot() {
+/// Reads a release's fixture, replays its log under this build and checks that the
+/// state and the audit events are the old ones; returns the old state.
+fn replays_to_its_own_snapshot(format: u8) -> State {
     let (entries, state, events) = (
-        fixture("entries.bin"),
-        fixture("state.bin"),
-        fixture("events.bin"),
+        fixture(format, "entries.bin"),
+        fixture(format, "state.bin"),
+        fixture(format, "events.bin"),
     );
     for blob in [&entries, &state, &events] {
-        assert_eq!(blob[0], 5, "the fixture is format 5");
+        assert_eq!(blob[0], format, "the fixture is format {format}");
     }
-    let entries: Vec<Entry> = codec::decode(&entries).expect("format-5 log entries read");
-    let old: State = State::decode(&state).expect("format-5 snapshot read");
-    let old_events: Vec<AuditEvent> = codec::decode(&events).expect("format-5 audit rows read");
+    let entries: Vec<Entry> = codec::decode(&entries).expect("old log entries read");
+    let old: State = State::decode(&state).expect("old snapshot read");
+    let old_events: Vec<AuditEvent> = codec::decode(&events).expect("old audit rows read");
     assert_eq!(
         old.rules,
         Rules::default(),
-        "a format-5 state is at the baseline rules"
+        "the fixtures are at the baseline rules"
     );
     assert_eq!(old.rules.active, RULES_BASELINE);
     assert!(check_invariants(&old).is_ok());
     assert!(old.ledger.buckets.len() >= 3 && !old.scheduler.jobs.is_empty());
+    assert!(old.idempotency.len() >= 20, "{}", old.idempotency.len());
 
     // The same log applied by this build, under the baseline rules, gives the state and
-    // the audit trail the previous release wrote, event for event.
+    // the audit trail the old release wrote, event for event.
     let mut replayed = State::new(old.config.clone());
     let mut events = Vec::new();
     for e in &entries {
@@ -53,16 +58,90 @@ fn the_previous_releases_log_replays_to_its_own_snapshot() {
     );
     assert_eq!(events, old_events, "and the old audit events");
     assert!(verify_chain(&Default::default(), &events).is_ok());
+    old
+}
 
-    // Written again, it is the current format and reads back the same.
+#[test]
+fn the_release_before_lasts_log_replays_to_its_own_snapshot() {
+    let old = replays_to_its_own_snapshot(5);
+    // Written again, it is format 6 (the rules are still the baseline) and reads back.
     let now = old.encode();
-    assert_eq!(now[0], FORMAT_VERSION);
-    assert_eq!(State::decode(&now).expect("current format"), old);
+    assert_eq!(now[0], WIRE_FORMAT);
+    assert_eq!(State::decode(&now).expect("format 6"), old);
+}
+
+#[test]
+fn the_previous_releases_log_replays_to_its_own_snapshot_and_is_written_as_it_wrote_it() {
+    let old = replays_to_its_own_snapshot(6);
+    // Until rule version 3 this build writes the previous release's format, byte for
+    // byte, so a node of that release reads every snapshot (and the state hashes agree).
+    let written = fixture(6, "state.bin");
+    assert_eq!(old.encode(), written, "format 6, byte for byte");
+    let mut h = sha2_of(&written[1..]);
+    assert_eq!(old.state_hash(), std::mem::take(&mut h));
+}
+
+fn sha2_of(bytes: &[u8]) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(bytes).into()
+}
+
+#[test]
+fn rule_version_3_writes_format_7_and_it_reads_back() {
+    use allot_statemachine::testkit::*;
+    use allot_statemachine::Command;
+    let mut h = Harness::world();
+    h.grant(
+        1,
+        allot_statemachine::Account::Org(ORG),
+        allot_statemachine::BucketKind::Paid,
+        credits(100),
+        None,
+    );
+    let before = h.state.encode();
+    assert_eq!(before[0], WIRE_FORMAT);
+    h.ok(Command::ActivateVersion { version: 3 });
+    h.ok(Command::CreateHold(Harness::hold_spec(5, credits(2))));
+    let after = h.state.encode();
+    assert_eq!(after[0], FORMAT_VERSION);
+    assert_eq!(FORMAT_VERSION, 7);
+    let back = State::decode(&after).expect("format 7");
+    assert_eq!(back, h.state);
+    assert_eq!(back.encode(), after, "canonical");
+    assert_eq!(back.state_hash(), h.state.state_hash());
+    assert_eq!(sha2_of(&after[1..]), h.state.state_hash());
+    // The compact layout is smaller than format 6's for the same records.
+    let mut as_v6 = h.state.clone();
+    as_v6.rules = Rules::default();
+    assert!(
+        after.len() < as_v6.encode().len(),
+        "{} vs {}",
+        after.len(),
+        as_v6.encode().len()
+    );
+    // And a decoded state goes on applying as the original does.
+    let mut twin = back;
+    let mut h2 = h;
+    h2.ok(Command::Capture {
+        hold: allot_statemachine::HoldId(5),
+        amount_micro: credits(1),
+    });
+    let e = h2.entries.last().expect("an entry").clone();
+    apply(&mut twin, &e).expect("apply");
+    assert_eq!(twin.state_hash(), h2.state.state_hash());
 }
 
 #[test]
 fn a_newer_truncated_or_corrupted_snapshot_is_refused_without_panicking() {
-    let state = fixture("state.bin");
+    for format in [5, 6] {
+        corrupted_snapshots_are_refused(fixture(format, "state.bin"));
+    }
+    let mut h = allot_statemachine::testkit::Harness::world();
+    h.ok(allot_statemachine::Command::ActivateVersion { version: 3 });
+    corrupted_snapshots_are_refused(h.state.encode());
+}
+
+fn corrupted_snapshots_are_refused(state: Vec<u8>) {
     let mut newer = state.clone();
     newer[0] = FORMAT_VERSION + 1;
     assert_eq!(
@@ -166,6 +245,15 @@ mod rule_versions {
                 newest: RULES_MAX
             })
         );
+        // Version 3 may follow; it does not undo version 2.
+        assert_eq!(
+            h.ok(Command::ActivateVersion { version: 3 }),
+            Reply::RulesActive { version: 3 }
+        );
+        assert!(matches!(
+            long_job(&mut h, 4),
+            Ok(Reply::JobSubmitted { .. })
+        ));
         // The same log gives the same state (activation included).
         let mut again = allot_statemachine::State::new(h.state.config.clone());
         for e in &h.entries {

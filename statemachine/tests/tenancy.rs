@@ -429,7 +429,7 @@ fn refused_commands_spend_only_their_own_orgs_records() {
             ..Quota::default()
         }),
     });
-    let shard_before = h.state.idempotency.records.len();
+    let shard_before = h.state.idempotency.len();
     let theirs = h.state.idempotency.of_org(OTHER_ORG);
     // Fifty refused commands (unknown holds) take the org's fifty records...
     for _ in 0..50 {
@@ -448,7 +448,7 @@ fn refused_commands_spend_only_their_own_orgs_records() {
             QuotaKind::Records,
         );
     }
-    assert_eq!(h.state.idempotency.records.len(), shard_before + 50);
+    assert_eq!(h.state.idempotency.len(), shard_before + 50);
     assert_eq!(h.state.idempotency.of_org(OTHER_ORG), theirs);
     // The other org, the admin and the agents carry on.
     assert!(h

@@ -317,6 +317,7 @@ async fn in_background<T: Send + 'static>(
 /// the flush completes leaves the previous snapshot, which the log still covers (the log
 /// is purged only after this returns).
 fn save_snapshot(db: &DB, shard: ShardId, snap: &StoredSnapshot) -> Result<(), StorageError> {
+    crate::versions::mark_for_snapshot(db.path(), &snap.data).map_err(io_write)?;
     let bytes = bincode::serialize(snap).map_err(io_write)?;
     let mut opts = WriteOptions::default();
     opts.disable_wal(true);
@@ -335,6 +336,7 @@ pub(crate) fn put_snapshot(
     meta: SnapshotMeta,
     data: Vec<u8>,
 ) -> Result<(), StorageError> {
+    crate::versions::mark_for_snapshot(db.path(), &data).map_err(io_write)?;
     let bytes = bincode::serialize(&StoredSnapshot { meta, data }).map_err(io_write)?;
     batch.put_cf(cf(db, CF_SNAP), snapshot_key(shard), bytes);
     Ok(())

@@ -182,7 +182,7 @@ impl<W: Write> BackupWriter<W> {
             buf: Vec::with_capacity(self.frame_bytes),
             w: self,
         };
-        codec::encode_to(&mut frames, state)?;
+        state.encode_to(&mut frames)?;
         frames.flush()
     }
 

@@ -6,9 +6,14 @@
 //! ```text
 //! cargo run --release -p allot-statemachine --features sim --bin allot-sim -- \
 //!     [--seed N] [--hours H] [--load X] [--flood N] [--json] \
-//!     [--trace-out FILE] [--trace-in FILE] [--policies fair,strict,fifo] [--flexible] \
-//!     [--big-jobs PCT]
+//!     [--trace-out FILE] [--trace-in FILE] [--policies fair,strict,fifo,slurm,kueue] \
+//!     [--flexible] [--big-jobs PCT]
 //! ```
+//!
+//! The policies: allot's `fair`; the baselines `strict` (strict tier priority), `fifo`,
+//! `slurm` (Slurm-like: multifactor priority with Fair Tree, QOS preemption, EASY
+//! backfill) and `kueue` (Kueue-like: a ClusterQueue per tier in one cohort, fair
+//! sharing, reclaim), all five by default (DESIGN §24).
 //!
 //! Besides each tier's waits, it reports the time to admission (submission to first
 //! placement) per tier and job size (1, 2, 4, 8 GPUs), as Kueue reports admission wait
@@ -82,7 +87,16 @@ struct Args {
     big_jobs_pct: u64,
 }
 
-const USAGE: &str = "usage: allot-sim [--seed N] [--hours H] [--load X] [--flood N] [--json] [--trace-out F] [--trace-in F] [--policies fair,strict,fifo] [--flexible] [--big-jobs PCT]";
+const USAGE: &str = "usage: allot-sim [--seed N] [--hours H] [--load X] [--flood N] [--json] [--trace-out F] [--trace-in F] [--policies fair,strict,fifo,slurm,kueue] [--flexible] [--big-jobs PCT]";
+
+/// Every policy, in the order `--policies` names them and the default runs them.
+const POLICIES: [(&str, Policy); 5] = [
+    ("fair", Policy::Fair),
+    ("strict", Policy::StrictPriority),
+    ("fifo", Policy::Fifo),
+    ("slurm", Policy::SlurmLike),
+    ("kueue", Policy::KueueLike),
+];
 
 /// Job sizes reported apart (GPUs per job).
 const SIZES: [u32; 4] = [1, 2, 4, 8];
@@ -100,7 +114,7 @@ fn parse_from(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         json: false,
         trace_out: None,
         trace_in: None,
-        policies: vec![Policy::Fair, Policy::StrictPriority, Policy::Fifo],
+        policies: POLICIES.iter().map(|(_, p)| *p).collect(),
         flexible: false,
         big_jobs_pct: 10,
     };
@@ -121,11 +135,14 @@ fn parse_from(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
             "--policies" => {
                 a.policies = value()?
                     .split(',')
-                    .map(|p| match p {
-                        "fair" => Ok(Policy::Fair),
-                        "strict" => Ok(Policy::StrictPriority),
-                        "fifo" => Ok(Policy::Fifo),
-                        other => Err(format!("unknown policy {other:?} (fair, strict, fifo)")),
+                    .map(|p| {
+                        POLICIES
+                            .iter()
+                            .find(|(name, _)| *name == p)
+                            .map(|(_, policy)| *policy)
+                            .ok_or(format!(
+                                "unknown policy {p:?} (fair, strict, fifo, slurm, kueue)"
+                            ))
                     })
                     .collect::<Result<_, _>>()?
             }
@@ -781,13 +798,12 @@ fn simulate(policy: Policy, trace: &[TraceJob], hours: f64) -> Figures {
     }
 }
 
+/// One column per policy; the columns as wide as the widest figure, so five policies
+/// fit side by side.
 fn print_table(all: &[Figures]) {
-    let row = |label: &str, f: &dyn Fn(&Figures) -> String| {
-        print!("{label:<34}");
-        for x in all {
-            print!("{:>16}", f(x));
-        }
-        println!();
+    let mut rows: Vec<(String, Vec<String>)> = Vec::new();
+    let mut row = |label: &str, f: &dyn Fn(&Figures) -> String| {
+        rows.push((label.to_string(), all.iter().map(f).collect()));
     };
     row("policy", &|f| f.policy.clone());
     row("jobs", &|f| f.jobs.to_string());
@@ -795,7 +811,10 @@ fn print_table(all: &[Figures]) {
         format!("{:.1}", f.allocation_pct)
     });
     for t in 0..all[0].tiers.len() {
-        let name = all[0].tiers[t].tier;
+        let name = match all[0].tiers[t].tier {
+            "enterprise w/o flood org" => "ent. w/o flood org",
+            name => name,
+        };
         row(&format!("{name}: wait p50 / p95 s"), &|f| {
             format!(
                 "{:.0} / {:.0}",
@@ -856,6 +875,20 @@ fn print_table(all: &[Figures]) {
             "VIOLATED".into()
         }
     });
+    let label_w = rows.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
+    let cell_w = rows
+        .iter()
+        .flat_map(|(_, cells)| cells.iter().map(|c| c.len()))
+        .max()
+        .unwrap_or(0)
+        + 2;
+    for (label, cells) in &rows {
+        print!("{label:<label_w$}");
+        for c in cells {
+            print!("{c:>cell_w$}");
+        }
+        println!();
+    }
 }
 
 fn main() {
@@ -1015,6 +1048,22 @@ mod tests {
         }
         assert_eq!(args(&["--help"]).err().as_deref(), Some(USAGE));
         assert_eq!(args(&[]).unwrap().big_jobs_pct, 10);
+        // Every policy by name; all five by default, in the table's order.
+        let all = vec![
+            Policy::Fair,
+            Policy::StrictPriority,
+            Policy::Fifo,
+            Policy::SlurmLike,
+            Policy::KueueLike,
+        ];
+        assert_eq!(args(&[]).unwrap().policies, all);
+        let named = args(&["--policies", "fair,strict,fifo,slurm,kueue"]).unwrap();
+        assert_eq!(named.policies, all);
+        let two = args(&["--policies", "kueue,slurm"]).unwrap();
+        assert_eq!(two.policies, vec![Policy::KueueLike, Policy::SlurmLike]);
+        for bad in ["slurm,", "Slurm", "kueue,bogus"] {
+            assert!(args(&["--policies", bad]).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -5,8 +5,12 @@
 //! preemption grace, max duration), then the entry's commands, then one bounded
 //! scheduling pass. Ties are always broken by stable ids.
 
+mod baselines;
 mod invariants;
 mod inventory;
+pub use baselines::{
+    ClusterQueueView, SlurmPriority, SLURM_WEIGHT_AGE, SLURM_WEIGHT_FAIRSHARE, SLURM_WEIGHT_QOS,
+};
 pub use invariants::check;
 mod jobs;
 mod pass;
@@ -32,6 +36,15 @@ pub enum Policy {
     StrictPriority,
     /// Submission order; no preemption.
     Fifo,
+    // Appended (the encoding is positional).
+    /// Slurm-like: multifactor priority (age, Fair Tree fair share, tier as QOS), QOS
+    /// preemption by the top tier, EASY backfill (`baselines/slurm.rs`, DESIGN §24).
+    SlurmLike,
+    /// Kueue-like: one ClusterQueue per tier with nominal quotas per GPU type in one
+    /// cohort (borrowing and lending limits), fair sharing by dominant resource share,
+    /// reclaim within the cohort and lower-priority preemption within a ClusterQueue
+    /// (`baselines/kueue.rs`, DESIGN §24).
+    KueueLike,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

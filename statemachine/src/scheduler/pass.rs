@@ -64,6 +64,13 @@ fn score<K: Ord>(
 
 impl Scheduler {
     pub(crate) fn run_pass(&mut self, ctx: &mut Ctx, ledger: &mut Ledger, cfg: &SchedulerConfig) {
+        // The simulator's Slurm-like and Kueue-like baselines run their own candidate
+        // order, admission and preemption (`baselines/`) over the same prelude, placement
+        // and preemption mechanics.
+        if matches!(cfg.policy, Policy::SlurmLike | Policy::KueueLike) {
+            self.run_baseline_pass(ctx, ledger, cfg);
+            return;
+        }
         // Jobs that cannot be placed now leave the queue for the rest of the pass.
         let mut parked: Vec<JobKey> = Vec::new();
         let (mut placed, mut examined, mut searches) = (0, 0, 0);
@@ -79,30 +86,9 @@ impl Scheduler {
                 break;
             };
             examined += 1;
-            if self.at_running_quota(cfg, id) {
-                // The org runs its quota of jobs: this one waits in the queue.
-                self.dequeue(id);
-                parked.push(id);
+            let Some(types) = self.prelude(ctx, ledger, cfg, id, &mut parked) else {
                 continue;
-            }
-            // Only GPU types that still have a price can be metered: a job whose
-            // preferred type lost its price tries its next; one with none left fails
-            // (its hold returns) rather than wait forever.
-            let types = self.priced_types(ledger, id);
-            if types.is_empty() {
-                self.end(
-                    ctx,
-                    ledger,
-                    cfg,
-                    id,
-                    Ending {
-                        settle: SettleReason::Failed,
-                        to: JobState::Failed,
-                        reason: Reason::Unpriced,
-                    },
-                );
-                continue;
-            }
+            };
             if let Some((node, indices)) = self.find_fit(id, &types) {
                 if self.place(ctx, ledger, cfg, id, node, indices).is_ok() {
                     placed += 1;
@@ -129,6 +115,42 @@ impl Scheduler {
         for id in parked {
             self.enqueue(id);
         }
+    }
+
+    /// What every policy does first with a picked candidate: a job whose org runs its
+    /// quota of jobs is parked (it waits in the queue); only GPU types that still have a
+    /// price can be metered, so a job whose preferred type lost its price tries its next,
+    /// and one with none left fails (its hold returns) rather than wait forever. `None`:
+    /// the job left the queue (parked or ended); otherwise its priced types, in its order.
+    pub(super) fn prelude(
+        &mut self,
+        ctx: &mut Ctx,
+        ledger: &mut Ledger,
+        cfg: &SchedulerConfig,
+        id: JobKey,
+        parked: &mut Vec<JobKey>,
+    ) -> Option<Vec<GpuType>> {
+        if self.at_running_quota(cfg, id) {
+            self.dequeue(id);
+            parked.push(id);
+            return None;
+        }
+        let types = self.priced_types(ledger, id);
+        if types.is_empty() {
+            self.end(
+                ctx,
+                ledger,
+                cfg,
+                id,
+                Ending {
+                    settle: SettleReason::Failed,
+                    to: JobState::Failed,
+                    reason: Reason::Unpriced,
+                },
+            );
+            return None;
+        }
+        Some(types)
     }
 
     /// The job's acceptable GPU types that have a price now, in its order of preference.
@@ -168,6 +190,8 @@ impl Scheduler {
         let oldest = |t: &Tier| self.by_age.get(t).and_then(|q| q.first()).copied();
         match cfg.policy {
             Policy::Fifo => self.by_age.keys().filter_map(oldest).min().map(|(_, j)| j),
+            // Their passes pick their own candidates (`baselines/`).
+            Policy::SlurmLike | Policy::KueueLike => None,
             Policy::StrictPriority => self
                 .by_age
                 .keys()
@@ -286,9 +310,22 @@ impl Scheduler {
     /// GPUs that still fit (keeping whole free nodes for large jobs), memory floor met,
     /// not reserved for another waiting job; ties by node id. GPUs: lowest free indices.
     fn find_fit(&self, id: JobKey, types: &[GpuType]) -> Option<(NodeId, Vec<u8>)> {
+        self.find_fit_where(id, types, |_| true)
+    }
+
+    /// [`Self::find_fit`] over the nodes `allow` accepts (a baseline's backfill rule).
+    pub(super) fn find_fit_where(
+        &self,
+        id: JobKey,
+        types: &[GpuType],
+        allow: impl Fn(NodeId) -> bool,
+    ) -> Option<(NodeId, Vec<u8>)> {
         let j = self.jobs.get(&id)?;
         let (gpus, floor) = (j.spec.gpus, j.spec.mem_floor_gb);
         let usable = |node: NodeId| {
+            if !allow(node) {
+                return None;
+            }
             let n = self.nodes.get(&node)?;
             let reserved_elsewhere = n.reserved_for.is_some_and(|r| {
                 r != id
@@ -435,27 +472,17 @@ impl Scheduler {
                     let Some(vj) = self.jobs.get(&v) else {
                         continue;
                     };
-                    let Some(p) = &vj.placement else { continue };
+                    if vj.placement.is_none() {
+                        continue;
+                    }
                     if vj.state == JobState::Running
                         && vj.deadline_at.is_some_and(|d| d <= now + cfg.hysteresis_ms)
                         && free + vj.spec.gpus >= gpus
                     {
                         return; // hysteresis: a job here ends soon and frees enough
                     }
-                    let eligible = vj.state == JobState::Running
-                        && vj.spec.preemptible
-                        && vj.spec.tier < tier
-                        && vj.preemptions < cfg.preemptions_per_job_max
-                        && now.saturating_sub(p.started_ms) >= cfg.min_runtime_ms;
-                    if eligible {
-                        let since = ledger
-                            .hold(v.0, super::jobs::hold_of(v))
-                            .and_then(|h| h.meter.as_ref())
-                            .and_then(|m| m.checkpoint_ms)
-                            .unwrap_or(p.started_ms)
-                            .max(p.started_ms);
-                        let lost = vj.spec.gpus as u64 * now.saturating_sub(since);
-                        if lost <= cfg.preemption_loss_max_gpu_ms {
+                    if vj.spec.tier < tier {
+                        if let Some(lost) = self.victim_loss(ledger, cfg, v, now) {
                             cands.push((lost, v, vj.spec.gpus));
                         }
                     }
@@ -477,6 +504,55 @@ impl Scheduler {
         let Some(((_, _, node), victims)) = best else {
             return;
         };
+        self.begin_preemption(ctx, cfg, id, node, victims);
+    }
+
+    /// The work `v` would lose if preempted now (GPUs × time since its last checkpoint,
+    /// or since it started), if the shard's rules let it be a victim at all: running,
+    /// preemptible, past `min_runtime_ms` in this attempt, under
+    /// `preemptions_per_job_max`, and losing at most `preemption_loss_max_gpu_ms`. Which
+    /// of these victims a waiting job may take is the policy's rule.
+    pub(super) fn victim_loss(
+        &self,
+        ledger: &Ledger,
+        cfg: &SchedulerConfig,
+        v: JobKey,
+        now: u64,
+    ) -> Option<u64> {
+        let vj = self.jobs.get(&v)?;
+        let p = vj.placement.as_ref()?;
+        let eligible = vj.state == JobState::Running
+            && vj.spec.preemptible
+            && vj.preemptions < cfg.preemptions_per_job_max
+            && now.saturating_sub(p.started_ms) >= cfg.min_runtime_ms;
+        if !eligible {
+            return None;
+        }
+        let since = ledger
+            .hold(v.0, super::jobs::hold_of(v))
+            .and_then(|h| h.meter.as_ref())
+            .and_then(|m| m.checkpoint_ms)
+            .unwrap_or(p.started_ms)
+            .max(p.started_ms);
+        let lost = vj.spec.gpus as u64 * now.saturating_sub(since);
+        (lost <= cfg.preemption_loss_max_gpu_ms).then_some(lost)
+    }
+
+    /// Starts preempting `victims` on `node` for the waiting job `id`: each enters
+    /// Preempting with the grace period to checkpoint, and the node is reserved for `id`
+    /// (a plain reservation of `id` elsewhere gives way).
+    pub(super) fn begin_preemption(
+        &mut self,
+        ctx: &mut Ctx,
+        cfg: &SchedulerConfig,
+        id: JobKey,
+        node: NodeId,
+        victims: Vec<JobKey>,
+    ) {
+        let Some(tier) = self.jobs.get(&id).map(|j| j.spec.tier) else {
+            return;
+        };
+        let now = ctx.now;
         // A plain reservation elsewhere gives way to the preemption.
         if self.jobs.get(&id).and_then(|j| j.reserved_node) != Some(node) {
             self.clear_reservation(id);
@@ -508,7 +584,7 @@ impl Scheduler {
     }
 
     /// Whether jobs on `node` are being preempted for `id` (in their grace period).
-    fn preempting_for(&self, node: NodeId, id: JobKey) -> bool {
+    pub(super) fn preempting_for(&self, node: NodeId, id: JobKey) -> bool {
         self.nodes.get(&node).is_some_and(|n| {
             n.jobs().iter().any(|v| {
                 self.jobs.get(v).is_some_and(|vj| {
