@@ -8,7 +8,8 @@ use allot_proto::api::v1 as pb;
 use allot_proto::typed;
 use allot_statemachine::ledger::{Balance, BucketView, PriceTable, Totals};
 use allot_statemachine::query::{
-    Answer, BudgetView, JobFilter, JobsPage, Query, TenancyView, TierQueue, UsageQuery, UsageRow,
+    Answer, BudgetView, DemandQuery, JobFilter, JobsPage, Query, TenancyView, TierQueue,
+    TypeDemand, UsageQuery, UsageRow,
 };
 use allot_statemachine::scheduler::{GpuNode, Job, JobState, SchedulerSettings};
 use allot_statemachine::{
@@ -401,6 +402,20 @@ impl Client {
         match self.query(shard, &Query::Queue).await? {
             Answer::Queue(q) => Ok(q),
             other => unexpected("queue", other),
+        }
+    }
+
+    /// The demand signal of a shard's pool (admin only): per GPU type, the capacity
+    /// taking work, the queued work and the wait it implies, and per tier the GPUs that
+    /// would bring the tier within its target wait. `run_pct`: the share of its max
+    /// duration a queued job is expected to run (0: 100, every job to its bound).
+    pub async fn demand(&self, shard: u32, run_pct: u32) -> Result<Vec<TypeDemand>> {
+        match self
+            .query(shard, &Query::Demand(DemandQuery { run_pct }))
+            .await?
+        {
+            Answer::Demand(d) => Ok(d),
+            other => unexpected("demand", other),
         }
     }
 

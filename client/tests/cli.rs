@@ -615,6 +615,38 @@ fn jobs_and_nodes(eps: &str) {
         (u(&paid["queued"]), paid["tier_name"].as_str()),
         (1, Some("paid"))
     );
+    // The demand signal: the draining node is no capacity, so the job's 2 GPU-hours
+    // (2 GPUs × 1 h) have no finite wait, and the paid tier needs 12 GPUs to run them
+    // within its 10-minute target (half of them at --run-pct 50). (Who may ask is the
+    // state machine's rule, `statemachine/tests/demand.rs`: in dev mode every reader is
+    // the operator.)
+    let d = json(eps, &["demand", "--shard", SHARD]);
+    let a100 = &d.as_array().unwrap()[0];
+    assert_eq!(a100["gpu_type"], "A100", "{d}");
+    assert_eq!(
+        (u(&a100["capacity_gpus"]), u(&a100["queued_jobs"])),
+        (0, 1),
+        "{d}"
+    );
+    assert_eq!(u(&a100["queued_gpu_ms"]), 2 * 3_600_000);
+    assert!(a100["wait_ms"].is_null(), "{d}");
+    assert_eq!(a100["tiers"][1]["tier_name"], "paid");
+    assert_eq!(u(&a100["tiers"][1]["gpus_needed"]), 12);
+    assert_eq!(
+        u(&a100["tiers"][0]["gpus_needed"]),
+        0,
+        "nothing free queued"
+    );
+    let d = json(eps, &["demand", "--shard", SHARD, "--run-pct", "50"]);
+    assert_eq!(u(&d[0]["tiers"][1]["gpus_needed"]), 6);
+    let o = ctl(eps, &["demand", "--shard", SHARD]);
+    assert!(
+        o.stdout.contains("GPUS NEEDED") && o.stdout.contains("no capacity"),
+        "{}",
+        o.stdout
+    );
+    fails(eps, &["demand", "--run-pct", "0"], 2);
+    fails(eps, &["demand", "--run-pct", "101"], 2);
     let cancel = json(eps, &["job", "cancel", "--org", "1", "--job", "500"]);
     assert_eq!(u(&cancel["settlement"]["refunded_micro"]), 4 * C);
     assert_eq!(u(&cancel["settlement"]["captured_micro"]), 0);

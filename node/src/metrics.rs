@@ -42,6 +42,14 @@ pub struct Metrics {
     pub snapshot_bytes: GaugeVec,
     /// Audit events copied from peers into gaps left by snapshot installs, per shard.
     pub audit_rows_copied: IntCounterVec,
+    /// The demand signal (DESIGN §52) per shard and GPU type, every job taken to run to
+    /// its max duration: GPUs that take work and GPUs used (`kind`), the queued work,
+    /// the wait it implies (+Inf: work and no capacity), and per tier the GPUs that
+    /// would bring the tier within its target wait.
+    pub demand_gpus: GaugeVec,
+    pub demand_queued_gpu_hours: GaugeVec,
+    pub demand_wait_seconds: GaugeVec,
+    pub demand_gpus_needed: GaugeVec,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -164,6 +172,34 @@ impl Metrics {
             ),
             &["shard"],
         ));
+        let demand_gpus = must(GaugeVec::new(
+            Opts::new(
+                "demand_gpus",
+                "GPUs per shard and type: capacity (nodes taking work) and used",
+            ),
+            &["shard", "gpu_type", "kind"],
+        ));
+        let demand_queued_gpu_hours = must(GaugeVec::new(
+            Opts::new(
+                "demand_queued_gpu_hours",
+                "Queued work per shard and GPU type (GPUs x max duration), GPU-hours",
+            ),
+            &["shard", "gpu_type"],
+        ));
+        let demand_wait_seconds = must(GaugeVec::new(
+            Opts::new(
+                "demand_wait_seconds",
+                "Time the type's capacity takes to run its queued work (+Inf: no capacity)",
+            ),
+            &["shard", "gpu_type"],
+        ));
+        let demand_gpus_needed = must(GaugeVec::new(
+            Opts::new(
+                "demand_gpus_needed",
+                "GPUs to add for the tier's queued work (and above) to be within its target wait",
+            ),
+            &["shard", "gpu_type", "tier"],
+        ));
         for c in [
             Box::new(snapshot.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(audit_rows_copied.clone()),
@@ -182,6 +218,10 @@ impl Metrics {
             Box::new(queue_depth.clone()),
             Box::new(gpus.clone()),
             Box::new(credits.clone()),
+            Box::new(demand_gpus.clone()),
+            Box::new(demand_queued_gpu_hours.clone()),
+            Box::new(demand_wait_seconds.clone()),
+            Box::new(demand_gpus_needed.clone()),
         ] {
             must(registry.register(c));
         }
@@ -204,6 +244,10 @@ impl Metrics {
             snapshot,
             snapshot_bytes,
             audit_rows_copied,
+            demand_gpus,
+            demand_queued_gpu_hours,
+            demand_wait_seconds,
+            demand_gpus_needed,
         }
     }
 

@@ -191,8 +191,40 @@ pub fn refresh_and_encode(node: &Node) -> String {
         ] {
             m.credits.with_label_values(&[&shard, kind]).set(v as f64);
         }
+        set_demand(m, &shard, &g.state);
     }
     m.encode()
+}
+
+/// The demand gauges of one shard from its replica's state (one walk of the queued
+/// jobs), every job taken to run to its max duration.
+fn set_demand(m: &crate::metrics::Metrics, shard: &str, state: &allot_statemachine::State) {
+    use allot_statemachine::query::DemandQuery;
+    let rows = state.scheduler.demand(
+        &state.config.scheduler,
+        state.time_ms,
+        DemandQuery::default(),
+    );
+    for r in rows {
+        let t = r.gpu_type.0.as_str();
+        m.demand_gpus
+            .with_label_values(&[shard, t, "capacity"])
+            .set(f64::from(r.capacity_gpus));
+        m.demand_gpus
+            .with_label_values(&[shard, t, "used"])
+            .set(f64::from(r.used_gpus));
+        m.demand_queued_gpu_hours
+            .with_label_values(&[shard, t])
+            .set(r.queued_gpu_ms as f64 / 3_600_000.0);
+        m.demand_wait_seconds
+            .with_label_values(&[shard, t])
+            .set(r.wait_ms.map_or(f64::INFINITY, |w| w as f64 / 1_000.0));
+        for tier in &r.tiers {
+            m.demand_gpus_needed
+                .with_label_values(&[shard, t, &tier.tier.0.to_string()])
+                .set(f64::from(tier.gpus_needed));
+        }
+    }
 }
 
 /// Resolves on SIGTERM or Ctrl-C.
@@ -216,4 +248,65 @@ pub async fn shutdown_signal() {
         _ = term => {},
     }
     tracing::info!("shutdown signal received");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::set_demand;
+    use crate::metrics::Metrics;
+    use allot_statemachine::testkit::*;
+    use allot_statemachine::*;
+
+    fn submit(h: &mut Harness, job: u64, gpus: u32) {
+        let spec = JobSpec {
+            max_duration_ms: HOUR_MS,
+            ..Harness::job_spec(job, Tier::PAID, vec![a100()], gpus)
+        };
+        h.ok(Command::SubmitJob(spec));
+    }
+
+    #[test]
+    fn the_demand_gauges_follow_the_replicas_state() {
+        let mut h = Harness::world();
+        h.grant(
+            1,
+            Account::Project(PROJECT),
+            BucketKind::Paid,
+            credits(1_000),
+            None,
+        );
+        h.fleet(&[(1, a100(), 8, 80)]);
+        submit(&mut h, 10, 8);
+        submit(&mut h, 11, 4);
+        let m = Metrics::new();
+        set_demand(&m, "0", &h.state);
+        let text = m.encode();
+        for line in [
+            r#"allot_demand_gpus{gpu_type="A100",kind="capacity",shard="0"} 8"#,
+            r#"allot_demand_gpus{gpu_type="A100",kind="used",shard="0"} 8"#,
+            r#"allot_demand_queued_gpu_hours{gpu_type="A100",shard="0"} 4"#,
+            // 4 GPU-hours on 8 GPUs.
+            r#"allot_demand_wait_seconds{gpu_type="A100",shard="0"} 1800"#,
+            // Within 10 minutes: 24 GPUs, 8 there.
+            r#"allot_demand_gpus_needed{gpu_type="A100",shard="0",tier="1"} 16"#,
+            r#"allot_demand_gpus_needed{gpu_type="A100",shard="0",tier="0"} 0"#,
+        ] {
+            assert!(text.contains(line), "no {line} in {text}");
+        }
+        // The node drains: no capacity, no finite wait.
+        h.ok(Command::SetNodeDraining {
+            node: NodeId(1),
+            draining: true,
+        });
+        set_demand(&m, "0", &h.state);
+        let text = m.encode();
+        for line in [
+            r#"allot_demand_gpus{gpu_type="A100",kind="capacity",shard="0"} 0"#,
+            // Infinity (the encoder writes `inf`, which Prometheus parses as +Inf).
+            r#"allot_demand_wait_seconds{gpu_type="A100",shard="0"} inf"#,
+            r#"allot_demand_gpus_needed{gpu_type="A100",shard="0",tier="1"} 24"#,
+        ] {
+            assert!(text.contains(line), "no {line} in {text}");
+        }
+    }
 }

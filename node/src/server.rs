@@ -397,6 +397,7 @@ fn whole_shard(q: &Query) -> bool {
         Query::StateHash
             | Query::Invariants
             | Query::Principals(_)
+            | Query::Demand(_)
             | Query::Usage(query::UsageQuery { org: None, .. })
     )
 }

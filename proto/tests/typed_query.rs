@@ -8,8 +8,8 @@ use allot_proto::api::v1 as pb;
 use allot_proto::typed::query::{answer_from, answer_to, query_from, query_org, query_to};
 use allot_statemachine::ledger::{Balance, BucketView, PriceTable, Totals, UpcomingExpiry, Usage};
 use allot_statemachine::query::{
-    Answer, BudgetView, JobFilter, JobsPage, Query, QuotaUse, TenancyView, TierQueue, UsageLevel,
-    UsageQuery, UsageRow,
+    Answer, BudgetView, DemandQuery, JobFilter, JobsPage, Query, QuotaUse, TenancyView, TierDemand,
+    TierQueue, TypeDemand, UsageLevel, UsageQuery, UsageRow,
 };
 use allot_statemachine::scheduler::{
     GpuNode, Job, JobState, NodeState, Placement, Reason, SchedulerSettings, TierConfig,
@@ -199,6 +199,9 @@ fn any_query() -> impl Strategy<Value = Query> {
         (org(), account())
             .prop_map(|(org, account)| Query::Buckets { org, account })
             .boxed(),
+        n32()
+            .prop_map(|run_pct| Query::Demand(DemandQuery { run_pct }))
+            .boxed(),
     ]
 }
 
@@ -224,9 +227,10 @@ fn query_variant(q: &Query) -> usize {
         Query::Principals(_) => 15,
         Query::Tenancy(_) => 16,
         Query::Buckets { .. } => 17,
+        Query::Demand(_) => 18,
     }
 }
-const QUERY_VARIANTS: usize = 18;
+const QUERY_VARIANTS: usize = 19;
 
 // ---------------------------------------------------------------- answers
 
@@ -553,6 +557,43 @@ fn bucket_view() -> impl Strategy<Value = BucketView> {
         )
 }
 
+fn type_demand() -> impl Strategy<Value = TypeDemand> {
+    let tier_demand = (tier(), proptest::array::uniform5(n64()), opt64(), n32()).prop_map(
+        |(tier, f, wait_ms, gpus_needed)| TierDemand {
+            tier,
+            queued_jobs: f[0],
+            queued_gpu_ms: f[1],
+            target_wait_ms: f[2],
+            wait_ms,
+            overdue_jobs: f[3],
+            overdue_gpus: f[4],
+            gpus_needed,
+        },
+    );
+    (
+        gpu_type(),
+        n32(),
+        n32(),
+        n64(),
+        n64(),
+        opt64(),
+        vec(tier_demand, 0..4),
+    )
+        .prop_map(
+            |(gpu_type, capacity_gpus, used_gpus, queued_jobs, queued_gpu_ms, wait_ms, tiers)| {
+                TypeDemand {
+                    gpu_type,
+                    capacity_gpus,
+                    used_gpus,
+                    queued_jobs,
+                    queued_gpu_ms,
+                    wait_ms,
+                    tiers,
+                }
+            },
+        )
+}
+
 fn any_answer() -> impl Strategy<Value = Answer> {
     let usage_row = (budget_scope(), org(), n64(), n64(), n64(), n32(), n32()).prop_map(
         |(scope, org, used_micro, held_micro, gpu_ms_decayed, running_gpus, share_weight)| {
@@ -638,6 +679,7 @@ fn any_answer() -> impl Strategy<Value = Answer> {
         of(vec(bucket_view(), 0..3))
             .prop_map(Answer::Buckets)
             .boxed(),
+        vec(type_demand(), 0..3).prop_map(Answer::Demand).boxed(),
     ]
 }
 
@@ -662,9 +704,10 @@ fn answer_variant(a: &Answer) -> usize {
         Answer::Principals(_) => 15,
         Answer::Tenancy(_) => 16,
         Answer::Buckets(_) => 17,
+        Answer::Demand(_) => 18,
     }
 }
-const ANSWER_VARIANTS: usize = 18;
+const ANSWER_VARIANTS: usize = 19;
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(1024))]
@@ -756,6 +799,7 @@ fn the_org_of_a_query_is_the_one_it_names() {
         Query::Prices,
         Query::SchedulerSettings,
         Query::Principals(PrincipalId(7)),
+        Query::Demand(DemandQuery { run_pct: 50 }),
         // An admin's listing of every org (the org of `after_org` is a cursor, not a
         // home shard).
         Query::Jobs(JobFilter {
@@ -1020,6 +1064,20 @@ fn answers_out_of_shape_are_refused_naming_the_field() {
         principals: vec![pb::PrincipalRow::default()],
     }));
     assert_eq!(e.field, "principals.principals[0].scope");
+    // A demand row's tier past u8.
+    let e = refused_answer(A::Demand(pb::DemandAnswer {
+        types: vec![pb::GpuTypeDemand {
+            tiers: vec![
+                pb::TierDemand::default(),
+                pb::TierDemand {
+                    tier: 256,
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        }],
+    }));
+    assert_eq!(e.field, "demand.types[0].tiers[1].tier");
 }
 
 /// Absent and empty are different answers, and stay so.
@@ -1035,6 +1093,7 @@ fn none_and_empty_stay_apart() {
         Answer::Tenancy(None),
         Answer::Budget(None),
         Answer::Job(None),
+        Answer::Demand(Vec::new()),
     ] {
         assert_eq!(answer_round_trip(&a).unwrap(), a);
     }
@@ -1108,5 +1167,40 @@ fn totals_past_64_bits_are_exact() {
     assert_eq!(
         answer_round_trip(&Answer::Totals(t)).unwrap(),
         Answer::Totals(t)
+    );
+}
+
+/// A demand row without a finite wait (work and no capacity) and one with a zero wait
+/// (nothing queued) stay apart on the wire.
+#[test]
+fn demand_waits_unset_and_zero_stay_apart() {
+    let row = |wait_ms| TypeDemand {
+        gpu_type: GpuType::new("H100"),
+        capacity_gpus: 0,
+        used_gpus: 8,
+        queued_jobs: 2,
+        queued_gpu_ms: 57_600_000,
+        wait_ms,
+        tiers: vec![TierDemand {
+            tier: Tier(1),
+            queued_jobs: 2,
+            queued_gpu_ms: 57_600_000,
+            target_wait_ms: 600_000,
+            wait_ms,
+            overdue_jobs: 1,
+            overdue_gpus: 4,
+            gpus_needed: 96,
+        }],
+    };
+    let (none, zero) = (
+        Answer::Demand(vec![row(None)]),
+        Answer::Demand(vec![row(Some(0))]),
+    );
+    assert_eq!(answer_round_trip(&none).unwrap(), none);
+    assert_eq!(answer_round_trip(&zero).unwrap(), zero);
+    assert_ne!(answer_to(&none), answer_to(&zero));
+    assert_eq!(
+        query_round_trip(&Query::Demand(DemandQuery { run_pct: 0 })).unwrap(),
+        Query::Demand(DemandQuery::default())
     );
 }

@@ -9,6 +9,7 @@ use crate::command::{BudgetScope, BudgetSpec};
 use crate::ids::{Account, Actor, JobId, NodeId, OrgId, ProjectId, Tier, UserId};
 use crate::ledger::{Balance, PriceTable, Totals, Usage};
 use crate::limits::USAGE_ROWS_MAX;
+pub use crate::scheduler::demand::{DemandQuery, TierDemand, TypeDemand};
 use crate::scheduler::{GpuNode, Job, JobState, SchedulerSettings};
 use crate::{check_invariants, State};
 use serde::{Deserialize, Serialize};
@@ -67,6 +68,10 @@ pub enum Query {
         org: OrgId,
         account: Account,
     },
+    /// The demand signal (admin only): per GPU type of the shard's pool, the capacity
+    /// taking work, the queued work and the wait it implies, and per tier the GPUs that
+    /// would bring the tier within its target wait (`scheduler::demand`, DESIGN §52).
+    Demand(DemandQuery),
 }
 
 /// An org's quota, plan and current use of each quota.
@@ -205,6 +210,8 @@ pub enum Answer {
     Tenancy(Option<Box<TenancyView>>),
     /// None: no such account (or another org's).
     Buckets(Option<Vec<crate::ledger::BucketView>>),
+    /// One row per GPU type of the pool, by type.
+    Demand(Vec<TypeDemand>),
 }
 
 /// Why a query was refused (the node answers PERMISSION_DENIED / UNAUTHENTICATED).
@@ -238,6 +245,7 @@ impl Query {
             Query::Principals(_) => "principals",
             Query::Tenancy(_) => "tenancy",
             Query::Buckets { .. } => "buckets",
+            Query::Demand(_) => "demand",
         }
     }
 }
@@ -256,8 +264,9 @@ fn tenant_view(mut j: Job, org: OrgId) -> Job {
 /// project, a user token only its project's and its own): another org's account, job
 /// or budget answers exactly as a nonexistent one (`None`), listings and queue counts
 /// are confined to the caller's org, and every answer's work is bounded by the
-/// caller's own org. Shard-wide views (totals, invariants, state hash, node list) are
-/// for admins; an agent sees its own node's assignments and the jobs placed on it.
+/// caller's own org. Shard-wide views (totals, invariants, state hash, node list,
+/// demand) are for admins; an agent sees its own node's assignments and the jobs placed
+/// on it.
 pub fn answer_as(state: &State, caller: Actor, q: &Query) -> Result<Answer, QueryDenied> {
     let actor = state
         .security
@@ -385,12 +394,15 @@ pub fn answer_as(state: &State, caller: Actor, q: &Query) -> Result<Answer, Quer
         Query::Tenancy(o) if *o == org && !narrow => answer(state, q),
         Query::Tenancy(_) if narrow => return Err(QueryDenied::PermissionDenied),
         Query::Tenancy(_) => Answer::Tenancy(None),
+        // The demand signal is the shard's aggregate of every org's queued work (a
+        // tenant could take its own from it and learn the others'): the operator's.
         Query::Assignments(_)
         | Query::Totals
         | Query::Invariants
         | Query::StateHash
         | Query::Nodes
-        | Query::Principals(_) => return Err(QueryDenied::PermissionDenied),
+        | Query::Principals(_)
+        | Query::Demand(_) => return Err(QueryDenied::PermissionDenied),
     })
 }
 
@@ -431,6 +443,9 @@ pub fn answer(state: &State, q: &Query) -> Answer {
         Query::SchedulerSettings => Answer::SchedulerSettings(state.config.scheduler.settings()),
         Query::Usage(u) => Answer::Usage(usage(state, u, None)),
         Query::Tenancy(org) => Answer::Tenancy(tenancy(state, *org).map(Box::new)),
+        Query::Demand(d) => {
+            Answer::Demand(sched.demand(&state.config.scheduler, state.time_ms, *d))
+        }
         Query::Principals(id) => Answer::Principals(
             state
                 .security

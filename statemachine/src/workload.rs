@@ -61,6 +61,17 @@ pub fn setup(credits_micro: u64) -> Vec<Request> {
     out
 }
 
+/// Activates this build's newest rule version (`version::RULES_MAX`): what an operator
+/// does once every node runs this release, and what the benchmarks measure.
+pub fn activate_newest() -> Request {
+    admin(
+        rid(0, 999),
+        Command::ActivateVersion {
+            version: crate::version::RULES_MAX,
+        },
+    )
+}
+
 pub fn grant(bucket: u64, owner: Account, amount_micro: u64) -> Grant {
     Grant {
         bucket: BucketId(bucket),

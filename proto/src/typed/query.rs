@@ -12,8 +12,8 @@ use super::{bad, narrow, policy_from, policy_to, required, tiers_from, tiers_to,
 use crate::api::v1 as pb;
 use allot_statemachine::ledger::{BucketView, PriceTable, Totals, Usage};
 use allot_statemachine::query::{
-    Answer, BudgetView, JobFilter, JobsPage, Query, QuotaUse, TenancyView, TierQueue, UsageLevel,
-    UsageQuery, UsageRow,
+    Answer, BudgetView, DemandQuery, JobFilter, JobsPage, Query, QuotaUse, TenancyView, TierDemand,
+    TierQueue, TypeDemand, UsageLevel, UsageQuery, UsageRow,
 };
 use allot_statemachine::scheduler::{AssignmentRow, GpuNode, Job, NodeState, Placement, Reason};
 use allot_statemachine::{
@@ -228,7 +228,8 @@ pub fn query_org(q: &Query) -> Option<OrgId> {
         | Query::Queue
         | Query::Prices
         | Query::SchedulerSettings
-        | Query::Principals(_) => None,
+        | Query::Principals(_)
+        | Query::Demand(_) => None,
     }
 }
 
@@ -320,6 +321,7 @@ pub fn query_to(q: &Query) -> Q {
             org: org.0,
             account: Some(super::account_to(*org, *account)),
         }),
+        Query::Demand(d) => Q::Demand(pb::DemandQuery { run_pct: d.run_pct }),
     }
 }
 
@@ -355,6 +357,7 @@ pub fn query_from(q: Option<&Q>) -> Result<Query, FieldError> {
             org: OrgId(b.org),
             account: super::account_from(b.account.as_ref(), "buckets.account")?,
         },
+        Q::Demand(d) => Query::Demand(DemandQuery { run_pct: d.run_pct }),
     })
 }
 
@@ -780,6 +783,58 @@ fn bucket_view_from(b: &pb::BucketView, path: &str) -> Result<BucketView, FieldE
     })
 }
 
+// ---------------------------------------------------------------- demand
+
+fn tier_demand_to(t: &TierDemand) -> pb::TierDemand {
+    pb::TierDemand {
+        tier: u32::from(t.tier.0),
+        queued_jobs: t.queued_jobs,
+        queued_gpu_ms: t.queued_gpu_ms,
+        target_wait_ms: t.target_wait_ms,
+        wait_ms: t.wait_ms,
+        overdue_jobs: t.overdue_jobs,
+        overdue_gpus: t.overdue_gpus,
+        gpus_needed: t.gpus_needed,
+    }
+}
+
+fn tier_demand_from(t: &pb::TierDemand, path: &str) -> Result<TierDemand, FieldError> {
+    Ok(TierDemand {
+        tier: tier_from(t.tier, &dot(path, "tier"))?,
+        queued_jobs: t.queued_jobs,
+        queued_gpu_ms: t.queued_gpu_ms,
+        target_wait_ms: t.target_wait_ms,
+        wait_ms: t.wait_ms,
+        overdue_jobs: t.overdue_jobs,
+        overdue_gpus: t.overdue_gpus,
+        gpus_needed: t.gpus_needed,
+    })
+}
+
+fn type_demand_to(d: &TypeDemand) -> pb::GpuTypeDemand {
+    pb::GpuTypeDemand {
+        gpu_type: d.gpu_type.0.clone(),
+        capacity_gpus: d.capacity_gpus,
+        used_gpus: d.used_gpus,
+        queued_jobs: d.queued_jobs,
+        queued_gpu_ms: d.queued_gpu_ms,
+        wait_ms: d.wait_ms,
+        tiers: d.tiers.iter().map(tier_demand_to).collect(),
+    }
+}
+
+fn type_demand_from(d: &pb::GpuTypeDemand, path: &str) -> Result<TypeDemand, FieldError> {
+    Ok(TypeDemand {
+        gpu_type: GpuType(d.gpu_type.clone()),
+        capacity_gpus: d.capacity_gpus,
+        used_gpus: d.used_gpus,
+        queued_jobs: d.queued_jobs,
+        queued_gpu_ms: d.queued_gpu_ms,
+        wait_ms: d.wait_ms,
+        tiers: each(&d.tiers, &dot(path, "tiers"), tier_demand_from)?,
+    })
+}
+
 // ---------------------------------------------------------------- answers
 
 /// Converts each element of a repeated field at `path`, naming a refused one by index.
@@ -865,6 +920,9 @@ pub fn answer_to(a: &Answer) -> A {
                 buckets: b.iter().map(bucket_view_to).collect(),
             }),
         }),
+        Answer::Demand(rows) => A::Demand(pb::DemandAnswer {
+            types: rows.iter().map(type_demand_to).collect(),
+        }),
     }
 }
 
@@ -948,5 +1006,6 @@ pub fn answer_from(a: Option<&A>) -> Result<Answer, FieldError> {
                 .map(|l| each(&l.buckets, "buckets.buckets.buckets", bucket_view_from))
                 .transpose()?,
         ),
+        A::Demand(d) => Answer::Demand(each(&d.types, "demand.types", type_demand_from)?),
     })
 }

@@ -7,7 +7,7 @@
 //! cargo run --release -p allot-statemachine --features sim --bin allot-sim -- \
 //!     [--seed N] [--hours H] [--load X] [--flood N] [--json] \
 //!     [--trace-out FILE] [--trace-in FILE] [--policies fair,strict,fifo,slurm,kueue] \
-//!     [--flexible] [--big-jobs PCT]
+//!     [--flexible] [--big-jobs PCT] [--autoscale MIN,... [--autoscale-run-pct PCT]]
 //! ```
 //!
 //! The policies: allot's `fair`; the baselines `strict` (strict tier priority), `fifo`,
@@ -18,6 +18,11 @@
 //! Besides each tier's waits, it reports the time to admission (submission to first
 //! placement) per tier and job size (1, 2, 4, 8 GPUs), as Kueue reports admission wait
 //! per queue.
+//!
+//! `--autoscale 0,5,15,30` runs the policies (Fair unless `--policies` names others) on
+//! the fixed fleet and then with a simulated autoscaler per provisioning delay, in
+//! minutes: it reads the shard's demand signal every step and orders nodes that register
+//! only after the delay (DESIGN §52; the code at the end of this file).
 
 use allot_statemachine::scheduler::{JobState, Policy};
 use allot_statemachine::testkit::{a100, h100, A100_PRICE, H100_PRICE, T0_MS};
@@ -85,9 +90,14 @@ struct Args {
     /// Percent of jobs that take a whole node (8 GPUs); the rest are 1, 2 and 4 GPUs in
     /// the proportions 4:3:2. The default, 10, is the original trace, draw for draw.
     big_jobs_pct: u64,
+    /// Provisioning delays (minutes) to run the autoscaler with; empty: no autoscaling.
+    autoscale: Vec<u64>,
+    /// The autoscaler's estimate of the share of its max duration a job runs (default:
+    /// the trace's own, `trace_run_pct`).
+    autoscale_run_pct: Option<u32>,
 }
 
-const USAGE: &str = "usage: allot-sim [--seed N] [--hours H] [--load X] [--flood N] [--json] [--trace-out F] [--trace-in F] [--policies fair,strict,fifo,slurm,kueue] [--flexible] [--big-jobs PCT]";
+const USAGE: &str = "usage: allot-sim [--seed N] [--hours H] [--load X] [--flood N] [--json] [--trace-out F] [--trace-in F] [--policies fair,strict,fifo,slurm,kueue] [--flexible] [--big-jobs PCT] [--autoscale MIN,... [--autoscale-run-pct PCT]]";
 
 /// Every policy, in the order `--policies` names them and the default runs them.
 const POLICIES: [(&str, Policy); 5] = [
@@ -117,7 +127,10 @@ fn parse_from(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         policies: POLICIES.iter().map(|(_, p)| *p).collect(),
         flexible: false,
         big_jobs_pct: 10,
+        autoscale: Vec::new(),
+        autoscale_run_pct: None,
     };
+    let mut policies_given = false;
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
         match flag.as_str() {
@@ -130,9 +143,12 @@ fn parse_from(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
             "--big-jobs" => {
                 a.big_jobs_pct = value()?.parse().map_err(|e| format!("--big-jobs: {e}"))?
             }
+            "--autoscale" => a.autoscale = parse_delays(&value()?)?,
+            "--autoscale-run-pct" => a.autoscale_run_pct = Some(parse_run_pct(&value()?)?),
             "--trace-out" => a.trace_out = Some(value()?),
             "--trace-in" => a.trace_in = Some(value()?),
             "--policies" => {
+                policies_given = true;
                 a.policies = value()?
                     .split(',')
                     .map(|p| {
@@ -155,6 +171,12 @@ fn parse_from(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
     }
     if a.big_jobs_pct > 100 {
         return Err("--big-jobs is a percentage: 0 to 100".into());
+    }
+    if a.autoscale_run_pct.is_some() && a.autoscale.is_empty() {
+        return Err("--autoscale-run-pct needs --autoscale".into());
+    }
+    if !a.autoscale.is_empty() && !policies_given {
+        a.policies = vec![Policy::Fair];
     }
     Ok(a)
 }
@@ -611,6 +633,9 @@ struct Figures {
     credits_forfeited: f64,
     invariants_ok: bool,
     entries: u64,
+    /// With `--autoscale` only (absent otherwise, so the default output is unchanged).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    autoscale: Option<AutoscaleFigures>,
 }
 
 fn pct(v: &mut [u64], p: f64) -> f64 {
@@ -632,6 +657,16 @@ fn jain(x: &[f64]) -> f64 {
 }
 
 fn simulate(policy: Policy, trace: &[TraceJob], hours: f64) -> Figures {
+    simulate_with(policy, trace, hours, None)
+}
+
+/// [`simulate`], with the autoscaler (if any) taking its turn before every step's entry.
+fn simulate_with(
+    policy: Policy,
+    trace: &[TraceJob],
+    hours: f64,
+    mut scaler: Option<&mut Autoscaler>,
+) -> Figures {
     let mut config = Config::default();
     config.scheduler.policy = policy;
     let mut sim = Sim {
@@ -673,6 +708,9 @@ fn simulate(policy: Policy, trace: &[TraceJob], hours: f64) -> Figures {
     while sim.now < drain_until {
         sim.now += STEP_MS;
         let mut reqs = sim.agents(&by_id);
+        if let Some(a) = scaler.as_deref_mut() {
+            reqs.extend(a.step(&mut sim));
+        }
         while next < trace.len() && T0_MS + trace[next].t_ms <= sim.now {
             let r = sim.submit(&trace[next]);
             reqs.push(r);
@@ -795,6 +833,7 @@ fn simulate(policy: Policy, trace: &[TraceJob], hours: f64) -> Figures {
         credits_forfeited: micro(sim.forfeited_micro as u128),
         invariants_ok: sim.invariants_ok,
         entries: sim.index,
+        autoscale: scaler.map(|a| a.figures(sim.now)),
     }
 }
 
@@ -806,6 +845,9 @@ fn print_table(all: &[Figures]) {
         rows.push((label.to_string(), all.iter().map(f).collect()));
     };
     row("policy", &|f| f.policy.clone());
+    for (label, cell) in autoscale_rows(all) {
+        row(label, &|f| f.autoscale.as_ref().map_or(String::new(), cell));
+    }
     row("jobs", &|f| f.jobs.to_string());
     row("GPU allocation % (overload window)", &|f| {
         format!("{:.1}", f.allocation_pct)
@@ -924,11 +966,14 @@ fn main() {
             args.seed, trace.len(), hours, NODES, GPUS_PER_NODE, args.load, args.big_jobs_pct, args.flood
         );
     }
-    let all: Vec<Figures> = args
-        .policies
-        .iter()
-        .map(|p| simulate(*p, &trace, hours))
-        .collect();
+    let all: Vec<Figures> = if args.autoscale.is_empty() {
+        args.policies
+            .iter()
+            .map(|p| simulate(*p, &trace, hours))
+            .collect()
+    } else {
+        autoscale_runs(&args, &trace, hours)
+    };
     if args.json {
         for f in &all {
             println!("{}", serde_json::to_string(f).unwrap_or_default());
@@ -1084,5 +1129,565 @@ mod tests {
             f[3].wait_max_s, 900.0,
             "a job never placed counts as waiting"
         );
+    }
+}
+
+// ================================================================ autoscaling (DESIGN §52)
+//
+// `--autoscale DELAY_MIN[,DELAY_MIN...]`: the same trace and policies (Fair unless
+// `--policies` names others), once on the fixed fleet and once per provisioning delay
+// with a simulated autoscaler. Every step it reads the shard's demand signal
+// (`Query::Demand`) and orders, per GPU type, the nodes that cover the most GPUs any
+// tier needs, less the nodes already on order; an ordered node registers `delay`
+// minutes later. An added node left without a job for `SCALE_DOWN_IDLE_MS` while its
+// type needs nothing is drained and its agent stops (the node lapses, then goes down:
+// there is no deregistration command, and a later order of the type re-registers it).
+
+/// Added nodes have the initial fleet's shape.
+const ADDED_NODE_GPUS: u32 = GPUS_PER_NODE;
+const ADDED_NODE_MEM_GB: u32 = 80;
+/// The most nodes up or on order at once: twice the initial fleet.
+const AUTOSCALE_NODES_MAX: u64 = 2 * NODES;
+/// An added node idle this long, while its type needs no GPUs, is released.
+const SCALE_DOWN_IDLE_MS: u64 = 10 * 60_000;
+/// Added nodes' ids (the initial fleet is 1..=NODES).
+const ADDED_NODE_ID_BASE: u64 = 1_001;
+/// Bounds of `--autoscale`: delays in minutes, and how many.
+const AUTOSCALE_DELAY_MIN_MAX: u64 = 1_440;
+const AUTOSCALE_DELAYS_MAX: usize = 16;
+
+/// `--autoscale`'s value: distinct whole minutes, 0..=1440, at most 16.
+fn parse_delays(s: &str) -> Result<Vec<u64>, String> {
+    let mut out: Vec<u64> = Vec::new();
+    for part in s.split(',') {
+        let d: u64 = part
+            .trim()
+            .parse()
+            .map_err(|_| format!("--autoscale: {part:?} is not a whole number of minutes"))?;
+        if d > AUTOSCALE_DELAY_MIN_MAX {
+            return Err(format!(
+                "--autoscale: {d} minutes is more than {AUTOSCALE_DELAY_MIN_MAX}"
+            ));
+        }
+        if out.contains(&d) {
+            return Err(format!("--autoscale: {d} is listed twice"));
+        }
+        out.push(d);
+    }
+    if out.len() > AUTOSCALE_DELAYS_MAX {
+        return Err(format!(
+            "--autoscale: at most {AUTOSCALE_DELAYS_MAX} delays"
+        ));
+    }
+    Ok(out)
+}
+
+/// `--autoscale-run-pct`'s value: 1..=100.
+fn parse_run_pct(s: &str) -> Result<u32, String> {
+    match s.parse::<u32>() {
+        Ok(p @ 1..=100) => Ok(p),
+        _ => Err(format!(
+            "--autoscale-run-pct: {s:?} is not a percentage from 1 to 100"
+        )),
+    }
+}
+
+/// The share of its max duration the trace's jobs run (GPU-weighted, percent, rounded
+/// up): the estimate an operator reads off past jobs, which the autoscaler passes to the
+/// demand query unless `--autoscale-run-pct` says otherwise.
+fn trace_run_pct(trace: &[TraceJob]) -> u32 {
+    let (work, bound) = trace.iter().fold((0u128, 0u128), |(w, b), j| {
+        let g = u128::from(j.gpus);
+        (
+            w + g * u128::from(j.work_ms.min(j.max_duration_ms)),
+            b + g * u128::from(j.max_duration_ms),
+        )
+    });
+    match bound {
+        0 => 100,
+        b => ((work * 100).div_ceil(b)).clamp(1, 100) as u32,
+    }
+}
+
+/// One node the autoscaler ordered (its id is reused once the node is down).
+#[derive(Clone, Debug)]
+struct AddedNode {
+    gpu_type: GpuType,
+    ordered_ms: u64,
+    /// Order + delay: not registered before.
+    ready_ms: u64,
+    registered_ms: Option<u64>,
+    /// Since when it has had no job (registered and not released).
+    idle_since_ms: Option<u64>,
+    released_ms: Option<u64>,
+}
+
+/// The simulated autoscaler and the cloud it orders from.
+struct Autoscaler {
+    /// `None`: the fixed fleet (nothing is ordered; figures for reference).
+    delay_ms: Option<u64>,
+    run_pct: u32,
+    nodes: BTreeMap<u64, AddedNode>,
+    /// (node, ordered, registered) of every registration, for the mode's tests.
+    registrations: Vec<(u64, u64, u64)>,
+    ordered: u64,
+    registered: u64,
+    released: u64,
+    /// GPU-ms paid for added nodes already released.
+    released_gpu_ms: u128,
+    /// Most nodes up (not down) at once.
+    peak_nodes: u64,
+    /// Breaches of the mode's invariants seen in the state: more nodes up than the
+    /// maximum, an added node up before its delay passed or after its release, a node
+    /// the autoscaler did not order.
+    violations: u64,
+}
+
+#[derive(Serialize, Clone, Debug, PartialEq)]
+struct AutoscaleFigures {
+    /// Provisioning delay in minutes; `None`: the fixed fleet.
+    delay_min: Option<u64>,
+    /// The `run_pct` of the autoscaler's demand queries.
+    run_pct: u32,
+    nodes_max: u64,
+    nodes_ordered: u64,
+    /// Registrations (a node released and ordered again counts again).
+    nodes_added: u64,
+    nodes_released: u64,
+    peak_nodes: u64,
+    /// GPU-hours paid over the run: the initial fleet from the start, each added node
+    /// from its order (provisioning is paid) to its release or the run's end.
+    gpu_hours_provisioned: f64,
+    gpu_hours_added: f64,
+    violations: u64,
+}
+
+impl Autoscaler {
+    fn new(delay_min: Option<u64>, run_pct: u32) -> Autoscaler {
+        Autoscaler {
+            delay_ms: delay_min.map(|m| m * 60_000),
+            run_pct,
+            nodes: BTreeMap::new(),
+            registrations: Vec::new(),
+            ordered: 0,
+            registered: 0,
+            released: 0,
+            released_gpu_ms: 0,
+            peak_nodes: 0,
+            violations: 0,
+        }
+    }
+
+    /// One step, before the step's entry: check the mode's invariants on the state,
+    /// order what the demand signal asks for, register the nodes whose delay has passed,
+    /// release idle ones, heartbeat the rest. Returns the step's requests.
+    fn step(&mut self, sim: &mut Sim) -> Vec<Request> {
+        let now = sim.now;
+        self.check(&sim.state.scheduler);
+        let Some(delay_ms) = self.delay_ms else {
+            return Vec::new();
+        };
+        let q = query::Query::Demand(query::DemandQuery {
+            run_pct: self.run_pct,
+        });
+        let demand = match query::answer(&sim.state, &q) {
+            query::Answer::Demand(rows) => rows,
+            _ => Vec::new(),
+        };
+        let mut cmds: Vec<(Actor, Command)> = Vec::new();
+        self.order(&sim.state.scheduler, &demand, now, delay_ms);
+        self.register_due(now, &mut cmds);
+        self.release_idle(&sim.state.scheduler, &demand, now, &mut cmds);
+        for (id, n) in &self.nodes {
+            if n.registered_ms.is_some() && n.released_ms.is_none() {
+                let node = NodeId(*id);
+                cmds.push((Actor::Agent(node), Command::NodeHeartbeat { node }));
+            }
+        }
+        cmds.into_iter().map(|(a, c)| sim.req(a, c)).collect()
+    }
+
+    /// Whether an added node is gone: released, and down in the state.
+    fn gone(s: &scheduler::Scheduler, id: u64, n: &AddedNode) -> bool {
+        n.released_ms.is_some()
+            && s.node(NodeId(id))
+                .is_none_or(|x| x.state == scheduler::NodeState::Down)
+    }
+
+    /// Nodes up or on order: the initial fleet and the added nodes not gone.
+    fn occupied(&self, s: &scheduler::Scheduler) -> u64 {
+        let added = self
+            .nodes
+            .iter()
+            .filter(|(id, n)| !Self::gone(s, **id, n))
+            .count() as u64;
+        NODES + added
+    }
+
+    /// Per type, nodes for the most GPUs any tier needs, less those on order; one
+    /// node per type in turn (by type) while the maximum leaves room.
+    fn order(
+        &mut self,
+        s: &scheduler::Scheduler,
+        demand: &[query::TypeDemand],
+        now: u64,
+        delay_ms: u64,
+    ) {
+        let mut want: Vec<(GpuType, u64)> = demand
+            .iter()
+            .map(|r| {
+                let gpus = r.tiers.iter().map(|t| t.gpus_needed).max().unwrap_or(0);
+                let nodes = u64::from(gpus.div_ceil(ADDED_NODE_GPUS));
+                (
+                    r.gpu_type.clone(),
+                    nodes.saturating_sub(self.pending(&r.gpu_type)),
+                )
+            })
+            .collect();
+        let mut room = AUTOSCALE_NODES_MAX.saturating_sub(self.occupied(s));
+        while room > 0 && want.iter().any(|(_, n)| *n > 0) {
+            for (t, n) in want.iter_mut() {
+                if *n > 0 && room > 0 {
+                    self.order_one(s, t.clone(), now, now + delay_ms);
+                    *n -= 1;
+                    room -= 1;
+                }
+            }
+        }
+    }
+
+    /// Nodes of this type ordered and not registered yet.
+    fn pending(&self, t: &GpuType) -> u64 {
+        self.nodes
+            .values()
+            .filter(|n| &n.gpu_type == t && n.registered_ms.is_none())
+            .count() as u64
+    }
+
+    /// Orders a node: a gone node of the type is ordered again under its id, else a new
+    /// id is taken.
+    fn order_one(&mut self, s: &scheduler::Scheduler, t: GpuType, now: u64, ready_ms: u64) {
+        let reuse = self
+            .nodes
+            .iter()
+            .find(|(id, n)| n.gpu_type == t && Self::gone(s, **id, n))
+            .map(|(id, _)| *id);
+        let id = reuse.unwrap_or(ADDED_NODE_ID_BASE + self.nodes.len() as u64);
+        if let Some(old) = self.nodes.get(&id) {
+            self.released_gpu_ms += Self::paid_ms(old, now);
+        }
+        self.nodes.insert(
+            id,
+            AddedNode {
+                gpu_type: t,
+                ordered_ms: now,
+                ready_ms,
+                registered_ms: None,
+                idle_since_ms: None,
+                released_ms: None,
+            },
+        );
+        self.ordered += 1;
+    }
+
+    /// GPU-ms paid for a node from its order to its release (or `end`).
+    fn paid_ms(n: &AddedNode, end: u64) -> u128 {
+        let until = n.released_ms.unwrap_or(end);
+        u128::from(ADDED_NODE_GPUS) * u128::from(until.saturating_sub(n.ordered_ms))
+    }
+
+    fn register_due(&mut self, now: u64, cmds: &mut Vec<(Actor, Command)>) {
+        for (id, n) in self.nodes.iter_mut() {
+            if n.registered_ms.is_none() && n.ready_ms <= now {
+                cmds.push((
+                    ADMIN,
+                    Command::RegisterNode(NodeSpec {
+                        node: NodeId(*id),
+                        gpu_type: n.gpu_type.clone(),
+                        gpu_count: ADDED_NODE_GPUS,
+                        gpu_mem_gb: ADDED_NODE_MEM_GB,
+                        labels: vec![],
+                        incarnation: 0,
+                    }),
+                ));
+                n.registered_ms = Some(now);
+                n.idle_since_ms = Some(now);
+                self.registered += 1;
+                self.registrations.push((*id, n.ordered_ms, now));
+            }
+        }
+    }
+
+    /// Drains (and stops the agent of) each added node idle for the cool-down while its
+    /// type needs no GPUs and has none on order.
+    fn release_idle(
+        &mut self,
+        s: &scheduler::Scheduler,
+        demand: &[query::TypeDemand],
+        now: u64,
+        cmds: &mut Vec<(Actor, Command)>,
+    ) {
+        let quiet: Vec<GpuType> = demand
+            .iter()
+            .filter(|r| r.tiers.iter().all(|t| t.gpus_needed == 0))
+            .map(|r| r.gpu_type.clone())
+            .filter(|t| self.pending(t) == 0)
+            .collect();
+        for (id, n) in self.nodes.iter_mut() {
+            if n.registered_ms.is_none() || n.released_ms.is_some() {
+                continue;
+            }
+            let idle = s
+                .node(NodeId(*id))
+                .is_some_and(|x| x.slots.iter().all(Option::is_none) && x.reserved_for.is_none());
+            if !idle {
+                n.idle_since_ms = None;
+                continue;
+            }
+            let since = *n.idle_since_ms.get_or_insert(now);
+            if now >= since + SCALE_DOWN_IDLE_MS && quiet.contains(&n.gpu_type) {
+                cmds.push((
+                    ADMIN,
+                    Command::SetNodeDraining {
+                        node: NodeId(*id),
+                        draining: true,
+                    },
+                ));
+                n.released_ms = Some(now);
+                self.released += 1;
+            }
+        }
+    }
+
+    /// The mode's invariants, on the state before the step's entry.
+    fn check(&mut self, s: &scheduler::Scheduler) {
+        use scheduler::NodeState;
+        let up = s
+            .nodes
+            .values()
+            .filter(|n| n.state != NodeState::Down)
+            .count() as u64;
+        self.peak_nodes = self.peak_nodes.max(up);
+        if up > AUTOSCALE_NODES_MAX {
+            self.violations += 1;
+        }
+        for (id, x) in s.nodes.iter() {
+            if id.0 <= NODES || x.state == NodeState::Down {
+                continue;
+            }
+            let ok = self.nodes.get(&id.0).is_some_and(|n| {
+                n.registered_ms.is_some_and(|r| r >= n.ready_ms)
+                    && (n.released_ms.is_none() || x.state != NodeState::Ready)
+            });
+            if !ok {
+                self.violations += 1;
+            }
+        }
+    }
+
+    fn figures(&self, end: u64) -> AutoscaleFigures {
+        let added: u128 = self.released_gpu_ms
+            + self
+                .nodes
+                .values()
+                .map(|n| Self::paid_ms(n, end))
+                .sum::<u128>();
+        let initial = u128::from(NODES) * u128::from(GPUS_PER_NODE) * u128::from(end - T0_MS);
+        let hours = |ms: u128| ms as f64 / 3.6e6;
+        AutoscaleFigures {
+            delay_min: self.delay_ms.map(|d| d / 60_000),
+            run_pct: self.run_pct,
+            nodes_max: AUTOSCALE_NODES_MAX,
+            nodes_ordered: self.ordered,
+            nodes_added: self.registered,
+            nodes_released: self.released,
+            peak_nodes: self.peak_nodes,
+            gpu_hours_provisioned: hours(initial + added),
+            gpu_hours_added: hours(added),
+            violations: self.violations,
+        }
+    }
+}
+
+/// Per policy: the fixed fleet, then one run per provisioning delay.
+fn autoscale_runs(args: &Args, trace: &[TraceJob], hours: f64) -> Vec<Figures> {
+    let run_pct = args
+        .autoscale_run_pct
+        .unwrap_or_else(|| trace_run_pct(trace));
+    if !args.json {
+        eprintln!(
+            "allot-sim: autoscaling · provisioning delays {:?} min · demand read every {} s at run_pct {} · +{} GPUs × {} GB per node · at most {} nodes · idle {} min → released",
+            args.autoscale,
+            STEP_MS / 1_000,
+            run_pct,
+            ADDED_NODE_GPUS,
+            ADDED_NODE_MEM_GB,
+            AUTOSCALE_NODES_MAX,
+            SCALE_DOWN_IDLE_MS / 60_000
+        );
+    }
+    let mut all = Vec::new();
+    for p in &args.policies {
+        let delays = std::iter::once(None).chain(args.autoscale.iter().map(|d| Some(*d)));
+        for delay in delays {
+            all.push(autoscaled(*p, trace, hours, delay, run_pct).0);
+        }
+    }
+    all
+}
+
+/// One run with the autoscaler (`delay_min` `None`: the fixed fleet); a breach of the
+/// mode's invariants fails the run like any other invariant.
+fn autoscaled(
+    policy: Policy,
+    trace: &[TraceJob],
+    hours: f64,
+    delay_min: Option<u64>,
+    run_pct: u32,
+) -> (Figures, Autoscaler) {
+    let mut a = Autoscaler::new(delay_min, run_pct);
+    let mut f = simulate_with(policy, trace, hours, Some(&mut a));
+    f.invariants_ok &= a.violations == 0;
+    (f, a)
+}
+
+/// The table's autoscaling rows (none without `--autoscale`).
+type AutoscaleCell = fn(&AutoscaleFigures) -> String;
+
+fn autoscale_rows(all: &[Figures]) -> Vec<(&'static str, AutoscaleCell)> {
+    if all.iter().all(|f| f.autoscale.is_none()) {
+        return Vec::new();
+    }
+    vec![
+        ("autoscale: provisioning delay", |a| {
+            a.delay_min
+                .map_or("fixed fleet".into(), |d| format!("{d} min"))
+        }),
+        ("autoscale: nodes ordered / added / released", |a| {
+            format!("{}/{}/{}", a.nodes_ordered, a.nodes_added, a.nodes_released)
+        }),
+        ("autoscale: peak nodes (max)", |a| {
+            format!("{} ({})", a.peak_nodes, a.nodes_max)
+        }),
+        ("autoscale: GPU-h provisioned (added)", |a| {
+            format!("{:.0} ({:.0})", a.gpu_hours_provisioned, a.gpu_hours_added)
+        }),
+    ]
+}
+
+#[cfg(test)]
+mod autoscale_tests {
+    use super::*;
+
+    fn args(flags: &[&str]) -> Result<Args, String> {
+        parse_from(flags.iter().map(|s| s.to_string()))
+    }
+
+    #[test]
+    fn autoscale_flags_parse_and_bad_values_are_usage_errors() {
+        let a = args(&["--autoscale", "0,5,15,30"]).unwrap();
+        assert_eq!(a.autoscale, vec![0, 5, 15, 30]);
+        assert_eq!(a.policies, vec![Policy::Fair], "Fair unless --policies");
+        assert_eq!(a.autoscale_run_pct, None);
+        let a = args(&["--policies", "fifo", "--autoscale", "10"]).unwrap();
+        assert_eq!(a.policies, vec![Policy::Fifo]);
+        let a = args(&["--autoscale", "10", "--policies", "fifo,fair"]).unwrap();
+        assert_eq!(a.policies, vec![Policy::Fifo, Policy::Fair]);
+        let a = args(&["--autoscale", "1440", "--autoscale-run-pct", "25"]).unwrap();
+        assert_eq!((a.autoscale, a.autoscale_run_pct), (vec![1440], Some(25)));
+        assert!(args(&[]).unwrap().autoscale.is_empty(), "off by default");
+        for bad in [
+            vec!["--autoscale"],
+            vec!["--autoscale", ""],
+            vec!["--autoscale", "5,"],
+            vec!["--autoscale", ",5"],
+            vec!["--autoscale", "-5"],
+            vec!["--autoscale", "2.5"],
+            vec!["--autoscale", "five"],
+            vec!["--autoscale", "1441"],
+            vec!["--autoscale", "5,5"],
+            vec!["--autoscale", "0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16"],
+            vec!["--autoscale", "5", "--autoscale-run-pct", "0"],
+            vec!["--autoscale", "5", "--autoscale-run-pct", "101"],
+            vec!["--autoscale", "5", "--autoscale-run-pct", "x"],
+            vec!["--autoscale-run-pct", "50"],
+        ] {
+            assert!(args(&bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_trace_run_pct_is_the_share_of_the_bound_jobs_run() {
+        let job = |gpus, work_ms, max_duration_ms| TraceJob {
+            t_ms: 0,
+            job: 1,
+            org: 100,
+            tier: 0,
+            gpu_types: vec!["A100".into()],
+            gpus,
+            mem_floor_gb: 40,
+            preemptible: true,
+            checkpointable: true,
+            max_duration_ms,
+            work_ms,
+        };
+        // GPU-weighted: 8 × 10 + 1 × 100 of 8 × 100 + 1 × 100 = 180 / 900.
+        assert_eq!(trace_run_pct(&[job(8, 10, 100), job(1, 100, 100)]), 20);
+        assert_eq!(trace_run_pct(&[job(1, 1, 1_000)]), 1, "rounded up");
+        assert_eq!(trace_run_pct(&[]), 100);
+    }
+
+    /// A short overloaded trace (1.6× the fleet, no flood).
+    fn short_trace() -> (Vec<TraceJob>, f64) {
+        let a = args(&["--hours", "0.75", "--flood", "0"]).unwrap();
+        (generate(&a), a.hours)
+    }
+
+    #[test]
+    fn autoscaled_nodes_come_only_after_the_delay_and_never_beyond_the_maximum() {
+        let (trace, hours) = short_trace();
+        let run_pct = trace_run_pct(&trace);
+        let (f, a) = autoscaled(Policy::Fair, &trace, hours, Some(10), run_pct);
+        let fig = f.autoscale.clone().expect("autoscale figures");
+        assert!(f.invariants_ok, "{fig:?}");
+        assert_eq!(fig.violations, 0);
+        assert!(fig.nodes_added > 0, "an overloaded fleet grows: {fig:?}");
+        assert!(fig.peak_nodes <= AUTOSCALE_NODES_MAX, "{fig:?}");
+        assert!(fig.peak_nodes > NODES, "{fig:?}");
+        for (node, ordered, registered) in &a.registrations {
+            assert!(
+                registered - ordered >= 10 * 60_000,
+                "node {node} registered {} ms after its order",
+                registered - ordered
+            );
+        }
+        // Added capacity is paid: more GPU-hours than the fixed fleet over the same span.
+        assert!(fig.gpu_hours_added > 0.0);
+        let fixed = autoscaled(Policy::Fair, &trace, hours, None, run_pct).0;
+        let fixed_fig = fixed.autoscale.expect("reference figures");
+        assert_eq!(
+            (
+                fixed_fig.nodes_ordered,
+                fixed_fig.peak_nodes,
+                fixed_fig.gpu_hours_added
+            ),
+            (0, NODES, 0.0)
+        );
+        assert!(fixed.invariants_ok);
+    }
+
+    #[test]
+    fn the_autoscaled_run_is_deterministic_for_a_seed() {
+        let (trace, hours) = short_trace();
+        let run = || {
+            let (f, a) = autoscaled(Policy::Fair, &trace, hours, Some(0), 20);
+            (
+                serde_json::to_string(&f).expect("figures serialise"),
+                a.registrations,
+            )
+        };
+        let (first, regs) = run();
+        assert!(!regs.is_empty());
+        assert_eq!(run(), (first, regs));
     }
 }

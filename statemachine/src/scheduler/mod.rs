@@ -6,6 +6,7 @@
 //! scheduling pass. Ties are always broken by stable ids.
 
 mod baselines;
+pub mod demand;
 mod invariants;
 mod inventory;
 pub use baselines::{

@@ -132,6 +132,9 @@ pub enum Cmd {
     Scheduler(crate::scheduler::SchedulerCmd),
     /// Queue per tier: queued jobs, oldest wait, running GPUs.
     Queue(crate::scheduler::QueueArgs),
+    /// Demand per GPU type (admin): capacity, queued GPU-hours, the wait they imply, and
+    /// per tier the GPUs that would bring the tier within its target wait.
+    Demand(crate::demand::DemandArgs),
     /// GPU nodes of a shard's pool.
     #[command(subcommand)]
     Node(crate::nodes::NodeCmd),

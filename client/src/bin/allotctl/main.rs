@@ -11,6 +11,7 @@ mod bench;
 mod cluster;
 mod connect;
 mod credits;
+mod demand;
 mod failure;
 mod jobs;
 mod membership;
@@ -72,6 +73,7 @@ async fn dispatch(ctx: &Ctx, cmd: Cmd) -> anyhow::Result<()> {
         Cmd::Totals(a) => credits::totals(ctx, a).await,
         Cmd::Scheduler(c) => scheduler::run(ctx, c).await,
         Cmd::Queue(a) => scheduler::queue(ctx, a).await,
+        Cmd::Demand(a) => demand::run(ctx, a).await,
         Cmd::Node(c) => nodes::run(ctx, c).await,
         Cmd::Job(c) => jobs::run(ctx, c).await,
         Cmd::Audit(a) => audit::run(ctx, a).await,

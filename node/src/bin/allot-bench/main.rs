@@ -637,7 +637,10 @@ async fn start_allot(o: &Opts, dir: &std::path::Path) -> anyhow::Result<(LocalCl
     c.wait_leaders(Duration::from_secs(60)).await?;
     let client = allot_node::local_cluster::client(c.endpoints());
     for s in 0..o.shards {
-        let mut setup = workload::setup(allot_statemachine::limits::AMOUNT_MICRO_MAX / 10);
+        let mut setup = vec![workload::activate_newest()];
+        setup.extend(workload::setup(
+            allot_statemachine::limits::AMOUNT_MICRO_MAX / 10,
+        ));
         if o.rate.is_some() {
             // A sustained run keeps a day's idempotency records (DESIGN §50).
             setup.push(workload::sustained_quota());
