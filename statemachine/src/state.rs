@@ -364,7 +364,8 @@ pub fn apply_into(
         out.outcomes.push(outcome);
     }
 
-    // One bounded scheduling pass over the queue as this entry left it.
+    // One bounded scheduling pass over the queue as this entry left it, under the rule
+    // version active at this entry.
     state.scheduler.run_pass(
         &mut Ctx {
             now,
@@ -372,6 +373,7 @@ pub fn apply_into(
         },
         &mut state.ledger,
         &state.config.scheduler,
+        state.rules.active,
     );
     for ev in effects.drain(..) {
         state

@@ -24,6 +24,15 @@
 //!   table's compact encoding, [`crate::codec::FORMAT_VERSION`]); before it, this
 //!   release writes format 6, which the previous release reads, so that a rolling
 //!   upgrade can still be rolled back until the operator activates version 3.
+//!   Under the `Fair` policy (`crate::scheduler`, DESIGN §21–§24) version 3 also
+//!   changes what the scheduling pass decides: (a) only aged multi-GPU jobs reserve
+//!   nodes — each org's oldest one, in fair-share order within a tier and by how
+//!   overdue across tiers — and a job whose reserved node is ready is placed before
+//!   the fair order; (b) the reserved node is the one where the job's GPUs are free
+//!   soonest by the running jobs' estimated ends (from the progress their agents
+//!   report, capped by their deadlines), not the one with the most free GPUs now;
+//!   (c) only the top tier preempts a job that would lose work: a lower tier takes
+//!   only checkpointable victims. The other policies decide as before.
 
 use serde::{Deserialize, Serialize};
 

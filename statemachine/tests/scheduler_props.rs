@@ -2,7 +2,9 @@
 //! drain / node-failure / time sequences. After every entry the harness checks the
 //! ledger's and the scheduler's invariants (no GPU allocated twice, no job on two nodes,
 //! every job holding GPUs has an open metered hold at its attempt, counters and indexes
-//! match); here we add determinism and coverage.
+//! match); here we add determinism and coverage. Every property runs under rule version 1
+//! and under version 3 (whose fair policy reserves nodes for aged gang jobs by the
+//! progress agents report, `fair_v3_rules.rs`).
 
 use allot_statemachine::scheduler::JobState;
 use allot_statemachine::testkit::*;
@@ -24,6 +26,8 @@ enum Op {
     Heartbeat {
         pick: usize,
         checkpoint: bool,
+        /// Progress reported, in parts per million (version 3 estimates ends from it).
+        progress_ppm: u32,
     },
     /// Every placed job's agent reports.
     HeartbeatAll,
@@ -50,7 +54,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (0..3u8, any::<bool>(), any::<bool>(), prop_oneof![Just(1u32), Just(2), Just(4), Just(8)], prop::bool::weighted(0.2), prop::bool::weighted(0.8), any::<bool>())
             .prop_map(|(tier, h100_first, both, gpus, mem_floor, preemptible, short)| Op::Submit { tier, h100_first, both, gpus, mem_floor, preemptible, short }),
-        6 => (any::<usize>(), prop::bool::weighted(0.3)).prop_map(|(pick, checkpoint)| Op::Heartbeat { pick, checkpoint }),
+        6 => (any::<usize>(), prop::bool::weighted(0.3), prop_oneof![Just(0u32), 1u32..=1_000_000]).prop_map(|(pick, checkpoint, progress_ppm)| Op::Heartbeat { pick, checkpoint, progress_ppm }),
         3 => Just(Op::HeartbeatAll),
         2 => (any::<usize>(), prop::bool::weighted(0.8)).prop_map(|(pick, success)| Op::Finish { pick, success }),
         1 => any::<usize>().prop_map(|pick| Op::Cancel { pick }),
@@ -72,15 +76,30 @@ fn placed(h: &Harness) -> Vec<u64> {
 }
 
 /// One requeue after a node failure, so both the requeue and the final platform failure
-/// are reached.
+/// are reached; tiers' max waits of two minutes, so that jobs age within a sequence (the
+/// aging lane, and version 3's reservations for aged gang jobs, are reached).
 fn props_config() -> Config {
     let mut config = Config::default();
     config.scheduler.node_failure_requeues_max = 1;
+    for t in &mut config.scheduler.tiers {
+        t.max_wait_ms = 2 * 60_000;
+    }
     config
 }
 
-fn run(ops: &[Op]) -> Harness {
+/// The ops applied after the standard world's set-up, under rule version `rules`
+/// (activated first when it is not the baseline).
+fn run(ops: &[Op], rules: u32) -> Harness {
+    run_counting(ops, rules, &mut 0)
+}
+
+/// [`run`], counting the ops after which a queued job holds a node reserved without a
+/// preemption under way for it (an anti-fragmentation reservation).
+fn run_counting(ops: &[Op], rules: u32, reservations: &mut usize) -> Harness {
     let mut h = Harness::world_with(props_config());
+    if rules > 1 {
+        h.ok(Command::ActivateVersion { version: rules });
+    }
     h.grant(1, Account::Org(ORG), BucketKind::Paid, credits(2_000), None);
     h.grant(
         2,
@@ -122,7 +141,11 @@ fn run(ops: &[Op]) -> Harness {
                 spec.max_duration_ms = if short { 3 * 60_000 } else { 2 * HOUR_MS };
                 h.run(Command::SubmitJob(spec)).ok();
             }
-            Op::Heartbeat { pick, checkpoint } => {
+            Op::Heartbeat {
+                pick,
+                checkpoint,
+                progress_ppm,
+            } => {
                 let jobs = placed(&h);
                 if jobs.is_empty() {
                     continue;
@@ -134,7 +157,17 @@ fn run(ops: &[Op]) -> Harness {
                 let cp = cps.entry(job).or_default();
                 *cp += checkpoint as u64;
                 let (seq, cp) = (*seq, *cp);
-                h.job_heartbeat(job, seq, cp).ok();
+                let j = h.job(job);
+                let (node, org) = (j.placement.as_ref().map_or(NodeId(0), |p| p.node), j.org);
+                let hb = JobHeartbeat {
+                    job: JobId(job),
+                    attempt,
+                    seq,
+                    progress_ppm,
+                    checkpoint: cp,
+                };
+                h.run_in(Actor::Agent(node), org, Command::JobHeartbeat(hb))
+                    .ok();
             }
             Op::HeartbeatAll => {
                 for job in placed(&h) {
@@ -181,24 +214,37 @@ fn run(ops: &[Op]) -> Harness {
                 }
             }
         }
+        *reservations += holds_plain_reservation(&h) as usize;
     }
     h.assert_audit_rebuilds_ledger();
     h
+}
+
+/// Whether a queued job holds a node that no preemption is freeing for it.
+fn holds_plain_reservation(h: &Harness) -> bool {
+    let s = &h.state.scheduler;
+    s.jobs.values().any(|j| {
+        j.state == JobState::Queued
+            && j.reserved_node.is_some()
+            && !s.jobs.values().any(|v| {
+                v.state == JobState::Preempting && v.preempted_for == Some((j.org, j.spec.job))
+            })
+    })
 }
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 1_000, ..ProptestConfig::default() })]
 
     #[test]
-    fn random_scheduling_keeps_every_invariant(ops in proptest::collection::vec(op(), 1..120)) {
-        run(&ops);
+    fn random_scheduling_keeps_every_invariant(ops in proptest::collection::vec(op(), 1..120), v3 in any::<bool>()) {
+        run(&ops, if v3 { 3 } else { 1 });
     }
 
     /// Same log ⇒ same state: replaying the entries on a replica restored from a
     /// snapshot taken at a random point reaches the same state hash.
     #[test]
-    fn scheduling_is_deterministic(ops in proptest::collection::vec(op(), 1..80), cut in any::<prop::sample::Index>()) {
-        let h = run(&ops);
+    fn scheduling_is_deterministic(ops in proptest::collection::vec(op(), 1..80), cut in any::<prop::sample::Index>(), v3 in any::<bool>()) {
+        let h = run(&ops, if v3 { 3 } else { 1 });
         let cut = cut.index(h.entries.len() + 1);
         let mut replica = State::new(props_config());
         for e in &h.entries[..cut] {
@@ -212,7 +258,8 @@ proptest! {
     }
 }
 
-/// The generator reaches every lifecycle path.
+/// The generator reaches every lifecycle path, under rule version 1 and under version 3
+/// (where gang jobs also take nodes reserved for them once aged).
 #[test]
 fn generator_reaches_every_lifecycle_path() {
     use proptest::strategy::ValueTree;
@@ -223,8 +270,12 @@ fn generator_reaches_every_lifecycle_path() {
     );
     let strategy = proptest::collection::vec(op(), 80..120);
     let mut seen: BTreeMap<String, usize> = BTreeMap::new();
-    for _ in 0..200 {
-        let h = run(&strategy.new_tree(&mut runner).unwrap().current());
+    for i in 0..200 {
+        let rules = if i % 2 == 0 { 1 } else { 3 };
+        let mut reservations = 0;
+        let ops = strategy.new_tree(&mut runner).unwrap().current();
+        let h = run_counting(&ops, rules, &mut reservations);
+        *seen.entry(format!("v{rules} reservation")).or_default() += reservations;
         for e in &h.events {
             if let EventBody::JobTransition { to, reason, .. } = e.body {
                 let reason = format!("{reason:?}");
@@ -255,6 +306,8 @@ fn generator_reaches_every_lifecycle_path() {
         "Failed/MaxDuration",
         "node Down",
         "node Draining",
+        "v1 reservation",
+        "v3 reservation",
     ] {
         assert!(
             seen.get(key).copied().unwrap_or(0) >= 3,

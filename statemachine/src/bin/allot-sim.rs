@@ -6,14 +6,16 @@
 //! ```text
 //! cargo run --release -p allot-statemachine --features sim --bin allot-sim -- \
 //!     [--seed N] [--hours H] [--load X] [--flood N] [--json] \
-//!     [--trace-out FILE] [--trace-in FILE] [--policies fair,strict,fifo,slurm,kueue] \
+//!     [--trace-out FILE] [--trace-in FILE] [--policies fair,fair-v1,strict,fifo,slurm,kueue] \
 //!     [--flexible] [--big-jobs PCT] [--autoscale MIN,... [--autoscale-run-pct PCT]]
 //! ```
 //!
-//! The policies: allot's `fair`; the baselines `strict` (strict tier priority), `fifo`,
-//! `slurm` (Slurm-like: multifactor priority with Fair Tree, QOS preemption, EASY
-//! backfill) and `kueue` (Kueue-like: a ClusterQueue per tier in one cohort, fair
-//! sharing, reclaim), all five by default (DESIGN §24).
+//! The policies: allot's `fair` (under this release's rules, version 3, activated in
+//! the set-up of every run) and `fair-v1` (the same policy under rules 1, the previous
+//! release's decisions); the baselines `strict` (strict tier priority), `fifo`, `slurm`
+//! (Slurm-like: multifactor priority with Fair Tree, QOS preemption, EASY backfill) and
+//! `kueue` (Kueue-like: a ClusterQueue per tier in one cohort, fair sharing, reclaim),
+//! all six by default (DESIGN §24).
 //!
 //! Besides each tier's waits, it reports the time to admission (submission to first
 //! placement) per tier and job size (1, 2, 4, 8 GPUs), as Kueue reports admission wait
@@ -84,7 +86,7 @@ struct Args {
     json: bool,
     trace_out: Option<String>,
     trace_in: Option<String>,
-    policies: Vec<Policy>,
+    policies: Vec<Run>,
     /// Every job accepts both GPU types (isolates fairness from type constraints).
     flexible: bool,
     /// Percent of jobs that take a whole node (8 GPUs); the rest are 1, 2 and 4 GPUs in
@@ -97,15 +99,50 @@ struct Args {
     autoscale_run_pct: Option<u32>,
 }
 
-const USAGE: &str = "usage: allot-sim [--seed N] [--hours H] [--load X] [--flood N] [--json] [--trace-out F] [--trace-in F] [--policies fair,strict,fifo,slurm,kueue] [--flexible] [--big-jobs PCT] [--autoscale MIN,... [--autoscale-run-pct PCT]]";
+const USAGE: &str = "usage: allot-sim [--seed N] [--hours H] [--load X] [--flood N] [--json] [--trace-out F] [--trace-in F] [--policies fair,fair-v1,strict,fifo,slurm,kueue] [--flexible] [--big-jobs PCT] [--autoscale MIN,... [--autoscale-run-pct PCT]]";
 
-/// Every policy, in the order `--policies` names them and the default runs them.
-const POLICIES: [(&str, Policy); 5] = [
-    ("fair", Policy::Fair),
-    ("strict", Policy::StrictPriority),
-    ("fifo", Policy::Fifo),
-    ("slurm", Policy::SlurmLike),
-    ("kueue", Policy::KueueLike),
+/// A policy and the rule version its shard runs under (the set-up activates it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Run {
+    policy: Policy,
+    rules: u32,
+}
+
+impl Run {
+    /// `policy` under this release's rules.
+    const fn new(policy: Policy) -> Run {
+        Run {
+            policy,
+            rules: version::RULES_MAX,
+        }
+    }
+
+    /// The policy's name in the figures: with the rule version when it is not this
+    /// release's (`Fair-v1`).
+    fn label(&self) -> String {
+        if self.rules == version::RULES_MAX {
+            format!("{:?}", self.policy)
+        } else {
+            format!("{:?}-v{}", self.policy, self.rules)
+        }
+    }
+}
+
+/// Every policy, in the order `--policies` names them and the default runs them:
+/// `fair-v1` is Fair as rule version 1 decides (before this release's changes).
+const POLICIES: [(&str, Run); 6] = [
+    ("fair", Run::new(Policy::Fair)),
+    (
+        "fair-v1",
+        Run {
+            policy: Policy::Fair,
+            rules: version::RULES_BASELINE,
+        },
+    ),
+    ("strict", Run::new(Policy::StrictPriority)),
+    ("fifo", Run::new(Policy::Fifo)),
+    ("slurm", Run::new(Policy::SlurmLike)),
+    ("kueue", Run::new(Policy::KueueLike)),
 ];
 
 /// Job sizes reported apart (GPUs per job).
@@ -157,7 +194,7 @@ fn parse_from(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
                             .find(|(name, _)| *name == p)
                             .map(|(_, policy)| *policy)
                             .ok_or(format!(
-                                "unknown policy {p:?} (fair, strict, fifo, slurm, kueue)"
+                                "unknown policy {p:?} (fair, fair-v1, strict, fifo, slurm, kueue)"
                             ))
                     })
                     .collect::<Result<_, _>>()?
@@ -176,7 +213,7 @@ fn parse_from(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         return Err("--autoscale-run-pct needs --autoscale".into());
     }
     if !a.autoscale.is_empty() && !policies_given {
-        a.policies = vec![Policy::Fair];
+        a.policies = vec![Run::new(Policy::Fair)];
     }
     Ok(a)
 }
@@ -352,13 +389,19 @@ impl Sim {
         }
     }
 
-    fn setup(&mut self) {
-        let mut reqs = vec![self.req(
+    /// The fleet, orgs, plans, quotas and grants, under rule version `rules` (activated
+    /// first when it is not the baseline).
+    fn setup(&mut self, rules: u32) {
+        let mut reqs = Vec::new();
+        if rules != version::RULES_BASELINE {
+            reqs.push(self.req(ADMIN, Command::ActivateVersion { version: rules }));
+        }
+        reqs.push(self.req(
             ADMIN,
             Command::SetPrices {
                 prices: vec![(a100(), A100_PRICE), (h100(), H100_PRICE)],
             },
-        )];
+        ));
         for node in 1..=NODES {
             let gpu_type = if node <= NODES / 2 { a100() } else { h100() };
             reqs.push(self.req(
@@ -656,19 +699,19 @@ fn jain(x: &[f64]) -> f64 {
     }
 }
 
-fn simulate(policy: Policy, trace: &[TraceJob], hours: f64) -> Figures {
-    simulate_with(policy, trace, hours, None)
+fn simulate(run: Run, trace: &[TraceJob], hours: f64) -> Figures {
+    simulate_with(run, trace, hours, None)
 }
 
 /// [`simulate`], with the autoscaler (if any) taking its turn before every step's entry.
 fn simulate_with(
-    policy: Policy,
+    run: Run,
     trace: &[TraceJob],
     hours: f64,
     mut scaler: Option<&mut Autoscaler>,
 ) -> Figures {
     let mut config = Config::default();
-    config.scheduler.policy = policy;
+    config.scheduler.policy = run.policy;
     let mut sim = Sim {
         state: State::new(config),
         index: 0,
@@ -683,7 +726,7 @@ fn simulate_with(
         invariants_ok: true,
         used_samples: Vec::new(),
     };
-    sim.setup();
+    sim.setup(run.rules);
     let by_id: BTreeMap<u64, TraceJob> = trace.iter().map(|j| (j.job, j.clone())).collect();
     let end_arrivals = T0_MS + (hours * 3_600_000.0) as u64;
     let warmup = T0_MS + 10 * 60_000;
@@ -820,7 +863,7 @@ fn simulate_with(
     }
     let micro = |m: u128| m as f64 / 1e6;
     Figures {
-        policy: format!("{policy:?}"),
+        policy: run.label(),
         jobs: trace.len(),
         allocation_pct: 100.0 * used as f64 / fleet.max(1) as f64,
         tiers,
@@ -1093,19 +1136,23 @@ mod tests {
         }
         assert_eq!(args(&["--help"]).err().as_deref(), Some(USAGE));
         assert_eq!(args(&[]).unwrap().big_jobs_pct, 10);
-        // Every policy by name; all five by default, in the table's order.
-        let all = vec![
-            Policy::Fair,
-            Policy::StrictPriority,
-            Policy::Fifo,
-            Policy::SlurmLike,
-            Policy::KueueLike,
-        ];
+        // Every policy by name; all six by default, in the table's order: Fair under this
+        // release's rules, then under rules 1.
+        let all: Vec<Run> = POLICIES.iter().map(|(_, r)| *r).collect();
+        assert_eq!(all[0], Run::new(Policy::Fair));
+        assert_eq!((all[1].policy, all[1].rules), (Policy::Fair, 1));
+        assert_eq!(
+            (all[0].label(), all[1].label()),
+            ("Fair".into(), "Fair-v1".into())
+        );
         assert_eq!(args(&[]).unwrap().policies, all);
-        let named = args(&["--policies", "fair,strict,fifo,slurm,kueue"]).unwrap();
+        let named = args(&["--policies", "fair,fair-v1,strict,fifo,slurm,kueue"]).unwrap();
         assert_eq!(named.policies, all);
         let two = args(&["--policies", "kueue,slurm"]).unwrap();
-        assert_eq!(two.policies, vec![Policy::KueueLike, Policy::SlurmLike]);
+        assert_eq!(
+            two.policies,
+            vec![Run::new(Policy::KueueLike), Run::new(Policy::SlurmLike)]
+        );
         for bad in ["slurm,", "Slurm", "kueue,bogus"] {
             assert!(args(&["--policies", bad]).is_err(), "{bad}");
         }
@@ -1539,14 +1586,14 @@ fn autoscale_runs(args: &Args, trace: &[TraceJob], hours: f64) -> Vec<Figures> {
 /// One run with the autoscaler (`delay_min` `None`: the fixed fleet); a breach of the
 /// mode's invariants fails the run like any other invariant.
 fn autoscaled(
-    policy: Policy,
+    run: Run,
     trace: &[TraceJob],
     hours: f64,
     delay_min: Option<u64>,
     run_pct: u32,
 ) -> (Figures, Autoscaler) {
     let mut a = Autoscaler::new(delay_min, run_pct);
-    let mut f = simulate_with(policy, trace, hours, Some(&mut a));
+    let mut f = simulate_with(run, trace, hours, Some(&mut a));
     f.invariants_ok &= a.violations == 0;
     (f, a)
 }
@@ -1587,12 +1634,19 @@ mod autoscale_tests {
     fn autoscale_flags_parse_and_bad_values_are_usage_errors() {
         let a = args(&["--autoscale", "0,5,15,30"]).unwrap();
         assert_eq!(a.autoscale, vec![0, 5, 15, 30]);
-        assert_eq!(a.policies, vec![Policy::Fair], "Fair unless --policies");
+        assert_eq!(
+            a.policies,
+            vec![Run::new(Policy::Fair)],
+            "Fair unless --policies"
+        );
         assert_eq!(a.autoscale_run_pct, None);
         let a = args(&["--policies", "fifo", "--autoscale", "10"]).unwrap();
-        assert_eq!(a.policies, vec![Policy::Fifo]);
+        assert_eq!(a.policies, vec![Run::new(Policy::Fifo)]);
         let a = args(&["--autoscale", "10", "--policies", "fifo,fair"]).unwrap();
-        assert_eq!(a.policies, vec![Policy::Fifo, Policy::Fair]);
+        assert_eq!(
+            a.policies,
+            vec![Run::new(Policy::Fifo), Run::new(Policy::Fair)]
+        );
         let a = args(&["--autoscale", "1440", "--autoscale-run-pct", "25"]).unwrap();
         assert_eq!((a.autoscale, a.autoscale_run_pct), (vec![1440], Some(25)));
         assert!(args(&[]).unwrap().autoscale.is_empty(), "off by default");
@@ -1647,7 +1701,7 @@ mod autoscale_tests {
     fn autoscaled_nodes_come_only_after_the_delay_and_never_beyond_the_maximum() {
         let (trace, hours) = short_trace();
         let run_pct = trace_run_pct(&trace);
-        let (f, a) = autoscaled(Policy::Fair, &trace, hours, Some(10), run_pct);
+        let (f, a) = autoscaled(Run::new(Policy::Fair), &trace, hours, Some(10), run_pct);
         let fig = f.autoscale.clone().expect("autoscale figures");
         assert!(f.invariants_ok, "{fig:?}");
         assert_eq!(fig.violations, 0);
@@ -1663,7 +1717,7 @@ mod autoscale_tests {
         }
         // Added capacity is paid: more GPU-hours than the fixed fleet over the same span.
         assert!(fig.gpu_hours_added > 0.0);
-        let fixed = autoscaled(Policy::Fair, &trace, hours, None, run_pct).0;
+        let fixed = autoscaled(Run::new(Policy::Fair), &trace, hours, None, run_pct).0;
         let fixed_fig = fixed.autoscale.expect("reference figures");
         assert_eq!(
             (
@@ -1680,7 +1734,7 @@ mod autoscale_tests {
     fn the_autoscaled_run_is_deterministic_for_a_seed() {
         let (trace, hours) = short_trace();
         let run = || {
-            let (f, a) = autoscaled(Policy::Fair, &trace, hours, Some(0), 20);
+            let (f, a) = autoscaled(Run::new(Policy::Fair), &trace, hours, Some(0), 20);
             (
                 serde_json::to_string(&f).expect("figures serialise"),
                 a.registrations,

@@ -15,6 +15,7 @@ pub use baselines::{
 pub use invariants::check;
 mod jobs;
 mod pass;
+mod reservations;
 mod timers;
 pub mod usage;
 

@@ -63,7 +63,18 @@ fn score<K: Ord>(
 }
 
 impl Scheduler {
-    pub(crate) fn run_pass(&mut self, ctx: &mut Ctx, ledger: &mut Ledger, cfg: &SchedulerConfig) {
+    /// One bounded scheduling pass under rule version `rules` (the shard's active one,
+    /// `crate::version`). From version 3 the fair policy gives its gang reservations to
+    /// aged multi-GPU jobs, on the node that frees soonest (`reservations.rs`), and only
+    /// the top tier may preempt a job that would lose work. Every other policy, and
+    /// `Fair` under versions 1 and 2, decides as before.
+    pub(crate) fn run_pass(
+        &mut self,
+        ctx: &mut Ctx,
+        ledger: &mut Ledger,
+        cfg: &SchedulerConfig,
+        rules: u32,
+    ) {
         // The simulator's Slurm-like and Kueue-like baselines run their own candidate
         // order, admission and preemption (`baselines/`) over the same prelude, placement
         // and preemption mechanics.
@@ -71,10 +82,16 @@ impl Scheduler {
             self.run_baseline_pass(ctx, ledger, cfg);
             return;
         }
+        let v3 = cfg.policy == Policy::Fair && rules >= 3;
         // Jobs that cannot be placed now leave the queue for the rest of the pass.
         let mut parked: Vec<JobKey> = Vec::new();
         let (mut placed, mut examined, mut searches) = (0, 0, 0);
         let mut memo = PassMemo::default();
+        if v3 {
+            // Before the fair order (and before the memo ranks any org): aged gang jobs
+            // take their ready reservations, and reserve nodes.
+            placed += self.serve_aged_gangs(ctx, ledger, cfg);
+        }
         while placed < cfg.placements_per_pass_max && examined < cfg.candidates_per_pass_max {
             // Nothing free anywhere: only preemption can help, and its budget is spent.
             let searches_left =
@@ -103,9 +120,10 @@ impl Scheduler {
             } else {
                 if cfg.policy != Policy::Fifo && searches < cfg.preemption_searches_per_pass_max {
                     searches += 1;
-                    self.try_preempt(ctx, ledger, cfg, id, &types);
+                    self.try_preempt(ctx, ledger, cfg, id, &types, v3);
                 }
-                if cfg.policy == Policy::Fair {
+                // From rule version 3 only aged gang jobs reserve (`serve_aged_gangs`).
+                if cfg.policy == Policy::Fair && !v3 {
                     self.try_reserve(cfg, id, &types, &mut memo.reserve_full);
                 }
             }
@@ -154,7 +172,7 @@ impl Scheduler {
     }
 
     /// The job's acceptable GPU types that have a price now, in its order of preference.
-    fn priced_types(&self, ledger: &Ledger, id: JobKey) -> Vec<GpuType> {
+    pub(super) fn priced_types(&self, ledger: &Ledger, id: JobKey) -> Vec<GpuType> {
         self.jobs.get(&id).map_or_else(Vec::new, |j| {
             j.spec
                 .gpu_types
@@ -165,7 +183,7 @@ impl Scheduler {
         })
     }
 
-    fn org_score(&self, org: &OrgId, now: u64, h: u64) -> u64 {
+    pub(super) fn org_score(&self, org: &OrgId, now: u64, h: u64) -> u64 {
         score(
             &self.usage_org,
             &self.running_org,
@@ -177,7 +195,7 @@ impl Scheduler {
     }
 
     /// Whether the job's org already runs as many jobs as its quota allows.
-    fn at_running_quota(&self, cfg: &SchedulerConfig, id: JobKey) -> bool {
+    pub(super) fn at_running_quota(&self, cfg: &SchedulerConfig, id: JobKey) -> bool {
         let Some(org) = self.jobs.get(&id).map(|j| j.org) else {
             return false;
         };
@@ -309,7 +327,7 @@ impl Scheduler {
     /// Best fit: in preference order of GPU types, the ready node with the fewest free
     /// GPUs that still fit (keeping whole free nodes for large jobs), memory floor met,
     /// not reserved for another waiting job; ties by node id. GPUs: lowest free indices.
-    fn find_fit(&self, id: JobKey, types: &[GpuType]) -> Option<(NodeId, Vec<u8>)> {
+    pub(super) fn find_fit(&self, id: JobKey, types: &[GpuType]) -> Option<(NodeId, Vec<u8>)> {
         self.find_fit_where(id, types, |_| true)
     }
 
@@ -438,6 +456,10 @@ impl Scheduler {
     /// node is reserved for the waiting job. A job whose own preemption is under way
     /// waits for it; a job holding only an anti-fragmentation reservation (waiting for a
     /// node to drain by itself) may still preempt, here or on another node.
+    /// `lossless_below_top` (rule version 3, `Fair`): a job of any tier but the top one
+    /// takes only checkpointable victims, which checkpoint in their grace period and so
+    /// lose no work; losing work for a start is the top tier's alone (its SLA is the
+    /// tight one).
     fn try_preempt(
         &mut self,
         ctx: &mut Ctx,
@@ -445,6 +467,7 @@ impl Scheduler {
         cfg: &SchedulerConfig,
         id: JobKey,
         types: &[GpuType],
+        lossless_below_top: bool,
     ) {
         let Some(j) = self.jobs.get(&id) else { return };
         if j.reserved_node
@@ -453,6 +476,7 @@ impl Scheduler {
             return;
         }
         let (tier, gpus, floor, now) = (j.spec.tier, j.spec.gpus, j.spec.mem_floor_gb, ctx.now);
+        let checkpointable_only = lossless_below_top && (tier.0 as usize) + 1 < cfg.tiers.len();
         let mut best: Option<((u64, usize, NodeId), Vec<JobKey>)> = None;
         for t in types {
             for &node in self.type_nodes.get(t).into_iter().flatten() {
@@ -481,7 +505,7 @@ impl Scheduler {
                     {
                         return; // hysteresis: a job here ends soon and frees enough
                     }
-                    if vj.spec.tier < tier {
+                    if vj.spec.tier < tier && (!checkpointable_only || vj.spec.checkpointable) {
                         if let Some(lost) = self.victim_loss(ledger, cfg, v, now) {
                             cands.push((lost, v, vj.spec.gpus));
                         }
