@@ -23,7 +23,8 @@
 //!   less memory: `crate::idempotency`), and snapshots are written in format 7 (the
 //!   table's compact encoding, [`crate::codec::FORMAT_VERSION`]); before it, this
 //!   release writes format 6, which the previous release reads, so that a rolling
-//!   upgrade can still be rolled back until the operator activates version 3.
+//!   upgrade can still be rolled back until the operator activates version 3. Result
+//!   dedup (`Command::SubmitJobDedup`, `crate::scheduler::dedup`) is refused before it.
 
 use serde::{Deserialize, Serialize};
 
