@@ -312,6 +312,20 @@ impl Client {
         self.run_for_org(org, Command::SubmitJob(spec)).await
     }
 
+    /// [`Client::submit_job`] with a dedup key (rule version 3): the answer is
+    /// `Reply::JobAttached` when the job attached to another of the org with the same
+    /// key (in flight: it waits for its result; succeeded: it succeeded at once), else
+    /// `Reply::JobSubmitted` (it runs).
+    pub async fn submit_job_dedup(
+        &self,
+        org: OrgId,
+        spec: JobSpec,
+        key: allot_statemachine::DedupKey,
+    ) -> Result<Reply> {
+        self.run_for_org(org, Command::SubmitJobDedup { spec, key })
+            .await
+    }
+
     pub async fn job(&self, org: OrgId, job: JobId) -> Result<Job> {
         match self.query_org(org, &Query::Job(org, job)).await? {
             Answer::Job(Some(j)) => Ok(*j),

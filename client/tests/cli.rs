@@ -77,8 +77,71 @@ async fn allotctl_drives_a_real_cluster() {
     operator_commands(&eps);
     bench(&eps);
     versions(&eps);
+    dedup_jobs(&eps);
     leader_transfer(&eps);
     membership(dir.path(), &eps);
+}
+
+/// `job submit --dedup-key` at rule version 3 (`versions` activated it; DESIGN §53): a
+/// second submission with the key attaches to the first; cancelling it refunds its
+/// whole hold; a key past its bound is refused and nothing is submitted.
+fn dedup_jobs(eps: &str) {
+    let submit = |job: &str, key: &str| -> Vec<String> {
+        [
+            "job",
+            "submit",
+            "--org",
+            "1",
+            "--job",
+            job,
+            "--project",
+            "11",
+            "--user",
+            "21",
+            "--tier",
+            "paid",
+            "--gpu-types",
+            "A100",
+            "--gpus",
+            "1",
+            "--max-duration",
+            "1h",
+            "--dedup-key",
+            key,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    fn args(v: &[String]) -> Vec<&str> {
+        v.iter().map(String::as_str).collect()
+    }
+    let first = json(eps, &args(&submit("900", "prompt-7")));
+    assert_eq!(u(&first["job"]), 900);
+    assert!(first.get("attached_to").is_none(), "{first}");
+    let second = json(eps, &args(&submit("901", "prompt-7")));
+    assert_eq!(
+        (u(&second["attached_to"]), second["state"].as_str()),
+        (900, Some("Attached")),
+        "{second}"
+    );
+    let st = json(eps, &["job", "status", "--org", "1", "--job", "901"]);
+    assert_eq!(st["state"].as_str(), Some("Attached"), "{st}");
+    let cancelled = json(eps, &["job", "cancel", "--org", "1", "--job", "901"]);
+    assert_eq!(
+        u(&cancelled["settlement"]["captured_micro"]),
+        0,
+        "{cancelled}"
+    );
+    assert!(
+        u(&cancelled["settlement"]["refunded_micro"]) > 0,
+        "{cancelled}"
+    );
+    let long = "k".repeat(allot_statemachine::limits::DEDUP_KEY_BYTES_MAX + 1);
+    let e = fails(eps, &args(&submit("902", &long)), 1);
+    assert!(e.contains("INVALID_JOB") || e.contains("dedup"), "{e}");
+    fails(eps, &["job", "status", "--org", "1", "--job", "902"], 1);
+    // The job that runs is cancelled too: it leaves the fixtures' queue as it was.
+    json(eps, &["job", "cancel", "--org", "1", "--job", "900"]);
 }
 
 /// `shard transfer-leader` (docs/DESIGN.md §49): one shard to a chosen voter, then

@@ -212,6 +212,7 @@ pub fn job_state_to(s: JobState) -> pb::JobState {
         JobState::Lost => pb::JobState::Lost,
         JobState::Cancelled => pb::JobState::Cancelled,
         JobState::Rejected => pb::JobState::Rejected,
+        JobState::Attached => pb::JobState::Attached,
     }
 }
 
@@ -226,6 +227,7 @@ pub fn job_state_from(v: i32, field: &str) -> Result<JobState, FieldError> {
         Ok(pb::JobState::Lost) => JobState::Lost,
         Ok(pb::JobState::Cancelled) => JobState::Cancelled,
         Ok(pb::JobState::Rejected) => JobState::Rejected,
+        Ok(pb::JobState::Attached) => JobState::Attached,
         Ok(pb::JobState::Unspecified) => return Err(bad(field, "required")),
         Err(_) => return Err(bad(field, format!("unknown value {v}"))),
     })
@@ -240,6 +242,7 @@ pub fn settle_reason_to(r: SettleReason) -> pb::SettleReason {
         SettleReason::NodeFailure => pb::SettleReason::NodeFailure,
         SettleReason::Lost => pb::SettleReason::Lost,
         SettleReason::OutOfCredits => pb::SettleReason::OutOfCredits,
+        SettleReason::Deduplicated => pb::SettleReason::Deduplicated,
     }
 }
 
@@ -252,6 +255,7 @@ pub fn settle_reason_from(v: i32, field: &str) -> Result<SettleReason, FieldErro
         Ok(pb::SettleReason::NodeFailure) => SettleReason::NodeFailure,
         Ok(pb::SettleReason::Lost) => SettleReason::Lost,
         Ok(pb::SettleReason::OutOfCredits) => SettleReason::OutOfCredits,
+        Ok(pb::SettleReason::Deduplicated) => SettleReason::Deduplicated,
         Ok(pb::SettleReason::Unspecified) => return Err(bad(field, "required")),
         Err(_) => return Err(bad(field, format!("unknown value {v}"))),
     })
@@ -643,10 +647,17 @@ typed_command!(pb::SetPricesRequest, |r| Ok((
     },
     None
 )));
-typed_command!(pb::SubmitJobRequest, |r| Ok((
-    Command::SubmitJob(job_spec_from(r.spec.as_ref())?),
-    r.org.map(OrgId)
-)));
+typed_command!(pb::SubmitJobRequest, |r| {
+    let spec = job_spec_from(r.spec.as_ref())?;
+    let command = match &r.dedup_key {
+        None => Command::SubmitJob(spec),
+        Some(key) => Command::SubmitJobDedup {
+            spec,
+            key: allot_statemachine::DedupKey(key.clone()),
+        },
+    };
+    Ok((command, r.org.map(OrgId)))
+});
 typed_command!(pb::SetAlertRequest, |r| {
     let org = r.org.map(OrgId);
     let scope = match (r.project, r.user) {
@@ -1303,6 +1314,13 @@ pub fn command_to(r: &Request) -> Option<pb::Command> {
             call,
             org: ns,
             spec: Some(job_spec_to(spec)),
+            dedup_key: None,
+        }),
+        Command::SubmitJobDedup { spec, key } => C::SubmitJob(pb::SubmitJobRequest {
+            call,
+            org: ns,
+            spec: Some(job_spec_to(spec)),
+            dedup_key: Some(key.0.clone()),
         }),
         Command::CancelJob { job } => C::CancelJob(pb::CancelJobRequest {
             call,
@@ -1505,6 +1523,18 @@ pub fn outcome_to(o: &Outcome) -> pb::command_reply::Result {
             job: job.0,
             hold_micro: *hold_micro,
             state: job_state_to(*state) as i32,
+            attached_to: None,
+        }),
+        Reply::JobAttached {
+            job,
+            to,
+            hold_micro,
+            state,
+        } => R::JobSubmitted(pb::JobSubmitted {
+            job: job.0,
+            hold_micro: *hold_micro,
+            state: job_state_to(*state) as i32,
+            attached_to: Some(to.0),
         }),
         Reply::JobCancelled(st) => settled(st.as_ref(), pb::SettledBy::CancelJob),
         Reply::JobHeartbeat(h) => heartbeat(h, false),
@@ -1612,10 +1642,18 @@ pub fn outcome_from(r: Option<&pb::command_reply::Result>) -> Result<Outcome, Fi
         R::Ticked(_) => Reply::Ticked,
         R::NodeRegistered(_) => Reply::NodeRegistered,
         R::NodeUpdated(_) => Reply::NodeUpdated,
-        R::JobSubmitted(j) => Reply::JobSubmitted {
-            job: JobId(j.job),
-            hold_micro: j.hold_micro,
-            state: job_state_from(j.state, "job_submitted.state")?,
+        R::JobSubmitted(j) => match j.attached_to {
+            None => Reply::JobSubmitted {
+                job: JobId(j.job),
+                hold_micro: j.hold_micro,
+                state: job_state_from(j.state, "job_submitted.state")?,
+            },
+            Some(to) => Reply::JobAttached {
+                job: JobId(j.job),
+                to: JobId(to),
+                hold_micro: j.hold_micro,
+                state: job_state_from(j.state, "job_submitted.state")?,
+            },
         },
         R::QuotaSet(_) => Reply::QuotaSet,
         R::SchedulerConfigured(_) => Reply::SchedulerConfigured,

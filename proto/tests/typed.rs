@@ -94,7 +94,7 @@ proptest! {
         };
         let m = wire(&typed::job_spec_to(&s));
         prop_assert_eq!(typed::job_spec_from(Some(&m)).unwrap(), s.clone());
-        let req = wire(&pb::SubmitJobRequest { call: None, org: Some(9), spec: Some(m) });
+        let req = wire(&pb::SubmitJobRequest { call: None, org: Some(9), spec: Some(m), dedup_key: None });
         prop_assert_eq!(req.command().unwrap(), (Command::SubmitJob(s), Some(OrgId(9))));
     }
 
@@ -256,6 +256,7 @@ fn newer_clients_unknown_fields_and_values_are_handled_as_documented() {
         }),
         org: Some(3),
         spec: Some(spec),
+        dedup_key: None,
     };
     let mut bytes = req.encode_to_vec();
     // Field 99 (varint 5) and field 100 (a string): unknown to this schema.

@@ -77,6 +77,8 @@ fn reason() -> impl Strategy<Value = Reason> {
         Just(Reason::MaxDuration),
         Just(Reason::Unpriced),
         Just(Reason::Fenced),
+        Just(Reason::Deduplicated),
+        Just(Reason::DedupReleased),
     ]
 }
 

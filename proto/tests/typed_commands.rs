@@ -299,6 +299,15 @@ fn command() -> impl Strategy<Value = (Command, Option<OrgId>)> {
             None
         )),
         (o, job_spec()).prop_map(move |(org, s)| with(org, Command::SubmitJob(s))),
+        (o, job_spec(), proptest::collection::vec(any::<u8>(), 0..80)).prop_map(
+            move |(org, spec, key)| with(
+                org,
+                Command::SubmitJobDedup {
+                    spec,
+                    key: DedupKey(key)
+                }
+            )
+        ),
         (o, o).prop_map(move |(org, j)| with(org, Command::CancelJob { job: JobId(j) })),
         (o, any::<[u64; 3]>(), any::<[u32; 2]>()).prop_map(move |(org, [j, s, c], [a, p])| with(
             org,
@@ -480,6 +489,12 @@ fn reply() -> impl Strategy<Value = Reply> {
         Just(Reply::NodeUpdated),
         (o, o, job_state()).prop_map(|(j, h, state)| Reply::JobSubmitted {
             job: JobId(j),
+            hold_micro: h,
+            state
+        }),
+        (o, o, o, job_state()).prop_map(|(j, to, h, state)| Reply::JobAttached {
+            job: JobId(j),
+            to: JobId(to),
             hold_micro: h,
             state
         }),

@@ -303,6 +303,8 @@ fn reason() -> impl Strategy<Value = Reason> {
         Just(Reason::MaxDuration).boxed(),
         Just(Reason::Unpriced).boxed(),
         Just(Reason::Fenced).boxed(),
+        Just(Reason::Deduplicated).boxed(),
+        Just(Reason::DedupReleased).boxed(),
     ]
 }
 

@@ -84,6 +84,7 @@ fn project_allowed(command: &Command) -> bool {
                 ..
             }
             | Command::SubmitJob(_)
+            | Command::SubmitJobDedup { .. }
             | Command::CancelJob { .. }
             | Command::Transfer { .. }
     )
@@ -112,7 +113,9 @@ fn project_target(
     };
     match command {
         Command::CreateHold(spec) => Ok((spec.project, Some(spec.user))),
-        Command::SubmitJob(spec) => Ok((spec.project, Some(spec.user))),
+        Command::SubmitJob(spec) | Command::SubmitJobDedup { spec, .. } => {
+            Ok((spec.project, Some(spec.user)))
+        }
         Command::Capture { hold: h, .. }
         | Command::TopUp { hold: h, .. }
         | Command::ReleaseHold { hold: h }
@@ -200,7 +203,9 @@ fn tenant(
     if p != project {
         // Another project of the org answers as a project the token cannot see.
         return Err(match command {
-            Command::CreateHold(_) | Command::SubmitJob(_) => CommandError::UnknownProject,
+            Command::CreateHold(_) | Command::SubmitJob(_) | Command::SubmitJobDedup { .. } => {
+                CommandError::UnknownProject
+            }
             Command::CancelJob { .. } => CommandError::UnknownJob,
             Command::Transfer { from, .. } => unknown_account(*from),
             _ => CommandError::UnknownHold,
@@ -209,7 +214,9 @@ fn tenant(
     if let Some(user) = user {
         if u.is_some_and(|u| u != user) {
             return Err(match command {
-                Command::CreateHold(_) | Command::SubmitJob(_) => CommandError::UnknownUser,
+                Command::CreateHold(_) | Command::SubmitJob(_) | Command::SubmitJobDedup { .. } => {
+                    CommandError::UnknownUser
+                }
                 Command::CancelJob { .. } => CommandError::UnknownJob,
                 _ => CommandError::UnknownHold,
             });

@@ -19,7 +19,8 @@ use serde::{de::DeserializeOwned, Serialize};
 ///   decodable). Every other layout is format 5's, so format-5 blobs decode as format 6
 ///   does, and a format-5 state is read through `state::StateV5`.
 /// - 7: the state's idempotency table is encoded compactly (its records in log order,
-///   actors numbered; `crate::idempotency`). Only the state's layout changed: every
+///   actors numbered; `crate::idempotency`), and the scheduler's result-dedup tables
+///   follow the state's other fields. Only the state's layout changed: every
 ///   other blob is still written as format 6 ([`WIRE_FORMAT`]), and a state is written
 ///   as format 7 only from rule version 3 on (`crate::version::state_format`).
 pub const FORMAT_VERSION: u8 = 7;

@@ -171,6 +171,10 @@ pub enum SettleReason {
     Lost,
     /// The hold could not be topped up: charged for everything the account could pay.
     OutOfCredits,
+    // -- appended (the encoding is positional) --
+    /// The job attached to another with the same dedup key, which succeeded: its hold
+    /// returns in full (nothing is charged; the job that ran paid for the run).
+    Deduplicated,
 }
 
 impl SettleReason {
@@ -372,6 +376,18 @@ pub enum Command {
     ActivateVersion {
         version: u32,
     },
+    // -- appended (the encoding is positional) --
+    /// `SubmitJob` with a dedup key (rule version 3): if a job of the same org with the
+    /// same key is in flight, the new job *attaches* to it — its hold is reserved as for
+    /// any job, it does not run, and it succeeds with the other's result (its hold
+    /// returned in full) or, if the other ends otherwise, runs itself; if such a job
+    /// succeeded and is still retained, the new job succeeds at once with its result.
+    /// Otherwise it runs like `SubmitJob` and later submissions with the key attach to
+    /// it (docs/DESIGN.md §53).
+    SubmitJobDedup {
+        spec: JobSpec,
+        key: crate::ids::DedupKey,
+    },
 }
 
 /// One refused call at a node's edge.
@@ -497,6 +513,14 @@ pub struct Plan {
 }
 
 impl Command {
+    /// The job a submission describes (`SubmitJob`, `SubmitJobDedup`).
+    pub fn job_spec(&self) -> Option<&JobSpec> {
+        match self {
+            Command::SubmitJob(spec) | Command::SubmitJobDedup { spec, .. } => Some(spec),
+            _ => None,
+        }
+    }
+
     /// The command as apply runs it at logical time `now`: a relative expiry becomes
     /// the instant it names (`IssueGrantIn` → `IssueGrant`); every other command is
     /// itself. Borrowed unless it changed.
@@ -535,6 +559,7 @@ impl Command {
             Command::NodeHeartbeat { .. } => "node_heartbeat",
             Command::SetNodeDraining { .. } => "set_node_draining",
             Command::SubmitJob(_) => "submit_job",
+            Command::SubmitJobDedup { .. } => "submit_job_dedup",
             Command::CancelJob { .. } => "cancel_job",
             Command::JobHeartbeat(_) => "job_heartbeat",
             Command::FinishJob { .. } => "finish_job",
@@ -586,6 +611,7 @@ impl Command {
                 | Command::NodeHeartbeat { .. }
                 | Command::SetNodeDraining { .. }
                 | Command::SubmitJob(_)
+                | Command::SubmitJobDedup { .. }
                 | Command::CancelJob { .. }
                 | Command::JobHeartbeat(_)
                 | Command::FinishJob { .. }

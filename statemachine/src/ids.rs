@@ -94,6 +94,18 @@ impl fmt::Display for GpuType {
     }
 }
 
+/// A job submission's dedup key (e.g. a hash of a prompt and its parameters): 1 to
+/// [`crate::limits::DEDUP_KEY_BYTES_MAX`] bytes, chosen by the client, scoped to the
+/// submitting org (two orgs' equal keys never meet).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct DedupKey(pub Vec<u8>);
+
+impl DedupKey {
+    pub fn is_valid(&self) -> bool {
+        !self.0.is_empty() && self.0.len() <= crate::limits::DEDUP_KEY_BYTES_MAX
+    }
+}
+
 /// Who owns a bucket and whose budget a spend counts against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum Account {

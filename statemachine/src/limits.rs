@@ -35,6 +35,9 @@ pub const HOLDS_OPEN_MAX: usize = 1_000_000;
 pub const HOLDS_SETTLED_MAX: usize = 4_000_000;
 /// Bucket draws one hold may record (top-ups add draws).
 pub const DRAWS_PER_HOLD_MAX: usize = 64;
+/// Longest dedup key of a job submission (`Command::SubmitJobDedup`): room for a
+/// SHA-512 digest.
+pub const DEDUP_KEY_BYTES_MAX: usize = 64;
 /// Entries in the idempotency table per shard (rule versions 1 and 2).
 pub const IDEMPOTENCY_ENTRIES_MAX: usize = 18_000_000;
 /// Entries in the idempotency table per shard from rule version 3 on: four times as

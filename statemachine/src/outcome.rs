@@ -294,6 +294,9 @@ pub enum JobProblem {
     MaxDuration,
     /// Memory floor above the largest possible.
     MemoryFloor,
+    // Appended (the encoding is positional).
+    /// A dedup key empty or longer than `limits::DEDUP_KEY_BYTES_MAX`.
+    DedupKey,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -399,6 +402,17 @@ pub enum Reply {
     /// `ActivateVersion`: the rule version now active (unchanged for a repeat).
     RulesActive {
         version: u32,
+    },
+    // Appended (the encoding is positional).
+    /// `SubmitJobDedup`: the job was created attached to `to`, the job of its org with
+    /// the same dedup key — `Attached` while `to` runs, `Succeeded` at once if `to` had
+    /// succeeded. `hold_micro` is what the job's own hold reserved (0 for an immediate
+    /// success: nothing is reserved or charged).
+    JobAttached {
+        job: JobId,
+        to: JobId,
+        hold_micro: u64,
+        state: crate::scheduler::JobState,
     },
 }
 

@@ -45,7 +45,7 @@ impl Default for Config {
 /// log order), so its encoding, and so [`State::state_hash`], is canonical. It is
 /// encoded in the format of its rule version ([`crate::version::state_format`]: the
 /// idempotency table's layout differs), and decoded from any format of the window.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct State {
     pub config: Config,
     /// Logical time of the last applied entry; never goes back.
@@ -85,7 +85,47 @@ impl Serialize for State {
         st.serialize_field("security", &self.security)?;
         st.serialize_field("alerts", &self.alerts)?;
         st.serialize_field("rules", &self.rules)?;
+        if self.format() >= 7 {
+            // Format 7 appended the result-dedup tables (empty before rule version 3).
+            st.serialize_field("dedup", &self.scheduler.dedup)?;
+        }
         st.end()
+    }
+}
+
+/// The state as format 7 lays it out: [`State`]'s fields, then the scheduler's
+/// result-dedup tables (`scheduler::dedup`).
+#[derive(Deserialize)]
+struct StateV7 {
+    config: Config,
+    time_ms: u64,
+    last_applied: Option<u64>,
+    ledger: Ledger,
+    scheduler: Scheduler,
+    idempotency: IdempotencyTable,
+    audit: AuditChain,
+    security: Security,
+    alerts: crate::alerts::Alerts,
+    rules: crate::version::Rules,
+    dedup: crate::scheduler::dedup::Dedup,
+}
+
+impl From<StateV7> for State {
+    fn from(s: StateV7) -> State {
+        let mut scheduler = s.scheduler;
+        scheduler.dedup = s.dedup;
+        State {
+            config: s.config,
+            time_ms: s.time_ms,
+            last_applied: s.last_applied,
+            ledger: s.ledger,
+            scheduler,
+            idempotency: s.idempotency,
+            audit: s.audit,
+            security: s.security,
+            alerts: s.alerts,
+            rules: s.rules,
+        }
     }
 }
 
@@ -244,7 +284,7 @@ impl State {
         codec::decode_versioned_from(r, |version, r| match version {
             5 => codec::decode_body_from::<StateV5, _>(r).map(State::from),
             6 => codec::decode_body_from::<StateV6, _>(r).map(State::from),
-            _ => codec::decode_body_from(r),
+            _ => codec::decode_body_from::<StateV7, _>(r).map(State::from),
         })
     }
 }
@@ -674,6 +714,9 @@ fn dispatch_scheduler(
             sched.set_draining(*node, *draining, ctx.effects)
         }
         Command::SubmitJob(spec) => sched.submit(ctx, ledger, cfg, need(ns)?, spec),
+        Command::SubmitJobDedup { spec, key } => {
+            sched.submit_dedup(ctx, ledger, cfg, need(ns)?, spec, key)
+        }
         Command::CancelJob { job } => sched.cancel(ctx, ledger, cfg, actor, (need(ns)?, *job)),
         Command::JobHeartbeat(hb) => sched.heartbeat(ctx, ledger, cfg, actor, need(ns)?, hb),
         Command::FinishJob {
@@ -830,7 +873,7 @@ fn refs_of(
         | Command::Settle { hold, .. } => hold_refs(*hold),
         Command::Heartbeat(hb) => hold_refs(hb.hold),
         Command::Transfer { from, .. } => (Some(*from), None),
-        Command::SubmitJob(spec) => (
+        Command::SubmitJob(spec) | Command::SubmitJobDedup { spec, .. } => (
             Some(Account::Project(spec.project)),
             Some(HoldId(spec.job.0)),
         ),

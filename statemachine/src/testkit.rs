@@ -632,7 +632,7 @@ pub fn infer_org(state: &State, command: &Command) -> Option<OrgId> {
         Command::IssueGrant(g) | Command::IssueGrantIn { grant: g, .. } => account(&g.owner),
         Command::Transfer { from, to, .. } => account(from).or(account(to)),
         Command::CreateHold(h) => project(h.project),
-        Command::SubmitJob(j) => project(j.project),
+        Command::SubmitJob(j) | Command::SubmitJobDedup { spec: j, .. } => project(j.project),
         Command::Capture { hold: h, .. }
         | Command::TopUp { hold: h, .. }
         | Command::ReleaseHold { hold: h }
@@ -685,7 +685,9 @@ pub fn fixture_org(command: &Command) -> Option<OrgId> {
         Command::IssueGrant(g) | Command::IssueGrantIn { grant: g, .. } => account(&g.owner),
         Command::Transfer { from, .. } => account(from),
         Command::CreateHold(h) => other(h.project, Some(h.user)),
-        Command::SubmitJob(j) => other(j.project, Some(j.user)),
+        Command::SubmitJob(j) | Command::SubmitJobDedup { spec: j, .. } => {
+            other(j.project, Some(j.user))
+        }
         Command::SetBudget { scope, .. }
         | Command::SetShareWeight { scope, .. }
         | Command::SetAlert { scope, .. } => match scope {

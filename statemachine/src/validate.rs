@@ -13,7 +13,9 @@
 //! paths that build values internally — a job's hold, its meter — also call).
 
 use crate::codec;
-use crate::command::{BucketPolicy, Command, Heartbeat, JobHeartbeat, JobSpec, NodeSpec, Request};
+use crate::command::{
+    BucketPolicy, Command, Heartbeat, JobHeartbeat, JobSpec, NodeSpec, Request, SettleReason,
+};
 use crate::ids::GpuType;
 use crate::limits::*;
 use crate::outcome::{CommandError, JobProblem, Limit, NodeProblem};
@@ -105,6 +107,19 @@ pub fn validate_command(command: &Command, rules: u32) -> Result<(), CommandErro
         }
         Command::RegisterNode(spec) => check_node_spec(spec),
         Command::SubmitJob(spec) => check_job_spec(spec, rules),
+        Command::SubmitJobDedup { spec, key } => {
+            // Result dedup is rule version 3's: refused, as a whole, before it.
+            if rules < 3 {
+                return Err(CommandError::UnsupportedRulesVersion {
+                    active: rules,
+                    newest: crate::version::RULES_MAX,
+                });
+            }
+            if !key.is_valid() {
+                return Err(CommandError::InvalidJob(JobProblem::DedupKey));
+            }
+            check_job_spec(spec, rules)
+        }
         Command::ConfigureScheduler(s) => check_settings(s),
         Command::Bootstrap { principal, digest } => {
             check_principal(principal.0)?;
@@ -135,7 +150,6 @@ pub fn validate_command(command: &Command, rules: u32) -> Result<(), CommandErro
         Command::SetBudget { .. }
         | Command::SetAlert { alert: None, .. }
         | Command::ReleaseHold { .. }
-        | Command::Settle { .. }
         | Command::Tick
         | Command::NodeHeartbeat { .. }
         | Command::SetNodeDraining { .. }
@@ -146,6 +160,12 @@ pub fn validate_command(command: &Command, rules: u32) -> Result<(), CommandErro
         | Command::ActivateVersion { .. }
         | Command::RevokeToken { .. } => Ok(()),
         Command::SetPlan { plan, .. } => plan.as_ref().map_or(Ok(()), check_plan),
+        // Only the scheduler settles a hold as deduplicated (`scheduler::dedup`); from a
+        // caller it would be a reason older replicas cannot read.
+        Command::Settle { reason, .. } if *reason == SettleReason::Deduplicated => {
+            Err(CommandError::Unauthorized)
+        }
+        Command::Settle { .. } => Ok(()),
     }
 }
 

@@ -33,6 +33,8 @@
 //!   report, capped by their deadlines), not the one with the most free GPUs now;
 //!   (c) only the top tier preempts a job that would lose work: a lower tier takes
 //!   only checkpointable victims. The other policies decide as before.
+//!   Result dedup (`Command::SubmitJobDedup`, `crate::scheduler::dedup`) is refused
+//!   before version 3.
 
 use serde::{Deserialize, Serialize};
 

@@ -22,6 +22,9 @@ enum Op {
         mem_floor: bool,
         preemptible: bool,
         short: bool,
+        /// Under version 3, one of three dedup keys (DESIGN §53): the job attaches to an
+        /// in-flight job with the same key, or runs and owns it.
+        dedup: Option<u8>,
     },
     Heartbeat {
         pick: usize,
@@ -52,8 +55,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0..3u8, any::<bool>(), any::<bool>(), prop_oneof![Just(1u32), Just(2), Just(4), Just(8)], prop::bool::weighted(0.2), prop::bool::weighted(0.8), any::<bool>())
-            .prop_map(|(tier, h100_first, both, gpus, mem_floor, preemptible, short)| Op::Submit { tier, h100_first, both, gpus, mem_floor, preemptible, short }),
+        4 => (0..3u8, any::<bool>(), any::<bool>(), prop_oneof![Just(1u32), Just(2), Just(4), Just(8)], prop::bool::weighted(0.2), prop::bool::weighted(0.8), any::<bool>(), prop::option::weighted(0.3, 0..3u8))
+            .prop_map(|(tier, h100_first, both, gpus, mem_floor, preemptible, short, dedup)| Op::Submit { tier, h100_first, both, gpus, mem_floor, preemptible, short, dedup }),
         6 => (any::<usize>(), prop::bool::weighted(0.3), prop_oneof![Just(0u32), 1u32..=1_000_000]).prop_map(|(pick, checkpoint, progress_ppm)| Op::Heartbeat { pick, checkpoint, progress_ppm }),
         3 => Just(Op::HeartbeatAll),
         2 => (any::<usize>(), prop::bool::weighted(0.8)).prop_map(|(pick, success)| Op::Finish { pick, success }),
@@ -127,6 +130,7 @@ fn run_counting(ops: &[Op], rules: u32, reservations: &mut usize) -> Harness {
                 mem_floor,
                 preemptible,
                 short,
+                dedup,
             } => {
                 next_job += 1;
                 let types = match (h100_first, both) {
@@ -139,7 +143,14 @@ fn run_counting(ops: &[Op], rules: u32, reservations: &mut usize) -> Harness {
                 spec.preemptible = preemptible;
                 spec.mem_floor_gb = if mem_floor { 80 } else { 0 };
                 spec.max_duration_ms = if short { 3 * 60_000 } else { 2 * HOUR_MS };
-                h.run(Command::SubmitJob(spec)).ok();
+                let command = match dedup {
+                    Some(k) if rules >= 3 => Command::SubmitJobDedup {
+                        spec,
+                        key: DedupKey(vec![b'k', k]),
+                    },
+                    _ => Command::SubmitJob(spec),
+                };
+                h.run(command).ok();
             }
             Op::Heartbeat {
                 pick,
@@ -308,6 +319,9 @@ fn generator_reaches_every_lifecycle_path() {
         "node Draining",
         "v1 reservation",
         "v3 reservation",
+        "Attached/Deduplicated",
+        "Queued/DedupReleased",
+        "Succeeded/Deduplicated",
     ] {
         assert!(
             seen.get(key).copied().unwrap_or(0) >= 3,

@@ -163,6 +163,8 @@ pub fn job_reason_to(r: &Reason) -> pb::JobReason {
         Reason::MaxDuration => K::MaxDuration,
         Reason::Unpriced => K::Unpriced,
         Reason::Fenced => K::Fenced,
+        Reason::Deduplicated => K::Deduplicated,
+        Reason::DedupReleased => K::DedupReleased,
     };
     pb::JobReason {
         kind: kind as i32,
@@ -194,6 +196,8 @@ pub fn job_reason_from(r: Option<&pb::JobReason>, field: &str) -> Result<Reason,
         Ok(K::MaxDuration) => Reason::MaxDuration,
         Ok(K::Unpriced) => Reason::Unpriced,
         Ok(K::Fenced) => Reason::Fenced,
+        Ok(K::Deduplicated) => Reason::Deduplicated,
+        Ok(K::DedupReleased) => Reason::DedupReleased,
         Ok(K::Unspecified) => return Err(bad(&dot(field, "kind"), "required")),
         Err(_) => {
             return Err(bad(

@@ -31,6 +31,7 @@ pub fn job_state() -> impl Strategy<Value = JobState> {
         Just(JobState::Lost),
         Just(JobState::Cancelled),
         Just(JobState::Rejected),
+        Just(JobState::Attached),
     ]
 }
 
@@ -43,6 +44,7 @@ pub fn settle_reason() -> impl Strategy<Value = SettleReason> {
         Just(SettleReason::NodeFailure),
         Just(SettleReason::Lost),
         Just(SettleReason::OutOfCredits),
+        Just(SettleReason::Deduplicated),
     ]
 }
 

@@ -65,6 +65,11 @@ pub fn check(state: &State) -> Result<(), String> {
                     return Err(format!("queued {id:?} missing from its tier's queue"));
                 }
             }
+            JobState::Attached => {
+                if !hold.is_some_and(|h| h.is_open() && h.meter.is_none()) {
+                    return Err(format!("attached {id:?} has no open, unmetered hold"));
+                }
+            }
             st if st.is_final() && hold.is_some_and(|h| h.is_open()) => {
                 return Err(format!("finished {id:?} still holds credit"));
             }
@@ -137,6 +142,9 @@ pub fn check(state: &State) -> Result<(), String> {
         .any(|(t, g)| tier_gpus.get(t).copied().unwrap_or(0) != *g)
     {
         return Err("per-tier GPU counters disagree with the jobs".into());
+    }
+    if let Some(v) = s.dedup_violations().into_iter().next() {
+        return Err(v);
     }
     let in_queues: usize = s.by_age.values().map(|q| q.len()).sum();
     if in_queues != queued {

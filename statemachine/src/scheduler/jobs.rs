@@ -48,7 +48,7 @@ impl Scheduler {
         });
     }
 
-    fn transition(&mut self, ctx: &mut Ctx, id: JobKey, to: JobState, reason: Reason) {
+    pub(super) fn transition(&mut self, ctx: &mut Ctx, id: JobKey, to: JobState, reason: Reason) {
         let Some(j) = self.jobs.get_mut(&id) else {
             return;
         };
@@ -238,7 +238,9 @@ impl Scheduler {
         // The hold covers the whole run at the tier's price of the dearest type.
         let price_max = tier_price(price_max, cfg.price_pct(spec.tier));
         let quota = self.quota(cfg, org);
-        if self.org_counts.get(&org).map_or(0, |c| c.0) >= quota.queued_max {
+        // Jobs attached to another's result wait like queued ones (`dedup.rs`).
+        let waiting = self.org_counts.get(&org).map_or(0, |c| c.0) + self.dedup.attached_of(org);
+        if waiting >= quota.queued_max {
             return Err(CommandError::QuotaExceeded(QuotaKind::QueuedJobs));
         }
         if self.jobs.len() - self.finished.len() >= JOBS_ACTIVE_MAX {
@@ -424,6 +426,8 @@ impl Scheduler {
         if let Some(j) = self.jobs.get_mut(&id) {
             j.placement = None;
         }
+        // Jobs attached to its result succeed with it, or one of them runs instead.
+        self.dedup_ended(ctx, ledger, cfg, id, to);
         // The org's tombstones stay within its quota (its own oldest leave first).
         let quota = self.quota(cfg, id.0);
         ledger.trim_settled(id.0, quota.settled_holds_max);
@@ -709,5 +713,6 @@ impl Scheduler {
     fn forget_job(&mut self, id: JobKey) {
         self.jobs.remove(&id);
         self.org_jobs.remove(&id);
+        self.dedup_forget(id);
     }
 }

@@ -6,6 +6,7 @@
 //! scheduling pass. Ties are always broken by stable ids.
 
 mod baselines;
+pub mod dedup;
 pub mod demand;
 mod invariants;
 mod inventory;
@@ -303,6 +304,11 @@ pub enum JobState {
     /// Reserved for a job refused after admission; admission-time refusals are typed
     /// errors on the submit command and record no job (they change nothing).
     Rejected,
+    // Appended (the encoding is positional).
+    /// Submitted with a dedup key while a job of its org with the same key was in
+    /// flight: it waits for that job's result, holding its own reservation, without
+    /// running (`dedup.rs`).
+    Attached,
 }
 
 impl JobState {
@@ -358,6 +364,12 @@ pub enum Reason {
     /// The node's agent stopped the attempt itself: it could not renew its lease
     /// (requeued like a node failure).
     Fenced,
+    // Appended (the encoding is positional).
+    /// Attached to another job with the same dedup key (`JobState::Attached`), or
+    /// succeeded with its result.
+    Deduplicated,
+    /// The job it was attached to ended without a result: it runs itself.
+    DedupReleased,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -468,6 +480,11 @@ pub struct Scheduler {
     pub weight_org: BTreeMap<OrgId, u32>,
     pub weight_project: BTreeMap<ProjectKey, u32>,
     pub weight_user: BTreeMap<UserKey, u32>,
+    /// Result dedup (rule version 3, `dedup.rs`). Not part of the scheduler's own
+    /// encoding: the state writes it after its other fields in format 7 only (it is
+    /// empty until version 3, whose snapshots are format 7).
+    #[serde(skip)]
+    pub dedup: dedup::Dedup,
 }
 
 impl Scheduler {

@@ -7,7 +7,9 @@ use crate::timefmt::{format_duration_ms, format_ms};
 use crate::values::{self, TierArg};
 use allot_statemachine::query::JobFilter;
 use allot_statemachine::scheduler::{Job, JobState, TierConfig};
-use allot_statemachine::{GpuType, JobId, JobSpec, OrgId, ProjectId, Reply, Settlement, UserId};
+use allot_statemachine::{
+    DedupKey, GpuType, JobId, JobSpec, OrgId, ProjectId, Reply, Settlement, UserId,
+};
 use anyhow::Context;
 use clap::{Args, Subcommand};
 
@@ -63,6 +65,11 @@ pub struct SubmitArgs {
     checkpointable: bool,
     #[arg(long, value_parser = values::duration_ms)]
     max_duration: u64,
+    /// Result dedup (rule version 3): 1 to 64 bytes, e.g. a hash of the prompt and its
+    /// parameters; a job of the org with the same key in flight or recently succeeded
+    /// gives this job its result instead of running it again (nothing charged).
+    #[arg(long)]
+    dedup_key: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -109,29 +116,42 @@ async fn submit(ctx: &Ctx, a: SubmitArgs) -> anyhow::Result<()> {
         checkpointable: a.checkpointable,
         max_duration_ms: a.max_duration,
     };
-    let reply = ctx
-        .client
-        .submit_job(org, spec)
-        .await
-        .with_context(|| format!("submitting {job}"))?;
-    let Reply::JobSubmitted {
-        job,
-        hold_micro,
-        state,
-    } = reply
-    else {
-        anyhow::bail!("unexpected reply to a submission: {reply:?}");
+    let reply = match a.dedup_key {
+        None => ctx.client.submit_job(org, spec).await,
+        Some(key) => {
+            let key = DedupKey(key.into_bytes());
+            ctx.client.submit_job_dedup(org, spec, key).await
+        }
+    }
+    .with_context(|| format!("submitting {job}"))?;
+    let (job, hold_micro, state, attached_to) = match reply {
+        Reply::JobSubmitted {
+            job,
+            hold_micro,
+            state,
+        } => (job, hold_micro, state, None),
+        Reply::JobAttached {
+            job,
+            to,
+            hold_micro,
+            state,
+        } => (job, hold_micro, state, Some(to)),
+        reply => anyhow::bail!("unexpected reply to a submission: {reply:?}"),
     };
-    let json = serde_json::json!({
+    let mut json = serde_json::json!({
         "job": job.0, "org": org.0, "shard": shard, "state": state, "hold_micro": hold_micro,
     });
-    let t = Table::fields([
+    let mut fields = vec![
         ("job", job.0.to_string()),
         ("shard", shard.to_string()),
         ("state", format!("{state:?}")),
         ("hold", cr(hold_micro)),
-    ]);
-    show(ctx.format, &json, &[t])
+    ];
+    if let Some(to) = attached_to {
+        json["attached_to"] = serde_json::json!(to.0);
+        fields.push(("attached to", to.to_string()));
+    }
+    show(ctx.format, &json, &[Table::fields(fields)])
 }
 
 async fn status(ctx: &Ctx, org: OrgId, job: JobId) -> anyhow::Result<()> {

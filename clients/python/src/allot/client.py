@@ -299,7 +299,11 @@ class Client:
         preemptible: bool = True,
         checkpointable: bool = False,
         request_id: Optional[int] = None,
+        dedup_key: Optional[bytes] = None,
     ) -> pb.JobSubmitted:
+        """Submits a job. With ``dedup_key`` (rule version 3; 1 to 64 bytes, e.g. a hash of
+        the prompt and its parameters) a job of the org with the same key in flight or
+        recently succeeded gives this one its result: the reply's ``attached_to`` names it."""
         spec = pb.JobSpec(
             job=job,
             project=project,
@@ -312,9 +316,10 @@ class Client:
             checkpointable=checkpointable,
             max_duration_ms=max_duration_ms,
         )
-        reply = self._command(
-            "SubmitJob", pb.SubmitJobRequest(call=self._call_header(request_id, None), org=org, spec=spec)
-        )
+        request = pb.SubmitJobRequest(call=self._call_header(request_id, None), org=org, spec=spec)
+        if dedup_key is not None:
+            request.dedup_key = dedup_key
+        reply = self._command("SubmitJob", request)
         return reply.job_submitted
 
     def cancel_job(self, org: int, job: int, request_id: Optional[int] = None) -> pb.CommandReply:
