@@ -379,8 +379,10 @@ fn the_tables_survive_a_snapshot_and_replay_identically() {
 
 #[test]
 fn a_forgotten_job_releases_its_key() {
-    let mut config = Config::default();
-    config.job_retention_ms = 3_600_000;
+    let config = Config {
+        job_retention_ms: 3_600_000,
+        ..Config::default()
+    };
     let mut h = Harness::world_with(config);
     h.ok(Command::ActivateVersion { version: 3 });
     h.grant(1, P, BucketKind::Paid, credits(1_000), None);

@@ -65,10 +65,8 @@ pub fn check(state: &State) -> Result<(), String> {
                     return Err(format!("queued {id:?} missing from its tier's queue"));
                 }
             }
-            JobState::Attached => {
-                if !hold.is_some_and(|h| h.is_open() && h.meter.is_none()) {
-                    return Err(format!("attached {id:?} has no open, unmetered hold"));
-                }
+            JobState::Attached if !hold.is_some_and(|h| h.is_open() && h.meter.is_none()) => {
+                return Err(format!("attached {id:?} has no open, unmetered hold"));
             }
             st if st.is_final() && hold.is_some_and(|h| h.is_open()) => {
                 return Err(format!("finished {id:?} still holds credit"));
