@@ -608,6 +608,39 @@ impl Sim {
     }
 }
 
+/// Per tier, the GPUs committed to its queued jobs on nodes reserved for them: the free
+/// GPUs the reservation keeps and those of victims in their grace period preempted for
+/// the job (they are the job's once the victims hand back), at most the job's GPUs.
+fn gpus_being_freed(s: &allot_statemachine::scheduler::Scheduler) -> [u64; 3] {
+    let mut out = [0u64; 3];
+    for node in s.nodes.values() {
+        let Some(for_job) = node.reserved_for else {
+            continue;
+        };
+        let Some((t, gpus)) = s
+            .jobs
+            .get(&for_job)
+            .filter(|j| j.state == JobState::Queued)
+            .map(|j| (j.spec.tier.0 as usize, j.spec.gpus as u64))
+            .filter(|&(t, _)| t < out.len())
+        else {
+            continue;
+        };
+        let committed = node
+            .slots
+            .iter()
+            .filter(|slot| match slot {
+                None => true,
+                Some(k) => s.jobs.get(k).is_some_and(|v| {
+                    v.state == JobState::Preempting && v.preempted_for == Some(for_job)
+                }),
+            })
+            .count() as u64;
+        out[t] += committed.min(gpus);
+    }
+    out
+}
+
 #[derive(Serialize)]
 struct TierFigures {
     tier: &'static str,
@@ -627,6 +660,17 @@ struct TierFigures {
     /// Of those, the share in which it held at least its floor of the fleet's GPUs:
     /// 100 is "never starved".
     floor_met_pct: f64,
+    /// Of those, the share in which it held what its floor promises it — its demand (the
+    /// GPUs it holds plus those its queued jobs ask for) up to the floor — counting the
+    /// GPUs committed to its queued jobs on nodes reserved for them (free GPUs kept for
+    /// a gang job, and victims in their grace period preempted for the job: the
+    /// scheduler has acted, the GPUs are the tier's once the victims hand back). `floor_met_pct` counts a step as missed even when the tier's
+    /// whole demand is below its floor.
+    floor_committed_pct: f64,
+    /// The longest stretch, in seconds, in which the tier was backlogged and short of
+    /// what its floor promises it by that count: how long it went without the
+    /// scheduler acting for it (0: never).
+    starved_max_s: f64,
     /// Time to admission (submission to first placement) by job size.
     by_gpus: Vec<SizeFigures>,
 }
@@ -739,6 +783,11 @@ fn simulate_with(
     // held at least its floor of the fleet's GPUs (not starved).
     let mut tier_backlogged = [0u64; 3];
     let mut tier_floor_met = [0u64; 3];
+    let mut tier_floor_committed = [0u64; 3];
+    // Per tier: the current and the longest run of steps below the floor, committed
+    // GPUs counted.
+    let mut starved_run = [0u64; 3];
+    let mut starved_max = [0u64; 3];
     let floors: Vec<u64> = sim
         .state
         .config
@@ -768,15 +817,35 @@ fn simulate_with(
             sim.used_samples
                 .push((s.used_gpus as u64, s.fleet_gpus as u64));
             window_steps += 1;
+            let freeing = gpus_being_freed(s);
             for t in 0..3u8 {
+                let i = t as usize;
+                let mut starved = false;
                 if s.queue.get(&Tier(t)).is_some_and(|q| !q.is_empty()) {
-                    tier_backlogged[t as usize] += 1;
-                    let floor =
-                        s.fleet_gpus as u64 * floors.get(t as usize).copied().unwrap_or(0) / 100;
-                    if s.tier_gpus.get(&Tier(t)).copied().unwrap_or(0) as u64 >= floor {
-                        tier_floor_met[t as usize] += 1;
+                    tier_backlogged[i] += 1;
+                    let floor = s.fleet_gpus as u64 * floors.get(i).copied().unwrap_or(0) / 100;
+                    let held = s.tier_gpus.get(&Tier(t)).copied().unwrap_or(0) as u64;
+                    if held >= floor {
+                        tier_floor_met[i] += 1;
+                    }
+                    // The floor promises the tier its demand up to the floor: what it
+                    // holds plus what it has queued, at most the floor.
+                    let queued: u64 = s
+                        .by_age
+                        .get(&Tier(t))
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|(_, k)| s.jobs.get(k))
+                        .map(|j| j.spec.gpus as u64)
+                        .sum();
+                    if held + freeing[i] >= floor.min(held + queued) {
+                        tier_floor_committed[i] += 1;
+                    } else {
+                        starved = true;
                     }
                 }
+                starved_run[i] = if starved { starved_run[i] + 1 } else { 0 };
+                starved_max[i] = starved_max[i].max(starved_run[i]);
             }
             for (tier, orgs) in &s.queue {
                 let _ = tier;
@@ -858,6 +927,9 @@ fn simulate_with(
                 / window_steps.max(1) as f64,
             floor_met_pct: 100.0 * tier_floor_met[tier as usize] as f64
                 / tier_backlogged[tier as usize].max(1) as f64,
+            floor_committed_pct: 100.0 * tier_floor_committed[tier as usize] as f64
+                / tier_backlogged[tier as usize].max(1) as f64,
+            starved_max_s: (starved_max[tier as usize] * STEP_MS) as f64 / 1000.0,
             by_gpus: by_size(&sized),
         });
     }
@@ -927,6 +999,15 @@ fn print_table(all: &[Figures]) {
                 f.tiers[t].backlogged_pct, f.tiers[t].floor_met_pct
             )
         });
+        row(
+            &format!("{name}: floor held % of demand, committed GPUs counted / starved max s"),
+            &|f| {
+                format!(
+                    "{:.1} / {:.0}",
+                    f.tiers[t].floor_committed_pct, f.tiers[t].starved_max_s
+                )
+            },
+        );
         row(&format!("{name}: placed / shed / jobs"), &|f| {
             format!(
                 "{}/{}/{}",
@@ -1059,6 +1140,46 @@ fn save(path: &str, trace: &[TraceJob]) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What the floor measure counts as committed to a tier: on a node reserved for a
+    /// queued enterprise job, the free GPUs and those of the victims preempted for it,
+    /// at most the job's GPUs; nothing before the preemption.
+    #[test]
+    fn committed_gpus_are_the_reserved_nodes_free_and_preempting_slots() {
+        use allot_statemachine::testkit::{credits, Harness, PROJECT};
+        for (gpus, committed) in [(8, 8), (4, 4)] {
+            let mut config = Config::default();
+            config.scheduler.node_lease_ms = 30 * 86_400_000;
+            config.scheduler.job_lease_ms = 30 * 86_400_000;
+            config.scheduler.preemption_loss_max_gpu_ms = u64::MAX;
+            let mut h = Harness::world_with(config);
+            h.grant(
+                1,
+                Account::Project(PROJECT),
+                BucketKind::Paid,
+                credits(100_000),
+                None,
+            );
+            h.fleet(&[(1, a100(), 8, 80)]);
+            h.nodes_alive();
+            let mut victim = Harness::job_spec(10, Tier::FREE, vec![a100()], 6);
+            victim.checkpointable = true;
+            assert!(h.run(Command::SubmitJob(victim)).is_ok());
+            h.advance(5 * 60_000);
+            h.nodes_alive();
+            h.job_heartbeat(10, 1, 0).unwrap();
+            assert_eq!(gpus_being_freed(&h.state.scheduler), [0, 0, 0]);
+            let ent = Harness::job_spec(20, Tier::ENTERPRISE, vec![a100()], gpus);
+            assert!(h.run(Command::SubmitJob(ent)).is_ok());
+            assert_eq!(h.job(10).state, JobState::Preempting, "{gpus} GPUs");
+            assert_eq!(h.job(20).state, JobState::Queued, "{gpus} GPUs");
+            assert_eq!(
+                gpus_being_freed(&h.state.scheduler),
+                [0, 0, committed],
+                "{gpus} GPUs"
+            );
+        }
+    }
 
     fn args(flags: &[&str]) -> Result<Args, String> {
         parse_from(flags.iter().map(|s| s.to_string()))
