@@ -1,7 +1,7 @@
 //! The scheduling pass, run at the end of every entry with bounded work: pick the next
 //! job by policy, place it best-fit, or (for a higher tier) preempt lower-tier work.
 
-use super::{Ending, JobState, Policy, Reason, Scheduler, SchedulerConfig, Timer};
+use super::{Ending, GpuNode, JobState, Policy, Reason, Scheduler, SchedulerConfig, Timer};
 use crate::command::SettleReason;
 use crate::ids::{GpuType, JobKey, NodeId, OrgId, Tier};
 use crate::ledger::{Ctx, Ledger};
@@ -406,38 +406,51 @@ impl Scheduler {
         if *full || j.reserved_node.is_some() || j.spec.gpus < 2 {
             return;
         }
+        if self.reservations_full(cfg) {
+            *full = true;
+            return;
+        }
+        let (gpus, floor) = (j.spec.gpus, j.spec.mem_floor_gb);
+        let best = self
+            .reservable_nodes(types, gpus, floor)
+            .max_by_key(|&(node, n)| (n.free_gpus(), std::cmp::Reverse(node)));
+        if let Some((node, _)) = best {
+            self.reserve(id, node);
+        }
+    }
+
+    /// Whether the reservation budget (`reserved_nodes_max` nodes) is spent.
+    pub(super) fn reservations_full(&self, cfg: &SchedulerConfig) -> bool {
         let reserved = self
             .nodes
             .values()
             .filter(|n| n.reserved_for.is_some())
             .count();
-        if reserved >= cfg.reserved_nodes_max as usize {
-            *full = true;
-            return;
-        }
-        let (gpus, floor) = (j.spec.gpus, j.spec.mem_floor_gb);
-        let mut best: Option<(u32, std::cmp::Reverse<NodeId>)> = None;
-        for t in types {
-            for &node in self.type_nodes.get(t).into_iter().flatten() {
-                let Some(n) = self.nodes.get(&node) else {
-                    continue;
-                };
-                if !n.placeable()
-                    || n.gpu_count < gpus
-                    || n.gpu_mem_gb < floor
-                    || n.reserved_for.is_some()
-                {
-                    continue;
-                }
-                let key = (n.free_gpus(), std::cmp::Reverse(node));
-                if best.is_none_or(|b| key > b) {
-                    best = Some(key);
-                }
-            }
-        }
-        let Some((_, std::cmp::Reverse(node))) = best else {
-            return;
-        };
+        reserved >= cfg.reserved_nodes_max as usize
+    }
+
+    /// The nodes a job of `gpus` GPUs of at least `floor` GB each, of one of `types`,
+    /// may reserve: placeable, large enough, memory floor met, not reserved.
+    pub(super) fn reservable_nodes<'a>(
+        &'a self,
+        types: &'a [GpuType],
+        gpus: u32,
+        floor: u32,
+    ) -> impl Iterator<Item = (NodeId, &'a GpuNode)> + 'a {
+        types
+            .iter()
+            .flat_map(move |t| self.type_nodes.get(t).into_iter().flatten())
+            .filter_map(move |&node| self.nodes.get(&node).map(|n| (node, n)))
+            .filter(move |(_, n)| {
+                n.placeable()
+                    && n.gpu_count >= gpus
+                    && n.gpu_mem_gb >= floor
+                    && n.reserved_for.is_none()
+            })
+    }
+
+    /// `node` is held for `id`.
+    pub(super) fn reserve(&mut self, id: JobKey, node: NodeId) {
         if let Some(n) = self.nodes.get_mut(&node) {
             n.reserved_for = Some(id);
         }

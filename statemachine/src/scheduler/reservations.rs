@@ -144,47 +144,22 @@ impl Scheduler {
         types: &[GpuType],
         now: u64,
     ) -> bool {
-        let reserved = self
-            .nodes
-            .values()
-            .filter(|n| n.reserved_for.is_some())
-            .count();
-        if reserved >= cfg.reserved_nodes_max as usize {
+        if self.reservations_full(cfg) {
             return false;
         }
         let Some(j) = self.jobs.get(&id) else {
             return true;
         };
         let (gpus, floor) = (j.spec.gpus, j.spec.mem_floor_gb);
-        let mut best: Option<(u64, std::cmp::Reverse<u32>, NodeId)> = None;
-        for t in types {
-            for &node in self.type_nodes.get(t).into_iter().flatten() {
-                let Some(n) = self.nodes.get(&node) else {
-                    continue;
-                };
-                if !n.placeable()
-                    || n.gpu_count < gpus
-                    || n.gpu_mem_gb < floor
-                    || n.reserved_for.is_some()
-                {
-                    continue;
-                }
-                let Some(at) = self.free_at(ledger, node, gpus, now) else {
-                    continue;
-                };
-                let key = (at, std::cmp::Reverse(n.free_gpus()), node);
-                if best.is_none_or(|b| key < b) {
-                    best = Some(key);
-                }
-            }
-        }
+        let best = self
+            .reservable_nodes(types, gpus, floor)
+            .filter_map(|(node, n)| {
+                let at = self.free_at(ledger, node, gpus, now)?;
+                Some((at, std::cmp::Reverse(n.free_gpus()), node))
+            })
+            .min();
         if let Some((_, _, node)) = best {
-            if let Some(n) = self.nodes.get_mut(&node) {
-                n.reserved_for = Some(id);
-            }
-            if let Some(j) = self.jobs.get_mut(&id) {
-                j.reserved_node = Some(node);
-            }
+            self.reserve(id, node);
         }
         true
     }
