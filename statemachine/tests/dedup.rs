@@ -170,6 +170,26 @@ fn when_the_job_it_waits_for_fails_the_oldest_attached_job_runs_and_the_rest_fol
     ));
 }
 
+/// A released job queues with the time it was submitted, not the time it was
+/// released: it waited for the result since then, and a plain job submitted after it
+/// does not pass it.
+#[test]
+fn a_released_job_keeps_its_place_by_submission_time() {
+    let mut h = world();
+    dedup(&mut h, 10, 8, "k").expect("runs");
+    h.advance(1_000);
+    dedup(&mut h, 11, 8, "k").expect("attached");
+    let submitted = h.job(11).submitted_ms;
+    h.advance(60_000);
+    h.run(Command::SubmitJob(spec(20, 8))).expect("queued");
+    assert_eq!(h.job(20).state, JobState::Queued);
+    h.advance(60_000);
+    h.finish_job(10, false).expect("fails");
+    assert_eq!(h.job(11).queued_since_ms, submitted);
+    assert!(h.job(11).state.holds_gpus(), "{:?}", h.job(11).state);
+    assert_eq!(h.job(20).state, JobState::Queued);
+}
+
 #[test]
 fn cancelling_an_attached_job_refunds_it_and_leaves_the_others() {
     let mut h = world();

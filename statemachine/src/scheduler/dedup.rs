@@ -230,8 +230,10 @@ impl Scheduler {
         if let Some(key) = self.dedup.key_of.get(&runner).cloned() {
             self.dedup.by_key.insert((org, key), first);
         }
+        // It queues by the time it was submitted: it has waited for a result since
+        // then, and jobs submitted after it do not pass it.
         if let Some(j) = self.jobs.get_mut(&runner) {
-            j.queued_since_ms = ctx.now;
+            j.queued_since_ms = j.submitted_ms;
         }
         self.enqueue(runner);
         self.transition(ctx, runner, JobState::Queued, Reason::DedupReleased);
