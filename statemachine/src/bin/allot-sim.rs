@@ -611,7 +611,7 @@ impl Sim {
 /// Per tier, the GPUs committed to its queued jobs on nodes reserved for them: the free
 /// GPUs the reservation keeps and those of victims in their grace period preempted for
 /// the job (they are the job's once the victims hand back), at most the job's GPUs.
-fn gpus_being_freed(s: &allot_statemachine::scheduler::Scheduler) -> [u64; 3] {
+fn gpus_committed(s: &allot_statemachine::scheduler::Scheduler) -> [u64; 3] {
     let mut out = [0u64; 3];
     for node in s.nodes.values() {
         let Some(for_job) = node.reserved_for else {
@@ -817,7 +817,7 @@ fn simulate_with(
             sim.used_samples
                 .push((s.used_gpus as u64, s.fleet_gpus as u64));
             window_steps += 1;
-            let freeing = gpus_being_freed(s);
+            let committed = gpus_committed(s);
             for t in 0..3u8 {
                 let i = t as usize;
                 let mut starved = false;
@@ -838,7 +838,7 @@ fn simulate_with(
                         .filter_map(|(_, k)| s.jobs.get(k))
                         .map(|j| j.spec.gpus as u64)
                         .sum();
-                    if held + freeing[i] >= floor.min(held + queued) {
+                    if held + committed[i] >= floor.min(held + queued) {
                         tier_floor_committed[i] += 1;
                     } else {
                         starved = true;
@@ -1168,13 +1168,13 @@ mod tests {
             h.advance(5 * 60_000);
             h.nodes_alive();
             h.job_heartbeat(10, 1, 0).unwrap();
-            assert_eq!(gpus_being_freed(&h.state.scheduler), [0, 0, 0]);
+            assert_eq!(gpus_committed(&h.state.scheduler), [0, 0, 0]);
             let ent = Harness::job_spec(20, Tier::ENTERPRISE, vec![a100()], gpus);
             assert!(h.run(Command::SubmitJob(ent)).is_ok());
             assert_eq!(h.job(10).state, JobState::Preempting, "{gpus} GPUs");
             assert_eq!(h.job(20).state, JobState::Queued, "{gpus} GPUs");
             assert_eq!(
-                gpus_being_freed(&h.state.scheduler),
+                gpus_committed(&h.state.scheduler),
                 [0, 0, committed],
                 "{gpus} GPUs"
             );
