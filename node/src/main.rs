@@ -133,6 +133,11 @@ struct RunArgs {
     /// Log entries kept behind the snapshot for followers slightly behind.
     #[arg(long, env = "ALLOT_KEEP_BEHIND_SNAPSHOT", default_value_t = 1024)]
     keep_behind_snapshot: u64,
+    /// How long (µs) a leader's commit-index advance waits for the next AppendEntries to a
+    /// follower to carry it, before one is sent for it alone; 0 sends it at once. Must be
+    /// below --heartbeat-ms.
+    #[arg(long, env = "ALLOT_COMMIT_LINGER_US", default_value_t = 5_000)]
+    commit_linger_us: u64,
     /// Most requests per log entry.
     #[arg(long, env = "ALLOT_BATCH_MAX", default_value_t = 2048)]
     batch_max: usize,
@@ -365,6 +370,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
             snapshot_log_percent: a.snapshot_log_percent,
             snapshot_min_log_bytes: a.snapshot_min_log_bytes,
             keep_behind_snapshot: a.keep_behind_snapshot,
+            commit_linger_us: a.commit_linger_us,
         },
         proposer: ProposerConfig {
             max_batch: a

@@ -29,6 +29,10 @@ pub struct RaftTimings {
     pub snapshot_min_log_bytes: u64,
     /// Entries kept in the log behind the snapshot (for followers slightly behind).
     pub keep_behind_snapshot: u64,
+    /// How long a leader's commit-index advance waits for the next AppendEntries to a
+    /// follower to carry it before one is sent for it alone (0: at once, openraft's
+    /// behaviour). Below `heartbeat_ms` (docs/DESIGN.md §54).
+    pub commit_linger_us: u64,
 }
 
 impl Default for RaftTimings {
@@ -41,6 +45,7 @@ impl Default for RaftTimings {
             snapshot_log_percent: 100,
             snapshot_min_log_bytes: 16 << 20,
             keep_behind_snapshot: 1024,
+            commit_linger_us: 5_000,
         }
     }
 }
@@ -181,6 +186,12 @@ impl Node {
             let active = store::sm::rules_on_disk(&db, id, &view.read().state)
                 .map_err(|e| anyhow::anyhow!("reading shard {id}'s rule version: {e}"))?;
             crate::versions::check_rules(id, active, config.rules_max)?;
+            anyhow::ensure!(
+                config.raft.commit_linger_us < config.raft.heartbeat_ms.saturating_mul(1000),
+                "the commit linger ({} µs) must be below the heartbeat interval ({} ms)",
+                config.raft.commit_linger_us,
+                config.raft.heartbeat_ms
+            );
             let rc = openraft::Config {
                 cluster_name: format!("allot-shard-{id}"),
                 heartbeat_interval: config.raft.heartbeat_ms,
@@ -191,6 +202,7 @@ impl Node {
                 ),
                 max_in_snapshot_log_to_keep: config.raft.keep_behind_snapshot,
                 max_payload_entries: 64,
+                commit_linger_us: config.raft.commit_linger_us,
                 ..Default::default()
             }
             .validate()

@@ -1401,3 +1401,101 @@ async fn a_leader_hands_over_under_load_without_an_unplanned_election() {
     assert_acked_survived(&client, &acked, shards).await;
     assert_replicas_agree(&c, &client, shards).await;
 }
+
+/// AppendEntries this node has answered for `shard` (the follower-side histogram's count).
+async fn appends_answered(c: &LocalCluster, id: u64, shard: u32) -> u64 {
+    let m = http_get(&c.node(id).metrics_addr, "/metrics").await;
+    let series = format!("allot_follower_append_seconds_count{{shard=\"{shard}\"}}");
+    m.lines()
+        .find(|l| l.starts_with(&series))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0) as u64
+}
+
+/// One client, one command at a time, on a one-shard cluster whose heartbeats and ticks
+/// are a second apart: per entry the leader commits, how many AppendEntries did each
+/// follower answer, and how long after the last write did every follower apply it?
+async fn appends_per_entry(linger_us: u64) -> (f64, Duration) {
+    let (_dir, mut c) = cluster(&format!("linger-{linger_us}"), 3, 1);
+    for n in &mut c.nodes {
+        n.extra_args = [
+            "--heartbeat-ms",
+            "1000",
+            "--election-min-ms",
+            "3000",
+            "--election-max-ms",
+            "4000",
+            "--tick-ms",
+            "1000",
+            "--commit-linger-us",
+            &linger_us.to_string(),
+        ]
+        .map(String::from)
+        .to_vec();
+    }
+    up(&mut c).await;
+    let client = c.admin_client().unwrap();
+    setup_shards(&client, 1).await;
+    let leader = c.leader_of(0).await.unwrap();
+    let followers: Vec<u64> = (1..=3).filter(|&id| id != leader).collect();
+    let applied = |s: allot_proto::StatusReply| s.shards[0].applied_index;
+    let before_index = applied(c.status(leader).await.unwrap());
+    let mut before = 0;
+    for &f in &followers {
+        before += appends_answered(&c, f, 0).await;
+    }
+    let mut cycle = HoldCycle::new(0, 3_000_000);
+    for _ in 0..300 {
+        let (outs, _) = client.execute(0, &[cycle.request()]).await.expect("write");
+        assert!(outs[0].is_ok(), "{outs:?}");
+    }
+    let written = Instant::now();
+    let last = applied(c.status(leader).await.unwrap());
+    // Every follower applies the last entry long before the next heartbeat or tick
+    // (a second) could carry its commit.
+    for &f in &followers {
+        while applied(c.status(f).await.unwrap()) < last {
+            assert!(
+                written.elapsed() < Duration::from_secs(5),
+                "node {f} never applied index {last}"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+    let caught_up = written.elapsed();
+    let mut after = 0;
+    for &f in &followers {
+        after += appends_answered(&c, f, 0).await;
+    }
+    let entries = (last - before_index) as f64;
+    let per_entry = (after - before) as f64 / followers.len() as f64 / entries;
+    println!(
+        "commit linger {linger_us} µs: {per_entry:.2} AppendEntries per entry per follower \
+         ({entries} entries), followers applied the last {caught_up:?} after it was answered"
+    );
+    (per_entry, caught_up)
+}
+
+/// The leader's commit-index advance rides the next AppendEntries instead of costing one
+/// of its own (docs/DESIGN.md §54): with one command at a time, openraft 0.9 sends each
+/// follower two AppendEntries per entry (the entry, then its commit); with the linger,
+/// about one. And a follower still learns the last commit within the linger, not at the
+/// next heartbeat a second later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_rides_the_next_append_and_still_reaches_idle_followers() {
+    let (immediate, _) = appends_per_entry(0).await;
+    let (lingering, caught_up) = appends_per_entry(5_000).await;
+    assert!(
+        immediate >= 1.7,
+        "without the linger every commit costs an AppendEntries: {immediate:.2}"
+    );
+    assert!(
+        lingering <= 1.3,
+        "with the linger a commit rides the next entry: {lingering:.2} per entry"
+    );
+    assert!(
+        caught_up < Duration::from_millis(500),
+        "idle followers learn the last commit within the linger: {caught_up:?}"
+    );
+}
