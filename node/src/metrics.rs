@@ -27,6 +27,9 @@ pub struct Metrics {
     /// How long this node took to answer the leader's AppendEntries, per shard (decode,
     /// append, fsync, reply): the follower's part of the `replicate` stage.
     pub follower_append: HistogramVec,
+    /// Entries carried by each AppendEntries this node answered, per shard; the `le="0"`
+    /// bucket counts the ones that carried only a commit index or a heartbeat.
+    pub follower_append_entries: HistogramVec,
     /// Duration of each WAL fsync (one covers the waiting appends of every shard).
     pub wal_sync: prometheus::Histogram,
     pub raft: GaugeVec,
@@ -121,6 +124,14 @@ impl Metrics {
             .buckets(latency_buckets()),
             &["shard"],
         ));
+        let follower_append_entries = must(HistogramVec::new(
+            HistogramOpts::new(
+                "follower_append_entries",
+                "Entries in each AppendEntries answered for the shard's leader",
+            )
+            .buckets(vec![0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]),
+            &["shard"],
+        ));
         let wal_sync = must(prometheus::Histogram::with_opts(
             HistogramOpts::new("wal_sync_seconds", "WAL fsync duration (group commit)")
                 .buckets(latency_buckets()),
@@ -213,6 +224,7 @@ impl Metrics {
             Box::new(latency.clone()),
             Box::new(stage.clone()),
             Box::new(follower_append.clone()),
+            Box::new(follower_append_entries.clone()),
             Box::new(wal_sync.clone()),
             Box::new(raft.clone()),
             Box::new(queue_depth.clone()),
@@ -235,6 +247,7 @@ impl Metrics {
             latency,
             stage,
             follower_append,
+            follower_append_entries,
             wal_sync,
             raft,
             queue_depth,

@@ -614,7 +614,21 @@ impl Services {
         F: FnOnce(AdminClient<tonic::transport::Channel>) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<MembershipReply>, Status>>,
     {
-        match crate::proposer::from_raft_error(&shard.raft, e) {
+        let err = match crate::proposer::from_raft_error(&shard.raft, e) {
+            // openraft checks a membership change against this replica's own view before
+            // it checks leadership, so a follower that has not yet learned the commit of
+            // the previous change answers "a change is in progress" instead of "not the
+            // leader". Another node leads: it decides.
+            rejected @ ProposeError::Rejected(_) => match crate::proposer::leader_of(&shard.raft) {
+                (Some(leader), addr, _) if leader != self.node.id => ProposeError::NotLeader {
+                    leader: Some(leader),
+                    addr,
+                },
+                _ => rejected,
+            },
+            other => other,
+        };
+        match err {
             ProposeError::NotLeader {
                 addr: Some(addr), ..
             } if !was_forwarded => {
@@ -939,13 +953,17 @@ impl RaftService for Services {
         let committed = self.committed(shard).await?;
         peer::check_append(&wire, self.node.id, committed.as_ref())
             .map_err(|e| self.peer_refused("raft:append", e))?;
+        let entries = wire.entries.len();
         let r = shard.raft.append_entries(wire.into()).await;
         let reply = encode_peer(&r);
-        self.node
-            .metrics
-            .follower_append
-            .with_label_values(&[&shard.id.to_string()])
+        let label = shard.id.to_string();
+        let m = &self.node.metrics;
+        m.follower_append
+            .with_label_values(&[&label])
             .observe(started.elapsed().as_secs_f64());
+        m.follower_append_entries
+            .with_label_values(&[&label])
+            .observe(entries as f64);
         reply
     }
 

@@ -1687,8 +1687,11 @@ where
                 self.spawn_parallel_vote_requests(&vote_req).await;
             }
             Command::ReplicateCommitted { committed } => {
+                // allot patch: whether this leader holds entries past the new commit index,
+                // i.e. more AppendEntries (carrying the commit index) are about to follow.
+                let more = self.engine.state.last_log_id().index() > committed.index();
                 for node in self.replications.values() {
-                    let _ = node.tx_repl.send(Replicate::Committed(committed.clone()));
+                    let _ = node.tx_repl.send(Replicate::Committed(committed.clone(), more));
                 }
             }
             Command::Commit {

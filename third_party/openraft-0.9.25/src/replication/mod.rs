@@ -709,7 +709,7 @@ where
         tracing::debug!(event=%event.summary(), "process_event");
 
         match event {
-            Replicate::Committed(c) => {
+            Replicate::Committed(c, more) => {
                 // RaftCore may send a committed equals to the initial value.
                 debug_assert!(
                     c >= self.committed,
@@ -720,11 +720,13 @@ where
 
                 self.committed = c;
 
-                // If there is no action, fill in an heartbeat action to send committed index,
-                // at once or (allot patch) after `commit_linger_us` unless another
-                // AppendEntries carries it first.
+                // If there is no action, fill in an heartbeat action to send committed index:
+                // at once, or (allot patch) while the leader holds entries past it, after
+                // `commit_linger_us` unless another AppendEntries carries it first. The
+                // commit of the leader's last entry goes at once: an idle follower learns
+                // it as soon as upstream would tell it.
                 if self.next_action.is_none() {
-                    if self.config.commit_linger_us == 0 {
+                    if self.config.commit_linger_us == 0 || !more {
                         self.next_action = Some(Data::new_heartbeat());
                     } else {
                         self.commit_pending = true;

@@ -9,7 +9,8 @@ pub(crate) enum Replicate<C>
 where C: RaftTypeConfig
 {
     /// Inform replication stream to forward the committed log id to followers/learners.
-    Committed(Option<LogId<C::NodeId>>),
+    /// The new commit index, and (allot patch) whether the leader holds entries past it.
+    Committed(Option<LogId<C::NodeId>>, bool),
 
     /// Send an empty AppendEntries RPC as heartbeat.
     Heartbeat,
@@ -37,7 +38,7 @@ where C: RaftTypeConfig
 impl<C: RaftTypeConfig> fmt::Display for Replicate<C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Committed(c) => write!(f, "Committed({})", c.display()),
+            Self::Committed(c, more) => write!(f, "Committed({}, more: {})", c.display(), more),
             Self::Heartbeat => write!(f, "Heartbeat"),
             Self::Data(d) => write!(f, "Data({})", d),
         }
