@@ -14,10 +14,12 @@ use allot_statemachine::version::{Rules, RULES_BASELINE};
 use allot_statemachine::{apply, check_invariants, verify_chain, AuditEvent, Entry, State};
 
 fn fixture(format: u8, name: &str) -> Vec<u8> {
-    let path = format!(
-        "{}/tests/fixtures/format{format}/{name}",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    // The crate's directory as the test runner reports it when the test runs (cargo and
+    // nextest set it), not as compiled in: a build reused from a checkout at another
+    // path (a shared target directory) still finds this checkout's fixtures.
+    let dir = std::env::var("CARGO_MANIFEST_DIR")
+        .unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_string());
+    let path = format!("{dir}/tests/fixtures/format{format}/{name}");
     std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
 }
 
