@@ -311,19 +311,27 @@ impl Node {
     /// silently no longer takes part in its shards. A normal shutdown is not fatal.
     pub async fn fatal(&self) -> (ShardId, String) {
         let waits = self.shards.iter().map(|s| {
-            let mut rx = s.raft.metrics();
+            // Watch the server metrics (vote, role, leader, membership: they change
+            // rarely), not the full metrics, which change with every entry applied and
+            // would wake this task thousands of times a second. Their sender belongs to
+            // RaftCore, so it closes when RaftCore stops, after RaftCore has put the
+            // reason in the full metrics' `running_state`.
+            let mut server = s.raft.server_metrics();
+            let metrics = s.raft.metrics();
             let id = s.id;
             Box::pin(async move {
-                loop {
-                    if let Err(e) = &rx.borrow_and_update().running_state {
-                        if !matches!(e, openraft::error::Fatal::Stopped) {
-                            return (id, e.to_string());
-                        }
-                    }
-                    if rx.changed().await.is_err() {
-                        // The Raft is gone (shutdown): never fatal from here on.
-                        std::future::pending::<()>().await;
-                    }
+                while server.changed().await.is_ok() {}
+                let reason = match &metrics.borrow().running_state {
+                    // Shut down: never fatal from here on.
+                    Err(openraft::error::Fatal::Stopped) => None,
+                    Err(e) => Some(e.to_string()),
+                    // RaftCore always reports why it stops; gone without a report, it
+                    // panicked.
+                    Ok(()) => Some("the shard's Raft core stopped without a report".into()),
+                };
+                match reason {
+                    Some(reason) => (id, reason),
+                    None => std::future::pending().await,
                 }
             })
         });
