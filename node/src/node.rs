@@ -128,6 +128,13 @@ impl Node {
                 config.shards
             );
         }
+        if config.raft.commit_linger_us >= config.raft.heartbeat_ms.saturating_mul(1000) {
+            bail!(
+                "--commit-linger-us ({} µs) must be below --heartbeat-ms ({} ms)",
+                config.raft.commit_linger_us,
+                config.raft.heartbeat_ms
+            );
+        }
         if config.id == 0 {
             bail!("--node-id must be positive (0 means 'no leader' on the wire)");
         }
@@ -186,12 +193,6 @@ impl Node {
             let active = store::sm::rules_on_disk(&db, id, &view.read().state)
                 .map_err(|e| anyhow::anyhow!("reading shard {id}'s rule version: {e}"))?;
             crate::versions::check_rules(id, active, config.rules_max)?;
-            anyhow::ensure!(
-                config.raft.commit_linger_us < config.raft.heartbeat_ms.saturating_mul(1000),
-                "the commit linger ({} µs) must be below the heartbeat interval ({} ms)",
-                config.raft.commit_linger_us,
-                config.raft.heartbeat_ms
-            );
             let rc = openraft::Config {
                 cluster_name: format!("allot-shard-{id}"),
                 heartbeat_interval: config.raft.heartbeat_ms,

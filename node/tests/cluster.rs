@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 mod common;
-use common::{audit_on, backup_on, http_get};
+use common::{audit_on, backup_on, metric};
 
 const CREDITS: u64 = 1_000_000_000_000; // 1M credits on each shard's fixture project
 
@@ -708,13 +708,7 @@ async fn replacing_every_original_node_keeps_the_audit_trail_from_genesis() {
             "node {id}: {:?}",
             st.shards[0]
         );
-        let m = http_get(&c.node(id).metrics_addr, "/metrics").await;
-        copied += m
-            .lines()
-            .find(|l| l.starts_with("allot_audit_events_copied_total"))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0) as u64;
+        copied += metric(&c.node(id).metrics_addr, "allot_audit_events_copied_total").await as u64;
     }
     assert!(copied > 0, "some replica copied audit rows from a peer");
     // ... and each now serves the whole trail, the same on all.
@@ -1405,21 +1399,12 @@ async fn a_leader_hands_over_under_load_without_an_unplanned_election() {
 /// AppendEntries this node has answered for `shard`: all of them, and those that carried
 /// no entry (a commit index or a heartbeat), from its `follower_append_entries` histogram.
 async fn appends_answered(c: &LocalCluster, id: u64, shard: u32) -> (u64, u64) {
-    let m = http_get(&c.node(id).metrics_addr, "/metrics").await;
-    let value = |series: String| {
-        m.lines()
-            .find(|l| l.starts_with(&series))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0) as u64
-    };
+    let addr = &c.node(id).metrics_addr;
+    let all = format!("allot_follower_append_entries_count{{shard=\"{shard}\"}}");
+    let empty = format!("allot_follower_append_entries_bucket{{shard=\"{shard}\",le=\"0\"}}");
     (
-        value(format!(
-            "allot_follower_append_entries_count{{shard=\"{shard}\"}}"
-        )),
-        value(format!(
-            "allot_follower_append_entries_bucket{{shard=\"{shard}\",le=\"0\"}}"
-        )),
+        metric(addr, &all).await as u64,
+        metric(addr, &empty).await as u64,
     )
 }
 
@@ -1506,6 +1491,13 @@ async fn appends_per_entry(linger_us: u64, writers: u64) -> (f64, f64, Duration)
 /// the last entry still goes at once, so an idle follower applies it as soon as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_commit_rides_the_next_append_and_still_reaches_idle_followers() {
+    // A linger not below the heartbeat is refused at start-up, clearly.
+    let (_dir, mut c) = cluster("linger-bad", 1, 1);
+    c.nodes[0].extra_args = ["--heartbeat-ms", "100", "--commit-linger-us", "100000"]
+        .map(String::from)
+        .to_vec();
+    let log = refused_start(&mut c, 1);
+    assert!(log.contains("--commit-linger-us"), "{log}");
     for writers in [1, 16] {
         let (all_0, empty_0, _) = appends_per_entry(0, writers).await;
         let (all, empty, caught_up) = appends_per_entry(5_000, writers).await;

@@ -25,7 +25,7 @@ use tonic::transport::Channel;
 use tonic::Code;
 
 mod common;
-use common::{http_get, raw_streaming, raw_unary};
+use common::{raw_streaming, raw_unary};
 
 // ---------------------------------------------------------------- harness
 
@@ -262,12 +262,7 @@ impl Hostile {
     }
 
     async fn metric(&self, id: u64, name: &str) -> f64 {
-        let addr = &self.c.node(id).metrics_addr;
-        let body = http_get(addr, "/metrics").await;
-        body.lines()
-            .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+        common::metric(&self.c.node(id).metrics_addr, name).await
     }
 }
 

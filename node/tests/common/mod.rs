@@ -81,6 +81,18 @@ pub async fn raw_streaming(
 }
 
 /// A plain HTTP/1.0 GET (the metrics endpoint): the whole response, headers included.
+/// The sum of a node's Prometheus samples whose line starts with `series` (a metric name,
+/// or a name with its labels), read from its metrics endpoint at `addr`.
+#[allow(dead_code)] // not every test binary that includes `common` reads metrics
+pub async fn metric(addr: &str, series: &str) -> f64 {
+    http_get(addr, "/metrics")
+        .await
+        .lines()
+        .filter(|l| l.starts_with(series) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 pub async fn http_get(addr: &str, path: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
