@@ -330,15 +330,21 @@ fn save_snapshot(db: &DB, shard: ShardId, snap: &StoredSnapshot) -> Result<(), S
     let path = db
         .path()
         .join(format!("snapshot-{shard}-{n}{}", super::INGEST_SUFFIX));
-    let opts = rocksdb::Options::default();
-    let mut table = rocksdb::SstFileWriter::create(&opts);
-    table.open(&path).map_err(io_write)?;
-    table.put(snapshot_key(shard), bytes).map_err(io_write)?;
-    table.finish().map_err(io_write)?;
-    let mut ingest = rocksdb::IngestExternalFileOptions::default();
-    ingest.set_move_files(true);
-    db.ingest_external_file_cf_opts(cf(db, CF_SNAP), &ingest, vec![path])
-        .map_err(io_write)
+    let stored = (|| {
+        let opts = rocksdb::Options::default();
+        let mut table = rocksdb::SstFileWriter::create(&opts);
+        table.open(&path)?;
+        table.put(snapshot_key(shard), bytes)?;
+        table.finish()?;
+        let mut ingest = rocksdb::IngestExternalFileOptions::default();
+        ingest.set_move_files(true);
+        db.ingest_external_file_cf_opts(cf(db, CF_SNAP), &ingest, vec![&path])
+    })();
+    if stored.is_err() {
+        // Not ingested: the file would stay until the next open, one per failed try.
+        let _ = std::fs::remove_file(&path);
+    }
+    stored.map_err(io_write)
 }
 
 /// Adds `data` (a state encoding) as the shard's stored snapshot at `meta` to `batch`:
