@@ -1111,9 +1111,12 @@ async fn a_rolling_upgrade_under_load_switches_rules_only_when_every_node_suppor
     c.start(2).expect("restart on a format-7 snapshot");
     c.wait_listening(2, Duration::from_secs(60))
         .expect("listening");
-    c.wait_leaders(Duration::from_secs(30))
-        .await
-        .expect("leaders");
+    if let Err(e) = c.wait_leaders(Duration::from_secs(30)).await {
+        let logs: Vec<String> = (1..=3)
+            .map(|n| format!("node {n}:\n{}", c.log_tail(n, 40)))
+            .collect();
+        panic!("leaders: {e}\n{}", logs.join("\n"));
+    }
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop.store(true, Ordering::Relaxed);
     for w in workers {
