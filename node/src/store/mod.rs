@@ -39,28 +39,8 @@ pub const CF_META: &str = "meta";
 pub const CF_SNAP: &str = "snap";
 pub const CF_AUDIT: &str = "audit";
 
-/// WAL files RocksDB keeps to write the next WAL into, instead of creating and growing a
-/// new file (docs/DESIGN.md §55). An fdatasync after appending to a file must also write
-/// its inode (the size changed); after overwriting a recycled file it writes only the
-/// data. RocksDB's recyclable record format names the file's log number in every record,
-/// so recovery stops where the new data ends and the old file's tail begins.
-pub const WAL_RECYCLE_FILES: usize = 4;
-/// Live WAL past which RocksDB flushes the column families that hold the oldest WAL file
-/// and starts a new one. This bounds the WAL replayed at restart, and it makes WAL files
-/// go obsolete, so there are files to recycle. RocksDB's default is four times the
-/// write buffers, 1 GiB here, which a quiet column family (`meta`) could hold alive for hours.
-pub const WAL_TOTAL_MAX_BYTES: u64 = 64 << 20;
-
-/// The suffix of a snapshot's table file while it waits to be ingested (`sm.rs`).
-pub(crate) const INGEST_SUFFIX: &str = ".ingest";
-
 /// Opens (creating if needed) the node's database.
 pub fn open_db(dir: &Path) -> Result<Arc<DB>, rocksdb::Error> {
-    open_db_with(dir, WAL_TOTAL_MAX_BYTES)
-}
-
-/// [`open_db`] with another live-WAL bound (tests: to rotate WAL files in megabytes).
-pub fn open_db_with(dir: &Path, wal_total_max_bytes: u64) -> Result<Arc<DB>, rocksdb::Error> {
     let mut opts = Options::default();
     opts.create_if_missing(true);
     opts.create_missing_column_families(true);
@@ -73,21 +53,6 @@ pub fn open_db_with(dir: &Path, wal_total_max_bytes: u64) -> Result<Arc<DB>, roc
     // WAL fsync queued behind it would wait for. (On this project's VM the fsync tail
     // turned out to be CPU scheduling, not the disk: docs/DESIGN.md §29.)
     opts.set_bytes_per_sync(1 << 20);
-    // Point-in-time recovery (RocksDB's default, stated because WAL recycling depends on
-    // it): replay stops at the first record that is not intact, here where a recycled
-    // file's new records end.
-    opts.set_wal_recovery_mode(rocksdb::DBRecoveryMode::PointInTime);
-    opts.set_recycle_log_file_num(WAL_RECYCLE_FILES);
-    opts.set_max_total_wal_size(wal_total_max_bytes);
-    // A snapshot's table file that a crash left before its ingestion: the snapshot it
-    // held was never stored, and nothing reads the file.
-    if let Ok(entries) = std::fs::read_dir(dir) {
-        for e in entries.flatten() {
-            if e.file_name().to_string_lossy().ends_with(INGEST_SUFFIX) {
-                let _ = std::fs::remove_file(e.path());
-            }
-        }
-    }
     let cfs = [CF_LOG, CF_META, CF_SNAP, CF_AUDIT]
         .into_iter()
         .map(|name| ColumnFamilyDescriptor::new(name, Options::default()));

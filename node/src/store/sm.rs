@@ -13,7 +13,7 @@ use crate::types::{
 use allot_statemachine::{apply_into, codec, ApplyOutput, AuditEvent, Config, Entry, State};
 use openraft::storage::RaftStateMachine;
 use openraft::{EntryPayload, RaftSnapshotBuilder};
-use rocksdb::{WriteBatch, DB};
+use rocksdb::{WriteBatch, WriteOptions, DB};
 use serde::{Deserialize, Serialize};
 use std::io::Cursor;
 use std::sync::{Arc, RwLock, RwLockReadGuard};
@@ -311,40 +311,20 @@ async fn in_background<T: Send + 'static>(
 }
 
 /// Stores a snapshot durably *without* the write-ahead log: the WAL is shared by every
-/// shard's log appends, and a multi-megabyte write in it would be synced by the next
-/// append's fsync and hold all of them back (the commit latency tail). The value is
-/// written to a table file of its own next to the database, synced, and ingested into the
-/// snapshot column family, which moves the file in and records it in the MANIFEST. A
-/// crash before the ingestion completes leaves the previous snapshot, which the log still
-/// covers (the log is purged only after this returns). (Until WAL recycling, §55, this
-/// was a write with the WAL disabled and a flush of the column family; RocksDB refuses
-/// such writes once WAL files are recycled.)
+/// shard's log appends, and a multi-megabyte synced write in it held all of them back
+/// (the commit latency tail). The value goes to the snapshot column family's memtable and
+/// that column family is flushed to a synced SST file before returning; a crash before
+/// the flush completes leaves the previous snapshot, which the log still covers (the log
+/// is purged only after this returns).
 fn save_snapshot(db: &DB, shard: ShardId, snap: &StoredSnapshot) -> Result<(), StorageError> {
     crate::versions::mark_for_snapshot(db.path(), &snap.data).map_err(io_write)?;
     let bytes = bincode::serialize(snap).map_err(io_write)?;
-    // Not a name RocksDB gives its own files, so it never takes the file for one. A name
-    // per call: a shard may build one snapshot while it installs another. A file a crash
-    // leaves behind is removed when the database is next opened (`open_db_with`).
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let path = db
-        .path()
-        .join(format!("snapshot-{shard}-{n}{}", super::INGEST_SUFFIX));
-    let stored = (|| {
-        let opts = rocksdb::Options::default();
-        let mut table = rocksdb::SstFileWriter::create(&opts);
-        table.open(&path)?;
-        table.put(snapshot_key(shard), bytes)?;
-        table.finish()?;
-        let mut ingest = rocksdb::IngestExternalFileOptions::default();
-        ingest.set_move_files(true);
-        db.ingest_external_file_cf_opts(cf(db, CF_SNAP), &ingest, vec![&path])
-    })();
-    if stored.is_err() {
-        // Not ingested: the file would stay until the next open, one per failed try.
-        let _ = std::fs::remove_file(&path);
-    }
-    stored.map_err(io_write)
+    let mut opts = WriteOptions::default();
+    opts.disable_wal(true);
+    let snaps = cf(db, CF_SNAP);
+    db.put_cf_opt(snaps, snapshot_key(shard), bytes, &opts)
+        .map_err(io_write)?;
+    db.flush_cf(snaps).map_err(io_write)
 }
 
 /// Adds `data` (a state encoding) as the shard's stored snapshot at `meta` to `batch`:
