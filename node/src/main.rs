@@ -425,6 +425,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         "allot-node serving"
     );
     let watched = node.clone();
+    let stopping = node.clone();
     tokio::select! {
         r = serve(
             node,
@@ -436,6 +437,8 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         ) => r,
         (shard, error) = async move { watched.fatal().await } => {
             tracing::error!(shard, %error, "fatal storage error: exiting (restart the node once the disk is fixed)");
+            // Exiting runs RocksDB's static destructors: not under a snapshot build.
+            stopping.stop_background().await;
             let _ = watched_flush();
             std::process::exit(EXIT_FATAL_STORAGE);
         }

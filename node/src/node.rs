@@ -116,9 +116,15 @@ pub struct Node {
     raft_in_flight: Arc<tokio::sync::Semaphore>,
     /// Rate of warnings about refused peer messages.
     pub log_throttle: crate::metrics::Throttle,
+    /// Snapshot builds running on threads of their own: shutdown waits for them.
+    background: Arc<store::sm::Background>,
 }
 
 const SHARD_COUNT_KEY: &[u8] = b"cluster/shards";
+
+/// How long shutdown waits for snapshot builds (encoding a large state takes seconds;
+/// well inside a supervisor's usual stop timeout, systemd's 90 s).
+pub const BACKGROUND_STOP_MAX: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl Node {
     pub async fn start(config: NodeConfig) -> anyhow::Result<Arc<Node>> {
@@ -172,6 +178,7 @@ impl Node {
         // written (snapshots mark their own format as they are stored).
         crate::versions::mark_data_dir(&config.data_dir, crate::versions::START_FORMAT)?;
         let mut shards = Vec::new();
+        let background = Arc::new(store::sm::Background::default());
         for id in 0..config.shards {
             let trigger = Arc::new(SnapshotTrigger::new(
                 config.raft.snapshot_log_percent,
@@ -188,7 +195,8 @@ impl Node {
                 .with_trigger(trigger.clone())
                 .with_timeline(timeline.clone())
                 .with_preloaded(preloaded.clone())
-                .with_rules_max(config.rules_max);
+                .with_rules_max(config.rules_max)
+                .with_background(background.clone());
             let view = sm.view();
             let active = store::sm::rules_on_disk(&db, id, &view.read().state)
                 .map_err(|e| anyhow::anyhow!("reading shard {id}'s rule version: {e}"))?;
@@ -267,6 +275,7 @@ impl Node {
                 crate::limits::RAFT_MESSAGES_IN_FLIGHT_MAX,
             )),
             log_throttle: Default::default(),
+            background,
         });
         tokio::spawn(sample_clocks(Arc::downgrade(&node)));
         tokio::spawn(crate::auth::flush_denials(Arc::downgrade(&node)));
@@ -339,12 +348,33 @@ impl Node {
         futures::future::select_all(waits).await.0
     }
 
-    /// Stops every shard's Raft and syncs the WAL.
+    /// Stops every shard's Raft, waits for the snapshot builds running on threads of
+    /// their own (see [`Node::stop_background`]) and syncs the WAL.
     pub async fn shutdown(&self) {
         for s in &self.shards {
             let _ = s.raft.shutdown().await;
         }
+        self.stop_background().await;
         let _ = self.db.flush_wal(true);
+    }
+
+    /// Starts no more snapshot builds and waits for the running ones, up to
+    /// [`BACKGROUND_STOP_MAX`]: the process must not exit while one of their threads is
+    /// inside RocksDB. A build still encoding finishes encoding and then gives up; one
+    /// storing finishes storing.
+    pub async fn stop_background(&self) {
+        let running = self.background.running();
+        if running > 0 {
+            tracing::info!(running, "waiting for snapshot builds to end");
+        }
+        let left = self.background.close(BACKGROUND_STOP_MAX).await;
+        if left > 0 {
+            tracing::warn!(
+                left,
+                "snapshot builds still running after {:?}; exiting anyway",
+                BACKGROUND_STOP_MAX
+            );
+        }
     }
 }
 

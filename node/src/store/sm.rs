@@ -85,6 +85,8 @@ pub struct StateMachineStore {
     /// The newest rule version this node supports: an entry that activates a newer one,
     /// or a snapshot taken under one, stops this replica instead of being applied.
     rules_max: u32,
+    /// Where snapshot builds run (so shutdown can wait for them).
+    background: Arc<Background>,
 }
 
 /// A snapshot's state decoded ahead of its installation, by snapshot id.
@@ -164,6 +166,7 @@ impl StateMachineStore {
             loaded_bytes,
             preloaded: Preloaded::default(),
             rules_max: allot_statemachine::version::RULES_MAX,
+            background: Arc::default(),
         })
     }
 
@@ -183,6 +186,12 @@ impl StateMachineStore {
 
     pub fn with_preloaded(mut self, preloaded: Preloaded) -> StateMachineStore {
         self.preloaded = preloaded;
+        self
+    }
+
+    /// Runs snapshot builds on `background` (the node's, which its shutdown waits for).
+    pub fn with_background(mut self, background: Arc<Background>) -> StateMachineStore {
+        self.background = background;
         self
     }
 
@@ -222,6 +231,7 @@ pub struct SnapshotBuilder {
     seq: u64,
     metrics: Option<Arc<Metrics>>,
     trigger: Option<Arc<SnapshotTrigger>>,
+    background: Arc<Background>,
 }
 
 impl SnapshotBuilder {
@@ -253,20 +263,28 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             snapshot_id,
         };
         let (db, shard, stored_meta) = (self.db.clone(), self.shard, meta.clone());
-        let (data, encoded, stored) = in_background(move || {
-            let started = Instant::now();
-            let stored = StoredSnapshot {
-                meta: stored_meta,
-                data: state.encode(),
-            };
-            let encoded = started.elapsed();
-            // The audit rows of every entry the snapshot covers were written without a
-            // sync; make them durable before the log they derive from may be purged.
-            db.flush_wal(true).map_err(io_write)?;
-            save_snapshot(&db, shard, &stored)?;
-            Ok::<_, StorageError>((stored.data, encoded, started.elapsed() - encoded))
-        })
-        .await??;
+        let background = self.background.clone();
+        let (data, encoded, stored) = self
+            .background
+            .run(move || {
+                let started = Instant::now();
+                let stored = StoredSnapshot {
+                    meta: stored_meta,
+                    data: state.encode(),
+                };
+                let encoded = started.elapsed();
+                // Encoding is the long part; a shutdown that came meanwhile is not kept
+                // waiting for the store as well.
+                if background.closed() {
+                    return Err(shutting_down());
+                }
+                // The audit rows of every entry the snapshot covers were written without a
+                // sync; make them durable before the log they derive from may be purged.
+                db.flush_wal(true).map_err(io_write)?;
+                save_snapshot(&db, shard, &stored)?;
+                Ok::<_, StorageError>((stored.data, encoded, started.elapsed() - encoded))
+            })
+            .await??;
         if let Some(t) = &self.trigger {
             t.taken(mark, data.len() as u64);
         }
@@ -289,25 +307,94 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     }
 }
 
-/// Runs `work` on a new thread at the lowest CPU priority (nice 19) and returns its
-/// result. Snapshot encoding is seconds of CPU for a large state; on a machine whose cores
-/// also serve requests it must only use what they leave idle, or it shows up as request
-/// latency. (A thread of its own: a pooled blocking thread would keep the priority.)
-async fn in_background<T: Send + 'static>(
-    work: impl FnOnce() -> T + Send + 'static,
-) -> Result<T, StorageError> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name("allot-snapshot".into())
-        .spawn(move || {
-            // Linux: the nice value is per thread; 0 names the calling thread. Failure
-            // only leaves the default priority.
-            // SAFETY: setpriority has no memory-safety preconditions.
-            let _ = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) };
-            let _ = tx.send(work());
-        })
-        .map_err(io_write)?;
-    rx.await.map_err(io_write)
+/// The snapshot work a node has running on threads of its own, so that shutdown can
+/// wait for it. A process that returns from `main` while such a thread is inside RocksDB
+/// tears RocksDB's statics down under it, and the thread can crash the process (a node
+/// died of SIGSEGV on SIGTERM so: DESIGN §55). Tokio's runtime joins its own blocking
+/// threads when dropped; these are plain threads (for their CPU priority), so nothing
+/// joined them.
+#[derive(Debug)]
+pub struct Background {
+    /// (closed, running): one value so a start checks and counts under one lock.
+    jobs: watch::Sender<(bool, usize)>,
+}
+
+impl Default for Background {
+    fn default() -> Self {
+        Background {
+            jobs: watch::Sender::new((false, 0)),
+        }
+    }
+}
+
+/// Counts one job as running until dropped (also when the job panics).
+struct Running(Arc<Background>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.jobs.send_modify(|(_, n)| *n -= 1);
+    }
+}
+
+impl Background {
+    /// Whether [`Background::close`] was called: a job checks this between stages and
+    /// gives up instead of starting the next (a snapshot not stored is harmless: the log
+    /// it would replace is purged only after a snapshot is stored).
+    pub fn closed(&self) -> bool {
+        self.jobs.borrow().0
+    }
+
+    /// Jobs running now.
+    pub fn running(&self) -> usize {
+        self.jobs.borrow().1
+    }
+
+    /// Starts no job from now on and waits up to `timeout` for the running ones to end.
+    /// Returns how many are still running (0 unless the timeout passed).
+    pub async fn close(&self, timeout: std::time::Duration) -> usize {
+        self.jobs.send_modify(|(closed, _)| *closed = true);
+        let mut rx = self.jobs.subscribe();
+        let _ = tokio::time::timeout(timeout, rx.wait_for(|(_, n)| *n == 0)).await;
+        self.running()
+    }
+
+    /// Runs `work` on a new thread at the lowest CPU priority (nice 19) and returns its
+    /// result; refused once closed. Snapshot encoding is seconds of CPU for a large
+    /// state; on a machine whose cores also serve requests it must only use what they
+    /// leave idle, or it shows up as request latency. (A thread of its own: a pooled
+    /// blocking thread would keep the priority.)
+    pub async fn run<T: Send + 'static>(
+        self: &Arc<Self>,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, StorageError> {
+        let started = self.jobs.send_if_modified(|(closed, n)| {
+            if !*closed {
+                *n += 1;
+            }
+            !*closed
+        });
+        if !started {
+            return Err(shutting_down());
+        }
+        let running = Running(self.clone());
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name("allot-snapshot".into())
+            .spawn(move || {
+                let _running = running;
+                // Linux: the nice value is per thread; 0 names the calling thread.
+                // Failure only leaves the default priority.
+                // SAFETY: setpriority has no memory-safety preconditions.
+                let _ = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) };
+                let _ = tx.send(work());
+            })
+            .map_err(io_write)?;
+        rx.await.map_err(io_write)
+    }
+}
+
+fn shutting_down() -> StorageError {
+    io_write(std::io::Error::other("the node is shutting down"))
 }
 
 /// Stores a snapshot durably *without* the write-ahead log: the WAL is shared by every
@@ -488,6 +575,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             seq: self.snapshot_seq,
             metrics: self.metrics.clone(),
             trigger: self.trigger.clone(),
+            background: self.background.clone(),
         }
     }
 
