@@ -437,8 +437,12 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         ) => r,
         (shard, error) = async move { watched.fatal().await } => {
             tracing::error!(shard, %error, "fatal storage error: exiting (restart the node once the disk is fixed)");
-            // Exiting runs RocksDB's static destructors: not under a snapshot build.
-            stopping.stop_background().await;
+            // Exiting runs RocksDB's static destructors: not while the other shards'
+            // Raft or a snapshot build is inside RocksDB. Stop them first, bounded.
+            let bound = allot_node::node::BACKGROUND_STOP_MAX + Duration::from_secs(10);
+            if tokio::time::timeout(bound, stopping.shutdown()).await.is_err() {
+                tracing::warn!("shutdown after the fatal error took over {bound:?}; exiting anyway");
+            }
             let _ = watched_flush();
             std::process::exit(EXIT_FATAL_STORAGE);
         }

@@ -107,7 +107,7 @@ pub async fn serve(
     );
     // Health and reflection take tonic's default message bound; admission holds them to
     // the client bound.
-    builder
+    let served = builder
         .timeout(Duration::from_secs(30))
         .tcp_nodelay(true)
         .max_concurrent_streams(CONCURRENT_STREAMS_PER_CONNECTION_MAX)
@@ -136,9 +136,11 @@ pub async fn serve(
         )
         .add_service(raft)
         .serve_with_incoming_shutdown(incoming, shutdown)
-        .await?;
+        .await;
     tracing::info!("gRPC server stopped; shutting the shards down");
+    // Also when the server failed: the process must not exit under a snapshot build.
     node.shutdown().await;
+    served?;
     Ok(())
 }
 
