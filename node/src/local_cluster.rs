@@ -297,6 +297,11 @@ impl LocalCluster {
         self.node(id).child.as_ref().map(Child::id)
     }
 
+    /// SIGTERM without waiting (see [`exited`](Self::exited)).
+    pub fn sigterm(&self, id: u64) -> bool {
+        self.signal(id, "-TERM")
+    }
+
     /// SIGSTOP: the process stays, frozen (sockets open, nothing answered).
     pub fn pause(&self, id: u64) -> bool {
         self.signal(id, "-STOP")

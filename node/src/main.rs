@@ -235,6 +235,10 @@ struct RunArgs {
     /// node must stop, not continue).
     #[arg(long, env = "ALLOT_TEST_FSYNC_FAIL_FILE", hide = true)]
     test_fsync_fail_file: Option<PathBuf>,
+    /// TEST ONLY: while this file exists, a snapshot build that has encoded its state
+    /// waits before storing it (to stop a node in the middle of a build).
+    #[arg(long, env = "ALLOT_TEST_SNAPSHOT_HOLD_FILE", hide = true)]
+    test_snapshot_hold_file: Option<PathBuf>,
     /// TLS: this node's certificate (PEM). With --tls-key and --tls-ca, the node serves
     /// only TLS and peers must present a certificate of the CA (mutual TLS).
     #[arg(long, env = "ALLOT_TLS_CERT", requires_all = ["tls_key", "tls_ca"])]
@@ -388,6 +392,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         peer_routes,
         insecure_dev_mode: a.insecure_dev_mode,
         test_fsync_fail_file: a.test_fsync_fail_file.clone(),
+        test_snapshot_hold_file: a.test_snapshot_hold_file.clone(),
         rules_max: a.max_rules_version,
         peer_secret: match &a.peer_secret_file {
             Some(f) => Some(

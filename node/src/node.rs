@@ -72,6 +72,9 @@ pub struct NodeConfig {
     pub insecure_dev_mode: bool,
     /// Test fault injection: while this file exists, WAL fsyncs fail.
     pub test_fsync_fail_file: Option<PathBuf>,
+    /// Test hook: while this file exists, snapshot builds wait between encoding and
+    /// storing (`--test-snapshot-hold-file`).
+    pub test_snapshot_hold_file: Option<PathBuf>,
     /// TLS for clients and peers (`--tls-cert/--tls-key/--tls-ca`).
     pub tls: Option<crate::tls::TlsFiles>,
     /// The secret peers present to each other (`--peer-secret-file`), if any.
@@ -196,7 +199,8 @@ impl Node {
                 .with_timeline(timeline.clone())
                 .with_preloaded(preloaded.clone())
                 .with_rules_max(config.rules_max)
-                .with_background(background.clone());
+                .with_background(background.clone())
+                .with_test_hold(config.test_snapshot_hold_file.clone());
             let view = sm.view();
             let active = store::sm::rules_on_disk(&db, id, &view.read().state)
                 .map_err(|e| anyhow::anyhow!("reading shard {id}'s rule version: {e}"))?;

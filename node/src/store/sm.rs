@@ -87,6 +87,9 @@ pub struct StateMachineStore {
     rules_max: u32,
     /// Where snapshot builds run (so shutdown can wait for them).
     background: Arc<Background>,
+    /// Test hook (`--test-snapshot-hold-file`): builds wait between encoding and storing
+    /// while this file exists.
+    test_hold: Option<std::path::PathBuf>,
 }
 
 /// A snapshot's state decoded ahead of its installation, by snapshot id.
@@ -167,6 +170,7 @@ impl StateMachineStore {
             preloaded: Preloaded::default(),
             rules_max: allot_statemachine::version::RULES_MAX,
             background: Arc::default(),
+            test_hold: None,
         })
     }
 
@@ -192,6 +196,12 @@ impl StateMachineStore {
     /// Runs snapshot builds on `background` (the node's, which its shutdown waits for).
     pub fn with_background(mut self, background: Arc<Background>) -> StateMachineStore {
         self.background = background;
+        self
+    }
+
+    /// Test hook: snapshot builds wait between encoding and storing while `file` exists.
+    pub fn with_test_hold(mut self, file: Option<std::path::PathBuf>) -> StateMachineStore {
+        self.test_hold = file;
         self
     }
 
@@ -232,6 +242,7 @@ pub struct SnapshotBuilder {
     metrics: Option<Arc<Metrics>>,
     trigger: Option<Arc<SnapshotTrigger>>,
     background: Arc<Background>,
+    test_hold: Option<std::path::PathBuf>,
 }
 
 impl SnapshotBuilder {
@@ -263,7 +274,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             snapshot_id,
         };
         let (db, shard, stored_meta) = (self.db.clone(), self.shard, meta.clone());
-        let background = self.background.clone();
+        let (background, hold) = (self.background.clone(), self.test_hold.clone());
         let (data, encoded, stored) = self
             .background
             .run(move || {
@@ -273,9 +284,18 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
                     data: state.encode(),
                 };
                 let encoded = started.elapsed();
+                if let Some(hold) = hold {
+                    while hold.exists() {
+                        std::thread::sleep(std::time::Duration::from_millis(10));
+                    }
+                }
                 // Encoding is the long part; a shutdown that came meanwhile is not kept
                 // waiting for the store as well.
                 if background.closed() {
+                    tracing::info!(
+                        shard,
+                        "snapshot build abandoned before storing: shutting down"
+                    );
                     return Err(shutting_down());
                 }
                 // The audit rows of every entry the snapshot covers were written without a
@@ -576,6 +596,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             metrics: self.metrics.clone(),
             trigger: self.trigger.clone(),
             background: self.background.clone(),
+            test_hold: self.test_hold.clone(),
         }
     }
 
