@@ -519,7 +519,8 @@ impl Client {
     }
 
     /// One page of a shard's audit events (filters in `req`; its read header is set
-    /// here), each event exact.
+    /// here: linearizable, so a replica still catching up never reports an old head as
+    /// the chain's, DESIGN §56), each event exact.
     pub async fn audit_page(
         &self,
         shard: u32,
@@ -532,7 +533,7 @@ impl Client {
                     pb::AuditRequest {
                         read: Some(pb::Read {
                             shard: Some(shard),
-                            stale_ok: true,
+                            stale_ok: false,
                         }),
                         ..req
                     },

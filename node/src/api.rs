@@ -447,8 +447,15 @@ impl Api for Services {
 
     async fn audit(&self, req: Call<pb::AuditRequest>) -> Result<Response<pb::AuditReply>, Status> {
         let m = req.get_ref();
-        let (shard, _) = typed::read_header(m.read.as_ref());
+        let (shard, stale_ok) = typed::read_header(m.read.as_ref());
         let shard = self.route(shard, m.org.map(OrgId));
+        // Linearizable unless the caller accepts this replica's state (DESIGN §56): a
+        // replica still catching up must not report an old head as the chain's.
+        if !stale_ok {
+            if let Some(reply) = self.audit_at_leader(&req, shard).await? {
+                return Ok(Response::new(reply));
+            }
+        }
         let (events, next_seq, head_seq) = self.audit_page(&req, shard, m).await?;
         let events = events.iter().map(typed::audit_event_to).collect();
         Ok(Response::new(pb::AuditReply {

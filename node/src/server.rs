@@ -325,8 +325,36 @@ impl Services {
 }
 
 impl Services {
-    /// One page of `shard`'s audit events matching `filter` (its `read` header is not
-    /// used): the caller's credentials, the read rate limit, and a tenant's confinement
+    /// A linearizable audit page: `None` when this replica is the leader and its read
+    /// index confirms its state is current (serve the page here); a follower forwards
+    /// the page to the leader once and returns its reply.
+    pub(crate) async fn audit_at_leader(
+        &self,
+        req: &tonic::Request<pb::AuditRequest>,
+        shard: ShardId,
+    ) -> Result<Option<pb::AuditReply>, Status> {
+        let s = shard_of(&self.node, shard)?;
+        let Err(e) = s.raft.ensure_linearizable().await else {
+            return Ok(None);
+        };
+        match crate::proposer::from_raft_error(&s.raft, e) {
+            ProposeError::NotLeader {
+                addr: Some(ref addr),
+                ..
+            } if !forwarded(req) => {
+                // Counted here: the leader does not count a peer's forwarded call again.
+                let caller = auth::caller(&self.node, auth::bearer(req.metadata())?);
+                self.limit(req, Class::Read, &[(self.reader(s.id, caller), 1)])?;
+                let mut client = self.leader_client(addr).await?;
+                let msg = forward_with(&self.node, *req.get_ref(), req.metadata());
+                Ok(Some(client.audit(msg).await?.into_inner()))
+            }
+            e => Err(status_of(e)),
+        }
+    }
+
+    /// One page of `shard`'s audit events matching `filter`, from this replica (the
+    /// caller handles the `read` header: `Services::audit_at_leader`): the caller's credentials, the read rate limit, and a tenant's confinement
     /// to its own org (a project token to its project) — filters naming another org or
     /// project match nothing, as unknown ids do. (events, next_seq, head_seq).
     pub(crate) async fn audit_page<T>(
