@@ -182,7 +182,7 @@ impl Services {
     ) -> Result<(Vec<pb::AuditEvent>, u64, u64), Status> {
         let mut call = Call::new(());
         *call.metadata_mut() = meta.clone();
-        let (events, next, head) = self.audit_page(&call, shard, filter).await?;
+        let (events, next, head) = self.audit_page(&call, shard, filter, false).await?;
         Ok((
             events.iter().map(typed::audit_event_to).collect(),
             next,
@@ -456,7 +456,7 @@ impl Api for Services {
                 return Ok(Response::new(reply));
             }
         }
-        let (events, next_seq, head_seq) = self.audit_page(&req, shard, m).await?;
+        let (events, next_seq, head_seq) = self.audit_page(&req, shard, m, !stale_ok).await?;
         let events = events.iter().map(typed::audit_event_to).collect();
         Ok(Response::new(pb::AuditReply {
             events,

@@ -326,14 +326,18 @@ impl Services {
 
 impl Services {
     /// A linearizable audit page: `None` when this replica is the leader and its read
-    /// index confirms its state is current (serve the page here); a follower forwards
-    /// the page to the leader once and returns its reply.
+    /// index confirms its state is current (serve the page here, already counted); a
+    /// follower forwards the page to the leader once and returns its reply. The call is
+    /// counted against the read rate first, as [`Services::answer`] does, so an
+    /// over-rate caller costs no read-index round.
     pub(crate) async fn audit_at_leader(
         &self,
         req: &tonic::Request<pb::AuditRequest>,
         shard: ShardId,
     ) -> Result<Option<pb::AuditReply>, Status> {
         let s = shard_of(&self.node, shard)?;
+        let caller = auth::caller(&self.node, auth::bearer(req.metadata())?);
+        self.limit(req, Class::Read, &[(self.reader(s.id, caller), 1)])?;
         let Err(e) = s.raft.ensure_linearizable().await else {
             return Ok(None);
         };
@@ -342,9 +346,6 @@ impl Services {
                 addr: Some(ref addr),
                 ..
             } if !forwarded(req) => {
-                // Counted here: the leader does not count a peer's forwarded call again.
-                let caller = auth::caller(&self.node, auth::bearer(req.metadata())?);
-                self.limit(req, Class::Read, &[(self.reader(s.id, caller), 1)])?;
                 let mut client = self.leader_client(addr).await?;
                 let msg = forward_with(&self.node, *req.get_ref(), req.metadata());
                 Ok(Some(client.audit(msg).await?.into_inner()))
@@ -354,7 +355,8 @@ impl Services {
     }
 
     /// One page of `shard`'s audit events matching `filter`, from this replica (the
-    /// caller handles the `read` header: `Services::audit_at_leader`): the caller's credentials, the read rate limit, and a tenant's confinement
+    /// caller handles the `read` header: [`Services::audit_at_leader`]): the caller's
+    /// credentials, the read rate limit (unless `counted` already), and a tenant's confinement
     /// to its own org (a project token to its project) — filters naming another org or
     /// project match nothing, as unknown ids do. (events, next_seq, head_seq).
     pub(crate) async fn audit_page<T>(
@@ -362,10 +364,13 @@ impl Services {
         req: &tonic::Request<T>,
         shard: ShardId,
         filter: &pb::AuditRequest,
+        counted: bool,
     ) -> Result<(Vec<allot_statemachine::AuditEvent>, u64, u64), Status> {
         let caller = auth::caller(&self.node, auth::bearer(req.metadata())?);
         let shard = shard_of(&self.node, shard)?;
-        self.limit(req, Class::Read, &[(self.reader(shard.id, caller), 1)])?;
+        if !counted {
+            self.limit(req, Class::Read, &[(self.reader(shard.id, caller), 1)])?;
+        }
         let (mut org, mut project) = (filter.org, filter.project);
         let (org_only, project_only) =
             match auth::authenticate(&self.node, shard.id, caller, "audit")? {

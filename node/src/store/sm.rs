@@ -329,8 +329,8 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
 
 /// The snapshot work a node has running on threads of its own, so that shutdown can
 /// wait for it. A process that returns from `main` while such a thread is inside RocksDB
-/// tears RocksDB's statics down under it, and the thread can crash the process (a node
-/// died of SIGSEGV on SIGTERM so: DESIGN §55). Tokio's runtime joins its own blocking
+/// tears RocksDB's statics down under it, and the thread can crash the process (the
+/// likely cause of a SIGSEGV on SIGTERM: DESIGN §55). Tokio's runtime joins its own blocking
 /// threads when dropped; these are plain threads (for their CPU priority), so nothing
 /// joined them.
 #[derive(Debug)]
