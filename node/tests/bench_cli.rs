@@ -21,3 +21,56 @@ fn bad_flags_are_a_usage_error() {
     assert_eq!(help.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&help.stdout).contains("--vs-etcd"));
 }
+
+/// A node that dies during a run (here: its fsync fails, so it exits with status 74, as
+/// on a full disk) is named at once with the end of its log. Before, the clients retried
+/// the unreachable address until they gave up ("tcp connect error", no node named).
+#[test]
+fn a_node_that_exits_during_a_run_is_named_with_its_log() {
+    use std::io::Read;
+    let bench = env!("CARGO_BIN_EXE_allot-bench");
+    let dir = tempfile::tempdir().unwrap();
+    let fail = dir.path().join("fail-fsync");
+    let mut child = Command::new(bench)
+        .args(["--nodes", "1", "--shards", "1", "--seconds", "60"])
+        .args(["--concurrency", "1", "--per-call", "1", "--node-arg"])
+        .arg("--test-fsync-fail-file")
+        .arg("--node-arg")
+        .arg(&fail)
+        .arg("--dir")
+        .arg(dir.path().join("run"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    // Wait for the first progress line of the run, then make every fsync fail.
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 256];
+    while !String::from_utf8_lossy(&seen).contains("1 clients, 1/60 s") {
+        let n = stderr.read(&mut buf).unwrap();
+        assert!(
+            n > 0,
+            "the bench ended before its run: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+    }
+    std::fs::write(&fail, b"").unwrap();
+    let failed_at = std::time::Instant::now();
+    stderr.read_to_end(&mut seen).unwrap();
+    let status = child.wait().unwrap();
+    let err = String::from_utf8_lossy(&seen);
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains("node 1 exited during the run"), "{err}");
+    assert!(err.contains("74"), "the node's exit status: {err}");
+    assert!(
+        err.contains("fatal storage error"),
+        "the node's log tail: {err}"
+    );
+    // The run was to last 60 s; the death is reported within seconds of it.
+    assert!(
+        failed_at.elapsed() < std::time::Duration::from_secs(20),
+        "{err}"
+    );
+}

@@ -386,6 +386,19 @@ async fn drive(
         let next_tick = started + Duration::from_secs(last + 1);
         tokio::time::sleep_until(next_tick.into()).await;
         last += 1;
+        // A server process that died (a full disk, a fatal storage error) would otherwise
+        // show only as clients retrying an unreachable address until they give up.
+        if let Some(dead) = pids[..pids.len() - 1]
+            .iter()
+            .find(|&&p| !procfs::running(p))
+        {
+            stop.store(true, Ordering::Relaxed);
+            bail!(
+                "server process {dead} exited during the {} run ({} clients)",
+                spec.label,
+                spec.clients
+            );
+        }
         if last.is_multiple_of(spec.window) || last == spec.seconds {
             let rss = pids[..pids.len() - 1]
                 .iter()
@@ -719,7 +732,7 @@ async fn bench(o: Opts) -> anyhow::Result<()> {
         drop(cluster);
         etcd_ver = Some(version);
     }
-    let (c, client) = start_allot(&o, &dir.join("allot")).await?;
+    let (mut c, client) = start_allot(&o, &dir.join("allot")).await?;
     let metrics: Vec<String> = c.nodes.iter().map(|n| n.metrics_addr.clone()).collect();
     let mut pids: Vec<u32> = c.nodes.iter().filter_map(|n| c.pid(n.id)).collect();
     pids.push(me);
@@ -728,6 +741,45 @@ async fn bench(o: Opts) -> anyhow::Result<()> {
         shards: o.shards,
     };
     let mut stream = 1u64 << 20;
+    let runs = allot_runs(&o, &target, &metrics, &pids, &mut stream).await;
+    // A node that exited during a run (a full disk, a fatal storage error) shows to the
+    // clients only as an unreachable address: name it, with the end of its log.
+    let results_allot = runs.map_err(|e| match exited_nodes(&mut c) {
+        Some(why) => e.context(why),
+        None => e,
+    })?;
+    results.extend(results_allot);
+    report(&o, &results, etcd_ver.as_deref());
+    drop(c);
+    Ok(())
+}
+
+/// Which nodes of `c` exited by themselves, each with its status and the end of its log.
+fn exited_nodes(c: &mut LocalCluster) -> Option<String> {
+    let ids: Vec<u64> = c.nodes.iter().map(|n| n.id).collect();
+    let gone: Vec<String> = ids
+        .into_iter()
+        .filter_map(|id| {
+            let status = c.exited(id)?;
+            Some(format!(
+                "node {id} exited during the run ({status}); its log ends:\n{}",
+                c.log_tail(id, 5)
+            ))
+        })
+        .collect();
+    (!gone.is_empty()).then(|| gone.join("\n"))
+}
+
+/// The allot runs of the benchmark: the sustained run, or the closed-loop series of every
+/// per-call size.
+async fn allot_runs(
+    o: &Opts,
+    target: &Target,
+    metrics: &[String],
+    pids: &[u32],
+    stream: &mut u64,
+) -> anyhow::Result<Vec<RunResult>> {
+    let mut results = Vec::new();
     if let Some(rate) = o.rate {
         let per_call = o.per_call[0];
         let spec = Spec {
@@ -737,17 +789,15 @@ async fn bench(o: Opts) -> anyhow::Result<()> {
             pace: Some(rate / per_call as f64),
             seconds: o.seconds,
             window: o.window,
-            stream_base: stream,
+            stream_base: *stream,
         };
-        results.push(run(&target, &metrics, &pids, &o, spec).await?);
+        results.push(run(target, metrics, pids, o, spec).await?);
     } else {
         for &per_call in &o.per_call {
-            results.extend(series(&target, &metrics, &pids, &o, per_call, &mut stream).await?);
+            results.extend(series(target, metrics, pids, o, per_call, stream).await?);
         }
     }
-    report(&o, &results, etcd_ver.as_deref());
-    drop(c);
-    Ok(())
+    Ok(results)
 }
 
 /// A row's figures as JSON fields (without braces).

@@ -31,6 +31,18 @@ pub fn rss_bytes(pid: u32) -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// Whether process `pid` is still running: it exists and is not a zombie (a child that
+/// exited and has not been reaped yet).
+pub fn running(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let state = stat
+        .rfind(')')
+        .and_then(|i| stat[i + 1..].split_whitespace().next());
+    !matches!(state, None | Some("Z" | "X"))
+}
+
 /// CPU seconds of a set of processes (missing ones count 0).
 pub fn cpu_total(pids: &[u32]) -> f64 {
     pids.iter().filter_map(|&p| cpu_seconds(p)).sum()
@@ -54,5 +66,23 @@ mod tests {
         assert!(after > before, "{before} → {after}");
         assert!(rss_bytes(me).expect("own status") > 1 << 20);
         assert_eq!(cpu_seconds(u32::MAX), None);
+    }
+
+    #[test]
+    fn a_child_that_exited_is_not_running() {
+        assert!(running(std::process::id()));
+        assert!(!running(u32::MAX));
+        let mut child = std::process::Command::new("true")
+            .spawn()
+            .expect("spawn true");
+        let pid = child.id();
+        // Not reaped yet: a zombie until `wait`, which is what a dead node looks like to
+        // the benchmark that started it.
+        while running(pid) {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
+        child.wait().expect("reap");
+        assert!(!running(pid));
     }
 }
