@@ -96,6 +96,16 @@ pub fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
     encode_as(WIRE_FORMAT, value)
 }
 
+/// [`encode`] into `buf`, replacing what it held: the same bytes, written into a buffer
+/// the caller keeps. A hot path that encodes one row after another (applying entries)
+/// thus reuses memory it has already touched, where [`encode`] grows a fresh `Vec`
+/// by doubling and the allocator hands it freshly zeroed pages.
+pub fn encode_reusing<T: Serialize + ?Sized>(buf: &mut Vec<u8>, value: &T) {
+    buf.clear();
+    buf.push(WIRE_FORMAT);
+    encode_into(buf, value);
+}
+
 /// `[version] ++ bincode(value)`: `value`'s serialisation must be the layout of format
 /// `version`.
 pub fn encode_as<T: Serialize + ?Sized>(version: u8, value: &T) -> Vec<u8> {
@@ -215,5 +225,19 @@ mod tests {
         assert!(CodecError::NewerFormat(9)
             .to_string()
             .contains("newer release"));
+    }
+
+    #[test]
+    fn encoding_into_a_kept_buffer_gives_the_same_bytes() {
+        let mut buf = b"what the buffer held before, longer than the next value".to_vec();
+        for value in [
+            (7u64, "x".to_string()),
+            (u64::MAX, "y".repeat(300)),
+            (0, String::new()),
+        ] {
+            encode_reusing(&mut buf, &value);
+            assert_eq!(buf, encode(&value), "{value:?}");
+            assert_eq!(decode::<(u64, String)>(&buf), Ok(value));
+        }
     }
 }

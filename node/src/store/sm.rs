@@ -20,6 +20,10 @@ use std::sync::{Arc, RwLock, RwLockReadGuard};
 use std::time::Instant;
 use tokio::sync::watch;
 
+/// The largest audit-row buffer a shard keeps between applies: one large entry's rows
+/// do not pin their memory for the life of the process.
+const ROW_BUFFER_KEPT: usize = 4 << 20;
+
 /// Audit key spaces inside a shard's range of the `audit` column family.
 pub const AUDIT_EVENTS: u8 = 0;
 pub const AUDIT_BATCHES: u8 = 1;
@@ -73,6 +77,9 @@ pub struct StateMachineStore {
     applied_tx: watch::Sender<u64>,
     applied_rx: watch::Receiver<u64>,
     out: ApplyOutput,
+    /// The buffer each audit row is encoded into before the write batch copies it
+    /// (`codec::encode_reusing`): kept across entries, at most `ROW_BUFFER_KEPT` bytes.
+    row: Vec<u8>,
     snapshot_seq: u64,
     metrics: Option<Arc<Metrics>>,
     trigger: Option<Arc<SnapshotTrigger>>,
@@ -162,6 +169,7 @@ impl StateMachineStore {
             applied_tx,
             applied_rx,
             out: ApplyOutput::default(),
+            row: Vec::new(),
             snapshot_seq: 0,
             metrics: None,
             trigger: None,
@@ -555,16 +563,18 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                         }
                         // One row per entry: its events, keyed by the first one's seq.
                         if let Some(first) = self.out.events.first() {
+                            codec::encode_reusing(&mut self.row, &self.out.events);
                             batch.put_cf(
                                 audit,
                                 audit_key(self.shard, AUDIT_EVENTS, first.seq),
-                                codec::encode(&self.out.events),
+                                &self.row,
                             );
                         }
+                        codec::encode_reusing(&mut self.row, &sm_entry);
                         batch.put_cf(
                             audit,
                             audit_key(self.shard, AUDIT_BATCHES, log_id.index),
-                            codec::encode(&sm_entry),
+                            &self.row,
                         );
                         replies.push(Applied {
                             log_index: log_id.index,
@@ -579,6 +589,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             if !batch.is_empty() {
                 self.db.write(batch).map_err(io_write)?;
             }
+        }
+        if self.row.capacity() > ROW_BUFFER_KEPT {
+            self.row = Vec::new();
         }
         if let Some(i) = last_index {
             self.applied_tx.send_replace(i);
