@@ -19,6 +19,8 @@ cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 step "simulator unit tests and smoke run (exits non-zero on any invariant violation)"
 cargo test --locked -q -p allot-statemachine --features sim --bin allot-sim
 cargo run --locked -q -p allot-statemachine --features sim --bin allot-sim -- --hours 0.25 --flood 100 >/dev/null
+# The many-trace sweep (scripts/sim-sweep.sh) runs outside CI; its script must still parse.
+python3 scripts/sim-sweep.py --help >/dev/null
 
 step "doc tests"
 cargo test --workspace --locked --doc
