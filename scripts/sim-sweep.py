@@ -103,9 +103,9 @@ def main():
     for (s, load, big), f in zip(traces, results):
         print(f"{f'{s} · {load}× · {big}':22} {f['alloc_pct']:7.1f} {f['lost_pct']:6.2f} "
               f"{f['ent_p95_s']:7.0f} "
-              f"{f['jain_free']:.3f}/{f['jain_paid']:.3f} ({f['paid_backlogged_orgs']})".rjust(24)
-              + f" {f['paid_shed']:>8} ({f['strict_paid_shed']:>6})"
-              + f" {f['free_max_s']:>8.0f} / {f['fifo_free_max_s']:<8.0f}")
+              f"{f['jain_free']:.3f}/{f['jain_paid']:.3f} ({f['paid_backlogged_orgs']})"
+              f" {f['paid_shed']:>8} ({f['strict_paid_shed']:>6})"
+              f" {f['free_max_s']:>8.0f} / {f['fifo_free_max_s']:<8.0f}")
     print(f"\ntraces meeting each target (of {len(traces)}):")
     for name in results[0]["met"]:
         print(f"  {name:28} {sum(f['met'][name] for f in results)}")

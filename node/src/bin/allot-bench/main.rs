@@ -381,6 +381,8 @@ async fn drive(
         }));
     }
     let mut marks = vec![(0.0, procfs::cpu_total(pids), Vec::new())];
+    // The server processes: every pid but the last, which is the benchmark itself.
+    let servers = &pids[..pids.len() - 1];
     let mut last = 0u64;
     while last < spec.seconds {
         let next_tick = started + Duration::from_secs(last + 1);
@@ -388,10 +390,7 @@ async fn drive(
         last += 1;
         // A server process that died (a full disk, a fatal storage error) would otherwise
         // show only as clients retrying an unreachable address until they give up.
-        if let Some(dead) = pids[..pids.len() - 1]
-            .iter()
-            .find(|&&p| !procfs::running(p))
-        {
+        if let Some(dead) = servers.iter().find(|&&p| !procfs::running(p)) {
             stop.store(true, Ordering::Relaxed);
             bail!(
                 "server process {dead} exited during the {} run ({} clients)",
@@ -400,7 +399,7 @@ async fn drive(
             );
         }
         if last.is_multiple_of(spec.window) || last == spec.seconds {
-            let rss = pids[..pids.len() - 1]
+            let rss = servers
                 .iter()
                 .map(|&p| procfs::rss_bytes(p).unwrap_or(0))
                 .collect();
