@@ -25,6 +25,7 @@
 //! The Raft service's peer check runs on the headers *before* this (the interceptor
 //! wraps the admitted service), so an unauthenticated caller never takes Raft budget.
 
+use crate::decoded::{Malformed, Schema};
 use crate::limits::{ADMISSION_WAIT_MAX, BODY_READ_MAX};
 use allot_proto::meta;
 use bytes::{Bytes, BytesMut};
@@ -53,15 +54,19 @@ const PREFIX: usize = 5;
 pub struct Budget {
     name: &'static str,
     permits: Arc<Semaphore>,
+    /// The budget's size in units: a call that needs more can never be admitted.
+    total_units: usize,
     refusals: Option<IntCounterVec>,
 }
 
 impl Budget {
     /// A budget of `bytes` (rounded down to whole KiB, at least one message of 1 KiB).
     pub fn new(name: &'static str, bytes: usize) -> Budget {
+        let total_units = (bytes / UNIT).max(1);
         Budget {
             name,
-            permits: Arc::new(Semaphore::new((bytes / UNIT).max(1))),
+            permits: Arc::new(Semaphore::new(total_units)),
+            total_units,
             refusals: None,
         }
     }
@@ -72,12 +77,30 @@ impl Budget {
         self
     }
 
-    /// Wraps `inner`, whose messages are at most `message_max` bytes.
+    /// Wraps `inner`, whose calls carry one message of at most `message_max` bytes
+    /// (unary and server-streaming methods: every method of allot's services and of
+    /// health). A message of a method in [`Schema::allot`] is charged what it decodes to
+    /// ([`crate::decoded`]); a second message in the same call is refused.
     pub fn admit<S>(&self, inner: S, message_max: usize) -> Admitted<S> {
         Admitted {
             inner,
             budget: self.clone(),
             message_max,
+            streams: None,
+        }
+    }
+
+    /// Wraps `inner`, whose calls are client streams (server reflection): the first
+    /// message is admitted as by [`Budget::admit`], and the call then holds one of
+    /// `streams`' slots while its body is open, at most [`CLIENT_STREAM_LIFE_MAX`]. So
+    /// the messages that follow — each at most the service's own decoding bound — cost at
+    /// most that bound per slot, for a bounded time.
+    pub fn admit_streams<S>(&self, inner: S, message_max: usize, streams: usize) -> Admitted<S> {
+        Admitted {
+            inner,
+            budget: self.clone(),
+            message_max,
+            streams: Some(Arc::new(Semaphore::new(streams.max(1)))),
         }
     }
 
@@ -99,6 +122,8 @@ pub struct Admitted<S> {
     inner: S,
     budget: Budget,
     message_max: usize,
+    /// Client-stream slots (`None`: one message per call).
+    streams: Option<Arc<Semaphore>>,
 }
 
 impl<S: NamedService> NamedService for Admitted<S> {
@@ -132,14 +157,37 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let budget = self.budget.clone();
         let message_max = self.message_max;
+        let streams = self.streams.clone();
         Box::pin(async move {
             let (parts, body) = req.into_parts();
-            let (body, _permit) = match admit(&budget, body, message_max).await {
+            let slot = match &streams {
+                None => None,
+                Some(slots) => match slots.clone().try_acquire_owned() {
+                    Ok(slot) => Some(slot),
+                    Err(_) => {
+                        budget.refused("streams");
+                        return Ok(busy(budget.name).into_http());
+                    }
+                },
+            };
+            let cost = Cost {
+                message_max,
+                path: parts.uri.path(),
+                schema: Some(Schema::allot()),
+            };
+            let (mut body, _permit) = match admit(&budget, body, &cost).await {
                 Ok(admitted) => admitted,
                 Err((status, reason)) => {
                     budget.refused(reason);
                     return Ok(status.into_http());
                 }
+            };
+            body.rest = match slot {
+                None => Rest::Refused,
+                Some(slot) => Rest::Stream {
+                    _slot: slot,
+                    until: Box::pin(tokio::time::sleep(CLIENT_STREAM_LIFE_MAX)),
+                },
             };
             inner
                 .call(http::Request::from_parts(parts, Body::new(body)))
@@ -150,6 +198,14 @@ where
 
 type Refusal = (Status, &'static str);
 
+/// How a call's message is admitted: its bound on the wire, and the schema that bounds
+/// what it decodes to (by the method's `path`).
+struct Cost<'a> {
+    message_max: usize,
+    path: &'a str,
+    schema: Option<&'a Schema>,
+}
+
 /// Reads the call's message within the budget: the body to hand on (the bytes read,
 /// then whatever the caller sends after them) and the bytes' permit.
 ///
@@ -159,8 +215,9 @@ type Refusal = (Status, &'static str);
 async fn admit(
     budget: &Budget,
     mut body: Body,
-    message_max: usize,
+    cost: &Cost<'_>,
 ) -> Result<(Replay, OwnedSemaphorePermit), Refusal> {
+    let message_max = cost.message_max;
     let deadline = tokio::time::Instant::now() + BODY_READ_MAX;
     let wait_until = deadline.min(tokio::time::Instant::now() + ADMISSION_WAIT_MAX);
     let mut permit = budget.take(FRAME_UNITS, wait_until).await?;
@@ -188,8 +245,56 @@ async fn admit(
     }
     head.reserve((PREFIX + len).saturating_sub(head.len()));
     read_until(&mut body, &mut head, PREFIX + len, deadline).await?;
+    if head.len() < PREFIX + len {
+        // The body ended early: tonic answers that.
+        return Ok((Replay::new(head, body), permit));
+    }
+    if head.len() > PREFIX + len {
+        // The frame that completed the message carries the start of another one.
+        return Err(second_message());
+    }
+    // What the message decodes to (uncompressed messages of allot's own methods): the
+    // call holds that much of the budget, not only its wire bytes.
+    let decoded = match (cost.schema, head[0]) {
+        (Some(schema), 0) => match schema.bound(cost.path, &head[PREFIX..]) {
+            Some(Ok(bytes)) => bytes,
+            Some(Err(Malformed)) => {
+                return Err((
+                    Status::invalid_argument("the message is not valid protobuf"),
+                    "malformed",
+                ))
+            }
+            None => 0,
+        },
+        _ => 0,
+    };
+    let decoded_units = decoded.div_ceil(UNIT);
+    if decoded_units > permit.num_permits() {
+        if decoded_units > budget.total_units {
+            return Err((
+                Status::out_of_range(format!(
+                    "a message of {len} bytes that decodes to ~{decoded} bytes; this node \
+                     decodes at most {} at once",
+                    budget.total_units * UNIT
+                )),
+                "decodes_too_large",
+            ));
+        }
+        let more = decoded_units - permit.num_permits();
+        permit.merge(budget.take(more, wait_until).await?);
+    }
     Ok((Replay::new(head, body), permit))
 }
+
+fn second_message() -> Refusal {
+    (
+        Status::invalid_argument("a call of this method carries exactly one message"),
+        "second_message",
+    )
+}
+
+/// How long a client stream (server reflection) may stay open.
+pub const CLIENT_STREAM_LIFE_MAX: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// An HTTP/2 DATA frame's largest size (the protocol's default `SETTINGS_MAX_FRAME_SIZE`,
 /// which the server keeps), in budget units.
@@ -254,17 +359,34 @@ fn busy(class: &str) -> Status {
 /// What a refused-as-busy caller is told to wait before retrying.
 const BUSY_RETRY_AFTER_MS: u64 = 100;
 
-/// A body that yields the bytes already read, then the rest of the caller's body.
+/// A body that yields the bytes already read, then what [`Rest`] lets through of the
+/// rest of the caller's body.
 struct Replay {
     head: Option<Bytes>,
-    rest: Body,
+    body: Body,
+    rest: Rest,
+}
+
+/// What a call may send after its first message.
+enum Rest {
+    /// Nothing: a data frame that is not empty ends the call with `INVALID_ARGUMENT`
+    /// (tonic would otherwise decode, hold and drop every further message of a unary
+    /// call, none of them admitted).
+    Refused,
+    /// A client stream: anything, while the stream's slot is held and until `until`.
+    Stream {
+        _slot: OwnedSemaphorePermit,
+        /// The stream's end of life (polled, so an idle stream is ended too).
+        until: Pin<Box<tokio::time::Sleep>>,
+    },
 }
 
 impl Replay {
-    fn new(head: BytesMut, rest: Body) -> Replay {
+    fn new(head: BytesMut, body: Body) -> Replay {
         Replay {
             head: (!head.is_empty()).then(|| head.freeze()),
-            rest,
+            body,
+            rest: Rest::Refused,
         }
     }
 }
@@ -280,11 +402,24 @@ impl http_body::Body for Replay {
         if let Some(head) = self.head.take() {
             return Poll::Ready(Some(Ok(Frame::data(head))));
         }
-        Pin::new(&mut self.rest).poll_frame(cx)
+        if let Rest::Stream { until, .. } = &mut self.rest {
+            if until.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Some(Err(Status::deadline_exceeded(format!(
+                    "a client stream stays open at most {CLIENT_STREAM_LIFE_MAX:?}"
+                )))));
+            }
+        }
+        let frame = std::task::ready!(Pin::new(&mut self.body).poll_frame(cx));
+        if let (Rest::Refused, Some(Ok(f))) = (&self.rest, &frame) {
+            if f.data_ref().is_some_and(|d| !d.is_empty()) {
+                return Poll::Ready(Some(Err(second_message().0)));
+            }
+        }
+        Poll::Ready(frame)
     }
 
     fn is_end_stream(&self) -> bool {
-        self.head.is_none() && self.rest.is_end_stream()
+        self.head.is_none() && self.body.is_end_stream()
     }
 }
 
@@ -415,6 +550,15 @@ mod tests {
         Body::new(http_body_util::Full::new(Bytes::from(bytes)))
     }
 
+    /// Admission by wire bytes only (the messages here are not protobuf).
+    fn raw() -> Cost<'static> {
+        Cost {
+            message_max: 1 << 20,
+            path: "",
+            schema: None,
+        }
+    }
+
     async fn read_all(b: Replay) -> Vec<u8> {
         b.collect().await.unwrap().to_bytes().to_vec()
     }
@@ -425,7 +569,7 @@ mod tests {
         let full = budget.available_kib();
         for len in [0, 1, 100, 16 << 10, 300 << 10] {
             let m = message(len);
-            let (b, permit) = admit(&budget, body(m.clone()), 1 << 20).await.unwrap();
+            let (b, permit) = admit(&budget, body(m.clone()), &raw()).await.unwrap();
             assert_eq!(
                 permit.num_permits(),
                 (PREFIX + len).div_ceil(UNIT).max(1),
@@ -441,7 +585,7 @@ mod tests {
             );
         }
         // No message at all: handed on for tonic to answer.
-        let (b, _) = admit(&budget, body(vec![0, 0]), 1 << 20).await.unwrap();
+        let (b, _) = admit(&budget, body(vec![0, 0]), &raw()).await.unwrap();
         assert_eq!(read_all(b).await, vec![0, 0]);
     }
 
@@ -451,7 +595,7 @@ mod tests {
         // Only the prefix is sent: the refusal must not wait for the rest.
         let mut m = message(0);
         m[1..5].copy_from_slice(&(4_000_000u32).to_be_bytes());
-        let Err((s, reason)) = admit(&budget, body(m), 1 << 20).await else {
+        let Err((s, reason)) = admit(&budget, body(m), &raw()).await else {
             panic!("a 4 MB message passed a 1 MiB bound");
         };
         assert_eq!((s.code(), reason), (tonic::Code::OutOfRange, "too_large"));
@@ -461,11 +605,11 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_call_that_cannot_get_its_bytes_is_told_the_node_is_busy() {
         let budget = Budget::new("test", 64 << 10);
-        let (_b, held) = admit(&budget, body(message(60 << 10)), 1 << 20)
+        let (_b, held) = admit(&budget, body(message(60 << 10)), &raw())
             .await
             .unwrap();
         let started = tokio::time::Instant::now();
-        let Err((s, reason)) = admit(&budget, body(message(10 << 10)), 1 << 20).await else {
+        let Err((s, reason)) = admit(&budget, body(message(10 << 10)), &raw()).await else {
             panic!("admitted past the budget");
         };
         assert_eq!(
@@ -484,7 +628,7 @@ mod tests {
         );
         // Once the first call is answered, the next one gets in.
         drop(held);
-        let (_b, _held) = admit(&budget, body(message(10 << 10)), 1 << 20)
+        let (_b, _held) = admit(&budget, body(message(10 << 10)), &raw())
             .await
             .unwrap();
     }
@@ -500,7 +644,7 @@ mod tests {
             futures::stream::pending(),
         );
         let b = Body::new(http_body_util::StreamBody::new(stalled));
-        let Err((s, reason)) = admit(&budget, b, 1 << 20).await else {
+        let Err((s, reason)) = admit(&budget, b, &raw()).await else {
             panic!("a stalled body was admitted");
         };
         assert_eq!(
@@ -508,6 +652,131 @@ mod tests {
             (tonic::Code::DeadlineExceeded, "slow_body")
         );
         assert_eq!(budget.available_kib(), 1024, "its bytes are free again");
+    }
+
+    /// A gRPC frame of an encoded protobuf message.
+    fn grpc(msg: &impl prost::Message) -> Vec<u8> {
+        let b = msg.encode_to_vec();
+        let mut m = vec![0u8];
+        m.extend_from_slice(&(b.len() as u32).to_be_bytes());
+        m.extend_from_slice(&b);
+        m
+    }
+
+    fn execute() -> Cost<'static> {
+        Cost {
+            message_max: 1 << 20,
+            path: "/allot.api.v1.Api/Execute",
+            schema: Some(Schema::allot()),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_message_is_charged_what_it_decodes_to_before_it_is_decoded() {
+        use allot_proto::api::v1 as pb;
+        let budget = Budget::new("test", 64 << 20);
+        let full = budget.available_kib();
+        // 1 MiB of empty commands decodes to hundreds of MB: refused from its bytes,
+        // without waiting for budget it could never get.
+        let flood = pb::ExecuteRequest {
+            shard: None,
+            commands: vec![pb::Command::default(); 524_288],
+        };
+        let Err((s, reason)) = admit(&budget, body(grpc(&flood)), &execute()).await else {
+            panic!("1 MiB of empty commands was admitted");
+        };
+        assert_eq!(
+            (s.code(), reason),
+            (tonic::Code::OutOfRange, "decodes_too_large")
+        );
+        assert_eq!(budget.available_kib(), full, "nothing held");
+        // A smaller one that fits the budget holds what it decodes to, not its wire size.
+        let some = pb::ExecuteRequest {
+            shard: None,
+            commands: vec![pb::Command::default(); 4096],
+        };
+        let m = grpc(&some);
+        let (_b, permit) = admit(&budget, body(m.clone()), &execute()).await.unwrap();
+        let decoded = 4096 * std::mem::size_of::<pb::Command>();
+        assert!(
+            permit.num_permits() * UNIT >= decoded,
+            "holds {} KiB for {decoded} decoded bytes",
+            permit.num_permits()
+        );
+        assert!(m.len() < 10 << 10, "while its wire size is {}", m.len());
+        // Not protobuf at all: refused before tonic sees it.
+        let Err((s, reason)) = admit(&budget, body(message(3)), &execute()).await else {
+            panic!("garbage admitted");
+        };
+        assert_eq!(
+            (s.code(), reason),
+            (tonic::Code::InvalidArgument, "malformed")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_second_message_in_a_one_message_call_is_refused() {
+        let budget = Budget::new("test", 1 << 20);
+        // In the same frame as the first: refused while admitting.
+        let mut two = message(10);
+        two.extend(message(10));
+        let Err((s, reason)) = admit(&budget, body(two), &raw()).await else {
+            panic!("two messages admitted");
+        };
+        assert_eq!(
+            (s.code(), reason),
+            (tonic::Code::InvalidArgument, "second_message")
+        );
+        // In a later frame: the handler's body ends with the refusal instead of it.
+        let frames = futures::stream::iter([
+            Ok::<_, Status>(Frame::data(Bytes::from(message(10)))),
+            Ok(Frame::data(Bytes::from(message(1 << 19)))),
+        ]);
+        let b = Body::new(http_body_util::StreamBody::new(frames));
+        let (mut replay, _p) = admit(&budget, b, &raw()).await.unwrap();
+        let first = replay.frame().await.unwrap().unwrap();
+        assert_eq!(first.into_data().unwrap().len(), PREFIX + 10);
+        let second = replay.frame().await.unwrap();
+        assert_eq!(
+            second.unwrap_err().code(),
+            tonic::Code::InvalidArgument,
+            "the second message is never handed on"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_stream_holds_a_slot_for_a_bounded_time() {
+        let slots = Arc::new(Semaphore::new(1));
+        let idle = futures::StreamExt::chain(
+            futures::stream::iter([
+                Ok::<_, Status>(Frame::data(Bytes::from(message(4)))),
+                Ok(Frame::data(Bytes::from(message(4)))),
+            ]),
+            futures::stream::pending(),
+        );
+        let mut replay = Replay::new(
+            BytesMut::new(),
+            Body::new(http_body_util::StreamBody::new(idle)),
+        );
+        replay.rest = Rest::Stream {
+            _slot: slots.clone().try_acquire_owned().unwrap(),
+            until: Box::pin(tokio::time::sleep(CLIENT_STREAM_LIFE_MAX)),
+        };
+        // A stream may carry several messages.
+        for _ in 0..2 {
+            assert!(replay.frame().await.unwrap().is_ok());
+        }
+        assert_eq!(slots.available_permits(), 0, "the slot is held");
+        let started = tokio::time::Instant::now();
+        let end = replay.frame().await.unwrap();
+        assert_eq!(end.unwrap_err().code(), tonic::Code::DeadlineExceeded);
+        assert_eq!(
+            started.elapsed(),
+            CLIENT_STREAM_LIFE_MAX,
+            "an idle stream is ended"
+        );
+        drop(replay);
+        assert_eq!(slots.available_permits(), 1, "and its slot freed");
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod backup;
 #[cfg(feature = "chaos")]
 pub mod chaos;
 pub mod clock;
+pub mod decoded;
 pub mod edge;
 pub mod limits;
 pub mod local_cluster;

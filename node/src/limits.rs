@@ -14,6 +14,12 @@ pub const REQUESTS_PER_CALL_MAX: usize = 4096;
 /// One client message (`Execute`, `Query`, `Audit`, agent and admin calls): gRPC refuses
 /// a larger message from its length prefix, before buffering it.
 pub const CLIENT_MESSAGE_MAX: usize = 1 << 20;
+/// Server reflection streams open at once on a node (each holds a slot for at most
+/// `admission::CLIENT_STREAM_LIFE_MAX`), and one reflection request's bound (a symbol
+/// or file name): so the messages a reflection stream sends after its first cost at most
+/// this many times this much.
+pub const REFLECTION_STREAMS_MAX: usize = 16;
+pub const REFLECTION_MESSAGE_MAX: usize = 64 << 10;
 /// One reply (a page of jobs or audit events, the node list): what the node encodes and
 /// the client accepts.
 pub const REPLY_MESSAGE_MAX: usize = 64 << 20;

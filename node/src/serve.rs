@@ -5,7 +5,7 @@ use crate::admission::{Budget, Connections};
 use crate::limits::{
     CLIENT_BYTES_IN_FLIGHT_MAX, CLIENT_MESSAGE_MAX, CONCURRENT_STREAMS_PER_CONNECTION_MAX,
     CONNECTION_WINDOW_BYTES, HEADER_LIST_BYTES_MAX, RAFT_BYTES_IN_FLIGHT_MAX, RAFT_MESSAGE_MAX,
-    REPLY_MESSAGE_MAX, STREAM_WINDOW_BYTES,
+    REFLECTION_MESSAGE_MAX, REFLECTION_STREAMS_MAX, REPLY_MESSAGE_MAX, STREAM_WINDOW_BYTES,
 };
 use crate::node::Node;
 use crate::ratelimit::RateLimiter;
@@ -40,11 +40,13 @@ pub async fn serve(
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(allot_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
+        .build_v1()?
+        .max_decoding_message_size(REFLECTION_MESSAGE_MAX);
     let reflection_alpha = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(allot_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()?;
+        .build_v1alpha()?
+        .max_decoding_message_size(REFLECTION_MESSAGE_MAX);
     if let Some(m) = metrics {
         let node = node.clone();
         tokio::spawn(async move {
@@ -116,8 +118,16 @@ pub async fn serve(
         .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
         .initial_stream_window_size(STREAM_WINDOW_BYTES)
         .add_service(client.admit(health, CLIENT_MESSAGE_MAX))
-        .add_service(client.admit(reflection, CLIENT_MESSAGE_MAX))
-        .add_service(client.admit(reflection_alpha, CLIENT_MESSAGE_MAX))
+        .add_service(client.admit_streams(
+            reflection,
+            REFLECTION_MESSAGE_MAX,
+            REFLECTION_STREAMS_MAX,
+        ))
+        .add_service(client.admit_streams(
+            reflection_alpha,
+            REFLECTION_MESSAGE_MAX,
+            REFLECTION_STREAMS_MAX,
+        ))
         .add_service(
             client.admit(
                 ApiServer::new(services.clone())

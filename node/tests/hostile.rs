@@ -443,6 +443,90 @@ async fn calls_in_flight_cost_bounded_memory_however_many_are_open() {
     h.assert_all_running();
 }
 
+/// Defect 7 (found by review, 2026-11-27): an anonymous `Execute` of 1 MiB of empty
+/// commands (two bytes each on the wire, ~200 bytes each once prost has decoded them)
+/// was admitted for its 1 MiB and decoded to ~115 MB, then ~130 MB more while its
+/// commands were converted, before anything counted them; sixty-four at once fit the
+/// byte budget. Now admission charges what a message decodes to, bounded from its bytes
+/// before it is decoded (`decoded.rs`), and refuses one that could never fit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_7_what_a_message_decodes_to_is_charged_before_it_is_decoded() {
+    let mut h = secured(1).await;
+    let leader = h.c.leader_of(0).await.unwrap();
+    let before = h.head_seq(0).await;
+    let idle = h.rss_now();
+    let flood = pb::ExecuteRequest {
+        shard: Some(0),
+        commands: vec![pb::Command::default(); 524_000],
+    }
+    .encode_to_vec();
+    assert!(flood.len() <= 1 << 20);
+    let mut calls = Vec::new();
+    for _ in 0..8 {
+        let ch = channel(&h.addr(leader)).await;
+        let body = flood.clone();
+        calls.push(tokio::spawn(async move {
+            raw_unary(ch, "/allot.api.v1.Api/Execute", bearer(body, None))
+                .await
+                .unwrap_err()
+        }));
+    }
+    let mut answers = Vec::new();
+    for c in calls {
+        answers.push(c.await.unwrap());
+    }
+    let grew = h.assert_memory_within(&idle, 96);
+    eprintln!("defect 7: peak RSS growth {grew} MiB (budget 96)");
+    for e in answers {
+        assert_eq!(e.code(), Code::OutOfRange, "{e:?}");
+        assert!(e.message().contains("decodes to"), "{e:?}");
+    }
+    assert_eq!(h.head_seq(0).await, before, "nothing was applied");
+    h.every_shard_commits(Duration::from_secs(5), 10).await;
+    h.assert_all_running();
+}
+
+/// Defect 8 (found by review, 2026-11-27): admission read a call's first message only;
+/// tonic then decoded (and dropped) every further message of a unary call, none of them
+/// admitted. Now a second message in a call of a one-message method ends the call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_8_a_unary_call_carries_one_message() {
+    let h = secured(1).await;
+    let leader = h.c.leader_of(0).await.unwrap();
+    let ch = channel(&h.addr(leader)).await;
+    let status = pb::QueryRequest {
+        read: Some(pb::Read {
+            shard: Some(0),
+            stale_ok: false,
+        }),
+        query: Some(pb::query_request::Query::Fleet(pb::Empty::default())),
+    }
+    .encode_to_vec();
+    // One message: answered.
+    raw_unary(
+        ch.clone(),
+        "/allot.api.v1.Api/Query",
+        bearer(status.clone(), Some(&h.token)),
+    )
+    .await
+    .unwrap();
+    // The same message followed by 512 KiB of a second one: refused.
+    let mut g = tonic::client::Grpc::new(ch);
+    g.ready().await.unwrap();
+    let second = vec![0u8; 512 << 10];
+    let req = bearer(tokio_stream::iter(vec![status, second]), Some(&h.token));
+    let e = g
+        .client_streaming(
+            req,
+            http::uri::PathAndQuery::from_static("/allot.api.v1.Api/Query"),
+            common::RawCodec,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("exactly one message"), "{e:?}");
+}
+
 fn blank_entries(prev: u64, n: usize, term: u64) -> Vec<LogEntry> {
     (0..n)
         .map(|i| LogEntry {
