@@ -289,15 +289,7 @@ pub async fn report(
     let s = node
         .shard(shard)
         .ok_or_else(|| anyhow::anyhow!("unknown shard {shard}"))?;
-    let req = Request {
-        actor: Actor::System,
-        request_id: 0,
-        org: None,
-        command: Command::RecordDenials {
-            node: reporter,
-            denials: denials.clone(),
-        },
-    };
+    let req = denial_request(reporter, denials.clone());
     match s.proposer.propose(vec![req]).await {
         Ok(c) => match c.outcomes.first() {
             Some(Err(e)) => anyhow::bail!("refused: {e}"),
@@ -317,6 +309,48 @@ pub async fn report(
         }
         Err(e) => anyhow::bail!("{e:?}"),
     }
+}
+
+/// The command a denial report is proposed as.
+fn denial_request(reporter: u64, denials: Vec<Denial>) -> Request {
+    Request {
+        actor: Actor::System,
+        request_id: 0,
+        org: None,
+        command: Command::RecordDenials {
+            node: reporter,
+            denials,
+        },
+    }
+}
+
+/// A peer's denial report, checked before this leader proposes it: the reporter is a
+/// member of the shard (a voter or a learner), and the report passes the state
+/// machine's own validation under the shard's active rule version (the bound on its
+/// denials and their fields), so an invalid report never enters the log.
+pub fn check_report(
+    node: &Node,
+    shard: u32,
+    reporter: u64,
+    denials: &[Denial],
+) -> Result<(), String> {
+    let s = node
+        .shard(shard)
+        .ok_or_else(|| format!("unknown shard {shard}"))?;
+    let member = s
+        .raft
+        .metrics()
+        .borrow()
+        .membership_config
+        .membership()
+        .nodes()
+        .any(|(id, _)| *id == reporter);
+    if !member {
+        return Err(format!("node {reporter} is not a member of shard {shard}"));
+    }
+    let rules = s.view.read().state.rules.active;
+    let req = denial_request(reporter, denials.to_vec());
+    allot_statemachine::validate::validate(&req, rules).map_err(|e| format!("the report: {e}"))
 }
 
 #[cfg(test)]

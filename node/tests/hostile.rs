@@ -527,6 +527,49 @@ async fn defect_8_a_unary_call_carries_one_message() {
     assert!(e.message().contains("exactly one message"), "{e:?}");
 }
 
+/// Defect 9 (found by review, 2026-11-27): a peer's `ReportDenials` was proposed as it
+/// came — never validated — so an oversized report (too many denials, an `api` of
+/// megabytes) entered the log and was refused only in apply, and a report sized near the
+/// Raft message bound made an AppendEntries its transport could not send. A report in the
+/// name of a node that is not a member was proposed too. Now the leader validates the
+/// report with the state machine's own check and refuses it (nothing proposed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_9_a_peers_denial_report_is_validated_before_it_is_proposed() {
+    let h = secured(1).await;
+    let leader = h.c.leader_of(0).await.unwrap();
+    let mut peer = raft(channel(&h.addr(leader)).await);
+    let before = h.head_seq(0).await;
+    let denial = |api: String| Denial {
+        actor: Actor::Anonymous,
+        api,
+        reason: DenialReason::Unauthenticated,
+    };
+    let report = |reporter: u64, denials: Vec<Denial>| {
+        let payload = codec::encode(&(reporter, denials));
+        as_peer(RaftMessage { shard: 0, payload }, &h.secret())
+    };
+    let too_many = vec![denial("query:balance".into()); 300];
+    let too_long = vec![denial("x".repeat(1 << 20))];
+    for (what, msg) in [
+        ("300 denials", report(2, too_many)),
+        ("a 1 MiB api", report(2, too_long)),
+        (
+            "an unknown reporter",
+            report(99, vec![denial("audit".into())]),
+        ),
+    ] {
+        let e = peer.report_denials(msg).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{what}: {e:?}");
+        assert_eq!(reason(&e), "PEER_MESSAGE_REFUSED", "{what}: {e:?}");
+    }
+    assert_eq!(h.head_seq(0).await, before, "nothing was proposed");
+    // A legal report from a member is still recorded.
+    peer.report_denials(report(2, vec![denial("audit".into())]))
+        .await
+        .unwrap();
+    assert!(h.head_seq(0).await > before);
+}
+
 fn blank_entries(prev: u64, n: usize, term: u64) -> Vec<LogEntry> {
     (0..n)
         .map(|i| LogEntry {
@@ -1068,7 +1111,8 @@ async fn the_largest_legal_commands_commit_within_a_second() {
     let mut reports = Vec::new();
     for n in 0..64 {
         let mut peer = peer.clone();
-        let msg = report(n);
+        // From the members (a report in another node's name is refused).
+        let msg = report(n % 3 + 1);
         reports.push(tokio::spawn(async move {
             let started = Instant::now();
             peer.report_denials(msg).await.unwrap();
