@@ -384,9 +384,14 @@ pub fn answer_as(state: &State, caller: Actor, q: &Query) -> Result<Answer, Quer
                 .map(|t| (t.tier, t.queued as usize))
                 .collect(),
         ),
+        // The pool's size, and the caller's own GPUs in use: the shard's total in use
+        // less its own would be every other org's.
+        Query::Fleet => Answer::Fleet {
+            gpus: state.scheduler.fleet_gpus,
+            used: state.scheduler.running_org.get(&org).copied().unwrap_or(0),
+        },
         Query::Balance { .. }
         | Query::Buckets { .. }
-        | Query::Fleet
         | Query::Prices
         | Query::SchedulerSettings => answer(state, q),
         // An org's own quotas and plan: its org token (a narrower one is confined to its

@@ -1120,4 +1120,18 @@ fn a_tenants_queue_views_count_its_own_org_only() {
     );
     let org2 = answer_as(&h.state, tenant(OTHER_ORG), &Query::Queue).unwrap();
     assert_eq!(gpus(&org2), 8);
+    // The fleet view: the pool's size is every tenant's to know, but the GPUs in use
+    // are the caller's own (the shard's total less its own would be the others').
+    let fleet = |actor| match answer_as(&h.state, actor, &Query::Fleet).unwrap() {
+        Answer::Fleet { gpus, used } => (gpus, used),
+        other => panic!("{other:?}"),
+    };
+    let (pool, used) = fleet(ADMIN);
+    assert_eq!(used, 8, "the operator sees the shard's GPUs in use");
+    assert_eq!(
+        fleet(tenant(ORG)),
+        (pool, 0),
+        "org 2's GPUs are not org 1's to see"
+    );
+    assert_eq!(fleet(tenant(OTHER_ORG)), (pool, 8));
 }
