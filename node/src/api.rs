@@ -59,6 +59,9 @@ impl Services {
             .and_then(|(_, c)| c.as_ref().ok())
             .and_then(|(_, _, org)| *org);
         let shard_id = self.route(shard, first_org);
+        // The shard first: nothing below (a denial queued for its audit trail included)
+        // may act for a shard this node does not host.
+        let shard = crate::server::shard_of(&self.node, shard_id)?;
         let bearer = crate::auth::bearer(req.metadata())?;
         let n = items.len();
         let admitted = crate::edge::admit_each(
@@ -91,7 +94,6 @@ impl Services {
             },
         );
         let requests = admitted.inspect_err(|s| self.refused("api.execute", s))?;
-        let shard = crate::server::shard_of(&self.node, shard_id)?;
         let done = self.execute_admitted(req, shard, requests).await?;
         Ok((done.outcomes, done.log_index, done.logical_time_ms))
     }

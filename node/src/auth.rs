@@ -112,17 +112,21 @@ pub fn refuse(node: &Node, shard: u32, caller: Actor, api: &str, reason: DenialR
         .auth_denials
         .with_label_values(&[api, reason_label(reason)])
         .inc();
-    node.denials.record(
-        shard,
-        Denial {
-            actor: caller,
-            api: api
-                .chars()
-                .take(allot_statemachine::limits::DENIAL_API_LEN_MAX)
-                .collect(),
-            reason,
-        },
-    );
+    // Queued for the audit trail of a shard this node hosts only (a call naming any
+    // other is refused `UNKNOWN_SHARD`; each unknown id would be a buffer of its own).
+    if node.shard(shard).is_some() {
+        node.denials.record(
+            shard,
+            Denial {
+                actor: caller,
+                api: api
+                    .chars()
+                    .take(allot_statemachine::limits::DENIAL_API_LEN_MAX)
+                    .collect(),
+                reason,
+            },
+        );
+    }
     match reason {
         DenialReason::Unauthenticated => crate::edge::with_reason(
             Status::unauthenticated("unauthenticated"),

@@ -570,6 +570,38 @@ async fn defect_9_a_peers_denial_report_is_validated_before_it_is_proposed() {
     assert!(h.head_seq(0).await > before);
 }
 
+/// Defect 10 (found by review, 2026-11-27): a refused call's denial was queued for the
+/// audit trail under the shard the call named before anything checked the shard exists,
+/// so anonymous calls naming a different unknown shard each made the flush log one
+/// unthrottled line per shard every second. Now a call naming an unknown shard is refused
+/// `UNKNOWN_SHARD` first, and a denial is queued only for a shard the node hosts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_10_calls_naming_unknown_shards_queue_no_denials() {
+    let h = secured(1).await;
+    let leader = h.c.leader_of(0).await.unwrap();
+    let mut l = api(channel(&h.addr(leader)).await);
+    let lines = |h: &Hostile| {
+        std::fs::read_to_string(h.c.log_path(leader))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("denials not audited"))
+            .count()
+    };
+    let before = lines(&h);
+    // Anonymous: no token at all (refused before any token is looked up).
+    let mut answers = Vec::new();
+    for shard in 1_000..1_200u32 {
+        let call = exec(shard, &[req(1, Command::CreateOrg { org: OrgId(5) })]);
+        answers.push(l.execute(bearer(call, None)).await.unwrap_err());
+    }
+    // Two flushes of the denial buffer (it is flushed every second).
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    assert_eq!(lines(&h), before, "{}", h.c.log_tail(leader, 5));
+    for e in answers {
+        assert_eq!(reason(&e), "UNKNOWN_SHARD", "{e:?}");
+    }
+}
+
 fn blank_entries(prev: u64, n: usize, term: u64) -> Vec<LogEntry> {
     (0..n)
         .map(|i| LogEntry {
