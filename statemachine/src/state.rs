@@ -313,6 +313,7 @@ pub fn apply_into(
     }
     state.last_applied = Some(entry.log_index);
     state.time_ms = state.time_ms.max(entry.logical_time_ms);
+    state.ledger.books.rules = crate::ledger::RulesSeen(state.rules.active);
     let now = state.time_ms;
     out.outcomes.clear();
     out.events.clear();
@@ -553,7 +554,14 @@ fn execute(
             Command::ActivateVersion { version } => {
                 // `last_applied` is this entry's index (set before its requests run).
                 let at = state.last_applied.unwrap_or(0);
+                let before = state.rules.active;
                 crate::version::activate(&mut state.rules, *version, at, now)?;
+                let after = state.rules.active;
+                let counted = crate::ledger::CLOSED_BUCKETS_COUNTED_FROM;
+                if before < counted && after >= counted {
+                    state.ledger.books.count_closed_in_quota();
+                }
+                state.ledger.books.rules = crate::ledger::RulesSeen(after);
                 Ok(Reply::RulesActive {
                     version: state.rules.active,
                 })

@@ -35,6 +35,12 @@
 //!   only checkpointable victims. The other policies decide as before.
 //!   Result dedup (`Command::SubmitJobDedup`, `crate::scheduler::dedup`) is refused
 //!   before version 3.
+//! - **4** — a closed bucket counts against its org's bucket quota (`buckets_max`)
+//!   until it is archived (`bucket_retention_ms` after closing), not only while it is
+//!   in use: an org that closes buckets as fast as it makes them (transfers back and
+//!   forth) meets its own quota instead of filling the shard's bucket table for
+//!   everyone (`crate::ledger::CLOSED_BUCKETS_COUNTED_FROM`). Its activation adds the
+//!   buckets already closed to their orgs' counters. The state's format is unchanged.
 
 use serde::{Deserialize, Serialize};
 
@@ -43,7 +49,7 @@ pub const RULES_BASELINE: u32 = 1;
 /// The newest rule version this build implements. A node may be told to support less
 /// (`allot-node --max-rules-version`, to rehearse an upgrade or to hold one back), never
 /// more.
-pub const RULES_MAX: u32 = 3;
+pub const RULES_MAX: u32 = 4;
 /// A job's longest `max_duration_ms` from rule version 2 on.
 pub const JOB_DURATION_MS_MAX_V2: u64 = 90 * 86_400_000;
 

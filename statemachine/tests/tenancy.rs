@@ -1135,3 +1135,103 @@ fn a_tenants_queue_views_count_its_own_org_only() {
     );
     assert_eq!(fleet(tenant(OTHER_ORG)), (pool, 8));
 }
+
+/// Org 1's whole balance (10,000 credits) from its account to its project's on even
+/// steps, back on odd ones: each transfer drains (closes) one bucket and makes another.
+fn back_and_forth(i: u32) -> Command {
+    let (org, project) = (Account::Org(ORG), Account::Project(PROJECT));
+    let (from, to) = if i.is_multiple_of(2) {
+        (org, project)
+    } else {
+        (project, org)
+    };
+    Command::Transfer {
+        from,
+        to,
+        amount_micro: credits(10_000),
+    }
+}
+
+/// Found by review (2026-11-27): an org's closed buckets left its bucket quota the moment
+/// they closed but stayed in the shard's table for the retention window (7 days), so an
+/// org that moved its credit back and forth between its account and a project's —
+/// each transfer closing one bucket and making another — filled the shard's table
+/// (`LimitReached(Buckets)` for every org's grants) within its own quota. From rule
+/// version 4 a closed bucket counts against its org's quota until it is archived.
+#[test]
+fn closed_buckets_count_against_their_orgs_quota_from_rule_version_4() {
+    for rules in [3, 4] {
+        let mut h = funded();
+        h.ok(Command::ActivateVersion { version: rules });
+        h.ok(Command::SetQuota {
+            org: ORG,
+            quota: Some(Quota {
+                buckets_max: 20,
+                ..Quota::default()
+            }),
+        });
+        let table = |h: &Harness| h.state.ledger.buckets.len();
+        let before = table(&h);
+        let mut moved = 0;
+        for i in 0..100 {
+            match h.run_as(tenant(ORG), back_and_forth(i)) {
+                Ok(_) => moved += 1,
+                Err(e) => {
+                    assert_eq!(e, CommandError::QuotaExceeded(QuotaKind::Buckets));
+                    break;
+                }
+            }
+        }
+        if rules == 3 {
+            // The old rule: nothing stops it, and the shard's table grows by one bucket
+            // per transfer.
+            assert_eq!(moved, 100);
+            assert_eq!(table(&h), before + 100);
+            continue;
+        }
+        // Its grant bucket and the ones it made: 20 in all, then its own quota.
+        assert_eq!(
+            moved, 19,
+            "rule version 4 stops the churn at the org's quota"
+        );
+        assert_eq!(table(&h), before + 19);
+        // Another org is not affected.
+        assert!(h
+            .run_as(
+                tenant(OTHER_ORG),
+                Command::Transfer {
+                    from: Account::Org(OTHER_ORG),
+                    to: Account::Project(OTHER_PROJECT),
+                    amount_micro: credits(1),
+                },
+            )
+            .is_ok());
+        // Once the closed buckets are archived, the org's quota is free again.
+        h.advance(h.state.ledger.config.bucket_retention_ms + 1_000);
+        h.tick();
+        assert!(h.run_as(tenant(ORG), back_and_forth(moved)).is_ok());
+    }
+}
+
+/// Rule version 4's activation counts the buckets already closed (and not archived)
+/// against their orgs' quotas, so the counters agree with the rule from the first entry
+/// under it; archiving them later brings the counters back down.
+#[test]
+fn activating_rule_version_4_counts_the_buckets_already_closed() {
+    let mut h = funded();
+    h.ok(Command::ActivateVersion { version: 3 });
+    for i in 0..4u32 {
+        assert!(h.run_as(tenant(ORG), back_and_forth(i)).is_ok());
+    }
+    let in_use = |h: &Harness| h.state.ledger.orgs[&ORG].buckets_in_use;
+    assert_eq!(in_use(&h), 1, "version 3 counts the one bucket in use");
+    h.ok(Command::ActivateVersion { version: 4 });
+    assert_eq!(
+        in_use(&h),
+        5,
+        "and the four closed ones join at the activation"
+    );
+    h.advance(h.state.ledger.config.bucket_retention_ms + 1_000);
+    h.tick();
+    assert_eq!(in_use(&h), 1, "archived, they leave the count");
+}

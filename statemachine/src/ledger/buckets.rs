@@ -1,5 +1,6 @@
 //! Buckets: issuance, the spend-order index, expiry, and transfers.
 
+use super::CLOSED_BUCKETS_COUNTED_FROM;
 use super::{unknown_account, AccountRec, Books, Bucket, BucketRef, Ctx};
 use crate::audit::EventBody;
 use crate::command::{Grant, Quota};
@@ -188,8 +189,30 @@ impl Books {
         if let Some(rec) = self.account_mut(org, owner) {
             rec.closed += 1;
         }
-        if let Some(rec) = self.orgs.get_mut(&org) {
-            rec.buckets_in_use = rec.buckets_in_use.saturating_sub(1);
+        // Before rule version 4 a closed bucket left its org's quota at once, so an org
+        // that closed buckets as fast as it made them (transfers back and forth) filled
+        // the shard's table for the retention window; from it, at its archiving.
+        if self.rules.0 < CLOSED_BUCKETS_COUNTED_FROM {
+            if let Some(rec) = self.orgs.get_mut(&org) {
+                rec.buckets_in_use = rec.buckets_in_use.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Rule version 4's activation: the buckets already closed and awaiting archive
+    /// join their orgs' quota counters, which from now on count a bucket until it is
+    /// archived (one pass over the closed buckets, once).
+    pub(crate) fn count_closed_in_quota(&mut self) {
+        let Books {
+            closed_queue,
+            buckets,
+            orgs,
+            ..
+        } = self;
+        for (_, id) in closed_queue.iter() {
+            if let Some(rec) = buckets.get(id).and_then(|b| orgs.get_mut(&b.org)) {
+                rec.buckets_in_use = rec.buckets_in_use.saturating_add(1);
+            }
         }
     }
 
@@ -216,6 +239,11 @@ impl Books {
                 rec.buckets.retain(|x| *x != id);
                 rec.closed = rec.closed.saturating_sub(1);
                 rec.archived.add(&b);
+            }
+            if self.rules.0 >= CLOSED_BUCKETS_COUNTED_FROM {
+                if let Some(rec) = self.orgs.get_mut(&b.org) {
+                    rec.buckets_in_use = rec.buckets_in_use.saturating_sub(1);
+                }
             }
             self.archived.add(&b);
             ctx.bucket_event(b.refs(), None, EventBody::BucketArchived { bucket: id });

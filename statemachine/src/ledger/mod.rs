@@ -283,7 +283,30 @@ pub struct Books {
     pub archived: Archived,
     /// Closed buckets in closing order, archived `bucket_retention_ms` later.
     pub closed_queue: std::collections::VecDeque<(u64, BucketId)>,
+    /// The shard's active rule version as apply last set it (`crate::version`), for the
+    /// ledger's rules that depend on it. Not state: not encoded, not compared.
+    #[serde(skip)]
+    pub(crate) rules: RulesSeen,
 }
+
+/// A copy of the state's active rule version, refreshed by apply before every entry
+/// and at every activation ([`crate::state::apply_into`]). It is derived from encoded
+/// state, so it is neither encoded nor compared (two states equal in everything else
+/// are equal).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RulesSeen(pub u32);
+
+impl PartialEq for RulesSeen {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for RulesSeen {}
+
+/// From this rule version a closed bucket counts against its org's bucket quota until
+/// it is archived (DESIGN §44, "Buckets closed by churn").
+pub const CLOSED_BUCKETS_COUNTED_FROM: u32 = 4;
 
 /// Open holds and settled tombstones.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
