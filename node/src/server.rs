@@ -390,35 +390,39 @@ impl Services {
         }
         let head_seq = shard.view.read().state.audit.next_seq;
         let limit = (filter.limit as usize).clamp(1, AUDIT_PAGE_MAX);
-        let keep = |ev: &allot_statemachine::AuditEvent| {
+        let (hold, from_ms, to_ms, from_seq) =
+            (filter.hold, filter.from_ms, filter.to_ms, filter.from_seq);
+        let keep = move |ev: &allot_statemachine::AuditEvent| {
             !nothing
                 && org.is_none_or(|o| ev.org == Some(allot_statemachine::OrgId(o)))
                 && project.is_none_or(|p| {
                     ev.account == Some(allot_statemachine::Account::Project(ProjectId(p)))
                 })
-                && filter.hold.is_none_or(|h| ev.hold == Some(HoldId(h)))
-                && ev.time_ms >= filter.from_ms
-                && (filter.to_ms == 0 || ev.time_ms < filter.to_ms)
+                && hold.is_none_or(|h| ev.hold == Some(HoldId(h)))
+                && ev.time_ms >= from_ms
+                && (to_ms == 0 || ev.time_ms < to_ms)
         };
-        let (rows, next_seq) = store::read_audit(
-            &self.node.db,
-            shard.id,
-            filter.from_seq,
-            limit,
-            AUDIT_SCAN_MAX,
-            keep,
-        )
-        .map_err(|e| match e {
-            store::AuditReadError::Gap { .. } => {
-                edge::with_reason(Status::unavailable(e.to_string()), "AUDIT_GAP")
-            }
-            e => Status::internal(format!("audit store: {e}")),
-        })?;
-        let events = rows
-            .iter()
-            .map(|raw| codec::decode(raw))
-            .collect::<Result<_, _>>()
-            .map_err(|e| Status::internal(format!("audit store: {e}")))?;
+        // Up to `AUDIT_SCAN_MAX` events read and decoded: off the runtime's workers, which
+        // also carry this node's Raft traffic (as `AuditRows` is).
+        let (db, shard_id) = (self.node.db.clone(), shard.id);
+        let read = tokio::task::spawn_blocking(move || {
+            let (rows, next_seq) =
+                store::read_audit(&db, shard_id, from_seq, limit, AUDIT_SCAN_MAX, keep)?;
+            let events = rows
+                .iter()
+                .map(|raw| codec::decode(raw))
+                .collect::<Result<Vec<_>, codec::CodecError>>()?;
+            Ok::<_, store::AuditReadError>((events, next_seq))
+        });
+        let (events, next_seq) = read
+            .await
+            .map_err(|e| Status::internal(format!("audit read: {e}")))?
+            .map_err(|e| match e {
+                store::AuditReadError::Gap { .. } => {
+                    edge::with_reason(Status::unavailable(e.to_string()), "AUDIT_GAP")
+                }
+                e => Status::internal(format!("audit store: {e}")),
+            })?;
         Ok((events, next_seq, head_seq))
     }
 }

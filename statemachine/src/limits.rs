@@ -111,6 +111,17 @@ pub const TOKEN_KEYS_PER_PRINCIPAL_MAX: usize = 4;
 /// Digests of a principal's retired keys remembered (never issued again); older ones
 /// are forgotten, so rotation cannot grow the token table without bound.
 pub const RETIRED_KEYS_PER_PRINCIPAL_MAX: usize = 16;
+/// From rule version 4, for a tenant's principal (an org's namespace): one retired
+/// digest, so an org at its default principal quota holds at most 10,000 × (4 + 1)
+/// digests and sixteen such orgs fit the tenants' part of `TOKENS_MAX` (DESIGN §44,
+/// "Tokens on any number of shards").
+pub const RETIRED_KEYS_PER_TENANT_PRINCIPAL_V4: usize = 1;
+/// From rule version 4, the part of `TOKENS_MAX` only the operator's own principals
+/// (admin and agent tokens) may take: tenants' creations and rotations are refused
+/// `LimitReached(Tokens)` above `TOKENS_MAX - TOKENS_OPERATOR_RESERVE`.
+pub const TOKENS_OPERATOR_RESERVE: usize = 100_000;
+/// The rule version from which the two bounds above apply.
+pub const TOKEN_BOUNDS_FROM: u32 = 4;
 /// Denials one `RecordDenials` command may carry, and the length of a denial's api name.
 pub const DENIALS_PER_RECORD_MAX: usize = 256;
 pub const DENIAL_API_LEN_MAX: usize = 64;

@@ -650,10 +650,16 @@ fn queue(state: &State, org: Option<OrgId>) -> Vec<TierQueue> {
     let sched = &state.scheduler;
     let mut running: BTreeMap<Tier, u32> = BTreeMap::new();
     if let Some(o) = org {
-        let range = (o, JobId(0))..=(o, JobId(u64::MAX));
-        for key in sched.org_jobs.range(range) {
-            if let Some(j) = sched.jobs.get(key).filter(|j| j.state.holds_gpus()) {
-                *running.entry(j.spec.tier).or_default() += j.spec.gpus;
+        // The org's GPUs in use, per tier, from the fleet's GPU slots (each held GPU is
+        // one slot of its job): bounded by the fleet (at most `NODES_MAX` ×
+        // `GPUS_PER_NODE_MAX` slots, the operator's), not by how many jobs the org has
+        // kept (its finished jobs, up to its quota, are in `org_jobs` too: a scan of
+        // those cost a tenant's every `Queue` query ~10–20 ms at the default quota).
+        for key in sched.nodes.values().flat_map(|n| n.slots.iter().flatten()) {
+            if key.0 == o {
+                if let Some(j) = sched.jobs.get(key).filter(|j| j.state.holds_gpus()) {
+                    *running.entry(j.spec.tier).or_default() += 1;
+                }
             }
         }
     }

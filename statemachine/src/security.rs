@@ -152,6 +152,11 @@ impl Security {
         }
     }
 
+    /// Keys (digests) of every principal, the operator's included.
+    pub fn digests_len(&self) -> usize {
+        self.digests.len()
+    }
+
     /// Principals in `org`'s namespace (against its quota).
     pub fn principals_of(&self, org: OrgId) -> usize {
         let from = (Some(org), PrincipalId(0));
@@ -266,6 +271,27 @@ impl Security {
         digest: TokenDigest,
         overlap_ms: u64,
     ) -> Result<(), CommandError> {
+        self.rotate_keeping(
+            now,
+            org,
+            principal,
+            digest,
+            overlap_ms,
+            RETIRED_KEYS_PER_PRINCIPAL_MAX,
+        )
+    }
+
+    /// [`Security::rotate`], remembering at most `retired_max` retired digests of the
+    /// principal (the rule version decides how many: `crate::state`).
+    pub fn rotate_keeping(
+        &mut self,
+        now: u64,
+        org: Option<OrgId>,
+        principal: PrincipalId,
+        digest: TokenDigest,
+        overlap_ms: u64,
+        retired_max: usize,
+    ) -> Result<(), CommandError> {
         let key = (org, principal);
         let p = self
             .principals
@@ -303,10 +329,7 @@ impl Security {
             expires_at_ms: p.expires_at_ms,
         });
         p.retired.extend(retired);
-        let forget = p
-            .retired
-            .len()
-            .saturating_sub(RETIRED_KEYS_PER_PRINCIPAL_MAX);
+        let forget = p.retired.len().saturating_sub(retired_max);
         let forgotten: Vec<TokenDigest> = p.retired.drain(..forget).collect();
         for d in forgotten {
             self.digests.remove(&d);

@@ -10,7 +10,10 @@ use crate::idempotency::{fingerprint, IdempotencyTable, Lookup};
 use crate::ids::Actor;
 use crate::ids::{Account, HoldId, OrgId};
 use crate::ledger::{Ctx, Ledger, LedgerConfig};
-use crate::limits::COMMANDS_PER_ENTRY_MAX;
+use crate::limits::{
+    COMMANDS_PER_ENTRY_MAX, RETIRED_KEYS_PER_PRINCIPAL_MAX, RETIRED_KEYS_PER_TENANT_PRINCIPAL_V4,
+    TOKENS_MAX, TOKENS_OPERATOR_RESERVE, TOKEN_BOUNDS_FROM,
+};
 use crate::outcome::{CommandError, Limit, Outcome, QuotaKind, Reply};
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::security::Scope;
@@ -634,7 +637,21 @@ fn dispatch_security(
     ctx: &mut Ctx,
 ) -> Outcome {
     let now = ctx.now;
+    let rules = state.rules.active;
     let sec = &mut state.security;
+    // From rule version 4 the tenants' keys leave the last `TOKENS_OPERATOR_RESERVE` of
+    // the token table to the operator's (admin and agent tokens).
+    let tenant_key = match command {
+        Command::CreateToken { scope, .. } => scope.org().is_some(),
+        Command::RotateToken { .. } => ns.is_some(),
+        _ => false,
+    };
+    if rules >= TOKEN_BOUNDS_FROM
+        && tenant_key
+        && sec.digests_len() >= TOKENS_MAX - TOKENS_OPERATOR_RESERVE
+    {
+        return Err(CommandError::LimitReached(Limit::Tokens));
+    }
     match command {
         Command::Bootstrap { principal, digest } => sec
             .bootstrap(now, *principal, *digest)
@@ -674,9 +691,15 @@ fn dispatch_security(
             principal,
             digest,
             overlap_ms,
-        } => sec
-            .rotate(now, ns, *principal, *digest, *overlap_ms)
-            .map(|()| Reply::TokenSet),
+        } => {
+            let retired_max = if rules >= TOKEN_BOUNDS_FROM && ns.is_some() {
+                RETIRED_KEYS_PER_TENANT_PRINCIPAL_V4
+            } else {
+                RETIRED_KEYS_PER_PRINCIPAL_MAX
+            };
+            sec.rotate_keeping(now, ns, *principal, *digest, *overlap_ms, retired_max)
+                .map(|()| Reply::TokenSet)
+        }
         Command::RevokeToken { principal } => sec.revoke(ns, *principal).map(|()| Reply::TokenSet),
         Command::RecordDenials { node, denials } => {
             for d in denials {

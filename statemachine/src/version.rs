@@ -40,7 +40,11 @@
 //!   in use: an org that closes buckets as fast as it makes them (transfers back and
 //!   forth) meets its own quota instead of filling the shard's bucket table for
 //!   everyone (`crate::ledger::CLOSED_BUCKETS_COUNTED_FROM`). Its activation adds the
-//!   buckets already closed to their orgs' counters. The state's format is unchanged.
+//!   buckets already closed to their orgs' counters. Tokens: a tenant's principal
+//!   remembers one retired key digest instead of 16, and tenants' token creations and
+//!   rotations leave the last `TOKENS_OPERATOR_RESERVE` of the shard's token table to
+//!   the operator's admin and agent tokens (`crate::limits::TOKEN_BOUNDS_FROM`). The
+//!   state's format is unchanged.
 
 use serde::{Deserialize, Serialize};
 

@@ -228,7 +228,37 @@ fn run_counting(ops: &[Op], rules: u32, reservations: &mut usize) -> Harness {
         *reservations += holds_plain_reservation(&h) as usize;
     }
     h.assert_audit_rebuilds_ledger();
+    tenants_see_their_own_gpus_in_use(&h);
     h
+}
+
+/// A tenant's `Queue` answer (its GPUs in use per tier, read from the fleet's GPU
+/// slots) agrees with its jobs that hold GPUs.
+fn tenants_see_their_own_gpus_in_use(h: &Harness) {
+    use allot_statemachine::query::{answer_as, Answer, Query};
+    let s = &h.state.scheduler;
+    let orgs: std::collections::BTreeSet<OrgId> = s.jobs.values().map(|j| j.org).collect();
+    for org in orgs {
+        let mut want: BTreeMap<Tier, u32> = BTreeMap::new();
+        for j in s
+            .jobs
+            .values()
+            .filter(|j| j.org == org && j.state.holds_gpus())
+        {
+            *want.entry(j.spec.tier).or_default() += j.spec.gpus;
+        }
+        let Ok(Answer::Queue(tiers)) = answer_as(&h.state, tenant(org), &Query::Queue) else {
+            panic!("org {org:?}'s queue view");
+        };
+        for t in tiers {
+            assert_eq!(
+                t.running_gpus,
+                want.get(&t.tier).copied().unwrap_or(0),
+                "org {org:?}, tier {:?}",
+                t.tier
+            );
+        }
+    }
 }
 
 /// Whether a queued job holds a node that no preemption is freeing for it.

@@ -941,3 +941,84 @@ proptest! {
         prop_assert_eq!(q, Err(QueryDenied::Unauthenticated));
     }
 }
+
+/// Found by review (2026-11-27): the token table's bound (`TOKENS_MAX`) counted every
+/// key digest, revoked and retired ones included, while an org's quota counted its
+/// principals: 10,000 principals rotated 19 times each held ~200,000 digests, so five
+/// orgs filled the table and then nobody — the operator's agent tokens for new GPU
+/// nodes included — could create or rotate a token on the shard. From rule version 4 a
+/// tenant's principal remembers one retired digest, and tenants leave the last
+/// `TOKENS_OPERATOR_RESERVE` digests to the operator.
+#[test]
+fn tenants_cannot_take_the_operators_part_of_the_token_table_from_rule_version_4() {
+    for rules in [3, 4] {
+        let mut h = secured();
+        h.ok(Command::ActivateVersion { version: rules });
+        // Rotations: a tenant's principal keeps one retired digest under version 4.
+        let token = |i: usize| format!("tok-org-1-v{rules}-rotation-{i:04}-fffffffffffff");
+        let mut current = ORG1.to_string();
+        for i in 0..10 {
+            let next = token(i);
+            assert_eq!(
+                h.run_as(
+                    bearer(&current),
+                    Command::RotateToken {
+                        principal: PrincipalId(10),
+                        digest: TokenDigest::of(next.as_bytes()),
+                        overlap_ms: 0,
+                    }
+                ),
+                Ok(Reply::TokenSet)
+            );
+            current = next;
+        }
+        let retired = h
+            .state
+            .security
+            .principal(Some(ORG), PrincipalId(10))
+            .unwrap()
+            .retired
+            .len();
+        // Each rotation retires the key the one before it ended (overlap 0): nine of
+        // them by the tenth rotation.
+        assert_eq!(retired, if rules == 4 { 1 } else { 9 }, "rules {rules}");
+        // The table filled by other tenants' keys up to the operator's reserve.
+        let taken = limits::TOKENS_MAX - limits::TOKENS_OPERATOR_RESERVE;
+        let mut n = 0u64;
+        while h.state.security.digests.len() < taken {
+            n += 1;
+            let d = TokenDigest::of(format!("filler-{n}").as_bytes());
+            h.state
+                .security
+                .digests
+                .insert(d, (Some(OTHER_ORG), PrincipalId(1_000_000 + n)));
+        }
+        let org_token = Command::CreateToken {
+            principal: PrincipalId(11),
+            digest: TokenDigest::of(b"tok-org-1-another-one-xxxxxxxxxxxxxx"),
+            scope: Scope::Org(ORG),
+            expires_at_ms: None,
+        };
+        let rotation = Command::RotateToken {
+            principal: PrincipalId(10),
+            digest: TokenDigest::of(b"tok-org-1-after-the-filler-xxxxxxxxxx"),
+            overlap_ms: 0,
+        };
+        let agent_token = Command::CreateToken {
+            principal: PrincipalId(43),
+            digest: TokenDigest::of(b"tok-agent-3-ffffffffffffffffffffffff"),
+            scope: Scope::Agent(NodeId(3)),
+            expires_at_ms: None,
+        };
+        if rules == 4 {
+            let full = Err(CommandError::LimitReached(Limit::Tokens));
+            assert_eq!(h.run_as(bearer(&current), org_token), full);
+            assert_eq!(h.run_as(bearer(&current), rotation), full);
+            // The operator still creates an agent token for a new GPU node.
+            assert_eq!(h.run(agent_token), Ok(Reply::TokenSet));
+        } else {
+            assert_eq!(h.run_as(bearer(&current), org_token), Ok(Reply::TokenSet));
+            assert_eq!(h.run(agent_token), Ok(Reply::TokenSet));
+        }
+    }
+}
