@@ -785,6 +785,10 @@ struct Lease {
     renewed: Mutex<Instant>,
     node_ms: AtomicU64,
     job_ms: AtomicU64,
+    /// The shard's preemption grace (`u64::MAX` until read): a preempted runner is
+    /// killed at the shorter of it and the agent's own `--grace`, never after the
+    /// cluster has freed its GPUs for the preemptor.
+    grace_ms: AtomicU64,
 }
 
 impl Lease {
@@ -793,7 +797,15 @@ impl Lease {
             renewed: Mutex::new(renewed),
             node_ms: AtomicU64::new(node_ms),
             job_ms: AtomicU64::new(job_ms),
+            grace_ms: AtomicU64::new(u64::MAX),
         }
+    }
+
+    /// How long a preempted runner may take to stop: the agent's grace, at most the
+    /// shard's.
+    fn preemption_grace(&self, cfg: &AgentConfig) -> Duration {
+        cfg.grace
+            .min(Duration::from_millis(self.grace_ms.load(Ordering::Relaxed)))
     }
 
     /// A renewal sent at `sent` was accepted.
@@ -1129,9 +1141,10 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
                     Directive::Run => {}
                     Directive::Preempt if !preempting => {
                         preempting = true;
-                        let grace_end = Instant::now() + shared.cfg.grace;
+                        let grace = shared.lease.preemption_grace(&shared.cfg);
+                        let grace_end = Instant::now() + grace;
                         kill_at = Some(kill_at.map_or(grace_end, |k| k.min(grace_end)));
-                        info!(job, attempt, grace = ?shared.cfg.grace, "preempted: SIGTERM");
+                        info!(job, attempt, ?grace, "preempted: SIGTERM");
                         runner.terminate().await;
                     }
                     Directive::Preempt => {}
@@ -1359,6 +1372,7 @@ async fn refresh_leases(client: &Client, shard: u32, lease: &Lease) -> Result<()
     let s = client.scheduler_settings(shard).await?;
     lease.node_ms.store(s.node_lease_ms, Ordering::Relaxed);
     lease.job_ms.store(s.job_lease_ms, Ordering::Relaxed);
+    lease.grace_ms.store(s.grace_ms, Ordering::Relaxed);
     Ok(())
 }
 

@@ -182,16 +182,29 @@ where
                     return Ok(status.into_http());
                 }
             };
-            body.rest = match slot {
-                None => Rest::Refused,
-                Some(slot) => Rest::Stream {
-                    _slot: slot,
-                    until: Box::pin(tokio::time::sleep(CLIENT_STREAM_LIFE_MAX)),
-                },
+            let Some(slot) = slot else {
+                body.rest = Rest::Refused;
+                return inner
+                    .call(http::Request::from_parts(parts, Body::new(body)))
+                    .await;
             };
-            inner
+            // A client stream's life is bounded on both sides: its requests (read by
+            // the handler) and its responses, which hold the slot — a caller that stops
+            // reading responses stalls the handler, which then reads no more requests.
+            let end = tokio::time::Instant::now() + CLIENT_STREAM_LIFE_MAX;
+            body.rest = Rest::Stream {
+                until: Box::pin(tokio::time::sleep_until(end)),
+            };
+            let response = inner
                 .call(http::Request::from_parts(parts, Body::new(body)))
-                .await
+                .await?;
+            Ok(response.map(|b| {
+                Body::new(Bounded {
+                    inner: b,
+                    until: Box::pin(tokio::time::sleep_until(end)),
+                    _slot: slot,
+                })
+            }))
         })
     }
 }
@@ -375,10 +388,38 @@ enum Rest {
     Refused,
     /// A client stream: anything, while the stream's slot is held and until `until`.
     Stream {
-        _slot: OwnedSemaphorePermit,
         /// The stream's end of life (polled, so an idle stream is ended too).
         until: Pin<Box<tokio::time::Sleep>>,
     },
+}
+
+/// A client stream's response body: ended with `DEADLINE_EXCEEDED` at the stream's end
+/// of life, and holding the stream's slot until it is dropped (the HTTP/2 stream ends).
+struct Bounded {
+    inner: Body,
+    until: Pin<Box<tokio::time::Sleep>>,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl http_body::Body for Bounded {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        if self.until.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Some(Err(lifetime_over())));
+        }
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+}
+
+fn lifetime_over() -> Status {
+    Status::deadline_exceeded(format!(
+        "a client stream stays open at most {CLIENT_STREAM_LIFE_MAX:?}"
+    ))
 }
 
 impl Replay {
@@ -402,11 +443,9 @@ impl http_body::Body for Replay {
         if let Some(head) = self.head.take() {
             return Poll::Ready(Some(Ok(Frame::data(head))));
         }
-        if let Rest::Stream { until, .. } = &mut self.rest {
+        if let Rest::Stream { until } = &mut self.rest {
             if until.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(Some(Err(Status::deadline_exceeded(format!(
-                    "a client stream stays open at most {CLIENT_STREAM_LIFE_MAX:?}"
-                )))));
+                return Poll::Ready(Some(Err(lifetime_over())));
             }
         }
         let frame = std::task::ready!(Pin::new(&mut self.body).poll_frame(cx));
@@ -759,8 +798,14 @@ mod tests {
             Body::new(http_body_util::StreamBody::new(idle)),
         );
         replay.rest = Rest::Stream {
-            _slot: slots.clone().try_acquire_owned().unwrap(),
             until: Box::pin(tokio::time::sleep(CLIENT_STREAM_LIFE_MAX)),
+        };
+        // The responses: none yet (a handler stalled because its caller reads none).
+        let stalled = futures::stream::pending::<Result<Frame<Bytes>, Status>>();
+        let mut responses = Bounded {
+            inner: Body::new(http_body_util::StreamBody::new(stalled)),
+            until: Box::pin(tokio::time::sleep(CLIENT_STREAM_LIFE_MAX)),
+            _slot: slots.clone().try_acquire_owned().unwrap(),
         };
         // A stream may carry several messages.
         for _ in 0..2 {
@@ -775,8 +820,14 @@ mod tests {
             CLIENT_STREAM_LIFE_MAX,
             "an idle stream is ended"
         );
+        // The response side ends at the same instant, however stalled.
+        let end = responses.frame().await.unwrap();
+        assert_eq!(end.unwrap_err().code(), tonic::Code::DeadlineExceeded);
+        assert_eq!(started.elapsed(), CLIENT_STREAM_LIFE_MAX);
         drop(replay);
-        assert_eq!(slots.available_permits(), 1, "and its slot freed");
+        assert_eq!(slots.available_permits(), 0, "the responses hold the slot");
+        drop(responses);
+        assert_eq!(slots.available_permits(), 1, "freed with them");
     }
 
     #[test]

@@ -10,9 +10,10 @@
 //!
 //! The bound walks the message with the schema (the descriptors compiled into
 //! `allot_proto::FILE_DESCRIPTOR_SET`) without allocating. The decoded size is at most:
-//! the wire bytes (strings and bytes are copied once), plus the input struct's size,
-//! plus for every element of a repeated field found at any depth twice the element's
-//! size (a `Vec` grown by pushing holds up to twice its length): a message element's
+//! the wire bytes twice (tonic's buffer, and the strings and bytes prost copies out of
+//! it), plus the input struct's size, plus for every element of a repeated field found
+//! at any depth three times the element's size (a `Vec` grown by pushing has up to
+//! twice its length in capacity, and holds the old block too while it grows): a message element's
 //! struct, a string's header, a packed scalar's `u64` per byte of the field. Struct
 //! sizes are upper bounds computed from the descriptors (`rust_size`), checked against
 //! `size_of` of prost's structs by `tests::element_bytes_covers_every_repeated_element`,
@@ -24,12 +25,16 @@ use std::sync::OnceLock;
 
 /// prost's own recursion limit: a message nested deeper is refused by prost anyway.
 const DEPTH_MAX: usize = 100;
+/// How many times its final length a `Vec` grown by pushing may hold at once: its
+/// capacity is at most twice its length, and while it grows the allocator holds the old
+/// block and the new one together.
+const GROWTH: usize = 3;
 /// What one element of a packed scalar field costs once decoded, per byte of the field
-/// (an element is at least one byte, at most a `u64` in the `Vec`, twice for its growth).
-const PACKED_BYTES_PER_BYTE: usize = 2 * 8;
+/// (an element is at least one byte, at most a `u64` in the `Vec`).
+const PACKED_BYTES_PER_BYTE: usize = GROWTH * 8;
 /// One element of a repeated string, bytes or unpacked scalar field: a `String` or
-/// `Vec` header, twice (the characters are counted in the wire bytes).
-const REPEATED_OTHER_BYTES: usize = 2 * 24;
+/// `Vec` header (the characters are counted in the wire bytes).
+const REPEATED_OTHER_BYTES: usize = GROWTH * 24;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -146,9 +151,10 @@ impl Schema {
     /// `None` if the method is not in the schema (charged its wire bytes only).
     pub fn bound(&self, path: &str, message: &[u8]) -> Option<Result<usize, Malformed>> {
         let &input = self.methods.get(path)?;
+        // The wire bytes twice: tonic's buffer holds the message while prost copies its
+        // strings and bytes out of it.
         Some(self.heap_in(input, message, 0).map(|heap| {
-            message
-                .len()
+            (2 * message.len())
                 .saturating_add(self.sizes[input])
                 .saturating_add(heap)
         }))
@@ -191,7 +197,11 @@ impl Schema {
             };
             heap = heap.saturating_add(match (kind, payload) {
                 (Kind::Message { index, repeated }, Some(p)) => {
-                    let own = if repeated { 2 * self.sizes[index] } else { 0 };
+                    let own = if repeated {
+                        GROWTH * self.sizes[index]
+                    } else {
+                        0
+                    };
                     own.saturating_add(self.heap_in(index, p, depth + 1)?)
                 }
                 (Kind::Packed, Some(p)) => p.len().saturating_mul(PACKED_BYTES_PER_BYTE),

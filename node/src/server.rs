@@ -1077,11 +1077,13 @@ impl RaftService for Services {
     ) -> Result<tonic::Response<RaftMessage>, Status> {
         let msg = req.into_inner();
         shard_of(&self.node, msg.shard)?;
-        let _permit = self.node.raft_permit().await?;
+        let permit = self.node.raft_permit().await?;
         let (reporter, denials): (u64, Vec<allot_statemachine::Denial>) =
             decode_peer(&msg.payload)?;
         auth::check_report(&self.node, msg.shard, reporter, &denials)
             .map_err(|e| self.peer_refused("raft:report_denials", e))?;
+        // Held while the report is decoded and checked, not while it commits.
+        drop(permit);
         auth::report(&self.node, msg.shard, reporter, denials)
             .await
             .map_err(|e| Status::unavailable(e.to_string()))?;

@@ -112,13 +112,19 @@ pub const TOKEN_KEYS_PER_PRINCIPAL_MAX: usize = 4;
 /// are forgotten, so rotation cannot grow the token table without bound.
 pub const RETIRED_KEYS_PER_PRINCIPAL_MAX: usize = 16;
 /// From rule version 4, for a tenant's principal (an org's namespace): one retired
-/// digest, so an org at its default principal quota holds at most 10,000 × (4 + 1)
-/// digests and sixteen such orgs fit the tenants' part of `TOKENS_MAX` (DESIGN §44,
-/// "Tokens on any number of shards").
+/// digest (the activation trims longer lists), so an org at its default principal quota
+/// holds at most 10,000 × (4 + 1) digests and eighteen such orgs fit the tenants' part
+/// of `TOKENS_MAX` (DESIGN §44, "Tokens on any number of shards").
 pub const RETIRED_KEYS_PER_TENANT_PRINCIPAL_V4: usize = 1;
+/// The most digests a tenant's principal holds from rule version 4: its live keys and
+/// one retired digest.
+pub const DIGESTS_PER_TENANT_PRINCIPAL_V4: usize =
+    TOKEN_KEYS_PER_PRINCIPAL_MAX + RETIRED_KEYS_PER_TENANT_PRINCIPAL_V4;
 /// From rule version 4, the part of `TOKENS_MAX` only the operator's own principals
-/// (admin and agent tokens) may take: tenants' creations and rotations are refused
-/// `LimitReached(Tokens)` above `TOKENS_MAX - TOKENS_OPERATOR_RESERVE`.
+/// (admin and agent tokens) may take: a tenant's new principal is refused
+/// `LimitReached(Tokens)` when the tenants' principals, each at its most digests, would
+/// pass `TOKENS_MAX - TOKENS_OPERATOR_RESERVE` (180,000 principals). Rotations are never
+/// refused for it: each tenant principal's digests are bounded already.
 pub const TOKENS_OPERATOR_RESERVE: usize = 100_000;
 /// The rule version from which the two bounds above apply.
 pub const TOKEN_BOUNDS_FROM: u32 = 4;

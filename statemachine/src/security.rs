@@ -152,9 +152,32 @@ impl Security {
         }
     }
 
-    /// Keys (digests) of every principal, the operator's included.
-    pub fn digests_len(&self) -> usize {
-        self.digests.len()
+    /// Principals in the tenants' namespaces (every org's; not the operator's).
+    pub fn tenant_principals(&self) -> usize {
+        let operators = self
+            .principals
+            .range((None, PrincipalId(0))..=(None, PrincipalId(u64::MAX)))
+            .count();
+        self.principals.len() - operators
+    }
+
+    /// Forgets all but the newest `keep` retired digests of every tenant principal (rule
+    /// version 4's activation; one pass, once).
+    pub fn trim_tenant_retired(&mut self, keep: usize) {
+        let Security {
+            principals,
+            digests,
+            ..
+        } = self;
+        for ((org, _), p) in principals.iter_mut() {
+            if org.is_none() {
+                continue;
+            }
+            let forget = p.retired.len().saturating_sub(keep);
+            for d in p.retired.drain(..forget) {
+                digests.remove(&d);
+            }
+        }
     }
 
     /// Principals in `org`'s namespace (against its quota).

@@ -11,8 +11,8 @@ use crate::ids::Actor;
 use crate::ids::{Account, HoldId, OrgId};
 use crate::ledger::{Ctx, Ledger, LedgerConfig};
 use crate::limits::{
-    COMMANDS_PER_ENTRY_MAX, RETIRED_KEYS_PER_PRINCIPAL_MAX, RETIRED_KEYS_PER_TENANT_PRINCIPAL_V4,
-    TOKENS_MAX, TOKENS_OPERATOR_RESERVE, TOKEN_BOUNDS_FROM,
+    COMMANDS_PER_ENTRY_MAX, DIGESTS_PER_TENANT_PRINCIPAL_V4, RETIRED_KEYS_PER_PRINCIPAL_MAX,
+    RETIRED_KEYS_PER_TENANT_PRINCIPAL_V4, TOKENS_MAX, TOKENS_OPERATOR_RESERVE, TOKEN_BOUNDS_FROM,
 };
 use crate::outcome::{CommandError, Limit, Outcome, QuotaKind, Reply};
 use crate::scheduler::{Scheduler, SchedulerConfig};
@@ -341,6 +341,7 @@ pub fn apply_into(
         },
         &mut state.ledger,
         &state.config.scheduler,
+        state.rules.active,
     );
     let system = Stamp {
         log_index: entry.log_index,
@@ -564,6 +565,10 @@ fn execute(
                 if before < counted && after >= counted {
                     state.ledger.books.count_closed_in_quota();
                 }
+                if before < TOKEN_BOUNDS_FROM && after >= TOKEN_BOUNDS_FROM {
+                    let keep = RETIRED_KEYS_PER_TENANT_PRINCIPAL_V4;
+                    state.security.trim_tenant_retired(keep);
+                }
                 state.ledger.books.rules = crate::ledger::RulesSeen(after);
                 Ok(Reply::RulesActive {
                     version: state.rules.active,
@@ -639,16 +644,15 @@ fn dispatch_security(
     let now = ctx.now;
     let rules = state.rules.active;
     let sec = &mut state.security;
-    // From rule version 4 the tenants' keys leave the last `TOKENS_OPERATOR_RESERVE` of
-    // the token table to the operator's (admin and agent tokens).
-    let tenant_key = match command {
-        Command::CreateToken { scope, .. } => scope.org().is_some(),
-        Command::RotateToken { .. } => ns.is_some(),
-        _ => false,
-    };
+    // From rule version 4 the tenants' principals, each at its most digests, leave the
+    // last `TOKENS_OPERATOR_RESERVE` of the token table to the operator's (admin and
+    // agent tokens). Only a new principal is refused for it, never a rotation.
+    let new_tenant_principal =
+        matches!(command, Command::CreateToken { scope, .. } if scope.org().is_some());
     if rules >= TOKEN_BOUNDS_FROM
-        && tenant_key
-        && sec.digests_len() >= TOKENS_MAX - TOKENS_OPERATOR_RESERVE
+        && new_tenant_principal
+        && (sec.tenant_principals() + 1) * DIGESTS_PER_TENANT_PRINCIPAL_V4
+            > TOKENS_MAX - TOKENS_OPERATOR_RESERVE
     {
         return Err(CommandError::LimitReached(Limit::Tokens));
     }
@@ -730,6 +734,7 @@ fn dispatch_scheduler(
     command: &Command,
     ctx: &mut Ctx,
 ) -> Outcome {
+    let rules = state.rules.active;
     let (sched, ledger, cfg) = (
         &mut state.scheduler,
         &mut state.ledger,
@@ -739,7 +744,11 @@ fn dispatch_scheduler(
     match command {
         Command::RegisterNode(spec) => sched.register_node(ctx, ledger, cfg, spec),
         Command::NodeHeartbeat { node } => {
-            sched.node_heartbeat(now, cfg.node_lease_ms, *node, ctx.effects)
+            let reply = sched.node_heartbeat(now, cfg.node_lease_ms, *node, ctx.effects)?;
+            if rules >= crate::scheduler::GRACE_WAITS_FOR_THE_NODE_FROM {
+                sched.end_waiting_graces(ctx, ledger, cfg, *node);
+            }
+            Ok(reply)
         }
         Command::SetNodeDraining { node, draining } => {
             sched.set_draining(*node, *draining, ctx.effects)

@@ -41,10 +41,14 @@
 //!   forth) meets its own quota instead of filling the shard's bucket table for
 //!   everyone (`crate::ledger::CLOSED_BUCKETS_COUNTED_FROM`). Its activation adds the
 //!   buckets already closed to their orgs' counters. Tokens: a tenant's principal
-//!   remembers one retired key digest instead of 16, and tenants' token creations and
-//!   rotations leave the last `TOKENS_OPERATOR_RESERVE` of the shard's token table to
-//!   the operator's admin and agent tokens (`crate::limits::TOKEN_BOUNDS_FROM`). The
-//!   state's format is unchanged.
+//!   remembers one retired key digest instead of 16 (the activation trims longer
+//!   lists), and tenants' new principals leave the last `TOKENS_OPERATOR_RESERVE` of the
+//!   shard's token table to the operator's admin and agent tokens
+//!   (`crate::limits::TOKEN_BOUNDS_FROM`); rotations are never refused for it.
+//!   Preemption: at the end of its grace, a victim whose node has not renewed its
+//!   lease since the preemption began keeps its GPUs until the node renews or goes
+//!   down (`crate::scheduler::GRACE_WAITS_FOR_THE_NODE_FROM`): a cut-off agent may
+//!   not have learnt of the preemption. The state's format is unchanged.
 
 use serde::{Deserialize, Serialize};
 

@@ -1644,3 +1644,71 @@ fn a_new_agent_incarnation_fences_the_old_ones_reports() {
     assert!(h.finish_job(10, true).is_ok());
     assert_eq!(h.job(10).state, JobState::Succeeded);
 }
+
+/// Found by review (2026-11-27): a preemption's grace ended by the clock alone. When the
+/// victim's node had gone silent before the preemption (its agent cut off, its runner
+/// still running, the preemption never seen), the victim was requeued at the grace's end
+/// and could start elsewhere while its old runner ran on until the agent's own fence —
+/// up to ~24 s of one job running twice with the default leases. From rule version 4 the
+/// victim keeps its GPUs until the node's fate: its next renewal (requeued then), or its
+/// lease's end plus the fence margin (the node goes down; by then its agent has stopped
+/// every runner).
+#[test]
+fn a_preemption_on_a_silent_node_waits_for_the_nodes_fate_from_rule_version_4() {
+    for (rules, comes_back) in [(3, true), (4, true), (4, false)] {
+        let mut h = world();
+        h.ok(Command::ActivateVersion { version: rules });
+        h.fleet(&[(1, a100(), 4, 80)]);
+        submit(&mut h, Harness::job_spec(10, Tier::FREE, vec![a100()], 2));
+        submit(&mut h, Harness::job_spec(11, Tier::FREE, vec![a100()], 2));
+        h.advance(5 * 60_000);
+        h.nodes_alive();
+        h.job_heartbeat(10, 1, 1).unwrap();
+        h.job_heartbeat(11, 1, 0).unwrap();
+        h.advance(60_000);
+        // The node's last renewal; then it goes silent, and a second later the
+        // enterprise job preempts job 10 on it.
+        h.nodes_alive();
+        h.job_heartbeat(10, 2, 1).unwrap();
+        h.job_heartbeat(11, 2, 0).unwrap();
+        h.advance(1_000);
+        submit(
+            &mut h,
+            Harness::job_spec(20, Tier::ENTERPRISE, vec![a100()], 2),
+        );
+        assert_eq!(h.job(10).state, JobState::Preempting);
+        let cfg = h.state.config.scheduler.clone();
+        h.advance(cfg.grace_ms + 1);
+        h.tick();
+        if rules == 3 {
+            assert_eq!(
+                h.job(10).state,
+                JobState::Queued,
+                "version 3: requeued by the clock, though its node never heard of it"
+            );
+            continue;
+        }
+        assert_eq!(
+            h.job(10).state,
+            JobState::Preempting,
+            "version 4: the silent node's victim keeps its GPUs"
+        );
+        assert_eq!(h.job(20).state, JobState::Queued);
+        if comes_back {
+            // The node renews (its agent is back and learns of the preemption): the
+            // victim is requeued and the preemptor placed.
+            h.nodes_alive();
+            assert_eq!(h.job(10).state, JobState::Queued);
+            assert_eq!(h.job(20).state, JobState::Placed);
+        } else {
+            // Still silent at its lease's end plus the margin: the node goes down, and
+            // its agent has fenced itself by then.
+            let fate = cfg.node_lease_ms + cfg.fence_margin_ms;
+            h.advance(fate);
+            h.tick();
+            assert_eq!(h.state.scheduler.nodes[&NodeId(1)].state, NodeState::Down);
+            assert_ne!(h.job(10).state, JobState::Preempting);
+            assert!(h.job(10).placement.is_none(), "{:?}", h.job(10).state);
+        }
+    }
+}

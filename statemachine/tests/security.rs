@@ -947,14 +947,16 @@ proptest! {
 /// principals: 10,000 principals rotated 19 times each held ~200,000 digests, so five
 /// orgs filled the table and then nobody — the operator's agent tokens for new GPU
 /// nodes included — could create or rotate a token on the shard. From rule version 4 a
-/// tenant's principal remembers one retired digest, and tenants leave the last
-/// `TOKENS_OPERATOR_RESERVE` digests to the operator.
+/// tenant's principal remembers one retired digest (the activation trims the longer
+/// lists), and tenants' new principals leave the last `TOKENS_OPERATOR_RESERVE` digests
+/// to the operator; a rotation is never refused for it.
 #[test]
 fn tenants_cannot_take_the_operators_part_of_the_token_table_from_rule_version_4() {
     for rules in [3, 4] {
         let mut h = secured();
-        h.ok(Command::ActivateVersion { version: rules });
-        // Rotations: a tenant's principal keeps one retired digest under version 4.
+        h.ok(Command::ActivateVersion { version: 3 });
+        // Ten rotations under version 3: each retires the key the one before ended
+        // (overlap 0), nine in all.
         let token = |i: usize| format!("tok-org-1-v{rules}-rotation-{i:04}-fffffffffffff");
         let mut current = ORG1.to_string();
         for i in 0..10 {
@@ -972,26 +974,42 @@ fn tenants_cannot_take_the_operators_part_of_the_token_table_from_rule_version_4
             );
             current = next;
         }
-        let retired = h
-            .state
-            .security
-            .principal(Some(ORG), PrincipalId(10))
-            .unwrap()
-            .retired
-            .len();
-        // Each rotation retires the key the one before it ended (overlap 0): nine of
-        // them by the tenth rotation.
-        assert_eq!(retired, if rules == 4 { 1 } else { 9 }, "rules {rules}");
-        // The table filled by other tenants' keys up to the operator's reserve.
-        let taken = limits::TOKENS_MAX - limits::TOKENS_OPERATOR_RESERVE;
-        let mut n = 0u64;
-        while h.state.security.digests.len() < taken {
-            n += 1;
-            let d = TokenDigest::of(format!("filler-{n}").as_bytes());
+        let retired = |h: &Harness| {
             h.state
                 .security
-                .digests
-                .insert(d, (Some(OTHER_ORG), PrincipalId(1_000_000 + n)));
+                .principal(Some(ORG), PrincipalId(10))
+                .unwrap()
+                .retired
+                .len()
+        };
+        assert_eq!(retired(&h), 9);
+        if rules == 4 {
+            let before = h.state.security.digests.len();
+            h.ok(Command::ActivateVersion { version: 4 });
+            assert_eq!(
+                retired(&h),
+                1,
+                "the activation trims a tenant's retired digests"
+            );
+            assert_eq!(h.state.security.digests.len(), before - 8);
+        }
+        // Other tenants' principals up to the tenants' part of the table, each counted
+        // at its most digests.
+        let most = (limits::TOKENS_MAX - limits::TOKENS_OPERATOR_RESERVE)
+            / limits::DIGESTS_PER_TENANT_PRINCIPAL_V4;
+        let mut n = 0u64;
+        while h.state.security.tenant_principals() < most {
+            n += 1;
+            let p = h
+                .state
+                .security
+                .principal(Some(OTHER_ORG), PrincipalId(20))
+                .unwrap()
+                .clone();
+            h.state
+                .security
+                .principals
+                .insert((Some(OTHER_ORG), PrincipalId(1_000_000 + n)), p);
         }
         let org_token = Command::CreateToken {
             principal: PrincipalId(11),
@@ -1010,15 +1028,18 @@ fn tenants_cannot_take_the_operators_part_of_the_token_table_from_rule_version_4
             scope: Scope::Agent(NodeId(3)),
             expires_at_ms: None,
         };
+        let new_principal = h.run_as(bearer(&current), org_token);
         if rules == 4 {
-            let full = Err(CommandError::LimitReached(Limit::Tokens));
-            assert_eq!(h.run_as(bearer(&current), org_token), full);
-            assert_eq!(h.run_as(bearer(&current), rotation), full);
-            // The operator still creates an agent token for a new GPU node.
-            assert_eq!(h.run(agent_token), Ok(Reply::TokenSet));
+            assert_eq!(
+                new_principal,
+                Err(CommandError::LimitReached(Limit::Tokens))
+            );
         } else {
-            assert_eq!(h.run_as(bearer(&current), org_token), Ok(Reply::TokenSet));
-            assert_eq!(h.run(agent_token), Ok(Reply::TokenSet));
+            assert_eq!(new_principal, Ok(Reply::TokenSet));
         }
+        // A rotation (the answer to a leaked token) is never refused for the reserve,
+        // and the operator still creates an agent token for a new GPU node.
+        assert_eq!(h.run_as(bearer(&current), rotation), Ok(Reply::TokenSet));
+        assert_eq!(h.run(agent_token), Ok(Reply::TokenSet));
     }
 }

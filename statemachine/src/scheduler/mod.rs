@@ -18,6 +18,7 @@ mod jobs;
 mod pass;
 mod reservations;
 mod timers;
+pub use timers::GRACE_WAITS_FOR_THE_NODE_FROM;
 pub mod usage;
 
 use crate::command::{JobSpec, Quota};

@@ -9,6 +9,10 @@ use crate::command::SettleReason;
 use crate::ledger::{Ctx, Ledger};
 use crate::limits::TIMERS_PER_ENTRY_MAX;
 
+/// The rule version from which a preemption's grace waits for a silent victim node
+/// ([`Scheduler::grace_waits_for_the_node`]).
+pub const GRACE_WAITS_FOR_THE_NODE_FROM: u32 = 4;
+
 impl Scheduler {
     /// A job whose node lost it (the lease ran out, or the agent stopped it when it could
     /// not renew the lease): requeued as a new attempt, billed to its last heartbeat, or
@@ -59,11 +63,73 @@ impl Scheduler {
             .then(|| n.lease_until_ms.saturating_add(cfg.fence_margin_ms))
     }
 
+    /// From rule version 4: at the end of a preemption's grace (`grace_end`), whether
+    /// the victim's node has been silent since the preemption began (its last lease
+    /// renewal is older). Its agent may then be cut off and never have learnt of the
+    /// preemption, its runner still running, so the victim keeps its GPUs — no timer —
+    /// until the node's fate: it goes down at its lease's end plus the fence margin (by
+    /// which its agent has stopped every runner) and its jobs are requeued, or it renews
+    /// and [`Scheduler::end_waiting_graces`] requeues the victim then.
+    fn grace_waits_for_the_node(
+        &self,
+        job: crate::ids::JobKey,
+        cfg: &SchedulerConfig,
+        grace_end: u64,
+    ) -> bool {
+        let Some(j) = self
+            .jobs
+            .get(&job)
+            .filter(|j| j.state == JobState::Preempting)
+        else {
+            return false;
+        };
+        let Some(n) = j.placement.as_ref().and_then(|p| self.nodes.get(&p.node)) else {
+            return false;
+        };
+        let began = grace_end.saturating_sub(cfg.grace_ms);
+        let renewed = n.lease_until_ms.saturating_sub(cfg.node_lease_ms);
+        n.state != NodeState::Down && renewed < began
+    }
+
+    /// A renewal of `node` (rule version 4): the preemptions on it whose grace ended
+    /// while it was silent (`Preempting` with no grace timer) end now.
+    pub(crate) fn end_waiting_graces(
+        &mut self,
+        ctx: &mut Ctx,
+        ledger: &mut Ledger,
+        cfg: &SchedulerConfig,
+        node: crate::ids::NodeId,
+    ) {
+        let Some(n) = self.nodes.get(&node) else {
+            return;
+        };
+        let waiting: Vec<crate::ids::JobKey> = n
+            .jobs()
+            .into_iter()
+            .filter(|k| {
+                self.jobs
+                    .get(k)
+                    .is_some_and(|j| j.state == JobState::Preempting && j.grace_at.is_none())
+            })
+            .collect();
+        for job in waiting {
+            self.requeue(
+                ctx,
+                ledger,
+                cfg,
+                job,
+                SettleReason::Preempted,
+                Reason::Requeued,
+            );
+        }
+    }
+
     pub(crate) fn fire_timers(
         &mut self,
         ctx: &mut Ctx,
         ledger: &mut Ledger,
         cfg: &SchedulerConfig,
+        rules: u32,
     ) {
         for _ in 0..TIMERS_PER_ENTRY_MAX {
             let Some(&(at, timer)) = self.timers.first() else {
@@ -139,10 +205,15 @@ impl Scheduler {
                     }
                 }
                 Timer::Grace(job) => {
+                    let waits = rules >= GRACE_WAITS_FOR_THE_NODE_FROM
+                        && self.grace_waits_for_the_node(job, cfg, at);
                     let Some(j) = self.jobs.get_mut(&job) else {
                         continue;
                     };
                     j.grace_at = None;
+                    if waits {
+                        continue;
+                    }
                     if j.state == JobState::Preempting {
                         self.requeue(
                             ctx,
