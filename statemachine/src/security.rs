@@ -13,7 +13,7 @@
 //! from then on only bearer tokens are accepted.
 
 use crate::ids::{Actor, NodeId, OrgId, PrincipalId, ProjectId, TokenDigest, UserId};
-use crate::limits::{RETIRED_KEYS_PER_PRINCIPAL_MAX, TOKENS_MAX, TOKEN_KEYS_PER_PRINCIPAL_MAX};
+use crate::limits::{TOKENS_MAX, TOKEN_KEYS_PER_PRINCIPAL_MAX};
 use crate::outcome::{CommandError, Limit};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -286,27 +286,9 @@ impl Security {
     /// keys alive would pass `TOKEN_KEYS_PER_PRINCIPAL_MAX`, the oldest overlap ends now.
     /// Keys that stopped working are dropped from the principal (their digests are kept,
     /// a bounded number of them, so they are not issued again).
+    /// It remembers at most `retired_max` retired digests of the principal (the rule
+    /// version decides how many: `crate::state`).
     pub fn rotate(
-        &mut self,
-        now: u64,
-        org: Option<OrgId>,
-        principal: PrincipalId,
-        digest: TokenDigest,
-        overlap_ms: u64,
-    ) -> Result<(), CommandError> {
-        self.rotate_keeping(
-            now,
-            org,
-            principal,
-            digest,
-            overlap_ms,
-            RETIRED_KEYS_PER_PRINCIPAL_MAX,
-        )
-    }
-
-    /// [`Security::rotate`], remembering at most `retired_max` retired digests of the
-    /// principal (the rule version decides how many: `crate::state`).
-    pub fn rotate_keeping(
         &mut self,
         now: u64,
         org: Option<OrgId>,

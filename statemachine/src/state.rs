@@ -701,7 +701,7 @@ fn dispatch_security(
             } else {
                 RETIRED_KEYS_PER_PRINCIPAL_MAX
             };
-            sec.rotate_keeping(now, ns, *principal, *digest, *overlap_ms, retired_max)
+            sec.rotate(now, ns, *principal, *digest, *overlap_ms, retired_max)
                 .map(|()| Reply::TokenSet)
         }
         Command::RevokeToken { principal } => sec.revoke(ns, *principal).map(|()| Reply::TokenSet),

@@ -517,6 +517,18 @@ fn an_agent_token_cannot_finish_another_nodes_job() {
     );
 }
 
+/// Org 1's principal 10 rotates from token `from` to token `to`.
+fn rotate_org1(h: &mut Harness, from: &str, to: &str, overlap_ms: u64) -> Outcome {
+    h.run_as(
+        bearer(from),
+        Command::RotateToken {
+            principal: PrincipalId(10),
+            digest: TokenDigest::of(to.as_bytes()),
+            overlap_ms,
+        },
+    )
+}
+
 /// Any number of rotations inside the overlap keeps the newest key and those still in
 /// their overlap alive (issue 20: the second rotation used to copy the first key's
 /// overlap end onto the new key, locking the principal out when it passed — for the
@@ -531,14 +543,7 @@ fn rotations_inside_the_overlap_never_lock_a_principal_out() {
     for i in 0..3 {
         let next = token(i);
         assert_eq!(
-            h.run_as(
-                bearer(&current),
-                Command::RotateToken {
-                    principal: PrincipalId(10),
-                    digest: TokenDigest::of(next.as_bytes()),
-                    overlap_ms: 60_000,
-                }
-            ),
+            rotate_org1(&mut h, &current, &next, 60_000),
             Ok(Reply::TokenSet),
             "rotation {i}"
         );
@@ -961,17 +966,7 @@ fn tenants_cannot_take_the_operators_part_of_the_token_table_from_rule_version_4
         let mut current = ORG1.to_string();
         for i in 0..10 {
             let next = token(i);
-            assert_eq!(
-                h.run_as(
-                    bearer(&current),
-                    Command::RotateToken {
-                        principal: PrincipalId(10),
-                        digest: TokenDigest::of(next.as_bytes()),
-                        overlap_ms: 0,
-                    }
-                ),
-                Ok(Reply::TokenSet)
-            );
+            assert_eq!(rotate_org1(&mut h, &current, &next, 0), Ok(Reply::TokenSet));
             current = next;
         }
         let retired = |h: &Harness| {

@@ -113,15 +113,26 @@ impl Scheduler {
             })
             .collect();
         for job in waiting {
-            self.requeue(
-                ctx,
-                ledger,
-                cfg,
-                job,
-                SettleReason::Preempted,
-                Reason::Requeued,
-            );
+            self.end_grace(ctx, ledger, cfg, job);
         }
+    }
+
+    /// A preempted job's grace is over: it is requeued, billed to its checkpoint.
+    fn end_grace(
+        &mut self,
+        ctx: &mut Ctx,
+        ledger: &mut Ledger,
+        cfg: &SchedulerConfig,
+        job: crate::ids::JobKey,
+    ) {
+        self.requeue(
+            ctx,
+            ledger,
+            cfg,
+            job,
+            SettleReason::Preempted,
+            Reason::Requeued,
+        );
     }
 
     pub(crate) fn fire_timers(
@@ -215,14 +226,7 @@ impl Scheduler {
                         continue;
                     }
                     if j.state == JobState::Preempting {
-                        self.requeue(
-                            ctx,
-                            ledger,
-                            cfg,
-                            job,
-                            SettleReason::Preempted,
-                            Reason::Requeued,
-                        );
+                        self.end_grace(ctx, ledger, cfg, job);
                     }
                 }
             }
