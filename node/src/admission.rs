@@ -26,7 +26,7 @@
 //! wraps the admitted service), so an unauthenticated caller never takes Raft budget.
 
 use crate::decoded::{Malformed, Schema};
-use crate::limits::{ADMISSION_WAIT_MAX, BODY_READ_MAX};
+use crate::limits::{ADMISSION_WAIT_MAX, BODY_READ_MAX, CLIENT_STREAM_LIFE_MAX};
 use allot_proto::meta;
 use bytes::{Bytes, BytesMut};
 use http_body::Frame;
@@ -305,9 +305,6 @@ fn second_message() -> Refusal {
         "second_message",
     )
 }
-
-/// How long a client stream (server reflection) may stay open.
-pub const CLIENT_STREAM_LIFE_MAX: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// An HTTP/2 DATA frame's largest size (the protocol's default `SETTINGS_MAX_FRAME_SIZE`,
 /// which the server keeps), in budget units.

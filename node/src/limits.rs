@@ -15,11 +15,14 @@ pub const REQUESTS_PER_CALL_MAX: usize = 4096;
 /// a larger message from its length prefix, before buffering it.
 pub const CLIENT_MESSAGE_MAX: usize = 1 << 20;
 /// Server reflection streams open at once on a node (each holds a slot for at most
-/// `admission::CLIENT_STREAM_LIFE_MAX`), and one reflection request's bound (a symbol
+/// `CLIENT_STREAM_LIFE_MAX`), and one reflection request's bound (a symbol
 /// or file name): so the messages a reflection stream sends after its first cost at most
 /// this many times this much.
 pub const REFLECTION_STREAMS_MAX: usize = 16;
 pub const REFLECTION_MESSAGE_MAX: usize = 64 << 10;
+/// How long a client stream (server reflection) may stay open, idle or not: its request
+/// and its response bodies end with `DEADLINE_EXCEEDED` then (`crate::admission`).
+pub const CLIENT_STREAM_LIFE_MAX: std::time::Duration = std::time::Duration::from_secs(60);
 /// One reply (a page of jobs or audit events, the node list): what the node encodes and
 /// the client accepts.
 pub const REPLY_MESSAGE_MAX: usize = 64 << 20;
