@@ -99,7 +99,7 @@
 //! can read in `/proc`.
 
 use crate::error::{Error, Result};
-use crate::{Assignment, Client};
+use crate::{Assignment, AssignmentSet, Client};
 use allot_statemachine::query::{Answer, Query};
 use allot_statemachine::scheduler::JobState;
 use allot_statemachine::{
@@ -769,13 +769,18 @@ enum Directive {
     /// A newer attempt of the job exists: kill.
     Fenced,
     Shutdown,
+    /// A newer agent process has registered the node: kill at once, report nothing (the
+    /// registration ended this process's attempts).
+    Superseded,
 }
 
 struct Shared {
     cfg: AgentConfig,
     /// The agent identity.
     client: Client,
-    done: mpsc::UnboundedSender<(JobKey, u32)>,
+    /// A task's end: (job, attempt, whether the attempt counts as ended here — `false`
+    /// only for one not started for now, which a later set may start).
+    done: mpsc::UnboundedSender<(JobKey, u32, bool)>,
     lease: Lease,
 }
 
@@ -1011,19 +1016,96 @@ async fn report(shared: &Shared, (org, job): JobKey, attempt: u32, what: Report)
 
 /// Whether `(job, attempt)` is still placed here, by a linearizable read (`None`: gone,
 /// or the cluster could not say — then the job is not allowed to keep running).
-async fn still_assigned(shared: &Shared, (org, job): JobKey, attempt: u32) -> Option<JobState> {
-    match shared
-        .client
-        .assignments(shared.cfg.shard, shared.cfg.node)
-        .await
-    {
-        Ok(set) => set
-            .into_iter()
-            .find(|a| a.org == org && a.job == job && a.attempt == attempt)
-            .map(|a| a.state),
+async fn still_assigned(shared: &Shared, key: JobKey, attempt: u32) -> Option<JobState> {
+    match read_assigned(shared, key, attempt).await {
+        Ok(state) => state,
         Err(e) => {
-            warn!(job = job.0, attempt, "cannot confirm the assignment: {e}");
+            warn!(
+                job = key.1 .0,
+                attempt, "cannot confirm the assignment: {e}"
+            );
             None
+        }
+    }
+}
+
+/// The state of `(job, attempt)` on this node by a linearizable read: `Ok(None)` when it
+/// is not placed here (moved on, or the node now belongs to a newer agent process).
+async fn read_assigned(
+    shared: &Shared,
+    (org, job): JobKey,
+    attempt: u32,
+) -> Result<Option<JobState>> {
+    let set = shared
+        .client
+        .assignment_set(shared.cfg.shard, shared.cfg.node)
+        .await?;
+    if set.incarnation > shared.cfg.incarnation {
+        return Ok(None);
+    }
+    Ok(set
+        .assignments
+        .into_iter()
+        .find(|a| a.org == org && a.job == job && a.attempt == attempt)
+        .map(|a| a.state))
+}
+
+/// Whether an attempt a set brought may start here, confirmed by a linearizable read
+/// first: the set came from one replica's stream, which may lag the leader, and an
+/// attempt that has moved on (cancelled, re-placed, preempted, or placed for a newer
+/// agent process) must not start even for a moment. A failed read is never taken for
+/// an answer: it is retried every second for as long as the attempt may still be
+/// this node's. `Err(ended)`: not started; `ended` says whether the attempt is over here
+/// (`false`: the node's lease is running out, a later set may start it).
+async fn confirm_start(
+    shared: &Shared,
+    a: &Assignment,
+    dir: &mut watch::Receiver<Directive>,
+) -> std::result::Result<(), End> {
+    let (job, attempt) = (a.job.0, a.attempt);
+    loop {
+        match read_assigned(shared, a.key(), attempt).await {
+            Ok(Some(JobState::Placed | JobState::Running)) => {
+                if shared.lease.lapsing(&shared.cfg) {
+                    debug!(
+                        job,
+                        attempt, "the node's lease is running out: not starting"
+                    );
+                    return Err(End::NotStarted { ended: false });
+                }
+                return Ok(());
+            }
+            Ok(Some(JobState::Preempting)) => {
+                info!(
+                    job,
+                    attempt, "preempted before it started here: reporting it stopped"
+                );
+                return Err(End::Exited { success: false });
+            }
+            Ok(_) => {
+                info!(
+                    job,
+                    attempt, "not started: the attempt is no longer this node's (a lagging view)"
+                );
+                return Err(End::NotStarted { ended: true });
+            }
+            Err(e) => warn!(
+                job,
+                attempt, "cannot confirm the attempt before starting it, retrying: {e}"
+            ),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            changed = dir.changed() => if changed.is_err() {
+                return Err(End::NotStarted { ended: true });
+            },
+        }
+        match *dir.borrow() {
+            // The read decides (a set without it may come from a lagging replica too).
+            Directive::Run | Directive::Preempt | Directive::Gone => {}
+            Directive::Fenced | Directive::Shutdown | Directive::Superseded => {
+                return Err(End::NotStarted { ended: true });
+            }
         }
     }
 }
@@ -1036,22 +1118,28 @@ enum End {
     Fenced,
     /// Stopped here; nothing to report.
     Dropped,
+    /// Never started here; nothing to report. `ended: false`: a later set may start it.
+    NotStarted { ended: bool },
 }
 
 async fn job_task(shared: Arc<Shared>, a: Assignment, mut dir: watch::Receiver<Directive>) {
     let end = run_attempt(&shared, &a, &mut dir).await;
     // The runner is gone before anything is reported (a fenced attempt may be placed
     // again as soon as the report lands).
+    let ended = !matches!(end, End::NotStarted { ended: false });
     match end {
         End::Exited { success } => report_finish(&shared, a.key(), a.attempt, success).await,
         End::Fenced => report(&shared, a.key(), a.attempt, Report::Fenced).await,
-        End::Dropped => {}
+        End::Dropped | End::NotStarted { .. } => {}
     }
-    let _ = shared.done.send((a.key(), a.attempt));
+    let _ = shared.done.send((a.key(), a.attempt, ended));
 }
 
 async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<Directive>) -> End {
     let (job, attempt) = (a.job.0, a.attempt);
+    if let Err(end) = confirm_start(shared, a, dir).await {
+        return end;
+    }
     let (runner, mut exit) = match Runner::start(shared, a).await {
         Ok(r) => r,
         Err(e) => {
@@ -1152,6 +1240,10 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
                         warn!(job, attempt, "no longer assigned here ({d:?}): SIGKILL");
                         break kill_and_reap(&runner, &mut exit).await;
                     }
+                    Directive::Superseded => {
+                        warn!(job, attempt, "a newer agent process runs this node: SIGKILL");
+                        break kill_and_reap(&runner, &mut exit).await;
+                    }
                     Directive::Shutdown => {
                         info!(job, attempt, "agent shutting down: SIGTERM (not reported as finished)");
                         runner.terminate().await;
@@ -1210,7 +1302,23 @@ impl Agent {
     }
 
     /// Applies a whole assignment set: directs running attempts, starts new ones.
-    fn reconcile(&mut self, set: Vec<Assignment>) {
+    /// `Err(current)`: the set names a newer agent process for this node (incarnation
+    /// `current`): this process has been replaced and must stop.
+    fn reconcile(&mut self, set: AssignmentSet) -> std::result::Result<(), u64> {
+        let mine = self.shared.cfg.incarnation;
+        if set.incarnation > mine {
+            return Err(set.incarnation);
+        }
+        if set.incarnation != 0 && set.incarnation < mine {
+            // A replica that has not yet applied this process's registration: its set
+            // holds the previous process's attempts, which the registration ended.
+            debug!(
+                seen = set.incarnation,
+                mine, "an assignment set from before this process registered: ignored"
+            );
+            return Ok(());
+        }
+        let set = set.assignments;
         let by_job: HashMap<JobKey, &Assignment> = set.iter().map(|a| (a.key(), a)).collect();
         for (job, task) in &self.tasks {
             let d = match by_job.get(job) {
@@ -1236,6 +1344,7 @@ impl Agent {
         }
         self.last_set = set;
         self.start_new();
+        Ok(())
     }
 
     /// Starts the attempts of the last set that are not running here — none while the
@@ -1283,11 +1392,13 @@ impl Agent {
         self.last_set = set;
     }
 
-    fn task_done(&mut self, job: JobKey, attempt: u32) {
+    fn task_done(&mut self, job: JobKey, attempt: u32, ended: bool) {
         if self.tasks.get(&job).is_some_and(|t| t.attempt == attempt) {
             self.tasks.remove(&job);
         }
-        self.record_ended(job, attempt);
+        if ended {
+            self.record_ended(job, attempt);
+        }
         // A newer attempt may have been waiting for this one's GPUs.
         self.start_new();
     }
@@ -1378,14 +1489,17 @@ async fn refresh_leases(client: &Client, shard: u32, lease: &Lease) -> Result<()
 
 /// Follows the assignment stream, moving to the next endpoint (with backoff) whenever
 /// it ends or fails.
-async fn watch_sets(client: Client, cfg: AgentConfig, tx: mpsc::Sender<Vec<Assignment>>) {
+async fn watch_sets(client: Client, cfg: AgentConfig, tx: mpsc::Sender<AssignmentSet>) {
     let endpoints = client.endpoints().to_vec();
     let mut i = 0usize;
     let base = Duration::from_millis(200);
     let mut backoff = base;
     loop {
         let addr = &endpoints[i % endpoints.len()];
-        match client.watch_assignments(addr, cfg.shard, cfg.node).await {
+        match client
+            .watch_assignment_sets(addr, cfg.shard, cfg.node)
+            .await
+        {
             Ok(mut stream) => {
                 debug!(%addr, "watching assignments");
                 loop {
@@ -1416,14 +1530,14 @@ async fn watch_sets(client: Client, cfg: AgentConfig, tx: mpsc::Sender<Vec<Assig
 }
 
 /// Re-reads the assignment set (linearizable) and the lease lengths now and then.
-async fn resync(client: Client, shared: Arc<Shared>, tx: mpsc::Sender<Vec<Assignment>>) {
+async fn resync(client: Client, shared: Arc<Shared>, tx: mpsc::Sender<AssignmentSet>) {
     let cfg = &shared.cfg;
     loop {
         tokio::time::sleep(RESYNC_INTERVAL).await;
         if let Err(e) = refresh_leases(&client, cfg.shard, &shared.lease).await {
             debug!("reading the lease lengths failed: {e}");
         }
-        match client.assignments(cfg.shard, cfg.node).await {
+        match client.assignment_set(cfg.shard, cfg.node).await {
             Ok(set) => {
                 if tx.send(set).await.is_err() {
                     return;
@@ -1545,20 +1659,42 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         ended_order: VecDeque::new(),
         last_set: Vec::new(),
     };
+    let mut superseded = None;
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
-            Some(set) = sets_rx.recv() => agent.reconcile(set),
-            Some((job, attempt)) = done_rx.recv() => agent.task_done(job, attempt),
+            Some(set) = sets_rx.recv() => if let Err(current) = agent.reconcile(set) {
+                superseded = Some(current);
+                break;
+            },
+            Some((job, attempt, ended)) = done_rx.recv() => agent.task_done(job, attempt, ended),
         }
     }
 
-    info!(running = agent.tasks.len(), "shutting down");
     for b in &background {
         b.abort();
     }
+    let stop = match superseded {
+        Some(current) => {
+            // Another agent process registered this node after this one did (this one
+            // was paused, or its host cloned): its registration ended every attempt this
+            // process runs, and re-placed jobs may already run under it. Nothing of this
+            // process may run, renew or report any more.
+            error!(
+                mine = agent.shared.cfg.incarnation,
+                current,
+                running = agent.tasks.len(),
+                "a newer agent process has registered this node: killing every runner and exiting"
+            );
+            Directive::Superseded
+        }
+        None => {
+            info!(running = agent.tasks.len(), "shutting down");
+            Directive::Shutdown
+        }
+    };
     for t in agent.tasks.values() {
-        t.directive.send_replace(Directive::Shutdown);
+        t.directive.send_replace(stop);
     }
     let deadline = Instant::now() + grace + REAP_TIMEOUT + Duration::from_secs(1);
     for (job, t) in agent.tasks.drain() {
@@ -1572,7 +1708,13 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
             join.abort();
         }
     }
-    Ok(())
+    match superseded {
+        Some(current) => Err(Error::Rejected(CommandError::StaleIncarnation {
+            given: agent.shared.cfg.incarnation,
+            current,
+        })),
+        None => Ok(()),
+    }
 }
 
 /// The work directory's progress file of an attempt (for runners and tests).

@@ -32,6 +32,16 @@ pub struct Assignment {
     pub state: JobState,
 }
 
+/// A node's assignments with the agent incarnation the node runs now (one read).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct AssignmentSet {
+    /// The node's current agent incarnation (`RegisterNode`'s; 0: none named, or a
+    /// server older than the field). Higher than an agent's own: that agent has been
+    /// replaced and must stop. Lower: a view from before the agent registered.
+    pub incarnation: u64,
+    pub assignments: Vec<Assignment>,
+}
+
 /// Which audit events to return; unset fields match everything.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AuditFilter {
@@ -55,6 +65,8 @@ pub struct AuditPage {
 }
 
 pub type AssignmentStream = Pin<Box<dyn Stream<Item = Result<Vec<Assignment>>> + Send>>;
+/// A stream of whole assignment sets with the node's incarnation ([`Client::watch_assignment_sets`]).
+pub type AssignmentSetStream = Pin<Box<dyn Stream<Item = Result<AssignmentSet>> + Send>>;
 
 fn unexpected<T>(what: &str, got: impl std::fmt::Debug) -> Result<T> {
     Err(Error::Unexpected(format!("{what}: got {got:?}")))
@@ -528,8 +540,17 @@ impl Client {
 
     /// The jobs placed on a node now (linearizable).
     pub async fn assignments(&self, shard: u32, node: NodeId) -> Result<Vec<Assignment>> {
+        Ok(self.assignment_set(shard, node).await?.assignments)
+    }
+
+    /// The jobs placed on a node now and the node's agent incarnation, in one
+    /// linearizable read.
+    pub async fn assignment_set(&self, shard: u32, node: NodeId) -> Result<AssignmentSet> {
         match self.query(shard, &Query::Assignments(node)).await? {
-            Answer::Assignments(a) => Ok(a.into_iter().map(assignment).collect()),
+            Answer::Assignments { incarnation, rows } => Ok(AssignmentSet {
+                incarnation,
+                assignments: rows.into_iter().map(assignment).collect(),
+            }),
             other => unexpected("assignments", other),
         }
     }
@@ -543,6 +564,19 @@ impl Client {
         shard: u32,
         node: NodeId,
     ) -> Result<AssignmentStream> {
+        let sets = self.watch_assignment_sets(addr, shard, node).await?;
+        Ok(Box::pin(sets.map(|s| s.map(|s| s.assignments))))
+    }
+
+    /// [`Client::watch_assignments`], each set with the node's agent incarnation. The
+    /// endpoint answers from its own replica, which may lag the leader: confirm with
+    /// [`Client::assignment_set`] before acting on a set as current.
+    pub async fn watch_assignment_sets(
+        &self,
+        addr: &str,
+        shard: u32,
+        node: NodeId,
+    ) -> Result<AssignmentSetStream> {
         let stream = self
             .api_at(addr)?
             .watch_assignments(self.authorized(pb::WatchAssignmentsRequest {
@@ -554,14 +588,19 @@ impl Client {
             .into_inner();
         Ok(Box::pin(stream.map(|m| {
             let m = m.map_err(|s| Error::from_status(&s))?;
-            m.assignments
+            let assignments = m
+                .assignments
                 .iter()
                 .map(|a| {
                     typed::query::assignment_from(a, "assignments")
                         .map(assignment)
                         .map_err(|e| Error::Decode(e.to_string()))
                 })
-                .collect()
+                .collect::<Result<_>>()?;
+            Ok(AssignmentSet {
+                incarnation: m.incarnation,
+                assignments,
+            })
         })))
     }
 

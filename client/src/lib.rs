@@ -53,7 +53,9 @@ mod transport;
 mod units;
 
 pub use admin::{read_stream, SavedBackup};
-pub use api::{Assignment, AssignmentStream, AuditFilter, AuditPage};
+pub use api::{
+    Assignment, AssignmentSet, AssignmentSetStream, AssignmentStream, AuditFilter, AuditPage,
+};
 pub use error::{Error, Result};
 pub use transport::{Client, ClientBuilder};
 pub use units::{format_credits, parse_credits, parse_duration_ms, MICRO_PER_CREDIT};

@@ -875,3 +875,291 @@ async fn after_a_whole_cluster_outage_bills_follow_real_time() {
     );
     drop(a);
 }
+
+/// An agent process paused (SIGSTOP) while a newer process registered the same node
+/// from another host, then resumed: it learns from its first assignment set that it
+/// has been replaced, kills its runner and exits, and never starts the attempt the
+/// newer process runs. Before incarnations reached agents in assignment sets, the old
+/// process went on renewing the node and started that attempt a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replaced_agent_process_stops_when_it_resumes() {
+    let dir = tempfile::Builder::new()
+        .prefix("allot-replaced-")
+        .tempdir()
+        .unwrap();
+    let (c, client) = cluster(dir.path()).await;
+    fund(&client).await;
+    let (script, out) = runner(dir.path());
+    let args = [
+        "--grace",
+        "2s",
+        "--",
+        "/bin/sh",
+        script.to_str().unwrap(),
+        out.to_str().unwrap(),
+    ];
+    let mut old = agent(&c.endpoints(), 1, &dir.path().join("old"), &args, &[]);
+    wait_node(&client, &mut old, 1).await;
+    client.submit_job(ORG, spec(1, 3_600_000)).await.unwrap();
+    let old_pid = until("attempt 1 running", Duration::from_secs(20), || async {
+        events(&out)
+            .iter()
+            .find(|e| e.0 == "start" && e.2 == 1)
+            .map(|e| e.3)
+    })
+    .await;
+    old.signal("STOP");
+    // The replacement (another work dir: another host, or a fresh container) registers
+    // a higher incarnation, which ends attempt 1; the job is placed again, here.
+    let mut new = agent(&c.endpoints(), 1, &dir.path().join("new"), &args, &[]);
+    let new_pid = until("attempt 2 running", Duration::from_secs(30), || async {
+        events(&out)
+            .iter()
+            .find(|e| e.0 == "start" && e.2 == 2)
+            .map(|e| e.3)
+    })
+    .await;
+    old.signal("CONT");
+    let status = until(
+        "the replaced agent to exit",
+        Duration::from_secs(30),
+        || {
+            let st = old.exited();
+            async move { st }
+        },
+    )
+    .await;
+    assert!(!status.success(), "the replaced agent exits with an error");
+    assert!(
+        old.log_text()
+            .contains("a newer agent process has registered this node"),
+        "the replaced agent says why it stopped"
+    );
+    // Its runner is gone, and it started nothing more.
+    until(
+        "the replaced runner to be gone",
+        Duration::from_secs(10),
+        || async { (!Path::new(&format!("/proc/{old_pid}")).exists()).then_some(()) },
+    )
+    .await;
+    let starts: Vec<_> = events(&out)
+        .into_iter()
+        .filter(|e| e.0 == "start")
+        .map(|e| (e.2, e.3))
+        .collect();
+    assert_eq!(
+        starts,
+        vec![(1, old_pid), (2, new_pid)],
+        "each attempt started once, attempt 2 by the new process only"
+    );
+    new.assert_running();
+    let j = job(&client, 1).await;
+    assert_eq!((j.state, j.attempt), (JobState::Running, 2));
+}
+
+/// A TCP proxy whose server-to-client bytes can be held back and then let through in
+/// the order they arrived: what a client sees of a replica whose view arrives late.
+struct HoldProxy {
+    addr: String,
+    gate: Arc<tokio::sync::watch::Sender<Gate>>,
+    /// Chunks that arrived from the server while held.
+    held: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// Server bytes that arrived before `hold_from`, or before `released_until`, pass.
+#[derive(Clone, Copy, Default)]
+struct Gate {
+    hold_from: Option<Instant>,
+    released_until: Option<Instant>,
+}
+
+impl Gate {
+    fn passes(&self, arrived: Instant) -> bool {
+        self.hold_from.is_none_or(|h| arrived < h)
+            || self.released_until.is_some_and(|r| arrived < r)
+    }
+}
+
+impl HoldProxy {
+    async fn start(target: String) -> HoldProxy {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let gate = Arc::new(tokio::sync::watch::channel(Gate::default()).0);
+        let held = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (g, h) = (gate.clone(), held.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((inbound, _)) = listener.accept().await else {
+                    return;
+                };
+                let Ok(outbound) = TcpStream::connect(&target).await else {
+                    continue;
+                };
+                let (mut from_client, mut to_client) = inbound.into_split();
+                let (mut from_server, mut to_server) = outbound.into_split();
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut from_client, &mut to_server).await;
+                });
+                // Server bytes are stamped as they arrive (read at once, whatever is
+                // held), and written in order once the gate lets their stamp through.
+                let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+                let mut gate = g.subscribe();
+                let (g2, h) = (g.clone(), h.clone());
+                tokio::spawn(async move {
+                    let g = g2;
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        match from_server.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => {
+                                let at = Instant::now();
+                                if !g.borrow().passes(at) {
+                                    h.fetch_add(1, Ordering::SeqCst);
+                                }
+                                if tx.send((at, buf[..n].to_vec())).is_err() {
+                                    return;
+                                }
+                            }
+                        }
+                    }
+                });
+                tokio::spawn(async move {
+                    while let Some((at, bytes)) = rx.recv().await {
+                        if gate.wait_for(|g| g.passes(at)).await.is_err() {
+                            return;
+                        }
+                        if to_client.write_all(&bytes).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        HoldProxy { addr, gate, held }
+    }
+
+    /// Holds every server byte that arrives from now on.
+    fn hold(&self) {
+        self.gate.send_replace(Gate {
+            hold_from: Some(Instant::now()),
+            released_until: None,
+        });
+    }
+
+    /// Lets through what arrived before `until`; later bytes stay held.
+    fn release_until(&self, until: Instant) {
+        self.gate.send_modify(|g| g.released_until = Some(until));
+    }
+
+    /// Lets everything through.
+    fn open(&self) {
+        self.gate.send_replace(Gate::default());
+    }
+
+    fn held(&self) -> u64 {
+        self.held.load(Ordering::SeqCst)
+    }
+}
+
+/// An assignment set that reaches the agent late — from a replica that lags, here a
+/// proxy that holds one endpoint's answers — names an attempt that has already moved
+/// on (the job was cancelled): the agent confirms with a linearizable read before it
+/// starts a runner, so the cancelled attempt never starts, not even for a moment. The
+/// agent started it from the stale set and killed it only once a later set arrived.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_from_a_late_assignment_set_is_confirmed_before_it_starts() {
+    let dir = tempfile::Builder::new()
+        .prefix("allot-late-set-")
+        .tempdir()
+        .unwrap();
+    let (c, client) = cluster(dir.path()).await;
+    fund(&client).await;
+    let (script, out) = runner(dir.path());
+    let args = [
+        "--grace",
+        "2s",
+        "--",
+        "/bin/sh",
+        script.to_str().unwrap(),
+        out.to_str().unwrap(),
+    ];
+    // The agent's first endpoint, where it watches its assignments, answers through
+    // the proxy; the others directly.
+    let endpoints = c.endpoints();
+    let proxy = HoldProxy::start(endpoints[0].clone()).await;
+    let mut agent_endpoints = endpoints.clone();
+    agent_endpoints[0] = proxy.addr.clone();
+    let mut a = agent(&agent_endpoints, 1, &dir.path().join("agent"), &args, &[]);
+    wait_node(&client, &mut a, 1).await;
+    until(
+        "the agent to watch its assignments",
+        Duration::from_secs(20),
+        || {
+            let log = a.log_text();
+            async move { log.contains("watching assignments").then_some(()) }
+        },
+    )
+    .await;
+
+    proxy.hold();
+    client.submit_job(ORG, spec(1, 3_600_000)).await.unwrap();
+    // The watched replica has placed the job (and so sent the set naming it, held).
+    let placed_at = proxy.held();
+    until(
+        "the watched replica to place the job",
+        Duration::from_secs(20),
+        || async {
+            let q = query::Query::Job(ORG, JobId(1));
+            match client.query_replica(&endpoints[0], SHARD, &q).await {
+                Ok(query::Answer::Job(Some(j))) if j.state == JobState::Placed => Some(()),
+                _ => None,
+            }
+        },
+    )
+    .await;
+    until(
+        "the set to reach the proxy",
+        Duration::from_secs(10),
+        || async { (proxy.held() > placed_at).then_some(()) },
+    )
+    .await;
+    let before_cancel = Instant::now();
+    client.cancel_job(ORG, JobId(1)).await.unwrap();
+    assert_eq!(job(&client, 1).await.state, JobState::Cancelled);
+    // The agent now gets the set naming the cancelled attempt, and only later the sets
+    // after the cancellation (and the answers to anything it asks that endpoint).
+    proxy.release_until(before_cancel);
+    let started = tokio::time::timeout(Duration::from_secs(3), async {
+        loop {
+            if events(&out).iter().any(|e| e.0 == "start") {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .is_ok();
+    proxy.open();
+    assert!(
+        !started,
+        "a runner started for an attempt that had moved on"
+    );
+    until(
+        "the agent to drop the attempt unstarted",
+        Duration::from_secs(20),
+        || {
+            let log = a.log_text();
+            async move {
+                log.contains("not started: the attempt is no longer this node's")
+                    .then_some(())
+            }
+        },
+    )
+    .await;
+    assert!(
+        events(&out).iter().all(|e| e.0 != "start"),
+        "no runner ever started for the cancelled job"
+    );
+    a.assert_running();
+}

@@ -558,22 +558,25 @@ impl Services {
         tokio::spawn(async move {
             let _slot = slot;
             let _open = scopeguard(move || open.dec());
-            let mut last: Option<Vec<AssignmentRow>> = None;
+            let node = allot_statemachine::NodeId(node_id);
+            // The set and the node's incarnation: a change of either sends a new set.
+            let mut last: Option<(u64, Vec<AssignmentRow>)> = None;
             loop {
-                let (rows, idx) = {
+                let (now, idx) = {
                     let g = view.read();
-                    let a = g
-                        .state
-                        .scheduler
-                        .assignments(allot_statemachine::NodeId(node_id));
-                    (a, g.last_applied.map(|l| l.index).unwrap_or(0))
+                    let sched = &g.state.scheduler;
+                    (
+                        (sched.node_incarnation(node), sched.assignments(node)),
+                        g.last_applied.map(|l| l.index).unwrap_or(0),
+                    )
                 };
-                if last.as_ref() != Some(&rows) {
+                if last.as_ref() != Some(&now) {
                     let msg = pb::AssignmentsUpdate {
-                        assignments: rows.iter().map(typed::query::assignment_to).collect(),
+                        assignments: now.1.iter().map(typed::query::assignment_to).collect(),
                         applied_index: idx,
+                        incarnation: now.0,
                     };
-                    last = Some(rows);
+                    last = Some(now);
                     if tx.send(Ok(msg)).await.is_err() {
                         return;
                     }

@@ -613,12 +613,15 @@ fn any_answer() -> impl Strategy<Value = Answer> {
     prop_oneof![
         of(balance()).prop_map(Answer::Balance).boxed(),
         of(job().prop_map(Box::new)).prop_map(Answer::Job).boxed(),
-        vec(
-            (job_key(), n32(), vec(any::<u8>(), 0..8), job_state()),
-            0..4
+        (
+            any::<u64>(),
+            vec(
+                (job_key(), n32(), vec(any::<u8>(), 0..8), job_state()),
+                0..4
+            )
         )
-        .prop_map(Answer::Assignments)
-        .boxed(),
+            .prop_map(|(incarnation, rows)| Answer::Assignments { incarnation, rows })
+            .boxed(),
         btree_map(
             tier(),
             prop_oneof![Just(0usize), Just(usize::MAX), any::<usize>()],
@@ -690,7 +693,7 @@ fn answer_variant(a: &Answer) -> usize {
     match a {
         Answer::Balance(_) => 0,
         Answer::Job(_) => 1,
-        Answer::Assignments(_) => 2,
+        Answer::Assignments { .. } => 2,
         Answer::QueueDepth(_) => 3,
         Answer::Totals(_) => 4,
         Answer::Invariants(_) => 5,

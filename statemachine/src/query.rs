@@ -185,8 +185,15 @@ pub struct BudgetView {
 pub enum Answer {
     Balance(Option<Balance>),
     Job(Option<Box<Job>>),
-    /// ((org, job), attempt, GPU indices, state) of each job on the node.
-    Assignments(Vec<crate::scheduler::AssignmentRow>),
+    /// The jobs placed on a node: `rows` holds ((org, job), attempt, GPU indices, state)
+    /// of each; `incarnation` is the agent process the node runs now
+    /// (`GpuNode::incarnation`; 0: none named, or no such node). An agent that finds a
+    /// higher incarnation than its own has been replaced and must stop; a lower one is
+    /// a view from before its registration.
+    Assignments {
+        incarnation: u64,
+        rows: Vec<crate::scheduler::AssignmentRow>,
+    },
     QueueDepth(BTreeMap<Tier, usize>),
     Totals(Totals),
     Invariants(Result<(), String>),
@@ -427,7 +434,10 @@ pub fn answer(state: &State, q: &Query) -> Answer {
             Answer::Buckets(state.ledger.bucket_views(*org, *account, state.time_ms))
         }
         Query::Job(org, id) => Answer::Job(sched.job(*org, *id).cloned().map(Box::new)),
-        Query::Assignments(node) => Answer::Assignments(sched.assignments(*node)),
+        Query::Assignments(node) => Answer::Assignments {
+            incarnation: sched.node_incarnation(*node),
+            rows: sched.assignments(*node),
+        },
         Query::QueueDepth => Answer::QueueDepth(sched.queue_depth()),
         Query::Totals => Answer::Totals(state.ledger.totals),
         Query::Invariants => Answer::Invariants(check_invariants(state).map_err(|v| v.to_string())),

@@ -105,6 +105,22 @@ impl AgentProc {
         }
     }
 
+    /// The exit status, if the agent has exited (it is reaped then).
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        self.child.as_mut().and_then(|c| c.try_wait().unwrap())
+    }
+
+    /// Sends `signal` (a `kill -<signal>` name: STOP, CONT, ...) to the agent itself.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.pid().expect("the agent runs");
+        let st = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string())
+            .status()
+            .unwrap();
+        assert!(st.success(), "kill -{signal} {pid}");
+    }
+
     pub fn assert_running(&mut self) {
         if let Some(st) = self.child.as_mut().and_then(|c| c.try_wait().unwrap()) {
             panic!("the agent exited: {st}");

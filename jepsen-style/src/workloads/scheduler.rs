@@ -46,7 +46,7 @@ pub fn spawn(ctx: Arc<Ctx>, processes: u32, rng: &mut Rng) -> Vec<tokio::task::J
 
 fn assignments_json(a: &Answer) -> Value {
     match a {
-        Answer::Assignments(list) => json!(list
+        Answer::Assignments { rows: list, .. } => json!(list
             .iter()
             .map(|(j, att, gpus, st)| json!([j.0, att, gpus, format!("{st:?}")]))
             .collect::<Vec<_>>()),
@@ -87,7 +87,7 @@ async fn agent(ctx: Arc<Ctx>, node: u64, mut rng: Rng) {
             assignments_json,
         )
         .await;
-        if let Some(Answer::Assignments(list)) = got {
+        if let Some(Answer::Assignments { rows: list, .. }) = got {
             for ((_, job), attempt, _, state) in list {
                 use allot_statemachine::scheduler::JobState as S;
                 let key = (job.0, attempt);

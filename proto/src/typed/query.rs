@@ -873,8 +873,9 @@ pub fn answer_to(a: &Answer) -> A {
         Answer::Job(j) => A::Job(pb::JobAnswer {
             job: j.as_deref().map(job_detail_to),
         }),
-        Answer::Assignments(rows) => A::Assignments(pb::AssignmentsAnswer {
+        Answer::Assignments { incarnation, rows } => A::Assignments(pb::AssignmentsAnswer {
             assignments: rows.iter().map(assignment_to).collect(),
+            incarnation: *incarnation,
         }),
         Answer::QueueDepth(depth) => A::QueueDepth(pb::QueueDepthAnswer {
             queued: depth
@@ -947,11 +948,10 @@ pub fn answer_from(a: Option<&A>) -> Result<Answer, FieldError> {
                 .map(|d| job_detail_from(d, "job.job").map(Box::new))
                 .transpose()?,
         ),
-        A::Assignments(a) => Answer::Assignments(each(
-            &a.assignments,
-            "assignments.assignments",
-            assignment_from,
-        )?),
+        A::Assignments(a) => Answer::Assignments {
+            incarnation: a.incarnation,
+            rows: each(&a.assignments, "assignments.assignments", assignment_from)?,
+        },
         A::QueueDepth(d) => Answer::QueueDepth(
             d.queued
                 .iter()

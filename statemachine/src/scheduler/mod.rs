@@ -499,6 +499,11 @@ impl Scheduler {
 
     /// What a node's agent must run: ((org, job), attempt, GPU indices, state), by job
     /// (the agent reports on each job in its org's namespace).
+    /// The agent incarnation `node` runs now (0: none named, or no such node).
+    pub fn node_incarnation(&self, node: NodeId) -> u64 {
+        self.nodes.get(&node).map_or(0, |n| n.incarnation)
+    }
+
     pub fn assignments(&self, node: NodeId) -> Vec<AssignmentRow> {
         let Some(n) = self.nodes.get(&node) else {
             return Vec::new();
