@@ -216,7 +216,10 @@ fn secured(node: &Node) -> bool {
 
 /// Edge denials waiting to be proposed into their shard's audit trail (bounded; what
 /// does not fit is counted — one log line per shard and flush, and the
-/// `auth_denials_total` metric — not kept).
+/// `auth_denials_total` metric — not kept). Each caller (an org, an agent node, an
+/// admin principal — `ratelimit::key_of` — or every unresolved caller together) has a
+/// share of the buffer, so that one caller's flood of refused calls cannot crowd
+/// everyone else's denials out of the trail.
 #[derive(Default)]
 pub struct Denials {
     pending: std::sync::Mutex<Pending>,
@@ -225,6 +228,8 @@ pub struct Denials {
 #[derive(Default)]
 struct Pending {
     by_shard: std::collections::BTreeMap<u32, Vec<Denial>>,
+    /// Denials kept since the last flush, per shard and caller.
+    kept: std::collections::HashMap<(u32, crate::ratelimit::Key), usize>,
     /// Denials that did not fit since the last flush, per shard.
     dropped: std::collections::BTreeMap<u32, u64>,
 }
@@ -232,14 +237,24 @@ struct Pending {
 /// Denials to propose, per shard.
 type PendingDenials = Vec<(u32, Vec<Denial>)>;
 
-/// Denials kept per shard between two flushes.
-const PENDING_PER_SHARD_MAX: usize = 1024;
-
 impl Denials {
     pub fn record(&self, shard: u32, d: Denial) {
+        use crate::limits::{
+            DENIALS_PENDING_PER_CALLER_MAX, DENIALS_PENDING_PER_SHARD_MAX,
+            DENIALS_PENDING_UNRESOLVED_MAX,
+        };
+        use crate::ratelimit::{key_of, Key};
+        let key = key_of(Some(d.actor)).unwrap_or(Key::Unresolved);
+        let share = match key {
+            Key::Unresolved => DENIALS_PENDING_UNRESOLVED_MAX,
+            _ => DENIALS_PENDING_PER_CALLER_MAX,
+        };
         let mut g = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let g = &mut *g;
+        let kept = g.kept.entry((shard, key)).or_default();
         let v = g.by_shard.entry(shard).or_default();
-        if v.len() < PENDING_PER_SHARD_MAX {
+        if *kept < share && v.len() < DENIALS_PENDING_PER_SHARD_MAX {
+            *kept += 1;
             v.push(d);
         } else {
             *g.dropped.entry(shard).or_default() += 1;
@@ -269,7 +284,8 @@ pub async fn flush_denials(node: std::sync::Weak<Node>) {
             tracing::warn!(
                 shard,
                 dropped = n,
-                "denial buffer full: denials logged and counted but not audited"
+                "denials over their caller's share of the buffer (or the buffer's bound): \
+                 logged and counted but not audited"
             );
         }
         for (shard, denials) in pending {
@@ -361,24 +377,85 @@ pub fn check_report(
 mod tests {
     #[test]
     fn the_denial_buffer_is_bounded_and_counts_what_it_drops() {
-        use allot_statemachine::{Actor, Denial, DenialReason};
+        use crate::limits::{DENIALS_PENDING_PER_SHARD_MAX, DENIALS_PENDING_UNRESOLVED_MAX};
+        use allot_statemachine::{Actor, Denial, DenialReason, OrgId, PrincipalId};
         let d = super::Denials::default();
-        let denial = || Denial {
-            actor: Actor::Anonymous,
+        let denial = |actor| Denial {
+            actor,
             api: "query".into(),
             reason: DenialReason::Unauthenticated,
         };
-        for _ in 0..super::PENDING_PER_SHARD_MAX + 10 {
-            d.record(3, denial());
+        for _ in 0..DENIALS_PENDING_UNRESOLVED_MAX + 10 {
+            d.record(3, denial(Actor::Anonymous));
         }
-        d.record(4, denial());
+        d.record(4, denial(Actor::Anonymous));
         let (pending, dropped) = d.take();
         let kept: Vec<_> = pending.iter().map(|(s, v)| (*s, v.len())).collect();
-        assert_eq!(kept, vec![(3, super::PENDING_PER_SHARD_MAX), (4, 1)]);
+        assert_eq!(kept, vec![(3, DENIALS_PENDING_UNRESOLVED_MAX), (4, 1)]);
         assert_eq!(dropped, vec![(3, 10)]);
         // Taken: the next flush starts empty.
         let (pending, dropped) = d.take();
         assert!(pending.is_empty() && dropped.is_empty());
+        // Many callers, each within its share: the shard's bound still holds.
+        for org in 0..100 {
+            for _ in 0..20 {
+                let actor = Actor::Tenant {
+                    org: OrgId(org),
+                    principal: PrincipalId(org),
+                };
+                d.record(3, denial(actor));
+            }
+        }
+        let (pending, dropped) = d.take();
+        assert_eq!(pending[0].1.len(), DENIALS_PENDING_PER_SHARD_MAX);
+        assert_eq!(
+            dropped,
+            vec![(3, 2_000 - DENIALS_PENDING_PER_SHARD_MAX as u64)]
+        );
+    }
+
+    /// One caller's flood keeps only its share; the next caller's denial is kept.
+    #[test]
+    fn a_caller_keeps_its_share_of_the_denial_buffer_and_no_more() {
+        use crate::limits::{DENIALS_PENDING_PER_CALLER_MAX, DENIALS_PENDING_UNRESOLVED_MAX};
+        use allot_statemachine::{Actor, Denial, DenialReason, NodeId, OrgId, PrincipalId};
+        let d = super::Denials::default();
+        let denial = |actor| Denial {
+            actor,
+            api: "query:totals".into(),
+            reason: DenialReason::PermissionDenied,
+        };
+        let tenant = |org, principal| Actor::Tenant {
+            org: OrgId(org),
+            principal: PrincipalId(principal),
+        };
+        // Org 7 through two of its principals, anonymous callers, an agent: floods.
+        for i in 0..5_000u64 {
+            d.record(0, denial(tenant(7, 70 + i % 2)));
+            d.record(0, denial(Actor::Anonymous));
+            d.record(0, denial(Actor::Agent(NodeId(9))));
+        }
+        d.record(0, denial(tenant(8, 80)));
+        let (pending, _) = d.take();
+        let count =
+            |f: &dyn Fn(&Actor) -> bool| pending[0].1.iter().filter(|x| f(&x.actor)).count();
+        assert_eq!(
+            count(&|a| matches!(a, Actor::Tenant { org: OrgId(7), .. })),
+            DENIALS_PENDING_PER_CALLER_MAX
+        );
+        assert_eq!(
+            count(&|a| *a == Actor::Anonymous),
+            DENIALS_PENDING_UNRESOLVED_MAX
+        );
+        assert_eq!(
+            count(&|a| *a == Actor::Agent(NodeId(9))),
+            DENIALS_PENDING_PER_CALLER_MAX
+        );
+        assert_eq!(
+            count(&|a| *a == tenant(8, 80)),
+            1,
+            "org 8's one denial is kept"
+        );
     }
 
     use super::*;

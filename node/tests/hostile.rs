@@ -602,6 +602,100 @@ async fn defect_10_calls_naming_unknown_shards_queue_no_denials() {
     }
 }
 
+/// Defect 11: one caller's refused calls crowded everyone else's out of the audit
+/// trail. A node keeps at most 1,024 denials per shard between two flushes (about a
+/// second); a tenant with a valid token whose reads are refused (a shard-wide read)
+/// fills that within its own read burst, and every other caller's denial in the same
+/// second was only counted, never audited. Now each caller has a share of the buffer
+/// (64 per org, agent or admin; 256 for every unresolved caller together): org 7's
+/// flood keeps its share, and each of org 8's denials reaches the trail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_11_one_tenants_denials_cannot_crowd_out_anothers() {
+    use allot_node::limits::DENIALS_PENDING_PER_CALLER_MAX;
+    let h = secured(1).await;
+    for org in [7, 8] {
+        h.admin.create_org(OrgId(org)).await.unwrap();
+    }
+    let t7 = h
+        .admin
+        .create_token(PrincipalId(70), Scope::Org(OrgId(7)), None)
+        .await
+        .unwrap();
+    let t8 = h
+        .admin
+        .create_token(PrincipalId(80), Scope::Org(OrgId(8)), None)
+        .await
+        .unwrap();
+    let leader = h.c.leader_of(0).await.unwrap();
+    let ch = channel(&h.addr(leader)).await;
+    let totals = |t: &str| {
+        bearer(
+            typed::query::query_request(0, false, &query::Query::Totals),
+            Some(t),
+        )
+    };
+    let before = h.head_seq(0).await;
+    let started = Instant::now();
+    const ROUNDS: usize = 4;
+    const FLOOD: usize = 1_100;
+    for _ in 0..ROUNDS {
+        // More of org 7's refused reads than the whole buffer holds, as fast as the
+        // node answers them (within org 7's read burst: each is a denial, not a rate
+        // refusal) ...
+        let mut tasks = Vec::new();
+        for _ in 0..32 {
+            let (mut a, t7) = (api(ch.clone()), t7.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut codes = Vec::new();
+                for _ in 0..FLOOD / 32 + 1 {
+                    let q = bearer(
+                        typed::query::query_request(0, false, &query::Query::Totals),
+                        Some(&t7),
+                    );
+                    codes.push(a.query(q).await.unwrap_err().code());
+                }
+                codes
+            }));
+        }
+        for t in tasks {
+            for code in t.await.unwrap() {
+                assert_eq!(code, Code::PermissionDenied);
+            }
+        }
+        // ... then one of org 8's.
+        let e = api(ch.clone()).query(totals(&t8)).await.unwrap_err();
+        assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    }
+    let secs = started.elapsed().as_secs() + 2;
+    // Two flushes (every second) for the last ones.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let mut denied = std::collections::BTreeMap::<u64, usize>::new();
+    h.admin
+        .audit_export(0, ::allot_client::AuditFilter::default(), before, |ev| {
+            if let EventBody::Denied {
+                caller: Actor::Tenant { org, .. },
+                ..
+            } = &ev.body
+            {
+                *denied.entry(org.0).or_default() += 1;
+            }
+            Ok(())
+        })
+        .await
+        .unwrap();
+    eprintln!("defect 11: audited denials by org {denied:?} in ~{secs} s");
+    assert_eq!(
+        denied.get(&8),
+        Some(&ROUNDS),
+        "each of org 8's denials is audited"
+    );
+    let org7 = denied.get(&7).copied().unwrap_or(0);
+    assert!(
+        org7 >= 1 && org7 as u64 <= DENIALS_PENDING_PER_CALLER_MAX as u64 * secs,
+        "org 7 keeps its share per flush: {org7}"
+    );
+}
+
 fn blank_entries(prev: u64, n: usize, term: u64) -> Vec<LogEntry> {
     (0..n)
         .map(|i| LogEntry {
