@@ -782,6 +782,10 @@ struct Shared {
     /// only for one not started for now, which a later set may start).
     done: mpsc::UnboundedSender<(JobKey, u32, bool)>,
     lease: Lease,
+    /// Set when a linearizable read found the shard's record of the node naming an
+    /// older agent process than this one (a shard restored from a backup taken before
+    /// this process registered): the node heartbeat task registers the node again.
+    register_again: std::sync::atomic::AtomicBool,
 }
 
 /// What the agent knows of its leases: when it sent the last node heartbeat the cluster
@@ -1063,8 +1067,18 @@ async fn confirm_start(
     dir: &mut watch::Receiver<Directive>,
 ) -> std::result::Result<(), End> {
     let (job, attempt) = (a.job.0, a.attempt);
+    let mut failures = 0u32;
     loop {
-        match read_assigned(shared, a.key(), attempt).await {
+        let read = read_assigned(shared, a.key(), attempt).await;
+        // A directive that came while the read was on its way: a newer attempt, a
+        // shutdown or a newer agent process starts nothing, whatever the read says.
+        if matches!(
+            *dir.borrow(),
+            Directive::Fenced | Directive::Shutdown | Directive::Superseded
+        ) {
+            return Err(End::NotStarted { ended: true });
+        }
+        match read {
             Ok(Some(JobState::Placed | JobState::Running)) => {
                 if shared.lease.lapsing(&shared.cfg) {
                     debug!(
@@ -1089,10 +1103,21 @@ async fn confirm_start(
                 );
                 return Err(End::NotStarted { ended: true });
             }
-            Err(e) => warn!(
-                job,
-                attempt, "cannot confirm the attempt before starting it, retrying: {e}"
-            ),
+            // Warned once, then every minute (a revoked token fails every read).
+            Err(e) if failures % 60 == 0 => {
+                failures += 1;
+                warn!(
+                    job,
+                    attempt, "cannot confirm the attempt before starting it, retrying: {e}"
+                )
+            }
+            Err(e) => {
+                failures += 1;
+                debug!(
+                    job,
+                    attempt, "cannot confirm the attempt before starting it, retrying: {e}"
+                )
+            }
         }
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
@@ -1304,17 +1329,31 @@ impl Agent {
     /// Applies a whole assignment set: directs running attempts, starts new ones.
     /// `Err(current)`: the set names a newer agent process for this node (incarnation
     /// `current`): this process has been replaced and must stop.
-    fn reconcile(&mut self, set: AssignmentSet) -> std::result::Result<(), u64> {
+    /// `linearizable`: the set is a linearizable read's (the resync), not a replica's
+    /// stream.
+    fn reconcile(
+        &mut self,
+        set: AssignmentSet,
+        linearizable: bool,
+    ) -> std::result::Result<(), u64> {
         let mine = self.shared.cfg.incarnation;
         if set.incarnation > mine {
             return Err(set.incarnation);
         }
         if set.incarnation != 0 && set.incarnation < mine {
-            // A replica that has not yet applied this process's registration: its set
-            // holds the previous process's attempts, which the registration ended.
+            // From a replica's stream: one that has not yet applied this process's
+            // registration; its set holds the previous process's attempts, which the
+            // registration ended. From a linearizable read, the shard's record went
+            // back (restored from a backup taken before this process registered):
+            // the node is registered again, and the set is ignored either way.
+            if linearizable {
+                self.shared.register_again.store(true, Ordering::Relaxed);
+            }
             debug!(
                 seen = set.incarnation,
-                mine, "an assignment set from before this process registered: ignored"
+                mine,
+                linearizable,
+                "an assignment set from before this process registered: ignored"
             );
             return Ok(());
         }
@@ -1442,22 +1481,53 @@ async fn node_heartbeats(client: Client, admin: Option<Client>, shared: Arc<Shar
     loop {
         tick.tick().await;
         let sent = Instant::now();
+        if shared.register_again.load(Ordering::Relaxed) {
+            warn!(
+                incarnation = cfg.incarnation,
+                "the shard's record of this node names an older agent process (restored \
+                 from a backup?): registering again"
+            );
+            if register_again(cfg, admin.as_ref(), &shared.lease, sent).await {
+                shared.register_again.store(false, Ordering::Relaxed);
+            }
+            continue;
+        }
         match client.node_heartbeat(cfg.shard, cfg.node).await {
             Ok(()) => shared.lease.renewed(sent),
             Err(Error::Rejected(CommandError::UnknownNode)) => {
                 warn!("the shard does not know this node: registering again");
-                match reregister_client(cfg, admin.as_ref()) {
-                    Some(admin) => match admin.register_node(cfg.shard, cfg.node_spec()).await {
-                        Ok(()) => shared.lease.renewed(sent),
-                        Err(e) => warn!("registering the node failed: {e}"),
-                    },
-                    None => error!(
-                        "no admin token to register the node again (--register-token-file): \
-                         the node takes no work until an operator registers it"
-                    ),
-                }
+                register_again(cfg, admin.as_ref(), &shared.lease, sent).await;
             }
             Err(e) => warn!("node heartbeat failed: {e}"),
+        }
+    }
+}
+
+/// Registers the node again with this process's incarnation (which also renews its
+/// lease, counted from `sent`); whether it was registered.
+async fn register_again(
+    cfg: &AgentConfig,
+    kept: Option<&Client>,
+    lease: &Lease,
+    sent: Instant,
+) -> bool {
+    match reregister_client(cfg, kept) {
+        Some(admin) => match admin.register_node(cfg.shard, cfg.node_spec()).await {
+            Ok(()) => {
+                lease.renewed(sent);
+                true
+            }
+            Err(e) => {
+                warn!("registering the node failed: {e}");
+                false
+            }
+        },
+        None => {
+            error!(
+                "no admin token to register the node again (--register-token-file): \
+                 the node takes no work until an operator registers it"
+            );
+            false
         }
     }
 }
@@ -1489,7 +1559,7 @@ async fn refresh_leases(client: &Client, shard: u32, lease: &Lease) -> Result<()
 
 /// Follows the assignment stream, moving to the next endpoint (with backoff) whenever
 /// it ends or fails.
-async fn watch_sets(client: Client, cfg: AgentConfig, tx: mpsc::Sender<AssignmentSet>) {
+async fn watch_sets(client: Client, cfg: AgentConfig, tx: mpsc::Sender<(AssignmentSet, bool)>) {
     let endpoints = client.endpoints().to_vec();
     let mut i = 0usize;
     let base = Duration::from_millis(200);
@@ -1506,7 +1576,7 @@ async fn watch_sets(client: Client, cfg: AgentConfig, tx: mpsc::Sender<Assignmen
                     match stream.next().await {
                         Some(Ok(set)) => {
                             backoff = base;
-                            if tx.send(set).await.is_err() {
+                            if tx.send((set, false)).await.is_err() {
                                 return;
                             }
                         }
@@ -1530,7 +1600,7 @@ async fn watch_sets(client: Client, cfg: AgentConfig, tx: mpsc::Sender<Assignmen
 }
 
 /// Re-reads the assignment set (linearizable) and the lease lengths now and then.
-async fn resync(client: Client, shared: Arc<Shared>, tx: mpsc::Sender<AssignmentSet>) {
+async fn resync(client: Client, shared: Arc<Shared>, tx: mpsc::Sender<(AssignmentSet, bool)>) {
     let cfg = &shared.cfg;
     loop {
         tokio::time::sleep(RESYNC_INTERVAL).await;
@@ -1539,7 +1609,7 @@ async fn resync(client: Client, shared: Arc<Shared>, tx: mpsc::Sender<Assignment
         }
         match client.assignment_set(cfg.shard, cfg.node).await {
             Ok(set) => {
-                if tx.send(set).await.is_err() {
+                if tx.send((set, true)).await.is_err() {
                     return;
                 }
             }
@@ -1642,6 +1712,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         client: client.clone(),
         done: done_tx,
         lease,
+        register_again: Default::default(),
     });
     let background = [
         tokio::spawn(node_heartbeats(client.clone(), admin, shared.clone())),
@@ -1663,7 +1734,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
-            Some(set) = sets_rx.recv() => if let Err(current) = agent.reconcile(set) {
+            Some((set, linearizable)) = sets_rx.recv() => if let Err(current) = agent.reconcile(set, linearizable) {
                 superseded = Some(current);
                 break;
             },

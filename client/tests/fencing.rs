@@ -929,7 +929,11 @@ async fn a_replaced_agent_process_stops_when_it_resumes() {
         },
     )
     .await;
-    assert!(!status.success(), "the replaced agent exits with an error");
+    assert_eq!(
+        status.code(),
+        Some(3),
+        "the replaced agent exits 3 (not to be restarted)"
+    );
     assert!(
         old.log_text()
             .contains("a newer agent process has registered this node"),
@@ -1103,9 +1107,9 @@ async fn an_attempt_from_a_late_assignment_set_is_confirmed_before_it_starts() {
     .await;
 
     proxy.hold();
+    let held_before = proxy.held();
     client.submit_job(ORG, spec(1, 3_600_000)).await.unwrap();
     // The watched replica has placed the job (and so sent the set naming it, held).
-    let placed_at = proxy.held();
     until(
         "the watched replica to place the job",
         Duration::from_secs(20),
@@ -1121,7 +1125,7 @@ async fn an_attempt_from_a_late_assignment_set_is_confirmed_before_it_starts() {
     until(
         "the set to reach the proxy",
         Duration::from_secs(10),
-        || async { (proxy.held() > placed_at).then_some(()) },
+        || async { (proxy.held() > held_before).then_some(()) },
     )
     .await;
     let before_cancel = Instant::now();

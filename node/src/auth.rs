@@ -228,14 +228,26 @@ pub struct Denials {
 #[derive(Default)]
 struct Pending {
     by_shard: std::collections::BTreeMap<u32, Vec<Denial>>,
-    /// Denials kept since the last flush, per shard and caller.
-    kept: std::collections::HashMap<(u32, crate::ratelimit::Key), usize>,
+    /// Denials kept since the last flush, per shard and share.
+    kept: std::collections::HashMap<(u32, Share), usize>,
     /// Denials that did not fit since the last flush, per shard.
     dropped: std::collections::BTreeMap<u32, u64>,
 }
 
 /// Denials to propose, per shard.
 type PendingDenials = Vec<(u32, Vec<Denial>)>;
+
+/// Whose share of the denial buffer a denial takes: a resolved caller's (the rate
+/// limiter's key: an org, an agent node, an admin principal), every anonymous call's,
+/// or every call with a token this replica does not resolve (unknown, revoked,
+/// expired) — apart from anonymous ones, so that a flood that needs no credentials
+/// cannot crowd out the denials of stolen or revoked tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Share {
+    Caller(crate::ratelimit::Key),
+    Anonymous,
+    UnresolvedToken,
+}
 
 impl Denials {
     pub fn record(&self, shard: u32, d: Denial) {
@@ -244,17 +256,25 @@ impl Denials {
             DENIALS_PENDING_UNRESOLVED_MAX,
         };
         use crate::ratelimit::{key_of, Key};
-        let key = key_of(Some(d.actor)).unwrap_or(Key::Unresolved);
-        let share = match key {
-            Key::Unresolved => DENIALS_PENDING_UNRESOLVED_MAX,
-            _ => DENIALS_PENDING_PER_CALLER_MAX,
+        let (share, most) = match d.actor {
+            Actor::Anonymous => (Share::Anonymous, DENIALS_PENDING_UNRESOLVED_MAX),
+            Actor::Bearer(_) => (Share::UnresolvedToken, DENIALS_PENDING_UNRESOLVED_MAX),
+            a => (
+                Share::Caller(key_of(Some(a)).unwrap_or(Key::Unresolved)),
+                DENIALS_PENDING_PER_CALLER_MAX,
+            ),
         };
         let mut g = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         let g = &mut *g;
-        let kept = g.kept.entry((shard, key)).or_default();
         let v = g.by_shard.entry(shard).or_default();
-        if *kept < share && v.len() < DENIALS_PENDING_PER_SHARD_MAX {
-            *kept += 1;
+        let fits = v.len() < DENIALS_PENDING_PER_SHARD_MAX && {
+            let kept = g.kept.entry((shard, share)).or_default();
+            *kept < most && {
+                *kept += 1;
+                true
+            }
+        };
+        if fits {
             v.push(d);
         } else {
             *g.dropped.entry(shard).or_default() += 1;
@@ -418,7 +438,9 @@ mod tests {
     #[test]
     fn a_caller_keeps_its_share_of_the_denial_buffer_and_no_more() {
         use crate::limits::{DENIALS_PENDING_PER_CALLER_MAX, DENIALS_PENDING_UNRESOLVED_MAX};
-        use allot_statemachine::{Actor, Denial, DenialReason, NodeId, OrgId, PrincipalId};
+        use allot_statemachine::{
+            Actor, Denial, DenialReason, NodeId, OrgId, PrincipalId, TokenDigest,
+        };
         let d = super::Denials::default();
         let denial = |actor| Denial {
             actor,
@@ -436,6 +458,8 @@ mod tests {
             d.record(0, denial(Actor::Agent(NodeId(9))));
         }
         d.record(0, denial(tenant(8, 80)));
+        // A revoked token's denial has a share apart from anonymous calls'.
+        d.record(0, denial(Actor::Bearer(TokenDigest([7; 32]))));
         let (pending, _) = d.take();
         let count =
             |f: &dyn Fn(&Actor) -> bool| pending[0].1.iter().filter(|x| f(&x.actor)).count();
@@ -455,6 +479,11 @@ mod tests {
             count(&|a| *a == tenant(8, 80)),
             1,
             "org 8's one denial is kept"
+        );
+        assert_eq!(
+            count(&|a| matches!(a, Actor::Bearer(_))),
+            1,
+            "the token's denial is kept"
         );
     }
 

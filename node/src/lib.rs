@@ -15,6 +15,7 @@ pub mod backup;
 pub mod chaos;
 pub mod clock;
 pub mod decoded;
+pub mod disk;
 pub mod edge;
 pub mod limits;
 pub mod local_cluster;

@@ -89,10 +89,12 @@ pub const CONCURRENT_STREAMS_PER_CONNECTION_MAX: u32 = 256;
 pub const HEADER_LIST_BYTES_MAX: u32 = 16 << 10;
 /// Edge denials kept per shard between two flushes into its audit trail (about a
 /// second, `crate::auth::Denials`); of those, at most `DENIALS_PENDING_PER_CALLER_MAX`
-/// of one resolved caller (an org, an agent node, an admin principal) and
-/// `DENIALS_PENDING_UNRESOLVED_MAX` of every unresolved caller together (anonymous
-/// calls, unknown or revoked tokens). Denials past them are logged and counted, not
-/// audited: one caller's flood cannot crowd another's denials out of the trail.
+/// of one resolved caller (an org, an agent node, an admin principal), and
+/// `DENIALS_PENDING_UNRESOLVED_MAX` of every anonymous call together and as many of
+/// every token that does not resolve (unknown, revoked, expired) together. Denials
+/// past them are logged and counted, not audited: one org's, agent's or admin's flood
+/// cannot crowd another caller's denials out of the trail, nor an anonymous flood a
+/// revoked token's (a flood of made-up tokens still shares one share with them).
 pub const DENIALS_PENDING_PER_SHARD_MAX: usize = 1024;
 pub const DENIALS_PENDING_PER_CALLER_MAX: usize = 64;
 pub const DENIALS_PENDING_UNRESOLVED_MAX: usize = 256;

@@ -205,6 +205,14 @@ struct RunArgs {
           value_parser = clap::value_parser!(u32).range(
               allot_statemachine::version::RULES_BASELINE as i64..=allot_statemachine::version::RULES_MAX as i64))]
     max_rules_version: u32,
+    /// Below this many MiB free on the data directory's file system, the node refuses
+    /// the writes that grow the ledger — tenants' and unresolved callers' — with
+    /// RESOURCE_EXHAUSTED (reason DISK_LOW), before a full disk stops the replica; it
+    /// still serves reads and takes agents' reports, operators' commands and its own.
+    /// Lifted once the free space is a tenth above the mark. 0 turns the guard off.
+    /// Raise it in production to cover a day of agents' reports and a compaction.
+    #[arg(long, env = "ALLOT_MIN_FREE_DISK_MIB", default_value_t = 512)]
+    min_free_disk_mib: u64,
     /// Logs as JSON lines.
     #[arg(long, env = "ALLOT_LOG_JSON")]
     log_json: bool,
@@ -394,6 +402,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         test_fsync_fail_file: a.test_fsync_fail_file.clone(),
         test_snapshot_hold_file: a.test_snapshot_hold_file.clone(),
         rules_max: a.max_rules_version,
+        min_free_disk: a.min_free_disk_mib.saturating_mul(1 << 20),
         peer_secret: match &a.peer_secret_file {
             Some(f) => Some(
                 std::fs::read_to_string(f)

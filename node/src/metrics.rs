@@ -16,6 +16,10 @@ pub struct Metrics {
     pub refusals: IntCounterVec,
     /// Server streams open now (`WatchAssignments`).
     pub streams: prometheus::IntGauge,
+    /// Free bytes on the data directory's file system, and whether the node refuses
+    /// tenants' writes for it (`crate::disk`).
+    pub disk_free_bytes: prometheus::IntGauge,
+    pub disk_low: prometheus::IntGauge,
     pub requests: IntCounterVec,
     pub latency: HistogramVec,
     /// Where a proposal's time goes: `queue` (waiting for a batch and a pipeline slot),
@@ -98,6 +102,14 @@ impl Metrics {
         let streams = must(prometheus::IntGauge::new(
             "open_streams",
             "Server streams (WatchAssignments) open now",
+        ));
+        let disk_free_bytes = must(prometheus::IntGauge::new(
+            "disk_free_bytes",
+            "Free bytes on the data directory's file system",
+        ));
+        let disk_low = must(prometheus::IntGauge::new(
+            "disk_low",
+            "1 while the disk is below --min-free-disk-mib and tenants' writes are refused",
         ));
         let requests = must(IntCounterVec::new(
             Opts::new("requests_total", "gRPC requests by method and result"),
@@ -220,6 +232,8 @@ impl Metrics {
             Box::new(batch_bytes.clone()),
             Box::new(refusals.clone()),
             Box::new(streams.clone()),
+            Box::new(disk_free_bytes.clone()),
+            Box::new(disk_low.clone()),
             Box::new(requests.clone()),
             Box::new(latency.clone()),
             Box::new(stage.clone()),
@@ -243,6 +257,8 @@ impl Metrics {
             batch_bytes,
             refusals,
             streams,
+            disk_free_bytes,
+            disk_low,
             requests,
             latency,
             stage,

@@ -82,6 +82,9 @@ pub struct NodeConfig {
     /// The newest rule version this node supports (`--max-rules-version`; at most
     /// `allot_statemachine::version::RULES_MAX`).
     pub rules_max: u32,
+    /// Below this many free bytes on the data directory's disk, tenants' writes are
+    /// refused (`--min-free-disk-mib`; 0: never; `crate::disk`).
+    pub min_free_disk: u64,
 }
 
 pub struct Shard {
@@ -111,6 +114,8 @@ pub struct Node {
     pub config: NodeConfig,
     /// Edge denials waiting for the audit trail.
     pub denials: crate::auth::Denials,
+    /// The data directory's free space (`crate::disk`).
+    pub disk: crate::disk::DiskGuard,
     /// Loaded TLS configuration, if the node serves TLS.
     pub tls: Option<crate::tls::Tls>,
     /// How peers authenticate to this node.
@@ -271,6 +276,7 @@ impl Node {
             clock,
             channels,
             metrics,
+            disk: crate::disk::DiskGuard::new(&config.data_dir, config.min_free_disk),
             config,
             denials: Default::default(),
             tls,
@@ -283,6 +289,7 @@ impl Node {
         });
         tokio::spawn(sample_clocks(Arc::downgrade(&node)));
         tokio::spawn(crate::auth::flush_denials(Arc::downgrade(&node)));
+        tokio::spawn(crate::disk::watch(Arc::downgrade(&node)));
         tokio::spawn(crate::audit_fill::run(Arc::downgrade(&node)));
         if let Some(f) = node.config.test_clock_offset_file.clone() {
             tokio::spawn(follow_clock_offset(Arc::downgrade(&node), f));

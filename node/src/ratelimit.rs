@@ -181,7 +181,12 @@ pub fn stream_keys(who: Actor, org_streams_max: Option<u32>) -> Option<Vec<(Key,
 }
 
 fn exhausted(what: &str, retry_after_ms: u64) -> Status {
-    let mut s = with_reason(Status::resource_exhausted(what.to_string()), "RATE_LIMITED");
+    exhausted_for("RATE_LIMITED", what, retry_after_ms)
+}
+
+/// `RESOURCE_EXHAUSTED` with `reason` and a retry hint.
+pub(crate) fn exhausted_for(reason: &str, what: &str, retry_after_ms: u64) -> Status {
+    let mut s = with_reason(Status::resource_exhausted(what.to_string()), reason);
     if let Ok(v) = MetadataValue::try_from(retry_after_ms.to_string()) {
         s.metadata_mut().insert(RETRY_AFTER_MS, v);
     }

@@ -205,6 +205,13 @@ impl Services {
             .flatten();
         let need: Vec<(Option<Actor>, u32)> = actors.into_iter().map(|a| (a, 1)).collect();
         self.limit(req, Class::Write, &need)?;
+        self.node.disk.admit(&need).inspect_err(|_| {
+            self.node
+                .metrics
+                .refusals
+                .with_label_values(&["write", "disk_low"])
+                .inc();
+        })?;
         // The cluster version gate, on the replica that proposes (a follower forwards).
         if let (true, Some(version)) = (leader, crate::versions::activation_in(&requests)) {
             crate::versions::check_activation(&self.node, shard, version).await?;
@@ -824,6 +831,12 @@ impl Admin for Services {
                 .map(|s| shard_status(&self.node, s))
                 .collect(),
             versions: Some(crate::versions::local_versions(&self.node)),
+            disk_free_bytes: match self.node.disk.free() {
+                u64::MAX => 0,
+                free => free,
+            },
+            disk_low: self.node.disk.low(),
+            min_free_disk_bytes: self.node.disk.min_free(),
         }))
     }
 

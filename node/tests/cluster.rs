@@ -1700,3 +1700,135 @@ async fn a_commit_rides_the_next_append_and_still_reaches_idle_followers() {
         );
     }
 }
+
+/// A node whose data directory's disk is below its low-water mark
+/// (`--min-free-disk-mib`, set here above any disk's size) refuses the writes that grow
+/// the ledger — a tenant's — with `RESOURCE_EXHAUSTED` / `DISK_LOW`, and keeps taking an
+/// operator's and an agent's writes and serving reads, instead of filling the disk until
+/// every replica's store fails at once. Restarted with the default mark, it takes the
+/// tenant's write, and the replicas agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_low_on_disk_refuses_tenants_writes_and_keeps_the_rest() {
+    use allot_statemachine::{Actor, Command, NodeId, NodeSpec, PrincipalId};
+    let (_dir, mut c) = cluster("disk-low", 3, 1);
+    for n in &mut c.nodes {
+        n.extra_args = vec!["--min-free-disk-mib".into(), "1000000000000".into()];
+    }
+    up(&mut c).await;
+    let client = allot_node::local_cluster::client(c.endpoints());
+    let req = |id: u128, actor: Actor, command: Command| Request {
+        actor,
+        request_id: id,
+        org: Some(ORG),
+        command,
+    };
+    let tenant = Actor::Tenant {
+        org: ORG,
+        principal: PrincipalId(7),
+    };
+    // The operator's writes pass.
+    let (outs, _) = client
+        .execute(
+            0,
+            &[
+                Request {
+                    org: None,
+                    ..req(
+                        1,
+                        Actor::Admin(PrincipalId(1)),
+                        Command::CreateOrg { org: ORG },
+                    )
+                },
+                Request {
+                    org: None,
+                    ..req(
+                        2,
+                        Actor::Admin(PrincipalId(1)),
+                        Command::RegisterNode(NodeSpec {
+                            node: NodeId(1),
+                            gpu_type: allot_statemachine::testkit::a100(),
+                            gpu_count: 8,
+                            gpu_mem_gb: 80,
+                            labels: vec![],
+                            incarnation: 0,
+                        }),
+                    )
+                },
+            ],
+        )
+        .await
+        .expect("an operator's writes are taken");
+    assert!(outs.iter().all(Result::is_ok), "{outs:?}");
+    // An agent's too.
+    let (outs, _) = client
+        .execute(
+            0,
+            &[Request {
+                org: None,
+                ..req(
+                    3,
+                    Actor::Agent(NodeId(1)),
+                    Command::NodeHeartbeat { node: NodeId(1) },
+                )
+            }],
+        )
+        .await
+        .expect("an agent's heartbeat is taken");
+    assert!(outs[0].is_ok(), "{outs:?}");
+    // A tenant's write is refused, typed, by every node it reaches, and never applied.
+    let impatient = Client::builder()
+        .endpoints(c.endpoints())
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let project = req(
+        4,
+        tenant,
+        Command::CreateProject {
+            org: ORG,
+            project: PROJECT,
+        },
+    );
+    match impatient.execute(0, std::slice::from_ref(&project)).await {
+        Err(allot_client::Error::Unavailable { cause, last, .. }) => {
+            assert_eq!(cause.as_deref(), Some("DISK_LOW"), "{last}");
+            assert!(last.contains("ResourceExhausted"), "{last}");
+        }
+        other => panic!("a tenant's write while the disk is low: {other:?}"),
+    }
+    // Reads still run, and say the project was not created.
+    let read = client
+        .query(
+            0,
+            &Query::Balance {
+                org: ORG,
+                account: Account::Project(PROJECT),
+                horizon_ms: 0,
+            },
+        )
+        .await;
+    assert!(read.is_ok(), "{read:?}");
+    let status = c.status(1).await.unwrap();
+    assert!(status.disk_low, "the node reports it");
+    assert!(status.disk_free_bytes > 0 && status.min_free_disk_bytes > status.disk_free_bytes);
+    assert!(
+        std::fs::read_to_string(c.log_path(1))
+            .unwrap()
+            .contains("disk is nearly full"),
+        "the node logs it"
+    );
+    // The default mark: the tenant's write is taken (the same request id: it was never
+    // applied, so it is applied now, once).
+    for id in 1..=3 {
+        c.terminate(id, Duration::from_secs(30));
+    }
+    for n in &mut c.nodes {
+        n.extra_args.clear();
+    }
+    c.start_all().unwrap();
+    c.wait_leaders(Duration::from_secs(30)).await.unwrap();
+    let (outs, _) = client.execute(0, &[project]).await.unwrap();
+    assert!(outs[0].is_ok(), "{outs:?}");
+    assert!(!c.status(1).await.unwrap().disk_low);
+    assert_replicas_agree(&c, &client, 1).await;
+}

@@ -186,11 +186,35 @@ async fn main() -> std::process::ExitCode {
     }
     match run(args).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) if replaced(&e) => {
+            eprintln!(
+                "allot-agent: {e:#}: a newer agent process runs this node; this one stopped \
+                 its runners and exits {EXIT_REPLACED} (do not restart it: a restart would \
+                 take the node back from the newer process)"
+            );
+            std::process::ExitCode::from(EXIT_REPLACED)
+        }
         Err(e) => {
             eprintln!("allot-agent: {e:#}");
             std::process::ExitCode::from(2)
         }
     }
+}
+
+/// The exit status of an agent process that found a newer one registered for its node
+/// (its own registration refused, or a set naming a newer incarnation): a supervisor
+/// must not restart it (`RestartPreventExitStatus=3` in docs/allot-agent.service), or
+/// two agent processes of one node would take it from each other in turn, each
+/// registration ending the other's attempts.
+const EXIT_REPLACED: u8 = 3;
+
+fn replaced(e: &anyhow::Error) -> bool {
+    matches!(
+        e.downcast_ref::<allot_client::Error>(),
+        Some(allot_client::Error::Rejected(
+            allot_client::statemachine::CommandError::StaleIncarnation { .. }
+        ))
+    )
 }
 
 /// A token from a file (surrounding whitespace trimmed).

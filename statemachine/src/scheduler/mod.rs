@@ -497,13 +497,13 @@ impl Scheduler {
         self.nodes.get(&id)
     }
 
-    /// What a node's agent must run: ((org, job), attempt, GPU indices, state), by job
-    /// (the agent reports on each job in its org's namespace).
     /// The agent incarnation `node` runs now (0: none named, or no such node).
     pub fn node_incarnation(&self, node: NodeId) -> u64 {
         self.nodes.get(&node).map_or(0, |n| n.incarnation)
     }
 
+    /// What a node's agent must run: ((org, job), attempt, GPU indices, state), by job
+    /// (the agent reports on each job in its org's namespace).
     pub fn assignments(&self, node: NodeId) -> Vec<AssignmentRow> {
         let Some(n) = self.nodes.get(&node) else {
             return Vec::new();

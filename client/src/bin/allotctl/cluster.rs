@@ -296,6 +296,10 @@ struct EndpointRow {
     rules_max: Option<u32>,
     format_version: Option<u32>,
     release: Option<String>,
+    /// The node's free disk space, and whether it refuses tenants' writes for it
+    /// (below `--min-free-disk-mib`: reason DISK_LOW).
+    disk_free_bytes: Option<u64>,
+    disk_low: Option<bool>,
 }
 
 async fn endpoint_status(ctx: &Ctx) -> anyhow::Result<()> {
@@ -322,6 +326,7 @@ async fn endpoint_status(ctx: &Ctx) -> anyhow::Result<()> {
         "PURGED",
         "RULES",
         "AUDIT VERIFIED/HEAD",
+        "DISK FREE",
         "ERROR",
     ]);
     for r in &rows {
@@ -343,6 +348,11 @@ async fn endpoint_status(ctx: &Ctx) -> anyhow::Result<()> {
             match (r.audit_verified_seq, r.audit_head_seq) {
                 (Some(v), Some(h)) => format!("{v}/{h}"),
                 _ => "-".into(),
+            },
+            match (r.disk_free_bytes, r.disk_low) {
+                (Some(0) | None, _) => "-".into(),
+                (Some(f), Some(true)) => format!("{} MiB LOW", f >> 20),
+                (Some(f), _) => format!("{} MiB", f >> 20),
             },
             r.error.clone().unwrap_or_default(),
         ]);
@@ -380,6 +390,8 @@ fn status_rows(addr: &str, s: &StatusReply) -> Vec<EndpointRow> {
             rules_max: s.versions.as_ref().map(|v| v.rules_max),
             format_version: s.versions.as_ref().map(|v| v.format_version),
             release: s.versions.as_ref().map(|v| v.release.clone()),
+            disk_free_bytes: Some(s.disk_free_bytes),
+            disk_low: Some(s.disk_low),
         })
         .collect()
 }
@@ -407,6 +419,8 @@ fn error_row(addr: &str, error: String) -> EndpointRow {
         rules_max: None,
         format_version: None,
         release: None,
+        disk_free_bytes: None,
+        disk_low: None,
     }
 }
 
