@@ -1104,7 +1104,7 @@ async fn confirm_start(
                 return Err(End::NotStarted { ended: true });
             }
             // Warned once, then every minute (a revoked token fails every read).
-            Err(e) if failures % 60 == 0 => {
+            Err(e) if failures.is_multiple_of(60) => {
                 failures += 1;
                 warn!(
                     job,
