@@ -798,16 +798,67 @@ struct Lease {
     /// killed at the shorter of it and the agent's own `--grace`, never after the
     /// cluster has freed its GPUs for the preemptor.
     grace_ms: AtomicU64,
+    /// The (node, job, grace) lengths the last read of the shard's settings returned.
+    last_read: Mutex<Option<[u64; 3]>>,
+    /// Bumped whenever the lengths in force change, so that running attempts recompute
+    /// their stop schedule at once (a shortened lease moves it earlier).
+    changed: watch::Sender<u64>,
 }
 
 impl Lease {
-    fn new(renewed: Instant, node_ms: u64, job_ms: u64) -> Lease {
+    /// A lease renewed at `renewed`, with the (node, job, grace) lengths of a read made
+    /// before that renewal was sent.
+    fn new(renewed: Instant, read: [u64; 3]) -> Lease {
         Lease {
             renewed: Mutex::new(renewed),
-            node_ms: AtomicU64::new(node_ms),
-            job_ms: AtomicU64::new(job_ms),
-            grace_ms: AtomicU64::new(u64::MAX),
+            node_ms: AtomicU64::new(read[0]),
+            job_ms: AtomicU64::new(read[1]),
+            grace_ms: AtomicU64::new(read[2]),
+            last_read: Mutex::new(Some(read)),
+            changed: watch::channel(0).0,
         }
+    }
+
+    /// A renewal sent at `sent` was accepted, and a read made after it was applied
+    /// returned the lengths `read`: the lease counts from `sent`, with the lengths
+    /// [`Lease::learn`] takes.
+    fn renewed_with(&self, sent: Instant, read: [u64; 3]) {
+        let mut r = lock(&self.renewed);
+        let changed = self.learn(read);
+        *r = (*r).max(sent);
+        drop(r);
+        if changed {
+            self.changed.send_modify(|v| *v += 1);
+            info!(
+                node_lease_ms = self.node_ms.load(Ordering::Relaxed),
+                job_lease_ms = self.job_ms.load(Ordering::Relaxed),
+                grace_ms = self.grace_ms.load(Ordering::Relaxed),
+                "lease lengths in force"
+            );
+        }
+    }
+
+    /// Takes the (node lease, job lease, grace) lengths a read of the shard's settings
+    /// returned; whether the lengths in force changed. A renewal is granted the length
+    /// in force when it is applied, which the agent does not see: a read made after a
+    /// renewal was applied may already show a later change. So the agent counts a
+    /// renewal only once a read made after it was applied has answered, with the
+    /// shorter of that read and the one before it — made before the renewal was sent:
+    /// a shortened lease counts at once, a longer one from the next renewal on. (Two
+    /// changes between two renewals — a heartbeat interval — could still be
+    /// miscounted; job renewals and the preemption grace are counted with the lengths
+    /// in force, not bracketed by reads of their own.)
+    fn learn(&self, read: [u64; 3]) -> bool {
+        let prev = lock(&self.last_read).replace(read);
+        let eff = prev.map_or(read, |p| [0, 1, 2].map(|i| p[i].min(read[i])));
+        let mut changed = false;
+        for (slot, v) in [&self.node_ms, &self.job_ms, &self.grace_ms]
+            .into_iter()
+            .zip(eff)
+        {
+            changed |= slot.swap(v, Ordering::Relaxed) != v;
+        }
+        changed
     }
 
     /// How long a preempted runner may take to stop: the agent's grace, at most the
@@ -815,12 +866,6 @@ impl Lease {
     fn preemption_grace(&self, cfg: &AgentConfig) -> Duration {
         cfg.grace
             .min(Duration::from_millis(self.grace_ms.load(Ordering::Relaxed)))
-    }
-
-    /// A renewal sent at `sent` was accepted.
-    fn renewed(&self, sent: Instant) {
-        let mut r = lock(&self.renewed);
-        *r = (*r).max(sent);
     }
 
     /// When a lease that began at `from` and lasts `lease_ms` has its runners stopped:
@@ -1183,6 +1228,8 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
     let mut kill_at: Option<Instant> = None;
     // The job's own lease counts from its last accepted heartbeat (its start, until one).
     let mut job_renewed = Instant::now();
+    // A change of the lease lengths (a shortened lease moves the schedule earlier).
+    let mut lengths = shared.lease.changed.subscribe();
     let end = loop {
         // Recomputed every turn: node renewals move it (the tick brings a turn at least
         // every heartbeat interval).
@@ -1212,9 +1259,12 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
                 info!(job, attempt, success = exited.success, "runner exited ({})", exited.how);
                 break End::Exited { success: exited.success };
             }
+            _ = lengths.changed() => {}
             _ = tick.tick(), if !fencing => {
                 // A heartbeat to an unreachable cluster waits out the client's timeout:
-                // never past the moment the runner must be stopped.
+                // never past the moment the runner must be stopped (as of now: the
+                // lengths may have changed since this turn began).
+                let (term_at, _) = shared.lease.attempt_schedule(&shared.cfg, job_renewed);
                 let sent = Instant::now();
                 let beat = heartbeat(shared, a, &mut seq, runner.progress());
                 match tokio::time::timeout_at(term_at.max(sent), beat).await {
@@ -1492,8 +1542,20 @@ async fn node_heartbeats(client: Client, admin: Option<Client>, shared: Arc<Shar
             }
             continue;
         }
-        match client.node_heartbeat(cfg.shard, cfg.node).await {
-            Ok(()) => shared.lease.renewed(sent),
+        match client.node_heartbeat_at(cfg.shard, cfg.node).await {
+            // The lengths may have been retuned (`ConfigureScheduler`): the renewal
+            // counts once a read of them made after it was applied answers, within half
+            // an interval (the next renewal is not delayed); else it is not counted.
+            Ok(index) => match tokio::time::timeout(
+                cfg.node_heartbeat_interval / 2,
+                read_lengths(&client, cfg.shard, Some(index)),
+            )
+            .await
+            {
+                Ok(Ok(read)) => shared.lease.renewed_with(sent, read),
+                Ok(Err(e)) => debug!("renewal not counted: reading the lease lengths failed: {e}"),
+                Err(_) => debug!("renewal not counted: the lease lengths were not read in time"),
+            },
             Err(Error::Rejected(CommandError::UnknownNode)) => {
                 warn!("the shard does not know this node: registering again");
                 register_again(cfg, admin.as_ref(), &shared.lease, sent).await;
@@ -1514,7 +1576,12 @@ async fn register_again(
     match reregister_client(cfg, kept) {
         Some(admin) => match admin.register_node(cfg.shard, cfg.node_spec()).await {
             Ok(()) => {
-                lease.renewed(sent);
+                // The renewal registering makes counts as a heartbeat's (linearizable:
+                // the read follows the registration's apply).
+                match read_lengths(&admin, cfg.shard, None).await {
+                    Ok(read) => lease.renewed_with(sent, read),
+                    Err(e) => debug!("renewal not counted: reading the lease lengths failed: {e}"),
+                }
                 true
             }
             Err(e) => {
@@ -1548,13 +1615,34 @@ fn reregister_client(cfg: &AgentConfig, kept: Option<&Client>) -> Option<Client>
     kept.cloned()
 }
 
-/// Reads the shard's node and job lease lengths into `lease` (they may be retuned).
-async fn refresh_leases(client: &Client, shard: u32, lease: &Lease) -> Result<()> {
-    let s = client.scheduler_settings(shard).await?;
-    lease.node_ms.store(s.node_lease_ms, Ordering::Relaxed);
-    lease.job_ms.store(s.job_lease_ms, Ordering::Relaxed);
-    lease.grace_ms.store(s.grace_ms, Ordering::Relaxed);
-    Ok(())
+/// The shard's (node lease, job lease, preemption grace) lengths, as of log index
+/// `since` or later (`None`: linearizable).
+async fn read_lengths(client: &Client, shard: u32, since: Option<u64>) -> Result<[u64; 3]> {
+    let s = match since {
+        Some(index) => client.scheduler_settings_since(shard, index).await?,
+        None => client.scheduler_settings(shard).await?,
+    };
+    Ok([s.node_lease_ms, s.job_lease_ms, s.grace_ms])
+}
+
+/// [`read_lengths`] (linearizable) until it answers; `None` if `shutdown` comes first.
+async fn read_lengths_until(
+    client: &Client,
+    shard: u32,
+    shutdown: &mut (impl Future<Output = ()> + Unpin),
+) -> Option<[u64; 3]> {
+    loop {
+        tokio::select! {
+            r = read_lengths(client, shard, None) => match r {
+                Ok(read) => return Some(read),
+                Err(e) => {
+                    warn!("reading the shard's lease lengths failed, retrying: {e}");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            },
+            _ = &mut *shutdown => return None,
+        }
+    }
 }
 
 /// Follows the assignment stream, moving to the next endpoint (with backoff) whenever
@@ -1599,14 +1687,12 @@ async fn watch_sets(client: Client, cfg: AgentConfig, tx: mpsc::Sender<(Assignme
     }
 }
 
-/// Re-reads the assignment set (linearizable) and the lease lengths now and then.
+/// Re-reads the assignment set (linearizable) now and then (the lease lengths are read
+/// after every accepted node heartbeat).
 async fn resync(client: Client, shared: Arc<Shared>, tx: mpsc::Sender<(AssignmentSet, bool)>) {
     let cfg = &shared.cfg;
     loop {
         tokio::time::sleep(RESYNC_INTERVAL).await;
-        if let Err(e) = refresh_leases(&client, cfg.shard, &shared.lease).await {
-            debug!("reading the lease lengths failed: {e}");
-        }
         match client.assignment_set(cfg.shard, cfg.node).await {
             Ok(set) => {
                 if tx.send((set, true)).await.is_err() {
@@ -1683,26 +1769,22 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         (None, None) => None,
     };
     let admin = admin_client(&config, register_token)?;
+    // The lease lengths are read before registering and again after (the renewal a
+    // registration makes is counted like a heartbeat's: `Lease::learn`).
+    let Some(before) = read_lengths_until(&client, config.shard, &mut shutdown).await else {
+        return Ok(());
+    };
     let registered = tokio::select! {
         r = register(&admin, &config) => r?,
         _ = &mut shutdown => return Ok(()),
     };
     // Kept only when there is no file to read it from again (a token given otherwise).
     let admin = config.register_token_file.is_none().then_some(admin);
-    let defaults = allot_statemachine::scheduler::SchedulerConfig::default();
-    let lease = Lease::new(registered, defaults.node_lease_ms, defaults.job_lease_ms);
-    loop {
-        tokio::select! {
-            r = refresh_leases(&client, config.shard, &lease) => match r {
-                Ok(()) => break,
-                Err(e) => {
-                    warn!("reading the shard's lease lengths failed, retrying: {e}");
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                }
-            },
-            _ = &mut shutdown => return Ok(()),
-        }
-    }
+    let lease = Lease::new(registered, before);
+    let Some(after) = read_lengths_until(&client, config.shard, &mut shutdown).await else {
+        return Ok(());
+    };
+    lease.renewed_with(registered, after);
 
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let (sets_tx, mut sets_rx) = mpsc::channel(16);
@@ -1862,6 +1944,39 @@ mod tests {
         // The grace never reaches back before the lease began.
         let (term, kill) = Lease::schedule(t0, 1, s(5), s(5));
         assert!(t0 <= term && term <= kill && kill <= t0 + ms(1));
+    }
+
+    /// A shortened lease counts at once; a longer one only from the read after the
+    /// one that showed it (the renewal counted from may have been granted the old one).
+    #[test]
+    fn lease_lengths_count_with_the_shorter_of_the_last_two_reads() {
+        let t = Instant::now();
+        let l = Lease::new(t, [60_000, 180_000, 30_000]);
+        let now =
+            |l: &Lease| [&l.node_ms, &l.job_ms, &l.grace_ms].map(|a| a.load(Ordering::Relaxed));
+        let mut changed = l.changed.subscribe();
+        l.renewed_with(t, [60_000, 180_000, 30_000]);
+        assert_eq!(now(&l), [60_000, 180_000, 30_000]);
+        assert!(!changed.has_changed().unwrap());
+        // Shortened: at once, and running attempts hear of it.
+        let t1 = t + Duration::from_secs(1);
+        l.renewed_with(t1, [5_000, 20_000, 10_000]);
+        assert_eq!(now(&l), [5_000, 20_000, 10_000]);
+        assert_eq!(*lock(&l.renewed), t1);
+        assert!(changed.has_changed().unwrap());
+        changed.mark_unchanged();
+        // Lengthened: not for the renewal the read followed (it may have been granted
+        // the shorter one) ...
+        l.renewed_with(t1 + Duration::from_secs(1), [60_000, 180_000, 30_000]);
+        assert_eq!(now(&l), [5_000, 20_000, 10_000]);
+        assert!(!changed.has_changed().unwrap());
+        // ... but from the next one.
+        l.renewed_with(t1 + Duration::from_secs(2), [60_000, 180_000, 30_000]);
+        assert_eq!(now(&l), [60_000, 180_000, 30_000]);
+        assert!(changed.has_changed().unwrap());
+        // A renewal never moves the lease back.
+        l.renewed_with(t, [60_000, 180_000, 30_000]);
+        assert_eq!(*lock(&l.renewed), t1 + Duration::from_secs(2));
     }
 
     #[test]

@@ -99,15 +99,26 @@ impl Client {
         request_id: RequestId,
         command: Command,
     ) -> Result<Reply> {
+        Ok(self.run_in_at(shard, org, request_id, command).await?.0)
+    }
+
+    /// [`Client::run_in`], with the log index the command was applied at.
+    pub async fn run_in_at(
+        &self,
+        shard: u32,
+        org: Option<OrgId>,
+        request_id: RequestId,
+        command: Command,
+    ) -> Result<(Reply, u64)> {
         let req = Request {
             actor: self.identity(),
             request_id,
             org,
             command,
         };
-        let (mut outcomes, _) = self.execute(shard, std::slice::from_ref(&req)).await?;
+        let (mut outcomes, index) = self.execute(shard, std::slice::from_ref(&req)).await?;
         match outcomes.pop() {
-            Some(Ok(reply)) => Ok(reply),
+            Some(Ok(reply)) => Ok((reply, index)),
             Some(Err(e)) => Err(Error::Rejected(e)),
             None => Err(Error::Unexpected("no outcome".into())),
         }
@@ -452,6 +463,24 @@ impl Client {
         }
     }
 
+    /// The shard's scheduler settings as of log index `index` or later: a replica's
+    /// own state (no read index) when it has applied `index`, else a linearizable read.
+    /// What an agent reads after a renewal it knows the index of.
+    pub async fn scheduler_settings_since(
+        &self,
+        shard: u32,
+        index: u64,
+    ) -> Result<SchedulerSettings> {
+        match self
+            .query_at(shard, &Query::SchedulerSettings, true)
+            .await?
+        {
+            (Answer::SchedulerSettings(s), applied, _) if applied >= index => Ok(s),
+            (Answer::SchedulerSettings(_), _, _) => self.scheduler_settings(shard).await,
+            (other, _, _) => unexpected("scheduler settings", other),
+        }
+    }
+
     /// Retunes a shard's scheduler (admin only; validated whole, applied whole).
     pub async fn configure_scheduler(&self, shard: u32, settings: SchedulerSettings) -> Result<()> {
         self.run(shard, Command::ConfigureScheduler(settings))
@@ -482,9 +511,16 @@ impl Client {
 
     /// The node agent is alive (renews the node lease).
     pub async fn node_heartbeat(&self, shard: u32, node: NodeId) -> Result<()> {
-        self.run(shard, Command::NodeHeartbeat { node })
-            .await
-            .map(drop)
+        self.node_heartbeat_at(shard, node).await.map(drop)
+    }
+
+    /// [`Client::node_heartbeat`], answering the log index the renewal was applied at.
+    pub async fn node_heartbeat_at(&self, shard: u32, node: NodeId) -> Result<u64> {
+        let command = Command::NodeHeartbeat { node };
+        let (_, index) = self
+            .run_in_at(shard, None, self.next_request_id(), command)
+            .await?;
+        Ok(index)
     }
 
     /// Meters a placed job's attempt and renews its lease (the job of `org`).

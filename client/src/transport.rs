@@ -482,6 +482,13 @@ impl Client {
 
     /// A query with the logical time of the state that answered it.
     pub async fn query_timed(&self, shard: u32, q: &Query, stale: bool) -> Result<(Answer, u64)> {
+        let (answer, _, time) = self.query_at(shard, q, stale).await?;
+        Ok((answer, time))
+    }
+
+    /// A query with the applied index and the logical time of the state that answered
+    /// it.
+    pub async fn query_at(&self, shard: u32, q: &Query, stale: bool) -> Result<(Answer, u64, u64)> {
         let query = typed::query::query_request(shard, stale, q);
         let reply = self
             .with_retries(shard, |ch, t| {
@@ -490,7 +497,11 @@ impl Client {
                 async move { c.query(msg).await.map(|r| r.into_inner()) }
             })
             .await?;
-        Ok((answer_of(&reply)?, reply.logical_time_ms))
+        Ok((
+            answer_of(&reply)?,
+            reply.applied_index,
+            reply.logical_time_ms,
+        ))
     }
 
     /// The shard's logical time now (ms since the Unix epoch): the clock expiries,

@@ -1167,3 +1167,85 @@ async fn an_attempt_from_a_late_assignment_set_is_confirmed_before_it_starts() {
     );
     a.assert_running();
 }
+
+/// The operator shortens the node lease (`ConfigureScheduler`) while a job runs, and
+/// the agent is cut off right after: it stops its runner by the new length, before the
+/// cluster may place the job elsewhere. The agent learnt a retuned length only at its
+/// 15 s resync, so a cut inside that window left the runner up to the old lease (60 s
+/// here) while the cluster re-placed the job after 5 + 3 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shortened_node_lease_fences_a_cut_off_agent_by_its_new_length() {
+    let dir = tempfile::Builder::new()
+        .prefix("allot-retuned-")
+        .tempdir()
+        .unwrap();
+    let (c, client) = cluster(dir.path()).await;
+    fund(&client).await;
+    let (script, out) = runner(dir.path());
+    let args = [
+        "--fence-margin",
+        "1s",
+        "--grace",
+        "2s",
+        "--",
+        "/bin/sh",
+        script.to_str().unwrap(),
+        out.to_str().unwrap(),
+    ];
+    let partition = Partition::around(c.endpoints()).await;
+    let mut a = agent(&partition.addrs(), 1, &dir.path().join("agent"), &args, &[]);
+    wait_node(&client, &mut a, 1).await;
+    client.submit_job(ORG, spec(1, 3_600_000)).await.unwrap();
+    until("attempt 1 running", Duration::from_secs(20), || async {
+        events(&out)
+            .iter()
+            .any(|e| e.0 == "start" && e.2 == 1)
+            .then_some(())
+    })
+    .await;
+    // From the default 60 s node lease to 5 s (margin 3 s).
+    short_leases(&client).await;
+    until(
+        "the agent to count with the new lease",
+        Duration::from_secs(10),
+        || {
+            let log = a.log_text();
+            async move {
+                log.lines()
+                    .any(|l| {
+                        l.contains("lease lengths in force") && l.contains("node_lease_ms=5000")
+                    })
+                    .then_some(())
+            }
+        },
+    )
+    .await;
+    let cut = now_ns();
+    partition.cut();
+    until("the runner to stop", Duration::from_secs(20), || {
+        let log = a.log_text();
+        async move {
+            log.contains("runner stopped: the lease could not be renewed")
+                .then_some(())
+        }
+    })
+    .await;
+    // Its last sign of life: its exit line, or its last `alive` line (SIGKILL leaves
+    // no exit line; a live runner writes one every 50 ms).
+    let exited = until(
+        "the runner's work to be gone",
+        Duration::from_secs(10),
+        || async {
+            let last = span(&events(&out), 1, 1).1;
+            (now_ns().saturating_sub(last) > 500_000_000).then_some(last)
+        },
+    )
+    .await;
+    let after_ms = (exited as f64 - cut as f64) / 1e6;
+    println!("retuned lease: the runner stopped {after_ms:.0} ms after the cut");
+    // Its last counted renewal was at most a heartbeat interval (1 s) before the cut,
+    // and the runner is killed 3.75 s after it (5 s less a quarter); the cluster may
+    // re-place the job 5 + 3 s after the renewal at the earliest.
+    assert!(after_ms < 6_000.0, "stopped {after_ms:.0} ms after the cut");
+    a.assert_running();
+}

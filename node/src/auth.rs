@@ -114,7 +114,9 @@ pub fn refuse(node: &Node, shard: u32, caller: Actor, api: &str, reason: DenialR
         .inc();
     // Queued for the audit trail of a shard this node hosts only (a call naming any
     // other is refused `UNKNOWN_SHARD`; each unknown id would be a buffer of its own).
-    if node.shard(shard).is_some() {
+    // Not while the disk is low, for the callers whose writes are refused then: their
+    // denials would grow the log as much (counted and logged all the same).
+    if node.shard(shard).is_some() && !node.disk.refuses(Some(caller), None) {
         node.denials.record(
             shard,
             Denial {

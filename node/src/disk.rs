@@ -29,9 +29,14 @@ pub struct DiskGuard {
     dir: PathBuf,
     /// Writes that grow the ledger are refused below this many free bytes (0: never).
     min_free: u64,
+    /// Free bytes at the last measurement that succeeded (`NOT_MEASURED` before one).
     free: AtomicU64,
     low: AtomicBool,
+    /// Whether the last measurement failed (logged when it starts failing).
+    failing: AtomicBool,
 }
+
+const NOT_MEASURED: u64 = u64::MAX;
 
 impl DiskGuard {
     /// A guard for `dir`, measured once now.
@@ -39,16 +44,20 @@ impl DiskGuard {
         let g = DiskGuard {
             dir: dir.to_path_buf(),
             min_free,
-            free: AtomicU64::new(u64::MAX),
+            free: AtomicU64::new(NOT_MEASURED),
             low: AtomicBool::new(false),
+            failing: AtomicBool::new(false),
         };
         g.check();
         g
     }
 
-    /// Free bytes at the last measurement (`u64::MAX` until one succeeded).
-    pub fn free(&self) -> u64 {
-        self.free.load(Ordering::Relaxed)
+    /// Free bytes at the last measurement that succeeded (`None` before one).
+    pub fn free(&self) -> Option<u64> {
+        match self.free.load(Ordering::Relaxed) {
+            NOT_MEASURED => None,
+            f => Some(f),
+        }
     }
 
     pub fn min_free(&self) -> u64 {
@@ -61,12 +70,23 @@ impl DiskGuard {
     }
 
     /// Measures the free space and updates the state; returns `Some(low)` when it
-    /// changed. A space that cannot be measured leaves the state as it was.
+    /// changed. A space that cannot be measured leaves the state as it was (warned
+    /// when the measurements start failing: the guard is blind meanwhile).
     pub fn check(&self) -> Option<bool> {
         let free = match free_bytes(&self.dir) {
-            Ok(f) => f,
+            Ok(f) => {
+                self.failing.store(false, Ordering::Relaxed);
+                f
+            }
             Err(e) => {
-                tracing::debug!(dir = %self.dir.display(), "cannot measure the free space: {e}");
+                if !self.failing.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        dir = %self.dir.display(),
+                        low = self.low(),
+                        "cannot measure the data directory's free space (the disk guard \
+                         keeps its last state until it can): {e}"
+                    );
+                }
                 return None;
             }
         };
@@ -78,34 +98,49 @@ impl DiskGuard {
             now
         })
     }
-}
 
-impl DiskGuard {
-    /// While the disk is low, refuses a batch holding a write of a tenant (an org's
-    /// principal) or of an unresolved caller: `RESOURCE_EXHAUSTED`, reason `DISK_LOW`,
-    /// with a retry hint. Agents', admins' and the node's own writes pass: they keep
+    /// Whether, while the disk is low, a request of `actor` doing `command` is refused:
+    /// one that grows the ledger for a tenant (an org's principal) or an unresolved
+    /// caller — every command of theirs except those that end work (`CancelJob`,
+    /// `ReleaseHold`). Agents', admins' and the node's own requests pass: they keep
     /// running work alive and let an operator act.
+    pub fn refuses(
+        &self,
+        actor: Option<allot_statemachine::Actor>,
+        command: Option<&allot_statemachine::Command>,
+    ) -> bool {
+        use crate::ratelimit::{key_of, Key};
+        use allot_statemachine::Command;
+        self.low()
+            && matches!(key_of(actor), Some(Key::Org(_) | Key::Unresolved))
+            && !matches!(
+                command,
+                Some(Command::CancelJob { .. } | Command::ReleaseHold { .. })
+            )
+    }
+
+    /// While the disk is low, refuses a batch holding a request [`DiskGuard::refuses`]:
+    /// `RESOURCE_EXHAUSTED`, reason `DISK_LOW`, with a retry hint.
     #[allow(clippy::result_large_err)]
     pub fn admit(
         &self,
+        requests: &[allot_statemachine::Request],
         actors: &[(Option<allot_statemachine::Actor>, u32)],
     ) -> Result<(), tonic::Status> {
-        use crate::ratelimit::{key_of, Key};
-        if !self.low() {
-            return Ok(());
-        }
-        let grows = actors
+        let refused = requests
             .iter()
-            .any(|(a, _)| matches!(key_of(*a), Some(Key::Org(_) | Key::Unresolved)));
-        if !grows {
+            .zip(actors)
+            .any(|(r, (a, _))| self.refuses(*a, Some(&r.command)));
+        if !refused {
             return Ok(());
         }
         Err(crate::ratelimit::exhausted_for(
             "DISK_LOW",
             &format!(
                 "the node's disk has {} MiB free, below its mark of {} MiB: tenants' writes \
-                 are refused until an operator frees space (reads still run)",
-                self.free() >> 20,
+                 are refused until an operator frees space (reads, cancellations and \
+                 agents' reports still run)",
+                self.free().unwrap_or(0) >> 20,
                 self.min_free >> 20
             ),
             DISK_CHECK_INTERVAL.as_millis() as u64 * 5,
@@ -153,20 +188,22 @@ pub async fn watch(node: std::sync::Weak<crate::node::Node>) {
         let Some(node) = node.upgrade() else { return };
         let g = &node.disk;
         g.check();
-        node.metrics
-            .disk_free_bytes
-            .set(g.free().min(i64::MAX as u64) as i64);
+        if let Some(free) = g.free() {
+            node.metrics
+                .disk_free_bytes
+                .set(free.min(i64::MAX as u64) as i64);
+        }
         node.metrics.disk_low.set(i64::from(g.low()));
         match (g.low(), logged) {
             (true, false) => tracing::error!(
-                free = g.free(),
+                free = g.free().unwrap_or(0),
                 min_free = g.min_free(),
                 "the data directory's disk is nearly full: refusing tenants' writes \
                  (DISK_LOW) until space is freed; reads, agents' reports and operators' \
                  commands still run"
             ),
             (false, true) => tracing::warn!(
-                free = g.free(),
+                free = g.free().unwrap_or(0),
                 min_free = g.min_free(),
                 "the data directory's disk has room again: taking every write"
             ),
@@ -205,5 +242,36 @@ mod tests {
         // An impossible mark: low at once; 0: never.
         assert!(DiskGuard::new(dir.path(), u64::MAX).low());
         assert!(!DiskGuard::new(dir.path(), 0).low());
+    }
+
+    /// While low: tenants' and unresolved callers' requests are refused, except those
+    /// that end work; agents', admins' and the node's own pass.
+    #[test]
+    fn who_is_refused_while_the_disk_is_low() {
+        use allot_statemachine::{Actor, Command, HoldId, JobId, NodeId, OrgId, PrincipalId};
+        let dir = tempfile::tempdir().unwrap();
+        let (low, fine) = (
+            DiskGuard::new(dir.path(), u64::MAX),
+            DiskGuard::new(dir.path(), 0),
+        );
+        let tenant = Some(Actor::Tenant {
+            org: OrgId(1),
+            principal: PrincipalId(2),
+        });
+        let grow = Command::CreateOrg { org: OrgId(3) };
+        let cancel = Command::CancelJob { job: JobId(1) };
+        let release = Command::ReleaseHold { hold: HoldId(1) };
+        assert!(low.refuses(tenant, Some(&grow)));
+        assert!(low.refuses(tenant, None), "a tenant's denial record");
+        assert!(low.refuses(None, Some(&grow)));
+        assert!(low.refuses(Some(Actor::Anonymous), None));
+        assert!(!low.refuses(tenant, Some(&cancel)));
+        assert!(!low.refuses(tenant, Some(&release)));
+        let beat = Command::NodeHeartbeat { node: NodeId(1) };
+        assert!(!low.refuses(Some(Actor::Agent(NodeId(1))), Some(&beat)));
+        assert!(!low.refuses(Some(Actor::Admin(PrincipalId(1))), Some(&grow)));
+        assert!(!low.refuses(Some(Actor::System), Some(&grow)));
+        assert!(!fine.refuses(tenant, Some(&grow)));
+        assert!(fine.free().is_some() && low.free().is_some());
     }
 }

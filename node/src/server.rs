@@ -205,7 +205,7 @@ impl Services {
             .flatten();
         let need: Vec<(Option<Actor>, u32)> = actors.into_iter().map(|a| (a, 1)).collect();
         self.limit(req, Class::Write, &need)?;
-        self.node.disk.admit(&need).inspect_err(|_| {
+        self.node.disk.admit(&requests, &need).inspect_err(|_| {
             self.node
                 .metrics
                 .refusals
@@ -831,10 +831,7 @@ impl Admin for Services {
                 .map(|s| shard_status(&self.node, s))
                 .collect(),
             versions: Some(crate::versions::local_versions(&self.node)),
-            disk_free_bytes: match self.node.disk.free() {
-                u64::MAX => 0,
-                free => free,
-            },
+            disk_free_bytes: self.node.disk.free().unwrap_or(0),
             disk_low: self.node.disk.low(),
             min_free_disk_bytes: self.node.disk.min_free(),
         }))

@@ -1807,7 +1807,7 @@ async fn a_node_low_on_disk_refuses_tenants_writes_and_keeps_the_rest() {
             },
         )
         .await;
-    assert!(read.is_ok(), "{read:?}");
+    assert!(matches!(read, Ok(Answer::Balance(None))), "{read:?}");
     let status = c.status(1).await.unwrap();
     assert!(status.disk_low, "the node reports it");
     assert!(status.disk_free_bytes > 0 && status.min_free_disk_bytes > status.disk_free_bytes);
@@ -1817,18 +1817,30 @@ async fn a_node_low_on_disk_refuses_tenants_writes_and_keeps_the_rest() {
             .contains("disk is nearly full"),
         "the node logs it"
     );
-    // The default mark: the tenant's write is taken (the same request id: it was never
-    // applied, so it is applied now, once).
+    // Without the mark (0: this shared disk may itself be below the default's 512
+    // MiB): the tenant's write is taken (the same request id: it was never applied, so
+    // it is applied now, once).
     for id in 1..=3 {
         c.terminate(id, Duration::from_secs(30));
     }
     for n in &mut c.nodes {
-        n.extra_args.clear();
+        n.extra_args = vec!["--min-free-disk-mib".into(), "0".into()];
     }
     c.start_all().unwrap();
     c.wait_leaders(Duration::from_secs(30)).await.unwrap();
     let (outs, _) = client.execute(0, &[project]).await.unwrap();
     assert!(outs[0].is_ok(), "{outs:?}");
+    let read = client
+        .query(
+            0,
+            &Query::Balance {
+                org: ORG,
+                account: Account::Project(PROJECT),
+                horizon_ms: 0,
+            },
+        )
+        .await;
+    assert!(matches!(read, Ok(Answer::Balance(Some(_)))), "{read:?}");
     assert!(!c.status(1).await.unwrap().disk_low);
     assert_replicas_agree(&c, &client, 1).await;
 }

@@ -350,8 +350,8 @@ async fn endpoint_status(ctx: &Ctx) -> anyhow::Result<()> {
                 _ => "-".into(),
             },
             match (r.disk_free_bytes, r.disk_low) {
+                (f, Some(true)) => format!("{} MiB LOW", f.unwrap_or(0) >> 20),
                 (Some(0) | None, _) => "-".into(),
-                (Some(f), Some(true)) => format!("{} MiB LOW", f >> 20),
                 (Some(f), _) => format!("{} MiB", f >> 20),
             },
             r.error.clone().unwrap_or_default(),
