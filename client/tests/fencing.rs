@@ -201,6 +201,61 @@ fn agent(
     })
 }
 
+/// A test's funded 3-node cluster and the logging runner ([`RUNNER`]).
+struct Scene {
+    dir: tempfile::TempDir,
+    c: LocalCluster,
+    client: Client,
+    script: PathBuf,
+    out: PathBuf,
+}
+
+impl Scene {
+    async fn new(prefix: &str) -> Scene {
+        let dir = tempfile::Builder::new().prefix(prefix).tempdir().unwrap();
+        let (c, client) = cluster(dir.path()).await;
+        fund(&client).await;
+        let (script, out) = runner(dir.path());
+        Scene {
+            dir,
+            c,
+            client,
+            script,
+            out,
+        }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// An agent's arguments: `flags`, then the runner.
+    fn args<'a>(&'a self, flags: &[&'a str]) -> Vec<&'a str> {
+        let run = [
+            "--",
+            "/bin/sh",
+            self.script.to_str().unwrap(),
+            self.out.to_str().unwrap(),
+        ];
+        flags.iter().copied().chain(run).collect()
+    }
+}
+
+/// Waits until a runner of `job`'s `attempt` has started; its pid.
+async fn started(out: &Path, job: u64, attempt: u32, within: Duration) -> u32 {
+    until(
+        &format!("job {job} attempt {attempt} running"),
+        within,
+        || async {
+            events(out)
+                .iter()
+                .find(|e| e.0 == "start" && e.1 == job && e.2 == attempt)
+                .map(|e| e.3)
+        },
+    )
+    .await
+}
+
 /// A TCP proxy in the test process: forwards to `target` until cut; a cut closes
 /// every connection and refuses new ones until healed.
 struct Proxy {
@@ -477,32 +532,14 @@ async fn a_partitioned_agent_stops_its_runner_before_the_job_runs_elsewhere() {
 /// any attempt starts there).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_agent_stops_its_orphaned_runner_before_registering() {
-    let dir = tempfile::Builder::new()
-        .prefix("allot-orphan-")
-        .tempdir()
-        .unwrap();
-    let (c, client) = cluster(dir.path()).await;
-    fund(&client).await;
-    let (script, out) = runner(dir.path());
-    let args = [
-        "--grace",
-        "2s",
-        "--",
-        "/bin/sh",
-        script.to_str().unwrap(),
-        out.to_str().unwrap(),
-    ];
-    let adir = dir.path().join("agent");
+    let sc = Scene::new("allot-orphan-").await;
+    let (c, client, out) = (&sc.c, &sc.client, &sc.out);
+    let args = sc.args(&["--grace", "2s"]);
+    let adir = sc.path().join("agent");
     let mut a = agent(&c.endpoints(), 1, &adir, &args, &[]);
-    wait_node(&client, &mut a, 1).await;
+    wait_node(client, &mut a, 1).await;
     client.submit_job(ORG, spec(1, 3_600_000)).await.unwrap();
-    let pid = until("attempt 1 running", Duration::from_secs(20), || async {
-        events(&out)
-            .iter()
-            .find(|e| e.0 == "start" && e.2 == 1)
-            .map(|e| e.3)
-    })
-    .await;
+    let pid = started(out, 1, 1, Duration::from_secs(20)).await;
     a.kill();
     // The kernel's parent-death signal may already have stopped the runner; either way
     // the restarted agent must find nothing of it running before it registers.
@@ -512,14 +549,14 @@ async fn a_restarted_agent_stops_its_orphaned_runner_before_registering() {
         "the attempt to start again",
         Duration::from_secs(30),
         || async {
-            events(&out)
+            events(out)
                 .iter()
                 .find(|e| e.0 == "start" && e.3 != pid)
                 .map(|_| ())
         },
     )
     .await;
-    let ev = events(&out);
+    let ev = events(out);
     let old_last = ev.iter().filter(|e| e.3 == pid).map(|e| e.4).max().unwrap();
     let new_start = ev
         .iter()
@@ -563,14 +600,14 @@ async fn a_restarted_agent_stops_its_orphaned_runner_before_registering() {
             current: 2
         })
     );
-    assert_eq!(job(&client, 1).await.state, JobState::Running);
+    assert_eq!(job(client, 1).await.state, JobState::Running);
     std::fs::write(
-        out.join(format!("go-1-{}", job(&client, 1).await.attempt)),
+        out.join(format!("go-1-{}", job(client, 1).await.attempt)),
         "",
     )
     .unwrap();
     until("the job to succeed", Duration::from_secs(30), || async {
-        (job(&client, 1).await.state == JobState::Succeeded).then_some(())
+        (job(client, 1).await.state == JobState::Succeeded).then_some(())
     })
     .await;
     drop(a);
@@ -677,28 +714,16 @@ async fn a_runner_never_sees_the_agents_credentials() {
 /// cancellation's settlement is unchanged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_finish_of_a_settled_job_is_refused_and_logged_as_such() {
-    let dir = tempfile::Builder::new()
-        .prefix("allot-late-")
-        .tempdir()
-        .unwrap();
-    let (c, client) = cluster(dir.path()).await;
-    fund(&client).await;
-    let (script, out) = runner(dir.path());
-    let args = [
-        "--heartbeat-interval",
-        "500ms",
-        "--",
-        "/bin/sh",
-        script.to_str().unwrap(),
-        out.to_str().unwrap(),
-    ];
+    let sc = Scene::new("allot-late-").await;
+    let (c, client, out) = (&sc.c, &sc.client, &sc.out);
+    let args = sc.args(&["--heartbeat-interval", "500ms"]);
     let partition = Partition::around(c.endpoints()).await;
     let via = partition.addrs();
-    let mut a = agent(&via, 1, &dir.path().join("agent"), &args, &[]);
-    wait_node(&client, &mut a, 1).await;
+    let mut a = agent(&via, 1, &sc.path().join("agent"), &args, &[]);
+    wait_node(client, &mut a, 1).await;
     client.submit_job(ORG, spec(5, 3_600_000)).await.unwrap();
     until("job 5 running", Duration::from_secs(20), || async {
-        (job(&client, 5).await.state == JobState::Running).then_some(())
+        (job(client, 5).await.state == JobState::Running).then_some(())
     })
     .await;
     // Cut off (well within the node lease); the job is cancelled meanwhile; the runner
@@ -710,7 +735,7 @@ async fn a_late_finish_of_a_settled_job_is_refused_and_logged_as_such() {
     };
     std::fs::write(out.join("go-5-1"), "").unwrap();
     until("the runner exited", Duration::from_secs(10), || async {
-        events(&out)
+        events(out)
             .iter()
             .any(|e| e.0 == "exit" && e.1 == 5)
             .then_some(())
@@ -735,7 +760,7 @@ async fn a_late_finish_of_a_settled_job_is_refused_and_logged_as_such() {
     )
     .await;
     println!("late finish: the agent logged \"{said}\"");
-    let j = job(&client, 5).await;
+    let j = job(client, 5).await;
     assert_eq!(
         (j.state, j.last_reason),
         (JobState::Cancelled, Reason::Cancelled)
@@ -883,42 +908,18 @@ async fn after_a_whole_cluster_outage_bills_follow_real_time() {
 /// process went on renewing the node and started that attempt a second time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replaced_agent_process_stops_when_it_resumes() {
-    let dir = tempfile::Builder::new()
-        .prefix("allot-replaced-")
-        .tempdir()
-        .unwrap();
-    let (c, client) = cluster(dir.path()).await;
-    fund(&client).await;
-    let (script, out) = runner(dir.path());
-    let args = [
-        "--grace",
-        "2s",
-        "--",
-        "/bin/sh",
-        script.to_str().unwrap(),
-        out.to_str().unwrap(),
-    ];
-    let mut old = agent(&c.endpoints(), 1, &dir.path().join("old"), &args, &[]);
-    wait_node(&client, &mut old, 1).await;
+    let sc = Scene::new("allot-replaced-").await;
+    let (c, client, out) = (&sc.c, &sc.client, &sc.out);
+    let args = sc.args(&["--grace", "2s"]);
+    let mut old = agent(&c.endpoints(), 1, &sc.path().join("old"), &args, &[]);
+    wait_node(client, &mut old, 1).await;
     client.submit_job(ORG, spec(1, 3_600_000)).await.unwrap();
-    let old_pid = until("attempt 1 running", Duration::from_secs(20), || async {
-        events(&out)
-            .iter()
-            .find(|e| e.0 == "start" && e.2 == 1)
-            .map(|e| e.3)
-    })
-    .await;
+    let old_pid = started(out, 1, 1, Duration::from_secs(20)).await;
     old.signal("STOP");
     // The replacement (another work dir: another host, or a fresh container) registers
     // a higher incarnation, which ends attempt 1; the job is placed again, here.
-    let mut new = agent(&c.endpoints(), 1, &dir.path().join("new"), &args, &[]);
-    let new_pid = until("attempt 2 running", Duration::from_secs(30), || async {
-        events(&out)
-            .iter()
-            .find(|e| e.0 == "start" && e.2 == 2)
-            .map(|e| e.3)
-    })
-    .await;
+    let mut new = agent(&c.endpoints(), 1, &sc.path().join("new"), &args, &[]);
+    let new_pid = started(out, 1, 2, Duration::from_secs(30)).await;
     old.signal("CONT");
     let status = until(
         "the replaced agent to exit",
@@ -946,7 +947,7 @@ async fn a_replaced_agent_process_stops_when_it_resumes() {
         || async { (!Path::new(&format!("/proc/{old_pid}")).exists()).then_some(()) },
     )
     .await;
-    let starts: Vec<_> = events(&out)
+    let starts: Vec<_> = events(out)
         .into_iter()
         .filter(|e| e.0 == "start")
         .map(|e| (e.2, e.3))
@@ -957,7 +958,7 @@ async fn a_replaced_agent_process_stops_when_it_resumes() {
         "each attempt started once, attempt 2 by the new process only"
     );
     new.assert_running();
-    let j = job(&client, 1).await;
+    let j = job(client, 1).await;
     assert_eq!((j.state, j.attempt), (JobState::Running, 2));
 }
 
@@ -1073,29 +1074,17 @@ impl HoldProxy {
 /// agent started it from the stale set and killed it only once a later set arrived.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attempt_from_a_late_assignment_set_is_confirmed_before_it_starts() {
-    let dir = tempfile::Builder::new()
-        .prefix("allot-late-set-")
-        .tempdir()
-        .unwrap();
-    let (c, client) = cluster(dir.path()).await;
-    fund(&client).await;
-    let (script, out) = runner(dir.path());
-    let args = [
-        "--grace",
-        "2s",
-        "--",
-        "/bin/sh",
-        script.to_str().unwrap(),
-        out.to_str().unwrap(),
-    ];
+    let sc = Scene::new("allot-late-set-").await;
+    let (c, client, out) = (&sc.c, &sc.client, &sc.out);
+    let args = sc.args(&["--grace", "2s"]);
     // The agent's first endpoint, where it watches its assignments, answers through
     // the proxy; the others directly.
     let endpoints = c.endpoints();
     let proxy = HoldProxy::start(endpoints[0].clone()).await;
     let mut agent_endpoints = endpoints.clone();
     agent_endpoints[0] = proxy.addr.clone();
-    let mut a = agent(&agent_endpoints, 1, &dir.path().join("agent"), &args, &[]);
-    wait_node(&client, &mut a, 1).await;
+    let mut a = agent(&agent_endpoints, 1, &sc.path().join("agent"), &args, &[]);
+    wait_node(client, &mut a, 1).await;
     until(
         "the agent to watch its assignments",
         Duration::from_secs(20),
@@ -1130,13 +1119,13 @@ async fn an_attempt_from_a_late_assignment_set_is_confirmed_before_it_starts() {
     .await;
     let before_cancel = Instant::now();
     client.cancel_job(ORG, JobId(1)).await.unwrap();
-    assert_eq!(job(&client, 1).await.state, JobState::Cancelled);
+    assert_eq!(job(client, 1).await.state, JobState::Cancelled);
     // The agent now gets the set naming the cancelled attempt, and only later the sets
     // after the cancellation (and the answers to anything it asks that endpoint).
     proxy.release_until(before_cancel);
     let started = tokio::time::timeout(Duration::from_secs(3), async {
         loop {
-            if events(&out).iter().any(|e| e.0 == "start") {
+            if events(out).iter().any(|e| e.0 == "start") {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -1162,7 +1151,7 @@ async fn an_attempt_from_a_late_assignment_set_is_confirmed_before_it_starts() {
     )
     .await;
     assert!(
-        events(&out).iter().all(|e| e.0 != "start"),
+        events(out).iter().all(|e| e.0 != "start"),
         "no runner ever started for the cancelled job"
     );
     a.assert_running();
@@ -1175,36 +1164,16 @@ async fn an_attempt_from_a_late_assignment_set_is_confirmed_before_it_starts() {
 /// here) while the cluster re-placed the job after 5 + 3 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shortened_node_lease_fences_a_cut_off_agent_by_its_new_length() {
-    let dir = tempfile::Builder::new()
-        .prefix("allot-retuned-")
-        .tempdir()
-        .unwrap();
-    let (c, client) = cluster(dir.path()).await;
-    fund(&client).await;
-    let (script, out) = runner(dir.path());
-    let args = [
-        "--fence-margin",
-        "1s",
-        "--grace",
-        "2s",
-        "--",
-        "/bin/sh",
-        script.to_str().unwrap(),
-        out.to_str().unwrap(),
-    ];
+    let sc = Scene::new("allot-retuned-").await;
+    let (c, client, out) = (&sc.c, &sc.client, &sc.out);
+    let args = sc.args(&["--fence-margin", "1s", "--grace", "2s"]);
     let partition = Partition::around(c.endpoints()).await;
-    let mut a = agent(&partition.addrs(), 1, &dir.path().join("agent"), &args, &[]);
-    wait_node(&client, &mut a, 1).await;
+    let mut a = agent(&partition.addrs(), 1, &sc.path().join("agent"), &args, &[]);
+    wait_node(client, &mut a, 1).await;
     client.submit_job(ORG, spec(1, 3_600_000)).await.unwrap();
-    until("attempt 1 running", Duration::from_secs(20), || async {
-        events(&out)
-            .iter()
-            .any(|e| e.0 == "start" && e.2 == 1)
-            .then_some(())
-    })
-    .await;
+    started(out, 1, 1, Duration::from_secs(20)).await;
     // From the default 60 s node lease to 5 s (margin 3 s).
-    short_leases(&client).await;
+    short_leases(client).await;
     until(
         "the agent to count with the new lease",
         Duration::from_secs(10),
@@ -1236,7 +1205,7 @@ async fn a_shortened_node_lease_fences_a_cut_off_agent_by_its_new_length() {
         "the runner's work to be gone",
         Duration::from_secs(10),
         || async {
-            let last = span(&events(&out), 1, 1).1;
+            let last = span(&events(out), 1, 1).1;
             (now_ns().saturating_sub(last) > 500_000_000).then_some(last)
         },
     )

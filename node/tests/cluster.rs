@@ -1797,8 +1797,8 @@ async fn a_node_low_on_disk_refuses_tenants_writes_and_keeps_the_rest() {
         other => panic!("a tenant's write while the disk is low: {other:?}"),
     }
     // Reads still run, and say the project was not created.
-    let read = client
-        .query(
+    let project_balance = || {
+        client.query(
             0,
             &Query::Balance {
                 org: ORG,
@@ -1806,7 +1806,8 @@ async fn a_node_low_on_disk_refuses_tenants_writes_and_keeps_the_rest() {
                 horizon_ms: 0,
             },
         )
-        .await;
+    };
+    let read = project_balance().await;
     assert!(matches!(read, Ok(Answer::Balance(None))), "{read:?}");
     let status = c.status(1).await.unwrap();
     assert!(status.disk_low, "the node reports it");
@@ -1830,16 +1831,7 @@ async fn a_node_low_on_disk_refuses_tenants_writes_and_keeps_the_rest() {
     c.wait_leaders(Duration::from_secs(30)).await.unwrap();
     let (outs, _) = client.execute(0, &[project]).await.unwrap();
     assert!(outs[0].is_ok(), "{outs:?}");
-    let read = client
-        .query(
-            0,
-            &Query::Balance {
-                org: ORG,
-                account: Account::Project(PROJECT),
-                horizon_ms: 0,
-            },
-        )
-        .await;
+    let read = project_balance().await;
     assert!(matches!(read, Ok(Answer::Balance(Some(_)))), "{read:?}");
     assert!(!c.status(1).await.unwrap().disk_low);
     assert_replicas_agree(&c, &client, 1).await;
