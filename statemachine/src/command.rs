@@ -537,6 +537,54 @@ impl Command {
         }
     }
 
+    /// The rule version that introduced this kind of command. An older binary reads a
+    /// newer variant inside a request blob of the format it knows as malformed, and
+    /// applies the entry as a tick — its replica would diverge without a word — so a
+    /// command kind added after the baseline is refused by `validate` until its rule
+    /// version is active, and activation needs every member to support it (DESIGN §48).
+    /// The match is exhaustive on purpose: a new variant must say when it came.
+    pub fn introduced_in(&self) -> u32 {
+        use crate::version::RULES_BASELINE;
+        match self {
+            Command::SubmitJobDedup { .. } => 3,
+            Command::CreateOrg { .. }
+            | Command::CreateProject { .. }
+            | Command::CreateUser { .. }
+            | Command::SetPrices { .. }
+            | Command::IssueGrant(_)
+            | Command::IssueGrantIn { .. }
+            | Command::SetBudget { .. }
+            | Command::CreateHold(_)
+            | Command::Capture { .. }
+            | Command::TopUp { .. }
+            | Command::ReleaseHold { .. }
+            | Command::StartMeter { .. }
+            | Command::Heartbeat(_)
+            | Command::Settle { .. }
+            | Command::Transfer { .. }
+            | Command::Tick
+            | Command::RegisterNode(_)
+            | Command::NodeHeartbeat { .. }
+            | Command::SetNodeDraining { .. }
+            | Command::SubmitJob(_)
+            | Command::CancelJob { .. }
+            | Command::JobHeartbeat(_)
+            | Command::FinishJob { .. }
+            | Command::SetQuota { .. }
+            | Command::ConfigureScheduler(_)
+            | Command::Bootstrap { .. }
+            | Command::CreateToken { .. }
+            | Command::RotateToken { .. }
+            | Command::RevokeToken { .. }
+            | Command::RecordDenials { .. }
+            | Command::SetShareWeight { .. }
+            | Command::SetPlan { .. }
+            | Command::JobFenced { .. }
+            | Command::SetAlert { .. }
+            | Command::ActivateVersion { .. } => RULES_BASELINE,
+        }
+    }
+
     /// A stable short name for logs, metrics and audit queries.
     pub fn name(&self) -> &'static str {
         match self {

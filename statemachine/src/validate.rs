@@ -41,6 +41,14 @@ pub fn validate_size(command: &Command) -> Result<(), CommandError> {
 
 /// The command's own fields, without the state, under rule version `rules`.
 pub fn validate_command(command: &Command, rules: u32) -> Result<(), CommandError> {
+    // A kind of command newer than the active rules does not exist for the shard yet
+    // (`Command::introduced_in`): refused as a whole.
+    if command.introduced_in() > rules {
+        return Err(CommandError::UnsupportedRulesVersion {
+            active: rules,
+            newest: crate::version::RULES_MAX,
+        });
+    }
     match command {
         Command::CreateOrg { org } => check_id(org.0),
         Command::CreateProject { project, .. } => check_id(project.0),
@@ -108,13 +116,7 @@ pub fn validate_command(command: &Command, rules: u32) -> Result<(), CommandErro
         Command::RegisterNode(spec) => check_node_spec(spec),
         Command::SubmitJob(spec) => check_job_spec(spec, rules),
         Command::SubmitJobDedup { spec, key } => {
-            // Result dedup is rule version 3's: refused, as a whole, before it.
-            if rules < 3 {
-                return Err(CommandError::UnsupportedRulesVersion {
-                    active: rules,
-                    newest: crate::version::RULES_MAX,
-                });
-            }
+            // Result dedup is rule version 3's (`Command::introduced_in`).
             if !key.is_valid() {
                 return Err(CommandError::InvalidJob(JobProblem::DedupKey));
             }

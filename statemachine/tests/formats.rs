@@ -197,6 +197,45 @@ mod rule_versions {
 
     /// A rule of version 2 (jobs up to 90 days) is off until `ActivateVersion`, then on
     /// from that entry; versions never go back and only an admin moves them.
+    /// Every kind of command newer than the baseline is refused, as a whole, before
+    /// the rule version that introduced it is active (an older replica would read it as
+    /// malformed and apply a tick), and taken from that version on.
+    #[test]
+    fn a_command_kind_is_refused_before_its_rule_version() {
+        use allot_statemachine::validate::validate_command;
+        use allot_statemachine::DedupKey;
+        let mut commands = largest_commands();
+        commands.extend(world_commands());
+        commands.push(Command::SubmitJobDedup {
+            spec: Harness::job_spec(1, Tier::PAID, vec![a100()], 1),
+            key: DedupKey(b"k".to_vec()),
+        });
+        let newer: Vec<_> = commands.iter().filter(|c| c.introduced_in() > 1).collect();
+        assert!(!newer.is_empty(), "the check covers a newer kind");
+        for c in &commands {
+            let v = c.introduced_in();
+            for rules in 1..v {
+                assert_eq!(
+                    validate_command(c, rules),
+                    Err(CommandError::UnsupportedRulesVersion {
+                        active: rules,
+                        newest: RULES_MAX
+                    }),
+                    "{} under rule version {rules}",
+                    c.name()
+                );
+            }
+            assert!(
+                !matches!(
+                    validate_command(c, v),
+                    Err(CommandError::UnsupportedRulesVersion { .. })
+                ),
+                "{} under its own rule version {v}",
+                c.name()
+            );
+        }
+    }
+
     #[test]
     fn a_new_rule_switches_on_only_at_its_activation() {
         let mut h = Harness::world();
