@@ -201,6 +201,63 @@ pub struct AgentConfig {
     /// This agent process's incarnation (`NodeSpec::incarnation`), chosen by [`run`]
     /// ([`next_incarnation`]); 0 until then.
     pub incarnation: u64,
+    /// The user runners run as (`--runner-user`; [`RunnerUser::named`]); `None`: the
+    /// agent's own. Needs an agent running as root. The work dir is then closed to
+    /// runners (mode 0711): each may write only its own progress file.
+    pub runner_user: Option<RunnerUser>,
+}
+
+/// A user runners run as: job code cannot read the agent's token files or environment,
+/// signal the agent, or rewrite the work dir's records and other jobs' files.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunnerUser {
+    pub name: String,
+    pub uid: u32,
+    pub gid: u32,
+    pub home: PathBuf,
+}
+
+impl RunnerUser {
+    /// Looks `name` up in the user database. Refused: an unknown user, root (no
+    /// separation at all), or an agent that is not root and so cannot switch users.
+    pub fn named(name: &str) -> Result<RunnerUser> {
+        let bad = |m: String| Err(Error::Config(format!("--runner-user {name}: {m}")));
+        let Ok(c) = std::ffi::CString::new(name) else {
+            return bad("not a user name".into());
+        };
+        // SAFETY: getpwnam_r writes only into `pwd` and `buf`, which outlive the call;
+        // the strings it points `pwd` at live in `buf`, read before it is dropped.
+        let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
+        let mut buf = vec![0 as libc::c_char; 16 * 1024];
+        let mut found: *mut libc::passwd = std::ptr::null_mut();
+        let rc = unsafe {
+            libc::getpwnam_r(
+                c.as_ptr(),
+                &mut pwd,
+                buf.as_mut_ptr(),
+                buf.len(),
+                &mut found,
+            )
+        };
+        if rc != 0 || found.is_null() {
+            return bad("no such user".into());
+        }
+        let home = unsafe { std::ffi::CStr::from_ptr(pwd.pw_dir) }
+            .to_string_lossy()
+            .into_owned();
+        if pwd.pw_uid == 0 {
+            return bad("runners must not run as root".into());
+        }
+        if unsafe { libc::geteuid() } != 0 {
+            return bad("the agent must run as root to start runners as another user".into());
+        }
+        Ok(RunnerUser {
+            name: name.to_string(),
+            uid: pwd.pw_uid,
+            gid: pwd.pw_gid,
+            home: PathBuf::from(home),
+        })
+    }
 }
 
 /// The environment variables the agent reads its own credentials from: never passed to
@@ -233,6 +290,7 @@ impl AgentConfig {
             runner_env: RUNNER_ENV_DEFAULT.iter().map(|s| s.to_string()).collect(),
             register_token_file: None,
             incarnation: 0,
+            runner_user: None,
         }
     }
 
@@ -342,6 +400,16 @@ pub fn sim_fails(job: JobId, fail_pct: u32) -> bool {
     mix(job.0 ^ 0x5ad_f00d) % 100 < u64::from(fail_pct)
 }
 
+/// Whether a set of GPU indices the cluster assigned can be this node's: some, each
+/// below the node's GPU count, none twice.
+fn gpus_valid(indices: &[u8], gpus: u32) -> bool {
+    let mut seen = std::collections::BTreeSet::new();
+    !indices.is_empty()
+        && indices
+            .iter()
+            .all(|&i| u32::from(i) < gpus && seen.insert(i))
+}
+
 fn gpu_list(indices: &[u8]) -> String {
     indices
         .iter()
@@ -431,6 +499,57 @@ fn runners_dir(work_dir: &Path) -> PathBuf {
     work_dir.join("runners")
 }
 
+/// Reads a small file a runner may have tampered with (the work dir is writable by the
+/// runners when they run as the agent's user): never through a symlink, never blocking
+/// (a FIFO or device is refused before it is read, not waited on), and at most `max`
+/// bytes — a longer file is refused, not read whole.
+fn read_small(path: &Path, max: u64) -> std::io::Result<String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    let meta = f.metadata()?;
+    if !meta.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "not a regular file",
+        ));
+    }
+    let mut text = String::new();
+    f.take(max + 1).read_to_string(&mut text)?;
+    if text.len() as u64 > max {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("longer than {max} bytes"),
+        ));
+    }
+    Ok(text)
+}
+
+/// Creates `path` anew for writing: whatever is there (a file, or a symlink a runner
+/// planted to make the agent write elsewhere) is removed first, and the file is created
+/// exclusively, never through a symlink.
+fn create_fresh(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    // Owner-only: a runner's log is its job's output, not for other jobs to read.
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+}
+
+/// The longest progress file, runner record or incarnation file the agent reads.
+const SMALL_FILE_MAX: u64 = 256;
+
 /// Picks this agent process's incarnation and records it in `work_dir` (durably, before
 /// it is used): above every incarnation recorded there, and at least the wall clock in
 /// milliseconds, so a replacement machine with an empty work dir still registers above
@@ -439,7 +558,7 @@ fn runners_dir(work_dir: &Path) -> PathBuf {
 pub fn next_incarnation(work_dir: &Path) -> Result<u64> {
     use std::io::Write;
     let path = work_dir.join("incarnation");
-    let last = match std::fs::read_to_string(&path) {
+    let last = match read_small(&path, SMALL_FILE_MAX) {
         Ok(s) => s
             .trim()
             .parse::<u64>()
@@ -453,7 +572,7 @@ pub fn next_incarnation(work_dir: &Path) -> Result<u64> {
     let next = now_ms.max(last.saturating_add(1));
     let io = |e: std::io::Error| Error::Config(format!("{}: {e}", path.display()));
     let tmp = work_dir.join("incarnation.tmp");
-    let mut f = std::fs::File::create(&tmp).map_err(io)?;
+    let mut f = create_fresh(&tmp).map_err(io)?;
     f.write_all(next.to_string().as_bytes()).map_err(io)?;
     f.sync_all().map_err(io)?;
     std::fs::rename(&tmp, &path).map_err(io)?;
@@ -475,7 +594,10 @@ fn record_runner(work_dir: &Path, pgid: u32, a: &Assignment) {
     let dir = runners_dir(work_dir);
     let tmp = dir.join(format!(".{pgid}.tmp"));
     let r = std::fs::create_dir_all(&dir)
-        .and_then(|()| std::fs::write(&tmp, line))
+        .and_then(|()| {
+            use std::io::Write;
+            create_fresh(&tmp)?.write_all(line.as_bytes())
+        })
         .and_then(|()| std::fs::rename(&tmp, dir.join(pgid.to_string())));
     if let Err(e) = r {
         error!(
@@ -499,7 +621,7 @@ pub async fn stop_orphans(work_dir: &Path, grace: Duration) -> usize {
     let mut live = Vec::new();
     for e in entries.flatten() {
         let path = e.path();
-        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        let text = read_small(&path, SMALL_FILE_MAX).unwrap_or_default();
         let mut f = text.split_whitespace();
         let (Some(pgid), Some(started)) = (
             f.next().and_then(|x| x.parse::<u32>().ok()),
@@ -551,13 +673,28 @@ impl Runner {
         a: &Assignment,
     ) -> std::io::Result<(Runner, oneshot::Receiver<Exit>)> {
         let (tx, rx) = oneshot::channel();
+        if !gpus_valid(&a.gpu_indices, shared.cfg.gpus) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "the cluster assigned GPUs [{}] of a node with {}",
+                    gpu_list(&a.gpu_indices),
+                    shared.cfg.gpus
+                ),
+            ));
+        }
         match &shared.cfg.mode {
             Mode::Run { program, args } => {
                 let dir = &shared.cfg.work_dir;
                 let progress_file = progress_file(dir, a.org, a.job, a.attempt);
                 let _ = std::fs::remove_file(&progress_file);
-                let log = std::fs::File::create(
-                    dir.join(format!("job-{}-{}.{}.log", a.org.0, a.job.0, a.attempt)),
+                if let Some(u) = &shared.cfg.runner_user {
+                    // The one file of the work dir the runner may write.
+                    let f = create_fresh(&progress_file)?;
+                    std::os::unix::fs::fchown(&f, Some(u.uid), Some(u.gid))?;
+                }
+                let log = create_fresh(
+                    &dir.join(format!("job-{}-{}.{}.log", a.org.0, a.job.0, a.attempt)),
                 )?;
                 let mut cmd = tokio::process::Command::new(program);
                 // A clean environment: the agent's tokens never reach the job's code.
@@ -567,13 +704,28 @@ impl Runner {
                         cmd.env(name, v);
                     }
                 }
+                if let Some(u) = &shared.cfg.runner_user {
+                    cmd.env("HOME", &u.home)
+                        .env("USER", &u.name)
+                        .env("LOGNAME", &u.name);
+                }
+                let ids = shared.cfg.runner_user.as_ref().map(|u| (u.uid, u.gid));
                 let agent_pid = std::process::id();
-                // SAFETY: only async-signal-safe calls (prctl, getppid, raise) between
-                // fork and exec.
+                // SAFETY: only async-signal-safe calls (setgroups, setgid, setuid, prctl,
+                // getppid, raise) between fork and exec.
                 unsafe {
                     cmd.pre_exec(move || {
+                        if let Some((uid, gid)) = ids {
+                            if libc::setgroups(0, std::ptr::null()) != 0
+                                || libc::setgid(gid) != 0
+                                || libc::setuid(uid) != 0
+                            {
+                                return Err(std::io::Error::last_os_error());
+                            }
+                        }
                         // The kernel kills the runner if the agent dies (its children
                         // are stopped by the next agent process, see `stop_orphans`).
+                        // Set after the user change, which clears it.
                         libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
                         if libc::getppid() as u32 != agent_pid {
                             libc::raise(libc::SIGKILL);
@@ -682,7 +834,7 @@ impl Runner {
                 ..
             } => {
                 let mut last = lock(last);
-                if let Some((ppm, ckpt)) = std::fs::read_to_string(progress_file)
+                if let Some((ppm, ckpt)) = read_small(progress_file, SMALL_FILE_MAX)
                     .ok()
                     .as_deref()
                     .and_then(parse_progress)
@@ -927,7 +1079,7 @@ enum Beat {
 async fn heartbeat(shared: &Shared, a: &Assignment, seq: &mut u64, progress: (u32, u64)) -> Beat {
     let shard = shared.cfg.shard;
     for _ in 0..64 {
-        *seq += 1;
+        *seq = seq.saturating_add(1);
         let hb = JobHeartbeat {
             job: a.job,
             attempt: a.attempt,
@@ -1738,6 +1890,12 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         .map_err(|e| Error::Config(format!("work dir {}: {e}", config.work_dir.display())))?;
     let work_dir = std::fs::canonicalize(&config.work_dir)
         .map_err(|e| Error::Config(format!("work dir {}: {e}", config.work_dir.display())))?;
+    if config.runner_user.is_some() {
+        // Runners (another user) may pass through to their progress files, nothing more.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&work_dir, std::fs::Permissions::from_mode(0o711))
+            .map_err(|e| Error::Config(format!("work dir {}: {e}", work_dir.display())))?;
+    }
     let incarnation = next_incarnation(&work_dir)?;
     let config = AgentConfig {
         work_dir,
@@ -2032,5 +2190,53 @@ mod tests {
     fn gpu_lists_are_comma_separated() {
         assert_eq!(gpu_list(&[0, 3, 12]), "0,3,12");
         assert_eq!(gpu_list(&[]), "");
+        assert!(gpus_valid(&[0, 3, 7], 8));
+        assert!(!gpus_valid(&[0, 8], 8), "past the node's GPUs");
+        assert!(!gpus_valid(&[1, 1], 8), "one GPU twice");
+        assert!(!gpus_valid(&[], 8), "none");
+    }
+
+    /// Files a runner can reach are read without blocking, without following a
+    /// symlink and only when small; files the agent writes replace whatever a runner
+    /// put in their place.
+    #[test]
+    fn runner_reachable_files_are_read_and_written_defensively() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path();
+        std::fs::write(p.join("ok"), "500000 7").unwrap();
+        assert_eq!(
+            read_small(&p.join("ok"), SMALL_FILE_MAX).unwrap(),
+            "500000 7"
+        );
+        // A FIFO with no writer: refused at once, not waited on.
+        let fifo = p.join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert!(read_small(&fifo, SMALL_FILE_MAX).is_err());
+        // A symlink (to an endless device): refused.
+        std::os::unix::fs::symlink("/dev/zero", p.join("link")).unwrap();
+        assert!(read_small(&p.join("link"), SMALL_FILE_MAX).is_err());
+        // A long file: refused, not read whole.
+        std::fs::write(p.join("long"), vec![b'1'; 10_000]).unwrap();
+        assert!(read_small(&p.join("long"), SMALL_FILE_MAX).is_err());
+        // A symlink planted where the agent writes: replaced, its target untouched.
+        std::fs::write(p.join("victim"), "keep").unwrap();
+        std::os::unix::fs::symlink(p.join("victim"), p.join("job.log")).unwrap();
+        {
+            use std::io::Write;
+            create_fresh(&p.join("job.log"))
+                .unwrap()
+                .write_all(b"runner output")
+                .unwrap();
+        }
+        assert_eq!(std::fs::read_to_string(p.join("victim")).unwrap(), "keep");
+        assert_eq!(
+            std::fs::read_to_string(p.join("job.log")).unwrap(),
+            "runner output"
+        );
+        assert!(!std::fs::symlink_metadata(p.join("job.log"))
+            .unwrap()
+            .file_type()
+            .is_symlink());
     }
 }

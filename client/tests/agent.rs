@@ -661,3 +661,79 @@ async fn a_cancelled_job_is_killed_at_once_and_a_runner_ignoring_sigterm_after_t
         .expect("the agent stops on SIGTERM");
     assert!(st.success(), "agent exit: {st}");
 }
+
+/// With `--runner-user`, job code runs as that user: it cannot write the agent's work
+/// dir, read the agent's environment, or read another job's log — it writes only its
+/// own progress file, which the cluster still gets. (Runners ran as the agent's user,
+/// root under the shipped unit: they could read the agent's tokens and rewrite the
+/// records a restarted agent acts on.) An agent that is not root refuses the flag.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runners_run_as_the_runner_user_and_cannot_touch_the_agents_files() {
+    use std::os::unix::fs::PermissionsExt;
+    let (dir, c, client) = cluster().await;
+    let script = dir.path().join("runner.sh");
+    std::fs::write(
+        &script,
+        r#"#!/bin/sh
+out="$1"; work="$2"; j="$ALLOT_JOB_ID"
+id -u > "$out/uid-$j"
+if echo x > "$work/evil" 2>/dev/null; then echo yes; else echo no; fi > "$out/work-$j"
+if cat "/proc/$PPID/environ" > /dev/null 2>&1; then echo yes; else echo no; fi > "$out/environ-$j"
+if cat "$work"/job-*.log > /dev/null 2>&1; then echo yes; else echo no; fi > "$out/logs-$j"
+echo "1000000 4" > "$ALLOT_PROGRESS_FILE" && echo yes > "$out/progress-$j"
+"#,
+    )
+    .unwrap();
+    let out = dir.path().join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    // The runner user must reach the script and write its results.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let adir = dir.path().join("agent");
+    let work = adir.join("work");
+    let args = [
+        "--runner-user",
+        "nobody",
+        "--",
+        "/bin/sh",
+        script.to_str().unwrap(),
+        out.to_str().unwrap(),
+        work.to_str().unwrap(),
+    ];
+    let mut agent = AgentProc::start(&c.endpoints(), 2, &adir, &args);
+    if unsafe { libc::geteuid() } != 0 {
+        let st = (0..100)
+            .find_map(|_| {
+                std::thread::sleep(Duration::from_millis(100));
+                agent.exited()
+            })
+            .expect("a non-root agent refuses --runner-user");
+        assert_eq!(st.code(), Some(2));
+        assert!(agent.log_text().contains("must run as root"));
+        return;
+    }
+    fund(&client).await;
+    wait_registered(&client, &mut agent, 2).await;
+    submit(&client, spec(301, Tier::PAID, 1, false)).await;
+    let done = wait_state(&client, 301, JobState::Succeeded, Duration::from_secs(30)).await;
+    let read = |what: &str| {
+        std::fs::read_to_string(out.join(format!("{what}-301")))
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
+    assert_eq!(read("uid"), "65534", "the runner runs as nobody");
+    assert_eq!(read("work"), "no", "it cannot write the work dir");
+    assert_eq!(
+        read("environ"),
+        "no",
+        "it cannot read the agent's environment"
+    );
+    assert_eq!(read("logs"), "no", "it cannot read the jobs' logs");
+    assert_eq!(read("progress"), "yes", "it writes its progress file");
+    assert_eq!(done.attempt, 1);
+    assert!(!work.join("evil").exists());
+    let mode = std::fs::metadata(&work).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o711, "the work dir is closed to runners");
+    agent.stop(Duration::from_secs(15));
+}

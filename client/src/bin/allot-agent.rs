@@ -106,6 +106,12 @@ struct Args {
     /// HOME, USER, LOGNAME, LANG, LC_ALL, TZ, TMPDIR). Never a credential.
     #[arg(long = "runner-env", value_name = "NAME")]
     runner_env: Vec<String>,
+    /// Runs every runner as this user (the agent must run as root): job code then
+    /// cannot read the agent's token files or environment, signal the agent, or rewrite
+    /// the work dir (made 0711; each runner may write only its own progress file, which
+    /// it must write in place). Runners get this user's HOME, USER and LOGNAME.
+    #[arg(long, env = "ALLOT_RUNNER_USER", value_name = "USER")]
+    runner_user: Option<String>,
     /// Fake GPUs and job runtimes (no runner is started).
     #[arg(long)]
     simulate: bool,
@@ -255,6 +261,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if !args.runner_env.is_empty() {
         config.runner_env = args.runner_env;
     }
+    config.runner_user = args
+        .runner_user
+        .as_deref()
+        .map(allot_client::agent::RunnerUser::named)
+        .transpose()?;
     config.shard = args.shard;
     config.gpu_type = GpuType::new(&args.gpu_type);
     config.gpus = args.gpus;
