@@ -62,6 +62,14 @@ pub const RAFT_MESSAGES_IN_FLIGHT_MAX: usize = 16;
 /// Most events in one audit page, and most events one audit call looks at.
 pub const AUDIT_PAGE_MAX: usize = 10_000;
 pub const AUDIT_SCAN_MAX: usize = 100_000;
+/// A tenant's audit page looks at most this many events of the shard-wide trail (it
+/// reads only its own org's, but finds them among everyone's), and an org has at most
+/// `AUDIT_SCANS_PER_ORG_MAX` such scans running on a node at once (one more is refused
+/// `RESOURCE_EXHAUSTED` `AUDIT_BUSY` with a retry hint; its event streams wait their
+/// turn): a tenant without events of its own cannot make the node decode the whole
+/// trail over and over on its read budget.
+pub const AUDIT_SCAN_MAX_TENANT: usize = 10_000;
+pub const AUDIT_SCANS_PER_ORG_MAX: usize = 2;
 /// Concurrent server streams (`WatchEvents`, `WatchAssignments`) per principal (a
 /// token's identity; an agent's node) on one node. An org's principals together are
 /// also bounded by its quota's `streams_max` (admin-settable, default 64); the node by

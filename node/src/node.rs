@@ -116,6 +116,8 @@ pub struct Node {
     pub denials: crate::auth::Denials,
     /// The data directory's free space (`crate::disk`).
     pub disk: crate::disk::DiskGuard,
+    /// Tenants' audit scans running now (`crate::server::AuditScans`).
+    pub audit_scans: Arc<crate::server::AuditScans>,
     /// Loaded TLS configuration, if the node serves TLS.
     pub tls: Option<crate::tls::Tls>,
     /// How peers authenticate to this node.
@@ -279,6 +281,7 @@ impl Node {
             disk: crate::disk::DiskGuard::new(&config.data_dir, config.min_free_disk),
             config,
             denials: Default::default(),
+            audit_scans: Default::default(),
             tls,
             peer_auth,
             raft_in_flight: Arc::new(tokio::sync::Semaphore::new(

@@ -41,7 +41,8 @@ use tonic::metadata::MetadataValue;
 use tonic::Status;
 
 pub use crate::limits::{
-    AUDIT_PAGE_MAX, AUDIT_SCAN_MAX, CLIENT_MESSAGE_MAX, REPLY_MESSAGE_MAX, REQUESTS_PER_CALL_MAX,
+    AUDIT_PAGE_MAX, AUDIT_SCAN_MAX, AUDIT_SCAN_MAX_TENANT, CLIENT_MESSAGE_MAX, REPLY_MESSAGE_MAX,
+    REQUESTS_PER_CALL_MAX,
 };
 pub use allot_proto::meta::{FORWARDED, LEADER_ADDR, LEADER_ID, RETRY_AFTER_MS};
 
@@ -395,6 +396,27 @@ impl Services {
             nothing |= project.is_some_and(|m| m != p);
             project = Some(p);
         }
+        // A tenant's scan: bounded, and at most `AUDIT_SCANS_PER_ORG_MAX` of its org at
+        // once on this node (the slot goes with the scan, which outlives a cancelled
+        // call).
+        let (scan_max, slot) = match org_only {
+            Some(o) => match self.node.audit_scans.try_take(o) {
+                Some(slot) => (AUDIT_SCAN_MAX_TENANT, Some(slot)),
+                None => {
+                    self.node
+                        .metrics
+                        .refusals
+                        .with_label_values(&["read", "audit_busy"])
+                        .inc();
+                    return Err(crate::ratelimit::exhausted_for(
+                        "AUDIT_BUSY",
+                        "this org's audit reads are already running on this node: retry",
+                        100,
+                    ));
+                }
+            },
+            None => (AUDIT_SCAN_MAX, None),
+        };
         let head_seq = shard.view.read().state.audit.next_seq;
         let limit = (filter.limit as usize).clamp(1, AUDIT_PAGE_MAX);
         let (hold, from_ms, to_ms, from_seq) =
@@ -409,12 +431,13 @@ impl Services {
                 && ev.time_ms >= from_ms
                 && (to_ms == 0 || ev.time_ms < to_ms)
         };
-        // Up to `AUDIT_SCAN_MAX` events read and decoded: off the runtime's workers, which
+        // Up to `scan_max` events read and decoded: off the runtime's workers, which
         // also carry this node's Raft traffic (as `AuditRows` is).
         let (db, shard_id) = (self.node.db.clone(), shard.id);
         let read = tokio::task::spawn_blocking(move || {
+            let _slot = slot;
             let (rows, next_seq) =
-                store::read_audit(&db, shard_id, from_seq, limit, AUDIT_SCAN_MAX, keep)?;
+                store::read_audit(&db, shard_id, from_seq, limit, scan_max, keep)?;
             let events = rows
                 .iter()
                 .map(|raw| codec::decode(raw))
@@ -1150,5 +1173,66 @@ impl RaftService for Services {
             wall_ms: self.node.clock.wall_ms(),
             node_id: self.node.id,
         }))
+    }
+}
+
+/// Tenants' audit scans running on this node, per org (`AUDIT_SCANS_PER_ORG_MAX`).
+#[derive(Default)]
+pub struct AuditScans {
+    by_org: std::sync::Mutex<std::collections::HashMap<u64, usize>>,
+}
+
+/// One running scan of an org's; its place is free again when dropped.
+pub struct AuditScanSlot {
+    scans: std::sync::Arc<AuditScans>,
+    org: u64,
+}
+
+impl AuditScans {
+    /// A place for one more scan of `org`, if it has fewer than the bound running.
+    pub fn try_take(self: &std::sync::Arc<Self>, org: u64) -> Option<AuditScanSlot> {
+        let mut m = self.by_org.lock().unwrap_or_else(|e| e.into_inner());
+        let n = m.entry(org).or_default();
+        if *n >= crate::limits::AUDIT_SCANS_PER_ORG_MAX {
+            return None;
+        }
+        *n += 1;
+        Some(AuditScanSlot {
+            scans: self.clone(),
+            org,
+        })
+    }
+}
+
+impl Drop for AuditScanSlot {
+    fn drop(&mut self) {
+        let mut m = self.scans.by_org.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = m.get_mut(&self.org) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.org);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod audit_scan_tests {
+    /// An org holds at most its bound of scans; another org is not affected; a
+    /// finished scan frees its place.
+    #[test]
+    fn an_org_runs_a_bounded_number_of_audit_scans() {
+        let scans = std::sync::Arc::new(super::AuditScans::default());
+        let held: Vec<_> = (0..crate::limits::AUDIT_SCANS_PER_ORG_MAX)
+            .map(|_| scans.try_take(7).expect("within the bound"))
+            .collect();
+        assert!(scans.try_take(7).is_none(), "one past the bound");
+        assert!(scans.try_take(8).is_some(), "another org");
+        drop(held);
+        assert!(scans.try_take(7).is_some(), "free again");
+        assert!(
+            scans.by_org.lock().unwrap().is_empty(),
+            "no entry left behind"
+        );
     }
 }

@@ -696,6 +696,85 @@ async fn defect_11_one_tenants_denials_cannot_crowd_out_anothers() {
     );
 }
 
+/// Defect 12: a tenant's audit page scanned up to 100,000 events of the shard-wide
+/// trail to find its own, for one read token; a tenant with no events of its own made
+/// the node decode the whole trail over and over (5,000 pages in its read burst). Now a
+/// tenant's page looks at most `AUDIT_SCAN_MAX_TENANT` (10,000) events and says where
+/// to go on; an admin's still looks at up to 100,000.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_12_a_tenants_audit_page_scans_a_bounded_part_of_the_trail() {
+    use allot_node::limits::AUDIT_SCAN_MAX_TENANT;
+    let h = secured(1).await;
+    for org in [7, 8] {
+        h.admin.create_org(OrgId(org)).await.unwrap();
+    }
+    let t8 = h
+        .admin
+        .create_token(PrincipalId(80), Scope::Org(OrgId(8)), None)
+        .await
+        .unwrap();
+    let from = h.head_seq(0).await;
+    // Org 7's trail grows past the tenant's bound (one event a user).
+    let users = AUDIT_SCAN_MAX_TENANT as u64 + 2_000;
+    let reqs: Vec<Request> = (0..users)
+        .map(|u| Request {
+            actor: Actor::Admin(PrincipalId(1)),
+            request_id: 0x7000_0000 + u128::from(u),
+            org: None,
+            command: Command::CreateUser {
+                org: OrgId(7),
+                user: UserId(1_000 + u),
+            },
+        })
+        .collect();
+    for chunk in reqs.chunks(2_000) {
+        let (outs, _) = h.admin.execute(0, chunk).await.unwrap();
+        assert!(outs.iter().all(Result::is_ok));
+    }
+    let head = h.head_seq(0).await;
+    assert!(head - from > AUDIT_SCAN_MAX_TENANT as u64, "{from}..{head}");
+    let tenant = ::allot_client::Client::builder()
+        .endpoints(h.c.endpoints())
+        .token(t8)
+        .build()
+        .unwrap();
+    let page = tenant
+        .audit(0, ::allot_client::AuditFilter::default(), from, 100)
+        .await
+        .unwrap();
+    assert!(page.events.is_empty(), "none of org 8's");
+    assert!(
+        page.next_seq > from && page.next_seq <= from + AUDIT_SCAN_MAX_TENANT as u64,
+        "the page looked at {} events",
+        page.next_seq - from
+    );
+    // Paging on reaches the head.
+    let mut at = page.next_seq;
+    while at < head {
+        let p = tenant
+            .audit(0, ::allot_client::AuditFilter::default(), at, 100)
+            .await
+            .unwrap();
+        assert!(p.next_seq > at);
+        at = p.next_seq;
+    }
+    // An admin's page looks further.
+    let admin = h
+        .admin
+        .audit(
+            0,
+            ::allot_client::AuditFilter {
+                org: Some(OrgId(8)),
+                ..Default::default()
+            },
+            from,
+            100,
+        )
+        .await
+        .unwrap();
+    assert!(admin.events.is_empty() && admin.next_seq >= head);
+}
+
 fn blank_entries(prev: u64, n: usize, term: u64) -> Vec<LogEntry> {
     (0..n)
         .map(|i| LogEntry {
