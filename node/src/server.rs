@@ -264,7 +264,21 @@ impl Services {
         let meta = req.metadata();
         let caller = auth::caller(&self.node, auth::bearer(meta)?);
         let shard = shard_of(&self.node, shard)?;
-        self.limit(req, Class::Read, &[(self.reader(shard.id, caller), 1)])?;
+        let reader = self.reader(shard.id, caller);
+        // What the query costs the reader's budget: a usage ranking pays for the
+        // accounts it ranks (`query::read_units`).
+        let units = {
+            let org = match reader {
+                Some(
+                    Actor::Tenant { org, .. }
+                    | Actor::Project { org, .. }
+                    | Actor::User { org, .. },
+                ) => Some(org),
+                _ => None,
+            };
+            query::read_units(&shard.view.read().state, org, &q)
+        };
+        self.limit(req, Class::Read, &[(reader, units)])?;
         if linearizable {
             if let Err(e) = shard.raft.ensure_linearizable().await {
                 let err = crate::proposer::from_raft_error(&shard.raft, e);

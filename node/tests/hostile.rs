@@ -775,6 +775,83 @@ async fn defect_12_a_tenants_audit_page_scans_a_bounded_part_of_the_trail() {
     assert!(admin.events.is_empty() && admin.next_seq >= head);
 }
 
+/// Defect 13: a usage ranking looks at every account of its level in the org — up to
+/// the org's 500,000 users — under the shard's state lock, for one read token; a tenant
+/// that filled its user quota could keep apply waiting with 1,000 rankings a second.
+/// Now a ranking costs one more read unit per 1,000 accounts it ranks
+/// (`query::read_units`): org 7, with 30,000 users, gets ~31× fewer rankings out of its
+/// read burst, and another org's reads are unaffected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_13_a_usage_ranking_pays_for_the_accounts_it_ranks() {
+    use allot_node::ratelimit::DEFAULT_LIMITS;
+    use allot_statemachine::query::{Query, UsageLevel, UsageQuery};
+    let h = secured(1).await;
+    for org in [7, 8] {
+        h.admin.create_org(OrgId(org)).await.unwrap();
+    }
+    let users = 30_000u64;
+    let reqs: Vec<Request> = (0..users)
+        .map(|u| Request {
+            actor: Actor::Admin(PrincipalId(1)),
+            request_id: 0x9000_0000 + u128::from(u),
+            org: None,
+            command: Command::CreateUser {
+                org: OrgId(7),
+                user: UserId(1_000 + u),
+            },
+        })
+        .collect();
+    for chunk in reqs.chunks(4_000) {
+        let (outs, _) = h.admin.execute(0, chunk).await.unwrap();
+        assert!(outs.iter().all(Result::is_ok));
+    }
+    let token = |p, org| {
+        h.admin
+            .create_token(PrincipalId(p), Scope::Org(OrgId(org)), None)
+    };
+    let (t7, t8) = (token(70, 7).await.unwrap(), token(80, 8).await.unwrap());
+    let ranking = |org: u64, t: &str| {
+        bearer(
+            typed::query::query_request(
+                0,
+                true,
+                &Query::Usage(UsageQuery {
+                    level: UsageLevel::User,
+                    org: Some(OrgId(org)),
+                    period: BudgetPeriod::Month,
+                    limit: 10,
+                }),
+            ),
+            Some(t),
+        )
+    };
+    let leader = h.c.leader_of(0).await.unwrap();
+    let mut a = api(channel(&h.addr(leader)).await);
+    let started = Instant::now();
+    let mut passed = 0u64;
+    let refusal = loop {
+        match a.query(ranking(7, &t7)).await {
+            Ok(_) => passed += 1,
+            Err(e) => break e,
+        }
+        assert!(passed < 10_000, "org 7's rankings were never limited");
+    };
+    let took = started.elapsed().as_secs_f64();
+    assert_eq!(reason(&refusal), "RATE_LIMITED", "{refusal:?}");
+    let r = DEFAULT_LIMITS.read;
+    let units = 1 + users / 1_000;
+    let most = (r.burst as f64 + took * r.per_sec as f64) / units as f64 + 2.0;
+    eprintln!(
+        "defect 13: {passed} rankings of {users} users passed in {took:.2} s (at most {most:.0})"
+    );
+    assert!(
+        passed >= 1 && (passed as f64) <= most,
+        "{passed} rankings (at most {most:.0})"
+    );
+    // Another org's reads are another budget.
+    a.query(ranking(8, &t8)).await.expect("org 8 reads");
+}
+
 fn blank_entries(prev: u64, n: usize, term: u64) -> Vec<LogEntry> {
     (0..n)
         .map(|i| LogEntry {
