@@ -201,6 +201,10 @@ pub struct AgentConfig {
     /// This agent process's incarnation (`NodeSpec::incarnation`), chosen by [`run`]
     /// ([`next_incarnation`]); 0 until then.
     pub incarnation: u64,
+    /// Runner logs (`job-<org>-<job>.<attempt>.log`) older than this are deleted from
+    /// the work dir (`--log-retention`, default 7 days; checked at start and hourly):
+    /// a node runs jobs for years, and its disk must not fill with their output.
+    pub log_retention: Duration,
     /// The user runners run as (`--runner-user`; [`RunnerUser::named`]); `None`: the
     /// agent's own. Needs an agent running as root. The work dir is then closed to
     /// runners (mode 0711): each may write only its own progress file.
@@ -291,6 +295,7 @@ impl AgentConfig {
             register_token_file: None,
             incarnation: 0,
             runner_user: None,
+            log_retention: Duration::from_secs(7 * 86_400),
         }
     }
 
@@ -307,6 +312,9 @@ impl AgentConfig {
         }
         if self.heartbeat_interval.is_zero() || self.node_heartbeat_interval.is_zero() {
             return bad("heartbeat intervals must be positive");
+        }
+        if self.log_retention.is_zero() {
+            return bad("--log-retention must be positive");
         }
         match &self.mode {
             Mode::Run { program, .. } if program.is_empty() => bad("no job runner given"),
@@ -545,6 +553,49 @@ fn create_fresh(path: &Path) -> std::io::Result<std::fs::File> {
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW)
         .open(path)
+}
+
+/// Deletes the runner logs in `work_dir` last written more than `retention` ago (the
+/// agent's own files and other files are left alone); how many it deleted.
+pub fn prune_logs(work_dir: &Path, retention: Duration) -> usize {
+    let Ok(entries) = std::fs::read_dir(work_dir) else {
+        return 0;
+    };
+    let now = std::time::SystemTime::now();
+    let mut deleted = 0;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if !(name.starts_with("job-") && name.ends_with(".log")) {
+            continue;
+        }
+        // `symlink_metadata`: a link is judged (and removed) as itself.
+        let old = e
+            .path()
+            .symlink_metadata()
+            .ok()
+            .and_then(|m| m.modified().ok());
+        if old.is_some_and(|t| now.duration_since(t).is_ok_and(|age| age > retention))
+            && std::fs::remove_file(e.path()).is_ok()
+        {
+            deleted += 1;
+        }
+    }
+    deleted
+}
+
+/// Prunes the runner logs at start and every hour.
+async fn prune_logs_hourly(work_dir: PathBuf, retention: Duration) {
+    let mut every = tokio::time::interval(Duration::from_secs(3_600));
+    loop {
+        every.tick().await;
+        let (dir, keep) = (work_dir.clone(), retention);
+        if let Ok(n) = tokio::task::spawn_blocking(move || prune_logs(&dir, keep)).await {
+            if n > 0 {
+                info!(deleted = n, ?retention, "deleted old runner logs");
+            }
+        }
+    }
 }
 
 /// The longest progress file, runner record or incarnation file the agent reads.
@@ -1962,6 +2013,10 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
             sets_tx.clone(),
         )),
         tokio::spawn(resync(client, shared.clone(), sets_tx)),
+        tokio::spawn(prune_logs_hourly(
+            shared.cfg.work_dir.clone(),
+            shared.cfg.log_retention,
+        )),
     ];
     let mut agent = Agent {
         shared,
@@ -2194,6 +2249,38 @@ mod tests {
         assert!(!gpus_valid(&[0, 8], 8), "past the node's GPUs");
         assert!(!gpus_valid(&[1, 1], 8), "one GPU twice");
         assert!(!gpus_valid(&[], 8), "none");
+    }
+
+    /// Runner logs past their retention go; newer logs and every other file stay.
+    #[test]
+    fn old_runner_logs_are_pruned_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path();
+        for f in [
+            "job-1-2.1.log",
+            "job-1-3.1.log",
+            "incarnation",
+            "job-1-2.1.progress",
+        ] {
+            std::fs::write(p.join(f), "x").unwrap();
+        }
+        let day_ago = std::time::SystemTime::now() - Duration::from_secs(86_400);
+        for f in ["job-1-2.1.log", "incarnation", "job-1-2.1.progress"] {
+            std::fs::File::options()
+                .write(true)
+                .open(p.join(f))
+                .unwrap()
+                .set_modified(day_ago)
+                .unwrap();
+        }
+        assert_eq!(prune_logs(p, Duration::from_secs(3_600)), 1);
+        let mut left: Vec<String> = std::fs::read_dir(p)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["incarnation", "job-1-2.1.progress", "job-1-3.1.log"]);
+        assert_eq!(prune_logs(p, Duration::from_secs(3_600)), 0);
     }
 
     /// Files a runner can reach are read without blocking, without following a

@@ -112,6 +112,10 @@ struct Args {
     /// it must write in place). Runners get this user's HOME, USER and LOGNAME.
     #[arg(long, env = "ALLOT_RUNNER_USER", value_name = "USER")]
     runner_user: Option<String>,
+    /// Runner logs (job-<org>-<job>.<attempt>.log in the work dir) older than this are
+    /// deleted, at start and hourly.
+    #[arg(long, default_value = "7d", value_parser = duration)]
+    log_retention: Duration,
     /// Fake GPUs and job runtimes (no runner is started).
     #[arg(long)]
     simulate: bool,
@@ -261,6 +265,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if !args.runner_env.is_empty() {
         config.runner_env = args.runner_env;
     }
+    config.log_retention = args.log_retention;
     config.runner_user = args
         .runner_user
         .as_deref()
