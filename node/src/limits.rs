@@ -70,6 +70,9 @@ pub const AUDIT_SCAN_MAX: usize = 100_000;
 /// trail over and over on its read budget.
 pub const AUDIT_SCAN_MAX_TENANT: usize = 10_000;
 pub const AUDIT_SCANS_PER_ORG_MAX: usize = 2;
+/// How long a tenant's audit read waits for one of its org's scans to end before it is
+/// refused `AUDIT_BUSY`.
+pub const AUDIT_SCAN_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(2);
 /// Concurrent server streams (`WatchEvents`, `WatchAssignments`) per principal (a
 /// token's identity; an agent's node) on one node. An org's principals together are
 /// also bounded by its quota's `streams_max` (admin-settable, default 64); the node by

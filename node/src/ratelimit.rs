@@ -225,6 +225,11 @@ impl RateLimiter {
         }
     }
 
+    /// The limits in force.
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
     /// Takes `n` tokens from each key's bucket of `class`, all or none.
     #[allow(clippy::result_large_err)]
     pub fn admit(&self, class: Class, need: &[(Key, u32)]) -> Result<(), Status> {
@@ -259,23 +264,19 @@ impl RateLimiter {
             });
             e.tokens = (e.tokens + now.duration_since(e.at).as_secs_f64() * rate).min(burst);
             e.at = now;
-            // A call costing more than the whole burst takes the whole burst (it would
-            // never be admitted otherwise).
-            let n = (n as f64).min(burst);
-            if e.tokens < n {
-                wait_ms = wait_ms.max((n - e.tokens) / rate * 1000.0);
+            if e.tokens < n as f64 {
+                wait_ms = wait_ms.max((n as f64 - e.tokens) / rate * 1000.0);
             }
         }
         if wait_ms > 0.0 {
             return Err(exhausted("tenant rate limit", wait_ms.ceil() as u64));
         }
         for &(key, n) in need {
-            let r = self.rate(class, key);
-            if r.per_sec == 0 {
+            if self.rate(class, key).per_sec == 0 {
                 continue;
             }
             if let Some(e) = b.get_mut(&(class, key)) {
-                e.tokens -= (n as f64).min(r.burst.max(1) as f64);
+                e.tokens -= n as f64;
             }
         }
         Ok(())

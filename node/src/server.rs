@@ -266,7 +266,9 @@ impl Services {
         let shard = shard_of(&self.node, shard)?;
         let reader = self.reader(shard.id, caller);
         // What the query costs the reader's budget: a usage ranking pays for the
-        // accounts it ranks (`query::read_units`).
+        // accounts it ranks (`query::read_units`), at most the whole read burst (it
+        // would never be admitted otherwise; a batch of more writes than the write
+        // burst is refused, but a read cannot be split).
         let units = {
             let org = match reader {
                 Some(
@@ -277,6 +279,7 @@ impl Services {
                 _ => None,
             };
             query::read_units(&shard.view.read().state, org, &q)
+                .min(self.limiter.limits().read.burst.max(1))
         };
         self.limit(req, Class::Read, &[(reader, units)])?;
         if linearizable {
@@ -414,7 +417,7 @@ impl Services {
         // once on this node (the slot goes with the scan, which outlives a cancelled
         // call).
         let (scan_max, slot) = match org_only {
-            Some(o) => match self.node.audit_scans.try_take(o) {
+            Some(o) => match self.node.audit_scans.take(o).await {
                 Some(slot) => (AUDIT_SCAN_MAX_TENANT, Some(slot)),
                 None => {
                     self.node
@@ -424,7 +427,7 @@ impl Services {
                         .inc();
                     return Err(crate::ratelimit::exhausted_for(
                         "AUDIT_BUSY",
-                        "this org's audit reads are already running on this node: retry",
+                        "this org's audit reads have kept running on this node: retry",
                         100,
                     ));
                 }
@@ -1203,6 +1206,21 @@ pub struct AuditScanSlot {
 }
 
 impl AuditScans {
+    /// A place for one more scan of `org`, waiting up to `AUDIT_SCAN_WAIT_MAX` for one
+    /// of its running scans to end (they are short: a bounded number of events).
+    pub async fn take(self: &std::sync::Arc<Self>, org: u64) -> Option<AuditScanSlot> {
+        let deadline = tokio::time::Instant::now() + crate::limits::AUDIT_SCAN_WAIT_MAX;
+        loop {
+            if let Some(slot) = self.try_take(org) {
+                return Some(slot);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+
     /// A place for one more scan of `org`, if it has fewer than the bound running.
     pub fn try_take(self: &std::sync::Arc<Self>, org: u64) -> Option<AuditScanSlot> {
         let mut m = self.by_org.lock().unwrap_or_else(|e| e.into_inner());
