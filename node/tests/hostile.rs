@@ -179,6 +179,26 @@ impl Hostile {
         worst
     }
 
+    /// Creates `n` users in `org` on shard 0 (user ids from 1,000), as the admin, in
+    /// batches: one audit event each.
+    async fn create_users(&self, org: OrgId, n: u64) {
+        let reqs: Vec<Request> = (0..n)
+            .map(|u| Request {
+                actor: Actor::Admin(PrincipalId(1)),
+                request_id: (u128::from(org.0) << 64) | u128::from(u + 1),
+                org: None,
+                command: Command::CreateUser {
+                    org,
+                    user: UserId(1_000 + u),
+                },
+            })
+            .collect();
+        for chunk in reqs.chunks(4_000) {
+            let (outs, _) = self.admin.execute(0, chunk).await.unwrap();
+            assert!(outs.iter().all(Result::is_ok));
+        }
+    }
+
     /// The shard's audit chain length as its leader sees it.
     async fn head_seq(&self, shard: u32) -> u64 {
         self.admin
@@ -716,21 +736,7 @@ async fn defect_12_a_tenants_audit_page_scans_a_bounded_part_of_the_trail() {
     let from = h.head_seq(0).await;
     // Org 7's trail grows past the tenant's bound (one event a user).
     let users = AUDIT_SCAN_MAX_TENANT as u64 + 2_000;
-    let reqs: Vec<Request> = (0..users)
-        .map(|u| Request {
-            actor: Actor::Admin(PrincipalId(1)),
-            request_id: 0x7000_0000 + u128::from(u),
-            org: None,
-            command: Command::CreateUser {
-                org: OrgId(7),
-                user: UserId(1_000 + u),
-            },
-        })
-        .collect();
-    for chunk in reqs.chunks(2_000) {
-        let (outs, _) = h.admin.execute(0, chunk).await.unwrap();
-        assert!(outs.iter().all(Result::is_ok));
-    }
+    h.create_users(OrgId(7), users).await;
     let head = h.head_seq(0).await;
     assert!(head - from > AUDIT_SCAN_MAX_TENANT as u64, "{from}..{head}");
     let tenant = ::allot_client::Client::builder()
@@ -790,21 +796,7 @@ async fn defect_13_a_usage_ranking_pays_for_the_accounts_it_ranks() {
         h.admin.create_org(OrgId(org)).await.unwrap();
     }
     let users = 30_000u64;
-    let reqs: Vec<Request> = (0..users)
-        .map(|u| Request {
-            actor: Actor::Admin(PrincipalId(1)),
-            request_id: 0x9000_0000 + u128::from(u),
-            org: None,
-            command: Command::CreateUser {
-                org: OrgId(7),
-                user: UserId(1_000 + u),
-            },
-        })
-        .collect();
-    for chunk in reqs.chunks(4_000) {
-        let (outs, _) = h.admin.execute(0, chunk).await.unwrap();
-        assert!(outs.iter().all(Result::is_ok));
-    }
+    h.create_users(OrgId(7), users).await;
     let token = |p, org| {
         h.admin
             .create_token(PrincipalId(p), Scope::Org(OrgId(org)), None)
