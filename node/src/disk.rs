@@ -69,10 +69,10 @@ impl DiskGuard {
         self.low.load(Ordering::Relaxed)
     }
 
-    /// Measures the free space and updates the state; returns `Some(low)` when it
-    /// changed. A space that cannot be measured leaves the state as it was (warned
-    /// when the measurements start failing: the guard is blind meanwhile).
-    pub fn check(&self) -> Option<bool> {
+    /// Measures the free space and updates the state. A space that cannot be measured
+    /// leaves the state as it was (warned when the measurements start failing: the
+    /// guard is blind meanwhile).
+    pub fn check(&self) {
         let free = match free_bytes(&self.dir) {
             Ok(f) => {
                 self.failing.store(false, Ordering::Relaxed);
@@ -87,16 +87,12 @@ impl DiskGuard {
                          keeps its last state until it can): {e}"
                     );
                 }
-                return None;
+                return;
             }
         };
         self.free.store(free, Ordering::Relaxed);
-        let was = self.low();
-        let now = next_low(was, free, self.min_free);
-        (now != was).then(|| {
-            self.low.store(now, Ordering::Relaxed);
-            now
-        })
+        self.low
+            .store(next_low(self.low(), free, self.min_free), Ordering::Relaxed);
     }
 
     /// Whether, while the disk is low, a request of `actor` doing `command` is refused:

@@ -269,17 +269,15 @@ impl Services {
         // accounts it ranks (`query::read_units`), at most the whole read burst (it
         // would never be admitted otherwise; a batch of more writes than the write
         // burst is refused, but a read cannot be split).
-        let units = {
-            let org = match reader {
-                Some(
-                    Actor::Tenant { org, .. }
-                    | Actor::Project { org, .. }
-                    | Actor::User { org, .. },
-                ) => Some(org),
-                _ => None,
-            };
-            query::read_units(&shard.view.read().state, org, &q)
-                .min(self.limiter.limits().read.burst.max(1))
+        // Only a ranking needs the state to say (every other read costs 1, without a
+        // second look at the lock).
+        let units = match q {
+            Query::Usage(_) => {
+                let org = reader.and_then(|a| a.org());
+                query::read_units(&shard.view.read().state, org, &q)
+                    .min(self.limiter.limits().read.burst.max(1))
+            }
+            _ => 1,
         };
         self.limit(req, Class::Read, &[(reader, units)])?;
         if linearizable {
