@@ -69,9 +69,13 @@
 //! time). A restarted agent stops every recorded runner still alive (SIGTERM, the grace,
 //! SIGKILL to the whole group) **before** it registers, so the GPUs it offers are free.
 //! The kernel also kills a runner when the agent process dies (`PR_SET_PDEATHSIG`); its
-//! children are caught by the restart. Deploy the agent as a systemd service with
-//! `KillMode=control-group` (`docs/allot-agent.service`) so a dead agent takes its whole
-//! cgroup with it.
+//! children are caught by the restart. Each attempt also runs in a cgroup of its own
+//! (the `cgroup` module; `--cgroup`), which a process that leaves the runner's group
+//! (`setsid`) cannot leave: a kill empties it with `cgroup.kill`, an attempt's end is
+//! reported once it is empty, and a restarted agent empties its predecessor's before it
+//! registers. Deploy the agent as a systemd service with `KillMode=control-group` and
+//! `Delegate=yes` (`docs/allot-agent.service`) so a dead agent takes its whole cgroup
+//! with it.
 //!
 //! # Shutdown
 //!
@@ -97,6 +101,11 @@
 //! operator may delete it after the first start). Tokens come from files
 //! (`allot-agent --token-file`), never from the command line, which every local user
 //! can read in `/proc`.
+
+mod cgroup;
+mod output;
+
+pub use cgroup::CgroupMode;
 
 use crate::error::{Error, Result};
 use crate::{Assignment, AssignmentSet, Client};
@@ -125,6 +134,8 @@ const RESYNC_INTERVAL: Duration = Duration::from_secs(15);
 const FINISH_PERSIST: Duration = Duration::from_secs(180);
 /// Attempts this agent process ran, remembered so a stale view never restarts them.
 const ENDED_REMEMBERED: usize = 65_536;
+/// Bound on waiting for a runner's log to be written out after it exited.
+const LOG_FLUSH_TIMEOUT: Duration = Duration::from_secs(2);
 /// Bound on waiting for a SIGKILLed runner to be reaped.
 const REAP_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -209,6 +220,12 @@ pub struct AgentConfig {
     /// agent's own. Needs an agent running as root. The work dir is then closed to
     /// runners (mode 0711): each may write only its own progress file.
     pub runner_user: Option<RunnerUser>,
+    /// Where each attempt's cgroup goes (`--cgroup`, default `auto`; [`CgroupMode`]):
+    /// a runner's children cannot escape the agent's kills by leaving its process group.
+    pub cgroup: CgroupMode,
+    /// The most of a runner's output its log keeps (`--log-max`, default 256 MiB): the
+    /// first bytes up to this, then the last 64 KiB (the `output` module).
+    pub log_max: u64,
 }
 
 /// A user runners run as: job code cannot read the agent's token files or environment,
@@ -296,6 +313,8 @@ impl AgentConfig {
             incarnation: 0,
             runner_user: None,
             log_retention: Duration::from_secs(7 * 86_400),
+            cgroup: CgroupMode::Auto,
+            log_max: 256 << 20,
         }
     }
 
@@ -315,6 +334,9 @@ impl AgentConfig {
         }
         if self.log_retention.is_zero() {
             return bad("--log-retention must be positive");
+        }
+        if self.log_max == 0 {
+            return bad("--log-max must be positive");
         }
         match &self.mode {
             Mode::Run { program, .. } if program.is_empty() => bad("no job runner given"),
@@ -348,6 +370,29 @@ impl AgentConfig {
 }
 
 // ---------------------------------------------------------------------------- helpers
+
+/// Parses a size in bytes: a whole number with an optional binary unit (`B`, `KiB`,
+/// `MiB`, `GiB`; `K`, `M`, `G` mean the same), e.g. `256MiB`.
+pub fn parse_size(s: &str) -> Result<u64> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (n, unit) = s.split_at(split);
+    let shift = match unit.trim() {
+        "" | "B" => 0,
+        "K" | "KiB" => 10,
+        "M" | "MiB" => 20,
+        "G" | "GiB" => 30,
+        _ => {
+            return Err(Error::Config(format!(
+                "{s:?}: expected a size such as 4096, 64KiB, 256MiB or 1GiB"
+            )))
+        }
+    };
+    n.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(1u64 << shift))
+        .ok_or_else(|| Error::Config(format!("{s:?}: not a size in bytes")))
+}
 
 /// Parses a `key=value` label.
 pub fn parse_label(s: &str) -> Result<(String, String)> {
@@ -444,6 +489,8 @@ enum Runner {
     Process {
         /// The runner leads its own process group (pgid = its pid).
         pgid: u32,
+        /// The attempt's cgroup, holding the runner and everything it starts.
+        cgroup: Option<Arc<cgroup::Attempt>>,
         progress_file: PathBuf,
         last: Mutex<(u32, u64)>,
     },
@@ -662,15 +709,20 @@ fn forget_runner(work_dir: &Path, pgid: u32) {
     let _ = std::fs::remove_file(runners_dir(work_dir).join(pgid.to_string()));
 }
 
-/// Stops every runner a previous incarnation of the agent recorded that is still alive
-/// (SIGTERM to its group, up to `grace`, then SIGKILL), and forgets the records. Run
-/// before registering, so the GPUs the node offers are free. Returns how many it found.
-pub async fn stop_orphans(work_dir: &Path, grace: Duration) -> usize {
-    let Ok(entries) = std::fs::read_dir(runners_dir(work_dir)) else {
-        return 0;
-    };
+/// Stops every runner a previous incarnation of the agent left that is still alive —
+/// each recorded process group, and everything in the cgroups under the agent's base
+/// (a runner's child that left its group included): SIGTERM, up to `grace`, then SIGKILL
+/// (`cgroup.kill` for a cgroup, which is then removed). Forgets the records. Run before
+/// registering, so the GPUs the node offers are free. Returns how many process groups
+/// and non-empty cgroups it found.
+pub async fn stop_orphans(
+    work_dir: &Path,
+    cgroups: Option<&cgroup::Cgroups>,
+    grace: Duration,
+) -> usize {
     let mut live = Vec::new();
-    for e in entries.flatten() {
+    let entries = std::fs::read_dir(runners_dir(work_dir));
+    for e in entries.into_iter().flatten().flatten() {
         let path = e.path();
         let text = read_small(&path, SMALL_FILE_MAX).unwrap_or_default();
         let mut f = text.split_whitespace();
@@ -678,6 +730,9 @@ pub async fn stop_orphans(work_dir: &Path, grace: Duration) -> usize {
             f.next().and_then(|x| x.parse::<u32>().ok()),
             f.next().and_then(|x| x.parse::<u64>().ok()),
         ) else {
+            // Not a record this release wrote. Its process, if any, is in a cgroup
+            // below (when cgroups are on); a record names nothing else to stop.
+            error!(record = %path.display(), text = %text.trim(), "ignoring a runner record that does not parse");
             let _ = std::fs::remove_file(&path);
             continue;
         };
@@ -696,9 +751,20 @@ pub async fn stop_orphans(work_dir: &Path, grace: Duration) -> usize {
             let _ = std::fs::remove_file(&path);
         }
     }
-    let found = live.len();
+    let left = cgroups.map(|c| c.children()).unwrap_or_default();
+    let mut populated = 0;
+    for c in &left {
+        if c.populated() {
+            warn!(cgroup = %c.dir().display(), "stopping the processes of a previous agent process's attempt");
+            c.signal(libc::SIGTERM);
+            populated += 1;
+        }
+    }
+    let found = live.len() + populated;
     let deadline = Instant::now() + grace;
-    while live.iter().any(|(g, _)| group_alive(*g)) && Instant::now() < deadline {
+    while (live.iter().any(|(g, _)| group_alive(*g)) || left.iter().any(|c| c.populated()))
+        && Instant::now() < deadline
+    {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     for (pgid, path) in live {
@@ -714,6 +780,9 @@ pub async fn stop_orphans(work_dir: &Path, grace: Duration) -> usize {
             }
         }
         let _ = std::fs::remove_file(path);
+    }
+    for c in &left {
+        c.kill_and_remove().await;
     }
     found
 }
@@ -747,6 +816,17 @@ impl Runner {
                 let log = create_fresh(
                     &dir.join(format!("job-{}-{}.{}.log", a.org.0, a.job.0, a.attempt)),
                 )?;
+                // Named by this agent process's incarnation too: a restarted agent may
+                // run the same attempt again, and never reuses a predecessor's cgroup.
+                let cgroup = match &shared.cgroups {
+                    Some(c) => Some(Arc::new(c.create(&format!(
+                        "a{}-{}-{}-{}",
+                        shared.cfg.incarnation, a.org.0, a.job.0, a.attempt
+                    ))?)),
+                    None => None,
+                };
+                let procs = cgroup.as_ref().map(|c| c.procs_path());
+                let (out_r, out_w) = output::pipe()?;
                 let mut cmd = tokio::process::Command::new(program);
                 // A clean environment: the agent's tokens never reach the job's code.
                 cmd.env_clear();
@@ -762,10 +842,14 @@ impl Runner {
                 }
                 let ids = shared.cfg.runner_user.as_ref().map(|u| (u.uid, u.gid));
                 let agent_pid = std::process::id();
-                // SAFETY: only async-signal-safe calls (setgroups, setgid, setuid, prctl,
-                // getppid, raise) between fork and exec.
+                // SAFETY: only async-signal-safe calls (open, write, close, setgroups,
+                // setgid, setuid, prctl, getppid, raise) between fork and exec.
                 unsafe {
                     cmd.pre_exec(move || {
+                        // Into the attempt's cgroup first, while still privileged.
+                        if let Some(p) = &procs {
+                            cgroup::join(p)?;
+                        }
                         if let Some((uid, gid)) = ids {
                             if libc::setgroups(0, std::ptr::null()) != 0
                                 || libc::setgid(gid) != 0
@@ -784,7 +868,7 @@ impl Runner {
                         Ok(())
                     });
                 }
-                let mut child = cmd
+                let child = cmd
                     .args(args)
                     .env("CUDA_VISIBLE_DEVICES", gpu_list(&a.gpu_indices))
                     .env("ALLOT_JOB_ID", a.job.0.to_string())
@@ -792,11 +876,31 @@ impl Runner {
                     .env("ALLOT_ATTEMPT", a.attempt.to_string())
                     .env("ALLOT_PROGRESS_FILE", &progress_file)
                     .stdin(std::process::Stdio::null())
-                    .stdout(log.try_clone()?)
-                    .stderr(log)
+                    .stdout(out_w.try_clone()?)
+                    .stderr(out_w)
                     .process_group(0)
                     .kill_on_drop(true)
-                    .spawn()?;
+                    .spawn();
+                // The parent's copies of the pipe's write end go with the command, so
+                // the log's pump sees the end once every process of the attempt has.
+                drop(cmd);
+                let log_max = shared.cfg.log_max;
+                let (logged_tx, logged) = oneshot::channel();
+                let pumped = std::thread::Builder::new()
+                    .name(format!("log-{}-{}", a.job.0, a.attempt))
+                    .spawn(move || {
+                        let dropped = output::pump(std::fs::File::from(out_r), log, log_max);
+                        let _ = logged_tx.send(dropped);
+                    });
+                let mut child = match (child, pumped) {
+                    (Ok(c), Ok(_)) => c,
+                    (Err(e), _) | (_, Err(e)) => {
+                        if let Some(c) = &cgroup {
+                            c.kill_and_remove().await;
+                        }
+                        return Err(e);
+                    }
+                };
                 let Some(pgid) = child.id() else {
                     return Err(std::io::Error::other(
                         "the runner exited before it had a pid",
@@ -804,6 +908,7 @@ impl Runner {
                 };
                 record_runner(dir, pgid, a);
                 let dir = dir.clone();
+                let contained = cgroup.clone();
                 tokio::spawn(async move {
                     let exit = match child.wait().await {
                         Ok(st) => Exit {
@@ -815,14 +920,30 @@ impl Runner {
                             how: format!("wait failed: {e}"),
                         },
                     };
-                    // Whatever the runner left behind in its group goes with it.
+                    // Whatever the runner left behind goes with it: its group, and
+                    // everything in its cgroup (a process that left the group too). The
+                    // exit is reported only once the cgroup is empty.
                     signal_group(pgid, "KILL").await;
+                    if let Some(c) = &contained {
+                        c.kill_and_remove().await;
+                    }
                     forget_runner(&dir, pgid);
+                    // The log is whole before the exit is told (every writer is gone
+                    // once the cgroup is empty; without one, a process that left the
+                    // group may hold the pipe, so the wait is bounded).
+                    match tokio::time::timeout(LOG_FLUSH_TIMEOUT, logged).await {
+                        Ok(Ok(dropped)) if dropped > 0 => {
+                            warn!(pgid, dropped, "the runner's output passed --log-max: its middle was dropped");
+                        }
+                        Ok(_) => {}
+                        Err(_) => warn!(pgid, "the runner's output is still open after it exited: a process it started holds it"),
+                    }
                     let _ = tx.send(exit);
                 });
                 Ok((
                     Runner::Process {
                         pgid,
+                        cgroup,
                         progress_file,
                         last: Mutex::new((0, 0)),
                     },
@@ -924,7 +1045,12 @@ impl Runner {
     /// SIGTERM: asks the runner to save and stop.
     async fn terminate(&self) {
         match self {
-            Runner::Process { pgid, .. } => signal_group(*pgid, "TERM").await,
+            Runner::Process { pgid, cgroup, .. } => {
+                signal_group(*pgid, "TERM").await;
+                if let Some(c) = cgroup {
+                    c.signal(libc::SIGTERM);
+                }
+            }
             Runner::Sim {
                 signal,
                 extra_checkpoints,
@@ -944,7 +1070,12 @@ impl Runner {
     /// SIGKILL: stops the runner at once.
     async fn kill(&self) {
         match self {
-            Runner::Process { pgid, .. } => signal_group(*pgid, "KILL").await,
+            Runner::Process { pgid, cgroup, .. } => {
+                signal_group(*pgid, "KILL").await;
+                if let Some(c) = cgroup {
+                    c.kill();
+                }
+            }
             Runner::Sim { signal, .. } => {
                 if let Some(tx) = lock(signal).take() {
                     let _ = tx.send("SIGKILL");
@@ -985,6 +1116,8 @@ struct Shared {
     /// only for one not started for now, which a later set may start).
     done: mpsc::UnboundedSender<(JobKey, u32, bool)>,
     lease: Lease,
+    /// The agent's directory of attempt cgroups (`None`: `--cgroup off`, or not usable).
+    cgroups: Option<cgroup::Cgroups>,
     /// Set when a linearizable read found the shard's record of the node naming an
     /// older agent process than this one (a shard restored from a backup taken before
     /// this process registered): the node heartbeat task registers the node again.
@@ -1947,6 +2080,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         std::fs::set_permissions(&work_dir, std::fs::Permissions::from_mode(0o711))
             .map_err(|e| Error::Config(format!("work dir {}: {e}", work_dir.display())))?;
     }
+    let cgroups = cgroup::Cgroups::open(&config.cgroup, &work_dir).map_err(Error::Config)?;
     let incarnation = next_incarnation(&work_dir)?;
     let config = AgentConfig {
         work_dir,
@@ -1956,7 +2090,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     tokio::pin!(shutdown);
     // A previous agent process's runners go before the node offers its GPUs again.
     let orphans = tokio::select! {
-        n = stop_orphans(&config.work_dir, config.grace) => n,
+        n = stop_orphans(&config.work_dir, cgroups.as_ref(), config.grace) => n,
         _ = &mut shutdown => return Ok(()),
     };
     if orphans > 0 {
@@ -2003,6 +2137,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         client: client.clone(),
         done: done_tx,
         lease,
+        cgroups,
         register_again: Default::default(),
     });
     let background = [
@@ -2073,6 +2208,9 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
             );
             join.abort();
         }
+    }
+    if let Some(c) = &agent.shared.cgroups {
+        c.close();
     }
     match superseded {
         Some(current) => Err(Error::Rejected(CommandError::StaleIncarnation {
@@ -2199,6 +2337,25 @@ mod tests {
         assert_eq!(parse_progress("2000000 1"), Some((1_000_000, 1)));
         for bad in ["", "5", "a b", "1 2 3", "-1 2", "1.5 2", "500000"] {
             assert_eq!(parse_progress(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn sizes_parse_with_binary_units() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("64KiB").unwrap(), 64 << 10);
+        assert_eq!(parse_size("256MiB").unwrap(), 256 << 20);
+        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
+        for bad in [
+            "",
+            "MiB",
+            "1.5GiB",
+            "-1",
+            "12TB",
+            "99999999999999999999",
+            "17179869184GiB",
+        ] {
+            assert!(parse_size(bad).is_err(), "{bad:?}");
         }
     }
 

@@ -737,3 +737,121 @@ echo "1000000 4" > "$ALLOT_PROGRESS_FILE" && echo yes > "$out/progress-$j"
     assert_eq!(mode, 0o711, "the work dir is closed to runners");
     agent.stop(Duration::from_secs(15));
 }
+
+/// A runner that forks a process which leaves the runner's process group (`setsid`) and
+/// keeps running: the cluster has moved on from the attempt, but the escaped process
+/// would hold the GPUs and go on working. (The agent signalled only the runner's process
+/// group, so such a process outlived a cancellation, and the kernel's parent-death
+/// signal reaches the runner alone, so it outlived a dead agent too.) Each attempt now
+/// runs in a cgroup of its own, killed whole: on a cancellation, and by the next agent
+/// process before it registers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_that_leaves_its_process_group_is_still_killed() {
+    let (dir, c, client) = cluster().await;
+    fund(&client).await;
+    let script = dir.path().join("escape.sh");
+    std::fs::write(
+        &script,
+        r#"#!/bin/sh
+out="$1"; j="$ALLOT_JOB_ID"
+setsid sh -c 'echo $$ > "$0/escaped-$1.tmp" && mv "$0/escaped-$1.tmp" "$0/escaped-$1"; exec sleep 600' "$out" "$j" &
+while [ ! -e "$out/escaped-$j" ]; do sleep 0.05; done
+exec sleep 600
+"#,
+    )
+    .unwrap();
+    let out = dir.path().join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let adir = dir.path().join("agent");
+    let args = [
+        "--grace",
+        "1s",
+        "--",
+        "/bin/sh",
+        script.to_str().unwrap(),
+        out.to_str().unwrap(),
+    ];
+    let mut agent = AgentProc::start(&c.endpoints(), 2, &adir, &args);
+    wait_registered(&client, &mut agent, 2).await;
+    // Cancelled: the escaped process goes with the runner.
+    submit(&client, spec(601, Tier::PAID, 1, false)).await;
+    wait_state(&client, 601, JobState::Running, Duration::from_secs(30)).await;
+    let pid = escaped_pid(&out, 601).await;
+    client.cancel_job(ORG, JobId(601)).await.unwrap();
+    gone(&pid, "the cancelled job's escaped process to be killed").await;
+
+    // The agent dies (SIGKILL: it stops nothing itself): the next agent process kills
+    // the escaped process before it registers the node again.
+    submit(&client, spec(602, Tier::PAID, 1, false)).await;
+    wait_state(&client, 602, JobState::Running, Duration::from_secs(30)).await;
+    let pid = escaped_pid(&out, 602).await;
+    agent.kill();
+    assert!(alive(&pid), "the agent's death alone does not reach it");
+    let mut agent = AgentProc::start(&c.endpoints(), 2, &adir, &args);
+    gone(&pid, "the next agent process to kill the escaped process").await;
+    agent.assert_running();
+    let st = agent
+        .stop(Duration::from_secs(15))
+        .expect("the agent stops on SIGTERM");
+    assert!(st.success(), "agent exit: {st}");
+}
+
+/// The pid the escape runner's setsid child wrote for `job`, once it runs.
+async fn escaped_pid(out: &Path, job: u64) -> String {
+    let pid = wait_file(&out.join(format!("escaped-{job}")), Duration::from_secs(30)).await;
+    let pid = pid.trim().to_string();
+    assert!(alive(&pid), "job {job}'s escaped process runs");
+    pid
+}
+
+/// Waits until the process `pid` is gone.
+async fn gone(pid: &str, what: &str) {
+    let d = Deadline::new(what, Duration::from_secs(15));
+    while alive(pid) {
+        d.tick().await;
+    }
+}
+
+/// A runner's output is capped in its log (`--log-max`): the head up to the cap, a line
+/// counting what was dropped, and the last 64 KiB, where the failure's message is. (A
+/// log grew as long as the job printed, on the disk the node's other jobs share.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runners_log_keeps_its_head_and_tail_within_the_cap() {
+    let (dir, c, client) = cluster().await;
+    fund(&client).await;
+    let script = dir.path().join("loud.sh");
+    std::fs::write(
+        &script,
+        "#!/bin/sh\necho FIRST-LINE\nhead -c 3000000 /dev/zero | tr '\\0' x\necho\necho LAST-LINE >&2\n",
+    )
+    .unwrap();
+    let adir = dir.path().join("agent");
+    let args = [
+        "--log-max",
+        "1MiB",
+        "--",
+        "/bin/sh",
+        script.to_str().unwrap(),
+    ];
+    let mut agent = AgentProc::start(&c.endpoints(), 2, &adir, &args);
+    wait_registered(&client, &mut agent, 2).await;
+    submit(&client, spec(701, Tier::PAID, 1, false)).await;
+    wait_state(&client, 701, JobState::Succeeded, Duration::from_secs(30)).await;
+    let log = std::fs::read(adir.join("work").join(format!("job-{}-701.1.log", ORG.0))).unwrap();
+    assert!(
+        log.len() <= (1 << 20) + (64 << 10) + 200,
+        "log of {} bytes",
+        log.len()
+    );
+    let text = String::from_utf8_lossy(&log);
+    assert!(text.starts_with("FIRST-LINE\n"));
+    assert!(text.ends_with("LAST-LINE\n"), "stderr's last line is kept");
+    let dropped = "FIRST-LINE\n".len() + 3_000_000 + "\n".len() + "LAST-LINE\n".len()
+        - (1 << 20)
+        - (64 << 10);
+    assert!(
+        text.contains(&format!("{dropped} bytes of output dropped")),
+        "the log says what it dropped"
+    );
+    agent.stop(Duration::from_secs(15));
+}

@@ -26,6 +26,10 @@ fn range(s: &str) -> Result<(Duration, Duration), String> {
     agent::parse_duration_range(s).map_err(|e| e.to_string())
 }
 
+fn size(s: &str) -> Result<u64, String> {
+    agent::parse_size(s).map_err(|e| e.to_string())
+}
+
 fn label(s: &str) -> Result<(String, String), String> {
     agent::parse_label(s).map_err(|e| e.to_string())
 }
@@ -116,6 +120,21 @@ struct Args {
     /// deleted, at start and hourly.
     #[arg(long, default_value = "7d", value_parser = duration)]
     log_retention: Duration,
+    /// The most of a runner's output (stdout and stderr) its log keeps: its first bytes
+    /// up to this, then a line counting what was dropped, then its last 64 KiB.
+    #[arg(long, default_value = "256MiB", value_parser = size)]
+    log_max: u64,
+    /// Where each attempt's cgroup (v2) goes, so that nothing a runner starts outlives
+    /// its attempt: `auto` (a child of the agent's own cgroup, or none where cgroup v2 is
+    /// not writable, with a warning), `off`, or an absolute cgroup directory (which must
+    /// work). Under systemd the unit needs Delegate=yes.
+    #[arg(
+        long,
+        env = "ALLOT_AGENT_CGROUP",
+        default_value = "auto",
+        value_name = "auto|off|DIR"
+    )]
+    cgroup: agent::CgroupMode,
     /// Fake GPUs and job runtimes (no runner is started).
     #[arg(long)]
     simulate: bool,
@@ -266,6 +285,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         config.runner_env = args.runner_env;
     }
     config.log_retention = args.log_retention;
+    config.log_max = args.log_max;
+    config.cgroup = args.cgroup;
     config.runner_user = args
         .runner_user
         .as_deref()
