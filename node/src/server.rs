@@ -459,7 +459,7 @@ impl Services {
                 .collect::<Result<Vec<_>, codec::CodecError>>()?;
             Ok::<_, store::AuditReadError>((events, next_seq))
         });
-        let (events, next_seq) = read
+        let (mut events, next_seq): (Vec<allot_statemachine::AuditEvent>, u64) = read
             .await
             .map_err(|e| Status::internal(format!("audit read: {e}")))?
             .map_err(|e| match e {
@@ -468,6 +468,15 @@ impl Services {
                 }
                 e => Status::internal(format!("audit store: {e}")),
             })?;
+        if org_only.is_some() {
+            // The chain runs through every org's events: a tenant holding the hashes
+            // around another org's event could check guesses about it (DESIGN §44,
+            // "The chain is the operator's"). Tenants get the events, not the chain.
+            for e in &mut events {
+                e.prev_hash = [0; 32];
+                e.hash = [0; 32];
+            }
+        }
         Ok((events, next_seq, head_seq))
     }
 }

@@ -781,6 +781,76 @@ async fn defect_12_a_tenants_audit_page_scans_a_bounded_part_of_the_trail() {
     assert!(admin.events.is_empty() && admin.next_seq >= head);
 }
 
+/// Defect 14: a tenant's audit events carried the shard-wide chain's `prev_hash` and
+/// `hash`, and the chain runs through every org's events. With two events of its own
+/// around one of another org's, a tenant could test guesses about that event offline —
+/// hash its guess onto its first event's `hash` and compare with its second event's
+/// `prev_hash` (did org 7 just add a user, with this id, at this time?). Here the
+/// "guess" is the true event, read by the admin: it confirmed on the old node. Now a
+/// tenant's events carry no chain hashes; the admin's still do, and still verify.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_14_a_tenant_cannot_check_guesses_about_another_orgs_events() {
+    let h = secured(1).await;
+    for org in [7, 8] {
+        h.admin.create_org(OrgId(org)).await.unwrap();
+    }
+    let t8 = h
+        .admin
+        .create_token(PrincipalId(80), Scope::Org(OrgId(8)), None)
+        .await
+        .unwrap();
+    let from = h.head_seq(0).await;
+    for (org, user) in [(8, 81), (7, 71), (8, 82)] {
+        h.admin.create_user(OrgId(org), UserId(user)).await.unwrap();
+    }
+    let tenant = ::allot_client::Client::builder()
+        .endpoints(h.c.endpoints())
+        .token(t8)
+        .build()
+        .unwrap();
+    let mine = tenant
+        .audit(0, ::allot_client::AuditFilter::default(), from, 100)
+        .await
+        .unwrap()
+        .events;
+    let all = h
+        .admin
+        .audit(0, ::allot_client::AuditFilter::default(), from, 100)
+        .await
+        .unwrap()
+        .events;
+    assert!(mine.iter().all(|e| e.org == Some(OrgId(8))), "{mine:?}");
+    let (first, last) = (mine.first().unwrap(), mine.last().unwrap());
+    let between: Vec<_> = all
+        .iter()
+        .filter(|e| e.seq > first.seq && e.seq < last.seq)
+        .collect();
+    assert!(
+        between.iter().any(|e| e.org == Some(OrgId(7))),
+        "org 7's event lies between two of org 8's: {all:?}"
+    );
+    // The tenant's check of its guesses: chain them onto its first event's hash.
+    let mut scratch = Vec::new();
+    let guessed = between.iter().fold(first.hash, |prev, e| {
+        let mut e = (*e).clone();
+        e.prev_hash = prev;
+        e.compute_hash(&mut scratch)
+    });
+    assert_ne!(
+        guessed, last.prev_hash,
+        "the tenant's events confirm a guess about org 7's event"
+    );
+    assert!(mine
+        .iter()
+        .all(|e| e.hash == [0; 32] && e.prev_hash == [0; 32]));
+    // The admin's page is the chain itself.
+    let anchor = allot_statemachine::AuditChain {
+        next_seq: all[0].seq,
+        head: all[0].prev_hash,
+    };
+    allot_statemachine::verify_chain(&anchor, &all).unwrap();
+}
+
 /// Defect 13: a usage ranking looks at every account of its level in the org — up to
 /// the org's 500,000 users — under the shard's state lock, for one read token; a tenant
 /// that filled its user quota could keep apply waiting with 1,000 rankings a second.
