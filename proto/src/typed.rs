@@ -1431,6 +1431,22 @@ pub fn command_to(r: &Request) -> Option<pb::Command> {
 
 /// A refusal as the typed `Error`: its stable reason, its message and its fields.
 pub fn error_to(e: &CommandError) -> pb::Error {
+    if let CommandError::Unrecognized {
+        reason,
+        message,
+        details_json,
+    } = e
+    {
+        // As it came: its flat details are rebuilt from its JSON.
+        let json = serde_json::from_str(details_json).unwrap_or_default();
+        let (_, details) = flatten(&json);
+        return pb::Error {
+            reason: *reason,
+            message: message.clone(),
+            details: details.into_iter().collect(),
+            details_json: details_json.clone(),
+        };
+    }
     let json = serde_json::to_value(e).unwrap_or_default();
     let (_, details) = flatten(&json);
     pb::Error {
@@ -1441,14 +1457,16 @@ pub fn error_to(e: &CommandError) -> pb::Error {
     }
 }
 
-/// The exact refusal back from its `details_json`.
+/// The exact refusal back from its `details_json`; one this build does not know (a
+/// newer release's) as [`CommandError::Unrecognized`], so it fails its own request only.
 pub fn error_from(e: &pb::Error) -> Result<CommandError, FieldError> {
-    serde_json::from_str(&e.details_json).map_err(|x| {
-        bad(
-            "error.details_json",
-            format!("not a refusal this client knows: {x}"),
-        )
-    })
+    Ok(
+        serde_json::from_str(&e.details_json).unwrap_or_else(|_| CommandError::Unrecognized {
+            reason: e.reason,
+            message: e.message.clone(),
+            details_json: e.details_json.clone(),
+        }),
+    )
 }
 
 /// The typed result of one applied command (total: every reply has its arm).

@@ -198,10 +198,13 @@ fn every_refusal_reason_has_its_enum_value() {
     let src = include_str!("../../statemachine/src/outcome.rs");
     let body = &src[src.find("pub fn reason(&self)").expect("reason()")..];
     let body = &body[..body.find("\n    }\n").expect("end of reason()")];
+    // `UNRECOGNIZED` is this build's name for a reason it does not know: on the wire it
+    // keeps the number it came with, so it has no value of its own.
     let names: Vec<&str> = body
         .split("=> \"")
         .skip(1)
         .map(|s| &s[..s.find('"').unwrap()])
+        .filter(|n| *n != "UNRECOGNIZED")
         .collect();
     assert!(names.len() >= 50, "{names:?}");
     for n in &names {

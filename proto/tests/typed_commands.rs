@@ -642,12 +642,58 @@ fn a_refusal_carries_its_exact_fields_as_json() {
     let json: serde_json::Value = serde_json::from_str(&m.details_json).unwrap();
     assert_eq!(json["InsufficientCredits"]["needed"], 5);
     assert_eq!(typed::error_from(&m).unwrap(), e);
+    // Details this build cannot read fail that request alone, with the reason and
+    // message that came (see the next test).
     let garbled = pb::Error {
         details_json: "{".into(),
         ..m
     };
-    assert_eq!(
-        typed::error_from(&garbled).unwrap_err().field,
-        "error.details_json"
+    assert!(matches!(
+        typed::error_from(&garbled).unwrap(),
+        CommandError::Unrecognized { reason, .. } if reason == pb::Reason::InsufficientCredits as i32
+    ));
+}
+
+/// A refusal this build does not know (a newer release's node sends a new kind during a
+/// rolling upgrade, or a new kind sits in the audit trail) fails only its own request:
+/// the other replies of the call read as usual, and the unknown one is kept whole — a
+/// follower that forwards it passes on the leader's reason, message and details as
+/// they came. (It failed the whole reply: `outcomes_from` refused the call.)
+#[test]
+fn an_unknown_refusal_fails_only_its_own_request_and_passes_through_whole() {
+    let newer = pb::Error {
+        reason: 977,
+        message: "a refusal from the future".into(),
+        details: [("limit".to_string(), "3".to_string())].into(),
+        details_json: r#"{"SomethingNew":{"limit":3}}"#.into(),
+    };
+    let reply = pb::ExecuteReply {
+        replies: vec![
+            pb::CommandReply {
+                log_index: 5,
+                logical_time_ms: 9,
+                result: Some(typed::outcome_to(&Ok(Reply::Created))),
+            },
+            pb::CommandReply {
+                log_index: 5,
+                logical_time_ms: 9,
+                result: Some(pb::command_reply::Result::Error(newer.clone())),
+            },
+        ],
+        log_index: 5,
+        logical_time_ms: 9,
+    };
+    let outcomes = typed::outcomes_from(&wire(&reply), 2).expect("the call reads");
+    assert_eq!(outcomes[0], Ok(Reply::Created));
+    let Err(e) = &outcomes[1] else {
+        panic!("{outcomes:?}")
+    };
+    assert!(
+        matches!(e, CommandError::Unrecognized { reason: 977, .. }),
+        "{e:?}"
     );
+    assert_eq!(e.to_string(), "a refusal from the future");
+    assert_eq!(e.reason(), "UNRECOGNIZED");
+    // Passed on as it came.
+    assert_eq!(typed::error_to(e), newer);
 }

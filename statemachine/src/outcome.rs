@@ -183,6 +183,16 @@ pub enum CommandError {
     /// this build implements (`crate::version`).
     #[error("rule version refused: version {active} is active and this build implements up to {newest} (versions never go back)")]
     UnsupportedRulesVersion { active: u32, newest: u32 },
+    /// A refusal this build does not know, as a newer release's node sent it on the
+    /// typed API (a rolling upgrade; a new kind in the audit trail): kept whole — its
+    /// reason number, message and `details_json` — so it fails its own request only,
+    /// and a node forwarding it passes it on unchanged. Never produced by the rules.
+    #[error("{message}")]
+    Unrecognized {
+        reason: i32,
+        message: String,
+        details_json: String,
+    },
 }
 
 impl CommandError {
@@ -246,6 +256,7 @@ impl CommandError {
             CommandError::TierNotEntitled(_) => "TIER_NOT_ENTITLED",
             CommandError::InvalidAlert => "INVALID_ALERT",
             CommandError::UnsupportedRulesVersion { .. } => "UNSUPPORTED_RULES_VERSION",
+            CommandError::Unrecognized { .. } => "UNRECOGNIZED",
         }
     }
 }

@@ -116,11 +116,23 @@ fn rules_key(shard: ShardId) -> Vec<u8> {
 /// The rule version this replica's data holds active: its state's, or a later
 /// activation applied since its last snapshot.
 pub fn rules_on_disk(db: &DB, shard: ShardId, state: &State) -> Result<u32, StorageError> {
-    let logged = db
+    let logged = match db
         .get_cf(cf(db, CF_SNAP), rules_key(shard))
         .map_err(io_read)?
-        .and_then(|b| Some(u32::from_le_bytes(b.get(..4)?.try_into().ok()?)))
-        .unwrap_or(0);
+    {
+        None => 0,
+        // Exactly four bytes, or the data is not what this release wrote: refusing is
+        // the only safe reading (taking it as 0 would let an old binary run newer rules).
+        Some(b) => u32::from_le_bytes(b.as_slice().try_into().map_err(|_| {
+            io_read(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "shard {shard}'s rules_active record is {} bytes, not 4",
+                    b.len()
+                ),
+            ))
+        })?),
+    };
     Ok(logged.max(state.rules.active))
 }
 
@@ -751,4 +763,32 @@ pub enum AuditReadError {
          snapshot); read the audit trail from another replica"
     )]
     Gap { missing_from: u64, found: u64 },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The record of the rule version a replica's data holds fails closed: a record that
+    /// does not parse stops the node instead of reading as "no newer rules" (found by
+    /// review: it read as 0, so a binary too old for the data would have run it).
+    #[test]
+    fn a_rules_record_that_does_not_parse_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = crate::store::open_db(dir.path()).unwrap();
+        let state = State::new(Config::default());
+        let shard: ShardId = 3;
+        assert_eq!(
+            rules_on_disk(&db, shard, &state).unwrap(),
+            state.rules.active
+        );
+        db.put_cf(cf(&db, CF_SNAP), rules_key(shard), 7u32.to_le_bytes())
+            .unwrap();
+        assert_eq!(rules_on_disk(&db, shard, &state).unwrap(), 7);
+        for bad in [&[7u8, 0][..], &[7, 0, 0, 0, 0][..], &[][..]] {
+            db.put_cf(cf(&db, CF_SNAP), rules_key(shard), bad).unwrap();
+            let e = rules_on_disk(&db, shard, &state).unwrap_err();
+            assert!(e.to_string().contains("rules_active"), "{e}");
+        }
+    }
 }
