@@ -752,11 +752,12 @@ pub async fn stop_orphans(
         }
     }
     let left = cgroups.map(|c| c.children()).unwrap_or_default();
+    let groups: Vec<u32> = live.iter().map(|(g, _)| *g).collect();
     let mut populated = 0;
     for c in &left {
         if c.populated() {
             warn!(cgroup = %c.dir().display(), "stopping the processes of a previous agent process's attempt");
-            c.signal(libc::SIGTERM);
+            c.signal(libc::SIGTERM, &groups).await;
             populated += 1;
         }
     }
@@ -816,17 +817,18 @@ impl Runner {
                 let log = create_fresh(
                     &dir.join(format!("job-{}-{}.{}.log", a.org.0, a.job.0, a.attempt)),
                 )?;
-                // Named by this agent process's incarnation too: a restarted agent may
-                // run the same attempt again, and never reuses a predecessor's cgroup.
+                let (out_r, out_w) = output::pipe()?;
+                let out_w2 = out_w.try_clone()?;
                 let cgroup = match &shared.cgroups {
-                    Some(c) => Some(Arc::new(c.create(&format!(
-                        "a{}-{}-{}-{}",
-                        shared.cfg.incarnation, a.org.0, a.job.0, a.attempt
-                    ))?)),
+                    Some(c) => Some(Arc::new(c.create_attempt(
+                        shared.cfg.incarnation,
+                        a.org.0,
+                        a.job.0,
+                        a.attempt,
+                    )?)),
                     None => None,
                 };
                 let procs = cgroup.as_ref().map(|c| c.procs_path());
-                let (out_r, out_w) = output::pipe()?;
                 let mut cmd = tokio::process::Command::new(program);
                 // A clean environment: the agent's tokens never reach the job's code.
                 cmd.env_clear();
@@ -876,7 +878,7 @@ impl Runner {
                     .env("ALLOT_ATTEMPT", a.attempt.to_string())
                     .env("ALLOT_PROGRESS_FILE", &progress_file)
                     .stdin(std::process::Stdio::null())
-                    .stdout(out_w.try_clone()?)
+                    .stdout(out_w2)
                     .stderr(out_w)
                     .process_group(0)
                     .kill_on_drop(true)
@@ -902,6 +904,9 @@ impl Runner {
                     }
                 };
                 let Some(pgid) = child.id() else {
+                    if let Some(c) = &cgroup {
+                        c.kill_and_remove().await;
+                    }
                     return Err(std::io::Error::other(
                         "the runner exited before it had a pid",
                     ));
@@ -1048,7 +1053,7 @@ impl Runner {
             Runner::Process { pgid, cgroup, .. } => {
                 signal_group(*pgid, "TERM").await;
                 if let Some(c) = cgroup {
-                    c.signal(libc::SIGTERM);
+                    c.signal(libc::SIGTERM, &[*pgid]).await;
                 }
             }
             Runner::Sim {

@@ -789,7 +789,8 @@ exec sleep 600
     assert!(alive(&pid), "the agent's death alone does not reach it");
     let mut agent = AgentProc::start(&c.endpoints(), 2, &adir, &args);
     gone(&pid, "the next agent process to kill the escaped process").await;
-    agent.assert_running();
+    // Registered: it has emptied and removed its predecessor's cgroups.
+    wait_registered(&client, &mut agent, 2).await;
     let st = agent
         .stop(Duration::from_secs(15))
         .expect("the agent stops on SIGTERM");

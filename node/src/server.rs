@@ -28,6 +28,7 @@ use allot_proto::raft_server::Raft as RaftService;
 use allot_proto::typed;
 use allot_proto::*;
 use allot_statemachine::query::{self, Query};
+use allot_statemachine::redact::Viewer;
 use allot_statemachine::scheduler::AssignmentRow;
 use allot_statemachine::{codec, Actor, DenialReason, HoldId, ProjectId, Request};
 use openraft::raft::SnapshotResponse;
@@ -199,6 +200,11 @@ impl Services {
         let was_forwarded = forwarded(req);
         let leader = shard.raft.metrics().borrow().current_leader == Some(self.node.id);
         let actors = edge::credentials(&self.node, shard, &requests, leader).await?;
+        // Who will read each outcome, for the answer's redaction (`redact`).
+        let viewers: Vec<Option<Viewer>> = actors
+            .iter()
+            .map(|a| a.as_ref().and_then(Viewer::of).filter(Viewer::narrow))
+            .collect();
         // The call a follower forwards, built before the requests go to the proposer
         // (only when this replica does not lead).
         let forward = (!leader && !was_forwarded)
@@ -219,7 +225,7 @@ impl Services {
         }
         #[cfg(feature = "chaos")]
         crate::chaos::rewrite_request_ids(&mut requests);
-        match shard.proposer.propose(requests).await {
+        let committed = match shard.proposer.propose(requests).await {
             Ok(c) => Ok(c),
             Err(e @ ProposeError::NotLeader { addr: Some(_), .. }) if !was_forwarded => {
                 // Forward once; the leader answers (or says who leads now).
@@ -246,7 +252,8 @@ impl Services {
                 })
             }
             Err(e) => Err(status_of(e)),
-        }
+        };
+        committed.map(|c| redacted(shard, &viewers, c))
     }
 
     /// Answers a query on `shard` (the read rate limit; linearizable through the leader's
@@ -395,13 +402,13 @@ impl Services {
             self.limit(req, Class::Read, &[(self.reader(shard.id, caller), 1)])?;
         }
         let (mut org, mut project) = (filter.org, filter.project);
-        let (org_only, project_only) =
-            match auth::authenticate(&self.node, shard.id, caller, "audit")? {
-                Actor::Admin(_) => (None, None),
-                Actor::Tenant { org, .. } => (Some(org.0), None),
-                Actor::Project { org, project, .. } => (Some(org.0), Some(project.0)),
-                other => return Err(auth::forbidden(&self.node, shard.id, other, "audit")),
-            };
+        let reader = auth::authenticate(&self.node, shard.id, caller, "audit")?;
+        let (org_only, project_only) = match reader {
+            Actor::Admin(_) => (None, None),
+            Actor::Tenant { org, .. } => (Some(org.0), None),
+            Actor::Project { org, project, .. } => (Some(org.0), Some(project.0)),
+            other => return Err(auth::forbidden(&self.node, shard.id, other, "audit")),
+        };
         let mut nothing = false;
         if let Some(o) = org_only {
             nothing |= org.is_some_and(|m| m != o);
@@ -468,17 +475,40 @@ impl Services {
                 }
                 e => Status::internal(format!("audit store: {e}")),
             })?;
-        if org_only.is_some() {
+        if let Some(viewer) = Viewer::of(&reader) {
             // The chain runs through every org's events: a tenant holding the hashes
             // around another org's event could check guesses about it (DESIGN §44,
-            // "The chain is the operator's"). Tenants get the events, not the chain.
-            for e in &mut events {
-                e.prev_hash = [0; 32];
-                e.hash = [0; 32];
-            }
+            // "The chain is the operator's"). Tenants get the events, not the chain,
+            // each as its reader may see it (`redact`).
+            let g = shard.view.read();
+            events = events
+                .into_iter()
+                .filter_map(|mut e| {
+                    e.prev_hash = [0; 32];
+                    e.hash = [0; 32];
+                    viewer.event(&g.state, e)
+                })
+                .collect();
         }
         Ok((events, next_seq, head_seq))
     }
+}
+
+/// Each outcome as its caller may see it (a project or user token: `redact`; a fresh
+/// outcome, a replay and a forwarded leader's reply alike — redacting twice changes
+/// nothing). The replicated outcome and the audit trail stay whole.
+fn redacted(shard: &Shard, viewers: &[Option<Viewer>], mut c: Committed) -> Committed {
+    if viewers.iter().all(Option::is_none) {
+        return c;
+    }
+    let g = shard.view.read();
+    for (o, v) in c.outcomes.iter_mut().zip(viewers) {
+        if let Some(v) = v {
+            let whole = std::mem::replace(o, Ok(allot_statemachine::Reply::Ticked));
+            *o = v.outcome(&g.state, whole);
+        }
+    }
+    c
 }
 
 /// Queries whose work grows with the whole shard (see `query_inner`).

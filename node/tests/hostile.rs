@@ -851,6 +851,123 @@ async fn defect_14_a_tenant_cannot_check_guesses_about_another_orgs_events() {
     allot_statemachine::verify_chain(&anchor, &all).unwrap();
 }
 
+/// Defect 15: a project token's own replies and trail carried the org pool's credit and
+/// its sibling projects' buckets (`redact`; the rules are proven in
+/// `tenancy.rs::a_project_token_sees_neither_its_siblings_nor_the_org_pool`). Here, the
+/// node's wiring: a reply, the same request replayed, and the audit page of the refusal
+/// all show the project its own figures only; the org token sees the pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_15_a_project_tokens_replies_and_trail_show_its_project_only() {
+    let h = secured(1).await;
+    let org = OrgId(7);
+    h.admin.create_org(org).await.unwrap();
+    for p in [71, 72] {
+        h.admin.create_project(org, ProjectId(p)).await.unwrap();
+    }
+    h.admin.create_user(org, UserId(700)).await.unwrap();
+    h.admin
+        .set_prices(vec![(GpuType::new("A100"), 2_000_000)])
+        .await
+        .unwrap();
+    h.admin
+        .issue_grant(
+            org,
+            Grant {
+                bucket: BucketId(1),
+                owner: Account::Org(org),
+                kind: BucketKind::Paid,
+                amount_micro: 9_000_000_000,
+                expires_at_ms: None,
+                priority: 100,
+                policy: None,
+                source_ref: None,
+            },
+        )
+        .await
+        .unwrap();
+    let token = |principal, scope| {
+        let admin = &h.admin;
+        async move {
+            admin
+                .create_token(PrincipalId(principal), scope, None)
+                .await
+                .unwrap()
+        }
+    };
+    let client = |t: String| {
+        ::allot_client::Client::builder()
+            .endpoints(h.c.endpoints())
+            .token(t)
+            .build()
+            .unwrap()
+    };
+    let project = client(
+        token(
+            90,
+            Scope::Project {
+                org,
+                project: ProjectId(71),
+            },
+        )
+        .await,
+    );
+    let org_token = client(token(91, Scope::Org(org)).await);
+    let spec = |hold: u64, amount_micro: u64| HoldSpec {
+        hold: HoldId(hold),
+        project: ProjectId(71),
+        user: UserId(700),
+        tier: Tier::PAID,
+        gpu_types: vec![GpuType::new("A100")],
+        amount_micro,
+    };
+    let refusal = |r: Result<Reply, ::allot_client::Error>| match r {
+        Err(::allot_client::Error::Rejected(e)) => e,
+        other => panic!("{other:?}"),
+    };
+    let too_much = 10_000_000_000;
+    let seen = refusal(project.create_hold(org, spec(5, too_much)).await);
+    assert_eq!(
+        seen,
+        CommandError::InsufficientCredits {
+            needed: too_much,
+            available: 0
+        },
+        "the org pool's credit is not the project's to see"
+    );
+    let whole = refusal(org_token.create_hold(org, spec(6, too_much)).await);
+    assert_eq!(
+        whole,
+        CommandError::InsufficientCredits {
+            needed: too_much,
+            available: 9_000_000_000
+        }
+    );
+    // A hold that draws on the org's bucket: the project does not see which.
+    match project.create_hold(org, spec(7, 1_000_000)).await.unwrap() {
+        Reply::HoldCreated { draws, .. } => assert!(draws.is_empty(), "{draws:?}"),
+        other => panic!("{other:?}"),
+    }
+    // Its trail: the refusals show the same.
+    let page = project
+        .audit(0, ::allot_client::AuditFilter::default(), 0, 1_000)
+        .await
+        .unwrap();
+    let outcomes: Vec<_> = page
+        .events
+        .iter()
+        .filter_map(|e| match &e.body {
+            EventBody::Command {
+                outcome: Err(e @ CommandError::InsufficientCredits { .. }),
+                ..
+            } => Some(e.clone()),
+            _ => None,
+        })
+        .collect();
+    // Both refusals in project 71's account, the org token's included, show the
+    // project's figures.
+    assert_eq!(outcomes, vec![seen.clone(), seen], "{:?}", page.events);
+}
+
 /// Defect 13: a usage ranking looks at every account of its level in the org — up to
 /// the org's 500,000 users — under the shard's state lock, for one read token; a tenant
 /// that filled its user quota could keep apply waiting with 1,000 rankings a second.

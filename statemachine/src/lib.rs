@@ -49,6 +49,7 @@ pub mod ledger;
 pub mod limits;
 pub mod outcome;
 pub mod query;
+pub mod redact;
 pub mod scheduler;
 pub mod security;
 pub mod state;

@@ -257,15 +257,6 @@ impl Query {
     }
 }
 
-/// A job as its own org may see it: the job it was preempted for is named only if it is
-/// the same org's (another org's job id is that org's business).
-fn tenant_view(mut j: Job, org: OrgId) -> Job {
-    if j.preempted_for.is_some_and(|(o, _)| o != org) {
-        j.preempted_for = None;
-    }
-    j
-}
-
 /// [`answer`] for `caller` (a claimed or bearer actor, resolved here against the
 /// replicated token table). A tenant sees only its own org (a project token only its
 /// project, a user token only its project's and its own): another org's account, job
@@ -328,6 +319,7 @@ pub fn answer_as(state: &State, caller: Actor, q: &Query) -> Result<Answer, Quer
         } => (org, Some(project), Some(user)),
     };
     let narrow = project.is_some();
+    let viewer = crate::redact::Viewer { org, project, user };
     let in_scope = |o: OrgId, account: Account| {
         o == org
             && match account {
@@ -349,7 +341,7 @@ pub fn answer_as(state: &State, caller: Actor, q: &Query) -> Result<Answer, Quer
                         && project.is_none_or(|p| j.spec.project == p)
                         && user.is_none_or(|u| j.spec.user == u)
                 })
-                .map(|j| Box::new(tenant_view(j.clone(), org))),
+                .map(|j| Box::new(viewer.job(state, j.clone()))),
         ),
         Query::Jobs(filter) => {
             let mut f = filter.clone();
@@ -367,7 +359,11 @@ pub fn answer_as(state: &State, caller: Actor, q: &Query) -> Result<Answer, Quer
             f.project = f.project.or(project);
             f.user = f.user.or(user);
             let mut page = jobs_page(state, &f);
-            page.jobs = page.jobs.into_iter().map(|j| tenant_view(j, org)).collect();
+            page.jobs = page
+                .jobs
+                .into_iter()
+                .map(|j| viewer.job(state, j))
+                .collect();
             Answer::Jobs(page)
         }
         Query::Budget(o, scope) => {
@@ -406,20 +402,28 @@ pub fn answer_as(state: &State, caller: Actor, q: &Query) -> Result<Answer, Quer
                 }
             }
         }
-        // Queue and depth counts of the caller's own org only: another org's volume of
-        // work is none of its business.
-        Query::Queue => Answer::Queue(queue(state, Some(org))),
+        // Queue and depth counts of the caller's own org only (a narrow token: its own
+        // project's, or user's): another org's volume of work is none of its business.
+        Query::Queue => Answer::Queue(queue(state, Some(viewer))),
         Query::QueueDepth => Answer::QueueDepth(
-            queue(state, Some(org))
+            queue(state, Some(viewer))
                 .into_iter()
                 .map(|t| (t.tier, t.queued as usize))
                 .collect(),
         ),
         // The pool's size, and the caller's own GPUs in use: the shard's total in use
-        // less its own would be every other org's.
+        // less its own would be every other org's (for a narrow token, the org's would
+        // be its sibling projects').
         Query::Fleet => Answer::Fleet {
             gpus: state.scheduler.fleet_gpus,
-            used: state.scheduler.running_org.get(&org).copied().unwrap_or(0),
+            used: if narrow {
+                queue(state, Some(viewer))
+                    .iter()
+                    .map(|t| t.running_gpus)
+                    .sum()
+            } else {
+                state.scheduler.running_org.get(&org).copied().unwrap_or(0)
+            },
         },
         Query::Balance { .. }
         | Query::Buckets { .. }
@@ -680,8 +684,14 @@ fn jobs_page(state: &State, f: &JobFilter) -> JobsPage {
 
 /// Per tier: queued jobs, the oldest one's wait and the GPUs running — of one org
 /// (a tenant's view: its own subtree of the queue and its own jobs) or of the shard.
-fn queue(state: &State, org: Option<OrgId>) -> Vec<TierQueue> {
+fn queue(state: &State, viewer: Option<crate::redact::Viewer>) -> Vec<TierQueue> {
     let sched = &state.scheduler;
+    let org = viewer.map(|v| v.org);
+    // A narrow token counts its own project's (and user's) jobs only.
+    let (project, user) = viewer.map_or((None, None), |v| (v.project, v.user));
+    let mine = |j: &Job| {
+        project.is_none_or(|p| j.spec.project == p) && user.is_none_or(|u| j.spec.user == u)
+    };
     let mut running: BTreeMap<Tier, u32> = BTreeMap::new();
     if let Some(o) = org {
         // The org's GPUs in use, per tier, from the fleet's GPU slots (each held GPU is
@@ -691,7 +701,11 @@ fn queue(state: &State, org: Option<OrgId>) -> Vec<TierQueue> {
         // those cost a tenant's every `Queue` query ~10–20 ms at the default quota).
         for key in sched.nodes.values().flat_map(|n| n.slots.iter().flatten()) {
             if key.0 == o {
-                if let Some(j) = sched.jobs.get(key).filter(|j| j.state.holds_gpus()) {
+                if let Some(j) = sched
+                    .jobs
+                    .get(key)
+                    .filter(|j| j.state.holds_gpus() && mine(j))
+                {
                     *running.entry(j.spec.tier).or_default() += 1;
                 }
             }
@@ -712,8 +726,11 @@ fn queue(state: &State, org: Option<OrgId>) -> Vec<TierQueue> {
                     let mine = sched.queue.get(&tier).and_then(|orgs| orgs.get(&o));
                     let users = mine
                         .into_iter()
-                        .flat_map(|p| p.values())
-                        .flat_map(|u| u.values());
+                        .flat_map(|p| p.iter())
+                        .filter(|(pid, _)| project.is_none_or(|mine| **pid == mine))
+                        .flat_map(|(_, u)| u.iter())
+                        .filter(|(uid, _)| user.is_none_or(|mine| **uid == mine))
+                        .map(|(_, q)| q);
                     users.fold((0u64, None::<u64>), |(n, oldest), q| {
                         let first = q.first().map(|(since, _)| *since);
                         (n + q.len() as u64, oldest.min(first).or(oldest).or(first))

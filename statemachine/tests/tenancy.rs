@@ -1235,3 +1235,187 @@ fn activating_rule_version_4_counts_the_buckets_already_closed() {
     h.tick();
     assert_eq!(in_use(&h), 1, "archived, they leave the count");
 }
+
+/// A project token sees its own project, not its siblings' work or the org's pool
+/// (`redact`). Each figure below was visible before: the org pool's credit in a refusal,
+/// the org's buckets a hold drew on, the org-wide budget's use, a sibling project's job
+/// that preempted this one's, and the sibling projects' queued and running work. The
+/// org token and the operator still see everything.
+#[test]
+fn a_project_token_sees_neither_its_siblings_nor_the_org_pool() {
+    use allot_statemachine::redact::Viewer;
+    let mut h = funded();
+    h.ok(Command::SetPlan {
+        org: ORG,
+        plan: Some(all_tiers()),
+    });
+    // Project A has 5 credits of its own; the org's pool has 10,000.
+    h.grant(
+        3,
+        Account::Project(PROJECT),
+        BucketKind::Paid,
+        credits(5),
+        None,
+    );
+    let a = Actor::Project {
+        org: ORG,
+        project: PROJECT,
+        principal: PrincipalId(201),
+    };
+    let b = Actor::Project {
+        org: ORG,
+        project: PROJECT_B,
+        principal: PrincipalId(202),
+    };
+    let (va, vb, vorg) = (
+        Viewer::of(&a).unwrap(),
+        Viewer::of(&b).unwrap(),
+        Viewer::of(&tenant(ORG)).unwrap(),
+    );
+
+    // A hold drawing on the project's bucket and the org's: the project sees its own.
+    let drew = h.run_as(a, Command::CreateHold(Harness::hold_spec(500, credits(20))));
+    let Ok(Reply::HoldCreated { draws, .. }) = &drew else {
+        panic!("{drew:?}")
+    };
+    assert_eq!(draws.len(), 2, "{draws:?}");
+    let Ok(Reply::HoldCreated { draws: seen, .. }) = va.outcome(&h.state, drew.clone()) else {
+        panic!()
+    };
+    assert_eq!(
+        seen.iter().map(|d| d.bucket).collect::<Vec<_>>(),
+        vec![BucketId(3)],
+        "the org's bucket is not the project's to see"
+    );
+    assert_eq!(
+        vorg.outcome(&h.state, drew.clone()),
+        drew,
+        "the org sees all"
+    );
+
+    // A refusal for credit: the available figure is the project's and the org's.
+    let refused = h.run_as(
+        a,
+        Command::CreateHold(Harness::hold_spec(501, credits(50_000))),
+    );
+    let Err(CommandError::InsufficientCredits { needed, available }) = refused else {
+        panic!("{refused:?}")
+    };
+    assert!(available > credits(9_000), "the org's pool: {available}");
+    assert_eq!(
+        va.outcome(&h.state, refused.clone()),
+        Err(CommandError::InsufficientCredits {
+            needed,
+            available: 0
+        })
+    );
+    assert_eq!(vorg.outcome(&h.state, refused.clone()), refused);
+
+    // An org-wide budget: its scope is shown, its figures are not.
+    h.ok(Command::SetBudget {
+        scope: BudgetScope::Org(ORG),
+        budget: Some(BudgetSpec {
+            limit_micro: credits(30),
+            period: BudgetPeriod::Lifetime,
+            mode: BudgetMode::Hard,
+        }),
+    });
+    let over = h.run_as(a, Command::CreateHold(Harness::hold_spec(502, credits(20))));
+    let Err(CommandError::BudgetExceeded { scope, asked, .. }) = &over else {
+        panic!("{over:?}")
+    };
+    assert_eq!(
+        va.outcome(&h.state, over.clone()),
+        Err(CommandError::BudgetExceeded {
+            scope: *scope,
+            limit: 0,
+            used: 0,
+            asked: *asked,
+        })
+    );
+    h.ok(Command::SetBudget {
+        scope: BudgetScope::Org(ORG),
+        budget: None,
+    });
+
+    // Project B's free job runs on the whole node; project A's enterprise job preempts it.
+    let mut theirs = Harness::job_spec(80, Tier::FREE, vec![a100()], 8);
+    theirs.project = PROJECT_B;
+    theirs.user = USER_B;
+    assert!(h.run_as(b, Command::SubmitJob(theirs)).is_ok());
+    for seq in 1..=6 {
+        h.advance(60_000);
+        h.nodes_alive();
+        h.job_heartbeat(80, seq, seq).unwrap();
+    }
+    let mut mine = Harness::job_spec(81, Tier::ENTERPRISE, vec![a100()], 8);
+    mine.project = PROJECT;
+    assert!(h.run_as(a, Command::SubmitJob(mine)).is_ok());
+    let victim = h.state.scheduler.job(ORG, JobId(80)).unwrap().clone();
+    assert_eq!(victim.preempted_for, Some((ORG, JobId(81))));
+    let by_81 = scheduler::Reason::Preempted {
+        by: Some(JobId(81)),
+        by_tier: Tier::ENTERPRISE,
+    };
+    assert_eq!(victim.last_reason, by_81);
+    let Ok(Answer::Job(Some(seen))) = answer_as(&h.state, b, &Query::Job(ORG, JobId(80))) else {
+        panic!("project B sees its own job")
+    };
+    assert_eq!(
+        seen.preempted_for, None,
+        "project A's job is not B's to see"
+    );
+    assert_eq!(
+        seen.last_reason,
+        scheduler::Reason::Preempted {
+            by: None,
+            by_tier: Tier::ENTERPRISE
+        }
+    );
+    let Ok(Answer::Job(Some(seen))) = answer_as(&h.state, tenant(ORG), &Query::Job(ORG, JobId(80)))
+    else {
+        panic!()
+    };
+    assert_eq!(
+        (seen.preempted_for, seen.last_reason),
+        (Some((ORG, JobId(81))), by_81),
+        "the org sees which of its jobs"
+    );
+    // The same in the audit trail.
+    let transition = h
+        .events
+        .iter()
+        .rev()
+        .find(|e| matches!(e.body, EventBody::JobTransition { job, .. } if job == JobId(80)))
+        .unwrap()
+        .clone();
+    let Some(AuditEvent {
+        body: EventBody::JobTransition { reason, .. },
+        ..
+    }) = vb.event(&h.state, transition.clone())
+    else {
+        panic!()
+    };
+    assert_eq!(
+        reason,
+        scheduler::Reason::Preempted {
+            by: None,
+            by_tier: Tier::ENTERPRISE
+        }
+    );
+    assert_eq!(vorg.event(&h.state, transition.clone()), Some(transition));
+
+    // Queue and fleet views: each project its own.
+    let running = |actor| match answer_as(&h.state, actor, &Query::Fleet).unwrap() {
+        Answer::Fleet { used, .. } => used,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(running(tenant(ORG)), 8);
+    assert_eq!(running(b), 8, "B's preempting job still holds the node");
+    assert_eq!(running(a), 0, "B's GPUs are not A's to see");
+    let queued = |actor| match answer_as(&h.state, actor, &Query::Queue).unwrap() {
+        Answer::Queue(tiers) => tiers.iter().map(|t| t.queued).sum::<u64>(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!((queued(tenant(ORG)), queued(a), queued(b)), (1, 1, 0));
+}
