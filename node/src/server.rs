@@ -200,10 +200,12 @@ impl Services {
         let was_forwarded = forwarded(req);
         let leader = shard.raft.metrics().borrow().current_leader == Some(self.node.id);
         let actors = edge::credentials(&self.node, shard, &requests, leader).await?;
-        // Who will read each outcome, for the answer's redaction (`redact`).
-        let viewers: Vec<Option<Viewer>> = actors
+        // Who will read each outcome, for the answer's redaction (`redact`): as resolved
+        // here, or — a token this replica did not know yet — after the commit.
+        let readers: Vec<Result<Actor, Actor>> = actors
             .iter()
-            .map(|a| a.as_ref().and_then(Viewer::of).filter(Viewer::narrow))
+            .zip(&requests)
+            .map(|(a, r)| a.ok_or(r.actor))
             .collect();
         // The call a follower forwards, built before the requests go to the proposer
         // (only when this replica does not lead).
@@ -253,7 +255,7 @@ impl Services {
             }
             Err(e) => Err(status_of(e)),
         };
-        committed.map(|c| redacted(shard, &viewers, c))
+        committed.map(|c| redacted(shard, &readers, c))
     }
 
     /// Answers a query on `shard` (the read rate limit; linearizable through the leader's
@@ -497,13 +499,24 @@ impl Services {
 /// Each outcome as its caller may see it (a project or user token: `redact`; a fresh
 /// outcome, a replay and a forwarded leader's reply alike — redacting twice changes
 /// nothing). The replicated outcome and the audit trail stay whole.
-fn redacted(shard: &Shard, viewers: &[Option<Viewer>], mut c: Committed) -> Committed {
-    if viewers.iter().all(Option::is_none) {
+fn redacted(shard: &Shard, readers: &[Result<Actor, Actor>], mut c: Committed) -> Committed {
+    let narrow = |a: &Actor| Viewer::of(a).is_some_and(|v| v.narrow());
+    if readers.iter().all(|r| r.as_ref().is_ok_and(|a| !narrow(a))) {
         return c;
     }
     let g = shard.view.read();
-    for (o, v) in c.outcomes.iter_mut().zip(viewers) {
-        if let Some(v) = v {
+    for (o, r) in c.outcomes.iter_mut().zip(readers) {
+        let reader = match r {
+            Ok(a) => Some(*a),
+            // Resolved by the apply that produced the outcome: the token is known now
+            // (revoked or expired since, its scope is unknown: redacted for anyone).
+            Err(raw) => g.state.security.resolve(*raw, g.state.time_ms).ok(),
+        };
+        let viewer = match reader {
+            Some(a) => Viewer::of(&a).filter(Viewer::narrow),
+            None => Some(Viewer::NOBODY),
+        };
+        if let Some(v) = viewer {
             let whole = std::mem::replace(o, Ok(allot_statemachine::Reply::Ticked));
             *o = v.outcome(&g.state, whole);
         }

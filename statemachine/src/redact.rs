@@ -21,8 +21,15 @@
 //! - a preemption names the preempting job only if it is its project's (for an org
 //!   token: its org's), in a job's `last_reason`, `preempted_for` and audit events;
 //! - audit: a refused or applied command of *another* project's token that named this
-//!   project's hold or job is not shown (it belongs to the caller's trail); a
-//!   `BudgetAlert` on a user shows no amounts.
+//!   project's hold or job is not shown (it belongs to the caller's trail), and the
+//!   events it caused here (a transfer in, an attached job released) show the org
+//!   (principal 0) as their actor, without a request id; a `BudgetAlert` on a user
+//!   shows no amounts.
+//!
+//! Ids are checked against the state as it is when the answer is read, failing closed:
+//! an audit read of an old event does not name a bucket archived or a job forgotten
+//! since, even the reader's own. A user token is confined like a project token, and to
+//! its own jobs.
 
 use crate::audit::{AuditEvent, EventBody};
 use crate::command::BudgetScope;
@@ -40,6 +47,14 @@ pub struct Viewer {
 }
 
 impl Viewer {
+    /// A reader whose scope is not known (its token revoked between the apply and the
+    /// answer): of everything the rules below hide from anyone, it sees nothing.
+    pub const NOBODY: Viewer = Viewer {
+        org: OrgId(u64::MAX),
+        project: Some(ProjectId(u64::MAX)),
+        user: Some(UserId(u64::MAX)),
+    };
+
     /// The viewer a resolved actor reads as; `None`: the operator, an agent or the
     /// system (not a tenant: nothing here applies).
     pub fn of(actor: &Actor) -> Option<Viewer> {
@@ -71,16 +86,28 @@ impl Viewer {
     }
 
     /// Whether the viewer may see the id of job `job` of `org`: its org's, and for a
-    /// narrow token its project's (looked up now; a job no longer known is not shown).
+    /// narrow token its project's (a user token: its own). Looked up in the state as
+    /// it is now, failing closed: a job no longer known is not shown.
     fn sees_job(&self, state: &State, org: OrgId, job: JobId) -> bool {
         org == self.org
             && match self.project {
                 None => true,
-                Some(p) => state
-                    .scheduler
-                    .job(org, job)
-                    .is_some_and(|j| j.spec.project == p),
+                Some(p) => state.scheduler.job(org, job).is_some_and(|j| {
+                    j.spec.project == p && self.user.is_none_or(|u| j.spec.user == u)
+                }),
             }
+    }
+
+    /// Whether `actor` is a token of another project (or, for a user token, another
+    /// user) of the viewer's org.
+    fn foreign(&self, actor: &Actor) -> bool {
+        match (self.project, *actor) {
+            (Some(mine), Actor::Project { project, .. }) => project != mine,
+            (Some(mine), Actor::User { project, user, .. }) => {
+                project != mine || self.user.is_some_and(|u| u != user)
+            }
+            _ => false,
+        }
     }
 
     /// Whether the viewer may see bucket `b` (a narrow token: its project's only).
@@ -177,15 +204,22 @@ impl Viewer {
     /// An audit event of the viewer's org (and project, for a narrow token) as the
     /// viewer may see it; `None`: not the viewer's to see.
     pub fn event(&self, state: &State, mut e: AuditEvent) -> Option<AuditEvent> {
+        if self.foreign(&e.actor) {
+            // Another project's token acting on this project's hold or job (refused, or
+            // applied through a path the org allows) is that project's business: its
+            // command is not shown, and what it did here (money transferred in, an
+            // attached job released) is shown as the org's, without the request id.
+            if matches!(e.body, EventBody::Command { .. }) {
+                return None;
+            }
+            e.actor = Actor::Tenant {
+                org: self.org,
+                principal: crate::ids::PrincipalId(0),
+            };
+            e.request_id = 0;
+        }
         match &mut e.body {
             EventBody::Command { outcome, .. } if self.narrow() => {
-                // Another project's token acting on this project's hold or job (refused,
-                // or applied through a path the org allows) is that project's business.
-                if let Actor::Project { project, .. } | Actor::User { project, .. } = e.actor {
-                    if Some(project) != self.project {
-                        return None;
-                    }
-                }
                 *outcome = self.outcome(state, outcome.clone());
             }
             EventBody::JobTransition { reason, .. } => *reason = self.reason(state, *reason),

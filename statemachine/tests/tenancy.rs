@@ -1403,7 +1403,56 @@ fn a_project_token_sees_neither_its_siblings_nor_the_org_pool() {
             by_tier: Tier::ENTERPRISE
         }
     );
-    assert_eq!(vorg.event(&h.state, transition.clone()), Some(transition));
+    assert_eq!(
+        vorg.event(&h.state, transition.clone()),
+        Some(transition.clone())
+    );
+    // A user token sees its own jobs' ids only, even in its own project: job 81 is
+    // user 21's.
+    let mut own_project = victim.clone();
+    own_project.spec.project = PROJECT;
+    own_project.spec.user = USER_B;
+    let user_b = Viewer::of(&Actor::User {
+        org: ORG,
+        project: PROJECT,
+        user: USER_B,
+        principal: PrincipalId(203),
+    })
+    .unwrap();
+    assert_eq!(
+        user_b.job(&h.state, own_project.clone()).preempted_for,
+        None
+    );
+    assert_eq!(
+        va.job(&h.state, own_project).preempted_for,
+        Some((ORG, JobId(81)))
+    );
+    // What another project's token did here shows as the org's, without its request
+    // id; its command event is not shown at all.
+    let by_b = AuditEvent {
+        actor: b,
+        ..transition.clone()
+    };
+    let seen = va.event(&h.state, by_b.clone()).unwrap();
+    assert_eq!(
+        (seen.actor, seen.request_id),
+        (
+            Actor::Tenant {
+                org: ORG,
+                principal: PrincipalId(0)
+            },
+            0
+        )
+    );
+    assert_eq!(vorg.event(&h.state, by_b.clone()), Some(by_b));
+    let command_by_b = h
+        .events
+        .iter()
+        .find(|e| e.actor == b && matches!(e.body, EventBody::Command { .. }))
+        .unwrap()
+        .clone();
+    assert_eq!(va.event(&h.state, command_by_b.clone()), None);
+    assert!(vb.event(&h.state, command_by_b).is_some());
 
     // Queue and fleet views: each project its own.
     let running = |actor| match answer_as(&h.state, actor, &Query::Fleet).unwrap() {
