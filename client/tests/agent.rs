@@ -12,10 +12,9 @@ mod common;
 use allot_client::{AuditFilter, Client};
 use allot_node::local_cluster::{node_binary, LocalCluster};
 use allot_statemachine::scheduler::{Job, JobState, Reason};
-use allot_statemachine::testkit::{a100, A100_PRICE, ORG, PROJECT, USER};
+use allot_statemachine::testkit::{a100, paid_grant, A100_PRICE, ORG, PROJECT, USER};
 use allot_statemachine::{
-    Account, AuditEvent, BucketId, BucketKind, EventBody, Grant, HoldId, JobId, JobSpec, NodeId,
-    Reply, Tier,
+    Account, AuditEvent, EventBody, HoldId, JobId, JobSpec, NodeId, Reply, Tier,
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -82,19 +81,7 @@ async fn fund(client: &Client) {
         .unwrap();
     client.set_prices(vec![(a100(), A100_PRICE)]).await.unwrap();
     client
-        .issue_grant(
-            ORG,
-            Grant {
-                bucket: BucketId(1),
-                owner: Account::Project(PROJECT),
-                kind: BucketKind::Paid,
-                amount_micro: GRANT_MICRO,
-                expires_at_ms: None,
-                priority: 100,
-                policy: None,
-                source_ref: None,
-            },
-        )
+        .issue_grant(ORG, paid_grant(1, Account::Project(PROJECT), GRANT_MICRO))
         .await
         .unwrap();
 }

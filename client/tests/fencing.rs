@@ -16,7 +16,7 @@ mod common;
 use allot_client::Client;
 use allot_node::local_cluster::{node_binary, LocalCluster};
 use allot_statemachine::scheduler::{Job, JobState, Reason};
-use allot_statemachine::testkit::{a100, ORG, PROJECT, USER};
+use allot_statemachine::testkit::{a100, paid_grant, ORG, PROJECT, USER};
 use allot_statemachine::*;
 use common::agent::{AgentProc, AgentSpec};
 use std::path::{Path, PathBuf};
@@ -50,16 +50,7 @@ async fn fund(client: &Client) {
     client
         .issue_grant(
             ORG,
-            Grant {
-                bucket: BucketId(1),
-                owner: Account::Project(PROJECT),
-                kind: BucketKind::Paid,
-                amount_micro: 1_000_000_000_000,
-                expires_at_ms: None,
-                priority: 100,
-                policy: None,
-                source_ref: None,
-            },
+            paid_grant(1, Account::Project(PROJECT), 1_000_000_000_000),
         )
         .await
         .unwrap();

@@ -199,6 +199,28 @@ impl Hostile {
         }
     }
 
+    /// Orgs 7 and 8, and a client holding an org token of org 8 (principal 80).
+    async fn orgs_7_and_8(&self) -> ::allot_client::Client {
+        for org in [7, 8] {
+            self.admin.create_org(OrgId(org)).await.unwrap();
+        }
+        let t8 = self
+            .admin
+            .create_token(PrincipalId(80), Scope::Org(OrgId(8)), None)
+            .await
+            .unwrap();
+        self.client_with(t8)
+    }
+
+    /// A client of the cluster with `token`.
+    fn client_with(&self, token: String) -> ::allot_client::Client {
+        ::allot_client::Client::builder()
+            .endpoints(self.c.endpoints())
+            .token(token)
+            .build()
+            .unwrap()
+    }
+
     /// The shard's audit chain length as its leader sees it.
     async fn head_seq(&self, shard: u32) -> u64 {
         self.admin
@@ -725,25 +747,13 @@ async fn defect_11_one_tenants_denials_cannot_crowd_out_anothers() {
 async fn defect_12_a_tenants_audit_page_scans_a_bounded_part_of_the_trail() {
     use allot_node::limits::AUDIT_SCAN_MAX_TENANT;
     let h = secured(1).await;
-    for org in [7, 8] {
-        h.admin.create_org(OrgId(org)).await.unwrap();
-    }
-    let t8 = h
-        .admin
-        .create_token(PrincipalId(80), Scope::Org(OrgId(8)), None)
-        .await
-        .unwrap();
+    let tenant = h.orgs_7_and_8().await;
     let from = h.head_seq(0).await;
     // Org 7's trail grows past the tenant's bound (one event a user).
     let users = AUDIT_SCAN_MAX_TENANT as u64 + 2_000;
     h.create_users(OrgId(7), users).await;
     let head = h.head_seq(0).await;
     assert!(head - from > AUDIT_SCAN_MAX_TENANT as u64, "{from}..{head}");
-    let tenant = ::allot_client::Client::builder()
-        .endpoints(h.c.endpoints())
-        .token(t8)
-        .build()
-        .unwrap();
     let page = tenant
         .audit(0, ::allot_client::AuditFilter::default(), from, 100)
         .await
@@ -791,23 +801,11 @@ async fn defect_12_a_tenants_audit_page_scans_a_bounded_part_of_the_trail() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn defect_14_a_tenant_cannot_check_guesses_about_another_orgs_events() {
     let h = secured(1).await;
-    for org in [7, 8] {
-        h.admin.create_org(OrgId(org)).await.unwrap();
-    }
-    let t8 = h
-        .admin
-        .create_token(PrincipalId(80), Scope::Org(OrgId(8)), None)
-        .await
-        .unwrap();
+    let tenant = h.orgs_7_and_8().await;
     let from = h.head_seq(0).await;
     for (org, user) in [(8, 81), (7, 71), (8, 82)] {
         h.admin.create_user(OrgId(org), UserId(user)).await.unwrap();
     }
-    let tenant = ::allot_client::Client::builder()
-        .endpoints(h.c.endpoints())
-        .token(t8)
-        .build()
-        .unwrap();
     let mine = tenant
         .audit(0, ::allot_client::AuditFilter::default(), from, 100)
         .await
@@ -872,16 +870,7 @@ async fn defect_15_a_project_tokens_replies_and_trail_show_its_project_only() {
     h.admin
         .issue_grant(
             org,
-            Grant {
-                bucket: BucketId(1),
-                owner: Account::Org(org),
-                kind: BucketKind::Paid,
-                amount_micro: 9_000_000_000,
-                expires_at_ms: None,
-                priority: 100,
-                policy: None,
-                source_ref: None,
-            },
+            allot_statemachine::testkit::paid_grant(1, Account::Org(org), 9_000_000_000),
         )
         .await
         .unwrap();
@@ -894,14 +883,7 @@ async fn defect_15_a_project_tokens_replies_and_trail_show_its_project_only() {
                 .unwrap()
         }
     };
-    let client = |t: String| {
-        ::allot_client::Client::builder()
-            .endpoints(h.c.endpoints())
-            .token(t)
-            .build()
-            .unwrap()
-    };
-    let project = client(
+    let project = h.client_with(
         token(
             90,
             Scope::Project {
@@ -911,7 +893,7 @@ async fn defect_15_a_project_tokens_replies_and_trail_show_its_project_only() {
         )
         .await,
     );
-    let org_token = client(token(91, Scope::Org(org)).await);
+    let org_token = h.client_with(token(91, Scope::Org(org)).await);
     let spec = |hold: u64, amount_micro: u64| HoldSpec {
         hold: HoldId(hold),
         project: ProjectId(71),
