@@ -12,7 +12,8 @@ mod common;
 use allot_client::{AuditFilter, Client};
 use allot_node::local_cluster::{node_binary, LocalCluster};
 use allot_statemachine::scheduler::{Job, JobState, Reason};
-use allot_statemachine::testkit::{a100, paid_grant, A100_PRICE, ORG, PROJECT, USER};
+use allot_statemachine::testkit::{a100, A100_PRICE, ORG, PROJECT, USER};
+use allot_statemachine::workload::grant as paid_grant;
 use allot_statemachine::{
     Account, AuditEvent, EventBody, HoldId, JobId, JobSpec, NodeId, Reply, Tier,
 };

@@ -870,7 +870,7 @@ async fn defect_15_a_project_tokens_replies_and_trail_show_its_project_only() {
     h.admin
         .issue_grant(
             org,
-            allot_statemachine::testkit::paid_grant(1, Account::Org(org), 9_000_000_000),
+            allot_statemachine::workload::grant(1, Account::Org(org), 9_000_000_000),
         )
         .await
         .unwrap();

@@ -106,21 +106,6 @@ pub fn world_commands() -> Vec<Command> {
     ]
 }
 
-/// A paid grant of `amount_micro` to `owner` as bucket `bucket`: no expiry, no policy,
-/// priority 100 (the tests' usual grant).
-pub fn paid_grant(bucket: u64, owner: Account, amount_micro: u64) -> Grant {
-    Grant {
-        bucket: BucketId(bucket),
-        owner,
-        kind: BucketKind::Paid,
-        amount_micro,
-        expires_at_ms: None,
-        priority: 100,
-        policy: None,
-        source_ref: None,
-    }
-}
-
 /// A plan with the three standard tiers.
 pub fn all_tiers() -> crate::command::Plan {
     crate::command::Plan {
