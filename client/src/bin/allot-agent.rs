@@ -125,9 +125,10 @@ struct Args {
     #[arg(long, default_value = "256MiB", value_parser = size)]
     log_max: u64,
     /// Where each attempt's cgroup (v2) goes, so that nothing a runner starts outlives
-    /// its attempt: `auto` (a child of the agent's own cgroup, or none where cgroup v2 is
-    /// not writable, with a warning), `off`, or an absolute cgroup directory (which must
-    /// work). Under systemd the unit needs Delegate=yes.
+    /// its attempt: under `<parent>/allot-runners-<hash of the work dir>`, the parent
+    /// being the agent's own cgroup with `auto` (no cgroups, with a warning, where cgroup
+    /// v2 is not writable), or the absolute cgroup directory given (which must work);
+    /// `off`: none. Under systemd the unit needs Delegate=yes.
     #[arg(
         long,
         env = "ALLOT_AGENT_CGROUP",
