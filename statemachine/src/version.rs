@@ -48,7 +48,11 @@
 //!   Preemption: at the end of its grace, a victim whose node has not renewed its
 //!   lease since the preemption began keeps its GPUs until the node renews or goes
 //!   down (`crate::scheduler::GRACE_WAITS_FOR_THE_NODE_FROM`): a cut-off agent may
-//!   not have learnt of the preemption. The state's format is unchanged.
+//!   not have learnt of the preemption. Billing: a scheduler job's meter runs from its
+//!   attempt's first accepted heartbeat (its runner's start), not its placement, and
+//!   an attempt that never started bills nothing
+//!   (`crate::ledger::METER_FROM_FIRST_HEARTBEAT_FROM`). The state's format is
+//!   unchanged.
 
 use serde::{Deserialize, Serialize};
 

@@ -1712,3 +1712,50 @@ fn a_preemption_on_a_silent_node_waits_for_the_nodes_fate_from_rule_version_4() 
         }
     }
 }
+
+/// Found by review (2026-11-26, left open until 2026-11-27): a placed job's meter ran
+/// from its placement, so a placement its node's agent could not start at once (cut
+/// off, restarting within its lease) billed the wait before the runner started, and an
+/// attempt that ended before it ever started billed its whole placement. From rule
+/// version 4 a job's bill starts with its attempt's first accepted heartbeat (the agent
+/// sends one as its runner starts), and an attempt that never started bills nothing.
+#[test]
+fn billing_starts_with_the_runner_from_rule_version_4() {
+    for rules in [3, 4] {
+        let mut h = world();
+        h.ok(Command::ActivateVersion { version: rules });
+        h.fleet(&[(1, a100(), 8, 80)]);
+        submit(&mut h, Harness::job_spec(10, Tier::PAID, vec![a100()], 2));
+        submit(&mut h, Harness::job_spec(11, Tier::PAID, vec![a100()], 2));
+        assert_eq!(h.job(10).state, JobState::Placed);
+        // The node's agent starts job 10's runner an hour late.
+        h.advance(HOUR_MS);
+        h.nodes_alive();
+        h.job_heartbeat(10, 1, 0).unwrap();
+        assert_eq!(h.job(10).state, JobState::Running);
+        let late = if rules == 4 { 0 } else { credits(4) };
+        assert_eq!(
+            h.hold(10).captured,
+            late,
+            "version {rules}: the hour before the runner started (2 GPUs × 2 credits)"
+        );
+        h.advance(HOUR_MS / 2);
+        let Ok(Reply::JobFinished(Some(s))) = h.finish_job(10, true) else {
+            panic!()
+        };
+        assert_eq!(
+            s.captured_micro,
+            late + credits(2),
+            "version {rules}: the half hour it ran, plus the wait before version 4"
+        );
+        // Job 11 never started: cancelled 1.5 h after its placement.
+        assert_eq!(h.job(11).state, JobState::Placed);
+        let Ok(Reply::JobCancelled(Some(s))) =
+            h.run_in(tenant(ORG), ORG, Command::CancelJob { job: JobId(11) })
+        else {
+            panic!()
+        };
+        let never_ran = if rules == 4 { 0 } else { credits(6) };
+        assert_eq!(s.captured_micro, never_ran, "version {rules}");
+    }
+}

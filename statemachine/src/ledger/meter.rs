@@ -149,6 +149,28 @@ impl Ledger {
         Ok((price, version))
     }
 
+    /// A scheduler job's meter that has had no heartbeat yet (its runner has not
+    /// started) counts from `now` instead of its placement — from rule version
+    /// [`super::METER_FROM_FIRST_HEARTBEAT_FROM`]; before it, nothing changes. Called at
+    /// the attempt's first heartbeat and when an attempt that never started ends.
+    pub(crate) fn meter_from_now_if_unstarted(&mut self, org: OrgId, hold_id: HoldId, now: u64) {
+        if self.books.rules.0 < super::METER_FROM_FIRST_HEARTBEAT_FROM {
+            return;
+        }
+        let Ok(hc) = self.open_hold(org, hold_id) else {
+            return;
+        };
+        if let Some(m) = hc
+            .hold
+            .meter
+            .as_mut()
+            .filter(|m| !m.closed && m.last_seq == 0)
+        {
+            m.started_ms = m.started_ms.max(now);
+            m.last_heartbeat_ms = m.started_ms;
+        }
+    }
+
     pub(crate) fn heartbeat(
         &mut self,
         ctx: &mut Ctx,

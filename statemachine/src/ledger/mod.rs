@@ -308,6 +308,13 @@ impl Eq for RulesSeen {}
 /// it is archived (DESIGN §44, "Buckets closed by churn").
 pub const CLOSED_BUCKETS_COUNTED_FROM: u32 = 4;
 
+/// From this rule version a placed job's meter runs from its attempt's first accepted
+/// heartbeat (the runner's start), not from its placement: a placement its node's agent
+/// could not start at once (cut off, restarting) bills nothing until it does, and one
+/// that ends before it ever starts bills nothing (DESIGN §45, "Billing starts with the
+/// runner").
+pub const METER_FROM_FIRST_HEARTBEAT_FROM: u32 = 4;
+
 /// Open holds and settled tombstones.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HoldTable {

@@ -412,6 +412,10 @@ impl Scheduler {
         let Ending { settle, to, reason } = ending;
         let j = self.jobs.get(&id)?;
         let (state, attempt) = (j.state, j.attempt);
+        if state == JobState::Placed {
+            // An attempt whose runner never started (from rule version 4) bills nothing.
+            ledger.meter_from_now_if_unstarted(id.0, hold_of(id), ctx.now);
+        }
         let settlement = ledger.settle(ctx, id.0, hold_of(id), attempt, settle).ok();
         if state == JobState::Queued {
             self.dequeue(id);
@@ -523,6 +527,10 @@ impl Scheduler {
         let j = self.job_for_attempt(actor, id, Some(hb.attempt))?;
         Self::check_attempt(j, hb.attempt)?;
         let state = j.state;
+        if state == JobState::Placed {
+            // The runner has started: from rule version 4, its bill starts here.
+            ledger.meter_from_now_if_unstarted(org, hold_of(id), ctx.now);
+        }
         let reply = ledger.heartbeat(
             ctx,
             org,
