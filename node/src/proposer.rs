@@ -76,6 +76,10 @@ pub enum ProposeError {
     /// A new shard's first stamp waits for a majority of the cluster's clocks.
     #[error("waiting for a majority of the cluster's clocks to stamp the first entry")]
     ClockNotReady,
+    /// A linearizable read's leadership check did not hear from a quorum in time (a
+    /// loaded or cut-off leader): transient, retried.
+    #[error("the leader could not confirm its leadership with a quorum: {0}")]
+    NoQuorum(String),
 }
 
 /// The outcomes of one caller's requests and where they were applied.
@@ -169,6 +173,27 @@ pub fn leader_of(raft: &Raft) -> (Option<NodeId>, Option<String>, u64) {
             .map(|n| n.addr.clone())
     });
     (m.current_leader, addr, m.current_term)
+}
+
+/// The error of a linearizable read's leadership check (`Raft::ensure_linearizable`): a
+/// quorum that did not answer in time is transient (`NoQuorum`, retried), not a refusal.
+pub fn from_read_error(
+    raft: &Raft,
+    e: RaftError<NodeId, openraft::error::CheckIsLeaderError<NodeId, openraft::BasicNode>>,
+) -> ProposeError {
+    no_quorum(&e).unwrap_or_else(|| from_raft_error(raft, e))
+}
+
+/// [`ProposeError::NoQuorum`] for a leadership check that did not hear from a quorum.
+fn no_quorum(
+    e: &RaftError<NodeId, openraft::error::CheckIsLeaderError<NodeId, openraft::BasicNode>>,
+) -> Option<ProposeError> {
+    match e {
+        RaftError::APIError(openraft::error::CheckIsLeaderError::QuorumNotEnough(q)) => {
+            Some(ProposeError::NoQuorum(q.to_string()))
+        }
+        _ => None,
+    }
 }
 
 fn not_leader(raft: &Raft) -> ProposeError {
@@ -410,5 +435,30 @@ where
     match e {
         RaftError::APIError(a) => ProposeError::Rejected(a.to_string()),
         RaftError::Fatal(f) => ProposeError::Raft(f.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod read_error_tests {
+    /// A linearizable read whose leadership check did not hear from a quorum in time is
+    /// transient: UNAVAILABLE (retried by the client), not FAILED_PRECONDITION (final).
+    /// Found by a CI run: under one org's flood, an admin's `Tenancy` read failed with
+    /// "not enough for a quorum" and the caller gave up.
+    #[test]
+    fn a_read_without_a_quorum_is_retried_not_refused() {
+        use openraft::error::{CheckIsLeaderError, QuorumNotEnough, RaftError};
+        let e: RaftError<crate::types::NodeId, CheckIsLeaderError<_, openraft::BasicNode>> =
+            RaftError::APIError(CheckIsLeaderError::QuorumNotEnough(QuorumNotEnough {
+                cluster: "voters 1,2,3".into(),
+                got: [1].into(),
+            }));
+        let s = crate::server::status_of(super::no_quorum(&e).expect("no quorum"));
+        assert_eq!(s.code(), tonic::Code::Unavailable);
+        assert_eq!(
+            s.metadata()
+                .get("allot-reason")
+                .and_then(|v| v.to_str().ok()),
+            Some("NO_QUORUM")
+        );
     }
 }

@@ -98,6 +98,12 @@ pub fn status_of(e: ProposeError) -> Status {
         ProposeError::Raft(m) => Status::unavailable(format!("raft: {m}")),
         ProposeError::ShuttingDown => Status::unavailable("node shutting down"),
         ProposeError::ClockNotReady => Status::unavailable("shard clock not ready; retry"),
+        ProposeError::NoQuorum(m) => {
+            let mut s = edge::with_reason(Status::unavailable(m), "NO_QUORUM");
+            s.metadata_mut()
+                .insert(RETRY_AFTER_MS, MetadataValue::from_static("50"));
+            s
+        }
         ProposeError::Rejected(m) => Status::failed_precondition(m),
     }
 }
@@ -291,7 +297,7 @@ impl Services {
         self.limit(req, Class::Read, &[(reader, units)])?;
         if linearizable {
             if let Err(e) = shard.raft.ensure_linearizable().await {
-                let err = crate::proposer::from_raft_error(&shard.raft, e);
+                let err = crate::proposer::from_read_error(&shard.raft, e);
                 return match err {
                     ProposeError::NotLeader {
                         addr: Some(ref addr),
@@ -373,7 +379,7 @@ impl Services {
         let Err(e) = s.raft.ensure_linearizable().await else {
             return Ok(None);
         };
-        match crate::proposer::from_raft_error(&s.raft, e) {
+        match crate::proposer::from_read_error(&s.raft, e) {
             ProposeError::NotLeader {
                 addr: Some(ref addr),
                 ..
