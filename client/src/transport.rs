@@ -260,7 +260,11 @@ fn transport_failure(s: &tonic::Status) -> bool {
 }
 
 fn metadata_str<'a>(s: &'a tonic::Status, key: &str) -> Option<&'a str> {
-    s.metadata().get(key).and_then(|v| v.to_str().ok())
+    metadata_str_of(s.metadata(), key)
+}
+
+fn metadata_str_of<'a>(m: &'a tonic::metadata::MetadataMap, key: &str) -> Option<&'a str> {
+    m.get(key).and_then(|v| v.to_str().ok())
 }
 
 impl Client {
@@ -386,7 +390,7 @@ impl Client {
     pub(crate) async fn with_retries<T, F, Fut>(&self, shard: u32, mut call: F) -> Result<T>
     where
         F: FnMut(Channel, Duration) -> Fut,
-        Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
         let s = &self.inner.settings;
         let started = Instant::now();
@@ -415,8 +419,16 @@ impl Client {
             let mut retry_after = None;
             match tokio::time::timeout(per_attempt, call(self.channel(&addr)?, per_attempt)).await {
                 Ok(Ok(v)) => {
-                    lock(&self.inner.leaders).insert(shard, addr);
-                    return Ok(v);
+                    // A replica that forwarded the call (or answered a read itself)
+                    // names the leader: go there next time, not through it again. Only
+                    // an address this client was given is taken from a success: the
+                    // peers' own addresses may not be reachable from here, and a call
+                    // that worked must not lead the next one astray.
+                    let leader = metadata_str_of(v.metadata(), meta::LEADER_ADDR)
+                        .filter(|h| self.inner.endpoints.iter().any(|e| e == h))
+                        .map_or(addr, str::to_string);
+                    lock(&self.inner.leaders).insert(shard, leader);
+                    return Ok(v.into_inner());
                 }
                 Ok(Err(st)) if retryable(&st) => {
                     last = format!("{addr}: {:?}: {}", st.code(), st.message());
@@ -466,7 +478,7 @@ impl Client {
             .with_retries(shard, |ch, t| {
                 let mut c = api_client(ch);
                 let msg = self.request(call.clone(), t);
-                async move { c.execute(msg).await.map(|r| r.into_inner()) }
+                async move { c.execute(msg).await }
             })
             .await?;
         let outcomes = typed::outcomes_from(&reply, requests.len())
@@ -494,7 +506,7 @@ impl Client {
             .with_retries(shard, |ch, t| {
                 let mut c = api_client(ch);
                 let msg = self.request(query, t);
-                async move { c.query(msg).await.map(|r| r.into_inner()) }
+                async move { c.query(msg).await }
             })
             .await?;
         Ok((
@@ -550,7 +562,7 @@ impl Client {
                     },
                     t,
                 );
-                async move { c.audit(msg).await.map(|r| r.into_inner()) }
+                async move { c.audit(msg).await }
             })
             .await?;
         let events = reply

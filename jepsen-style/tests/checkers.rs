@@ -343,6 +343,34 @@ fn bank_final_conservation_break_fails() {
 }
 
 #[test]
+fn bank_counters_that_cycle_past_issued_pass_and_a_wrapped_balance_fails() {
+    // Found by jepsen long seed 8924: money moved out of and back into the
+    // org many times, so its cumulative moved_out exceeded all credit ever
+    // issued. That is legal; a counter above totals.moved is not, nor is a
+    // balance above totals.issued.
+    let cycled = 4 * I;
+    let fin = |org_avail: u64| {
+        bank_final(
+            [
+                bal(org_avail, 0, 0, I, cycled - 5, cycled),
+                bal(I + 5, 0, 0, I, cycled, cycled - 5),
+                bal(I, 0, 0, I, 0, 0),
+            ],
+            3 * I,
+            2 * cycled - 5,
+            0,
+            json!([]),
+        )
+    };
+    let ops = bank_history(bal(I + 5, 0, 0, I, 5, 0), fin(I - 5));
+    let v = verdict(&ops, Workload::LedgerBank, "bank/no-negative-balance");
+    assert!(v.ok, "{v:?}");
+    let ops = bank_history(bal(I + 5, 0, 0, I, 5, 0), fin(u64::MAX - 4));
+    let v = verdict(&ops, Workload::LedgerBank, "bank/no-negative-balance");
+    assert!(!v.ok && v.detail.contains("available"), "{v:?}");
+}
+
+#[test]
 fn bank_spend_of_expired_credit_fails() {
     let late = json!([{"seq": 3, "bucket": 10000001, "time_ms": 2000, "expires_at_ms": 1500, "amount": 1}]);
     let fin = bank_final(

@@ -44,21 +44,49 @@ impl Services {
         })
     }
 
-    /// Runs typed commands (each converted, or the field it cannot take) on one shard:
-    /// the size bound, the state machine's own
-    /// validation, credentials, rate limit, proposer or leader. The shard is `shard`,
-    /// else the home shard of the first command's org.
-    async fn run_typed<T>(
+    /// The shard typed commands run on: `shard`, else the home shard of the first
+    /// command's org.
+    fn command_shard(
         &self,
-        req: &Call<T>,
         shard: Option<u32>,
-        items: Vec<(usize, Result<Converted, FieldError>)>,
-    ) -> Result<(Vec<Outcome>, u64, u64), Status> {
+        items: &[(usize, Result<Converted, FieldError>)],
+    ) -> u32 {
         let first_org = items
             .first()
             .and_then(|(_, c)| c.as_ref().ok())
             .and_then(|(_, _, org)| *org);
-        let shard_id = self.route(shard, first_org);
+        self.route(shard, first_org)
+    }
+
+    /// The shard a read runs on: the one its header names, else `org`'s home shard;
+    /// and whether the caller accepts this replica's state.
+    fn read_shard(&self, read: Option<&pb::Read>, org: Option<OrgId>) -> (u32, bool) {
+        let (shard, stale_ok) = typed::read_header(read);
+        (self.route(shard, org), stale_ok)
+    }
+
+    /// A reply to a call on `shard`, naming the shard's leader (`allot-leader-addr`)
+    /// when this replica does not lead it — it forwarded the call, or answered a read
+    /// from its own state — so the client sends its next call to the leader instead of
+    /// paying the forward on every call (DESIGN §50).
+    fn reply<T>(&self, shard: u32, msg: T) -> Response<T> {
+        let mut r = Response::new(msg);
+        if let Some(addr) = crate::server::leader_elsewhere(&self.node, shard) {
+            r.metadata_mut()
+                .insert(allot_proto::meta::LEADER_ADDR, addr);
+        }
+        r
+    }
+
+    /// Runs typed commands (each converted, or the field it cannot take) on shard
+    /// `shard_id` (`command_shard`): the size bound, the state machine's own
+    /// validation, credentials, rate limit, proposer or leader.
+    async fn run_typed<T>(
+        &self,
+        req: &Call<T>,
+        shard_id: u32,
+        items: Vec<(usize, Result<Converted, FieldError>)>,
+    ) -> Result<(Vec<Outcome>, u64, u64), Status> {
         // The shard first: nothing below (a denial queued for its audit trail included)
         // may act for a shard this node does not host.
         let shard = crate::server::shard_of(&self.node, shard_id)?;
@@ -102,7 +130,7 @@ impl Services {
     async fn typed_command<T: TypedCommand + prost::Message>(
         &self,
         req: Call<T>,
-    ) -> Result<pb::CommandReply, Status> {
+    ) -> Result<Response<pb::CommandReply>, Status> {
         let msg = req.get_ref();
         let shard = msg.call().and_then(|c| c.shard);
         let item = typed::header(msg.call()).and_then(|h| {
@@ -110,15 +138,19 @@ impl Services {
             Ok((h, command, org))
         });
         let items = vec![(msg.encoded_len(), item)];
+        let shard = self.command_shard(shard, &items);
         let (outcomes, log_index, logical_time_ms) = self.run_typed(&req, shard, items).await?;
         let outcome = outcomes
             .first()
             .ok_or_else(|| Status::internal("no outcome"))?;
-        Ok(pb::CommandReply {
-            log_index,
-            logical_time_ms,
-            result: Some(typed::outcome_to(outcome)),
-        })
+        Ok(self.reply(
+            shard,
+            pb::CommandReply {
+                log_index,
+                logical_time_ms,
+                result: Some(typed::outcome_to(outcome)),
+            },
+        ))
     }
 
     /// A typed command RPC, observed like every other call.
@@ -130,20 +162,20 @@ impl Services {
         let started = std::time::Instant::now();
         let r = self.typed_command(req).await;
         self.observe(method, started, r.is_ok());
-        r.map(Response::new)
+        r
     }
 
-    /// Answers one query (`Services::answer`): (answer, applied index, time).
+    /// Answers one query (`Services::answer`): (answer, applied index, time), and
+    /// the shard that answered it.
     async fn typed_query<T>(
         &self,
         req: &Call<T>,
         read: Option<&pb::Read>,
         org: Option<OrgId>,
         query: Query,
-    ) -> Result<(Answer, u64, u64), Status> {
-        let (shard, stale_ok) = typed::read_header(read);
-        let shard = self.route(shard, org);
-        self.answer(req, shard, !stale_ok, query).await
+    ) -> Result<((Answer, u64, u64), u32), Status> {
+        let (shard, stale_ok) = self.read_shard(read, org);
+        Ok((self.answer(req, shard, !stale_ok, query).await?, shard))
     }
 }
 
@@ -205,17 +237,20 @@ impl Api for Services {
             let m = req.get_ref();
             let query = typed::query::query_from(m.query.as_ref()).map_err(invalid)?;
             let org = typed::query::query_org(&query);
-            let (answer, applied_index, logical_time_ms) =
+            let ((answer, applied_index, logical_time_ms), shard) =
                 self.typed_query(&req, m.read.as_ref(), org, query).await?;
-            Ok(pb::QueryReply {
-                applied_index,
-                logical_time_ms,
-                answer: Some(typed::query::answer_to(&answer)),
-            })
+            Ok(self.reply(
+                shard,
+                pb::QueryReply {
+                    applied_index,
+                    logical_time_ms,
+                    answer: Some(typed::query::answer_to(&answer)),
+                },
+            ))
         }
         .await;
         self.observe("api.query", started, r.is_ok());
-        r.map(Response::new)
+        r
     }
 
     type WatchAssignmentsStream = AssignmentStream;
@@ -235,27 +270,33 @@ impl Api for Services {
     async fn execute(&self, req: Call<pb::ExecuteRequest>) -> Reply<pb::ExecuteReply> {
         let started = std::time::Instant::now();
         let m = req.get_ref();
-        let items = m
+        let items: Vec<_> = m
             .commands
             .iter()
             .map(|c| (c.encoded_len(), typed::command_from(c)))
             .collect();
-        let r = self.run_typed(&req, m.shard, items).await.map(
-            |(outcomes, log_index, logical_time_ms)| pb::ExecuteReply {
-                replies: outcomes
-                    .iter()
-                    .map(|o| pb::CommandReply {
+        let shard = self.command_shard(m.shard, &items);
+        let r = self.run_typed(&req, shard, items).await.map(
+            |(outcomes, log_index, logical_time_ms)| {
+                self.reply(
+                    shard,
+                    pb::ExecuteReply {
+                        replies: outcomes
+                            .iter()
+                            .map(|o| pb::CommandReply {
+                                log_index,
+                                logical_time_ms,
+                                result: Some(typed::outcome_to(o)),
+                            })
+                            .collect(),
                         log_index,
                         logical_time_ms,
-                        result: Some(typed::outcome_to(o)),
-                    })
-                    .collect(),
-                log_index,
-                logical_time_ms,
+                    },
+                )
             },
         );
         self.observe("api.execute", started, r.is_ok());
-        r.map(Response::new)
+        r
     }
 
     async fn set_alert(&self, req: Call<pb::SetAlertRequest>) -> Reply<pb::CommandReply> {
@@ -414,17 +455,20 @@ impl Api for Services {
             account,
             horizon_ms: m.horizon_ms,
         };
-        let (answer, applied_index, logical_time_ms) = self
+        let ((answer, applied_index, logical_time_ms), shard) = self
             .typed_query(&req, m.read.as_ref(), Some(org), query)
             .await?;
         let Answer::Balance(b) = answer else {
             return Err(malformed("answer", "not a balance"));
         };
-        Ok(Response::new(pb::BalanceReply {
-            balance: b.as_ref().map(typed::balance_to),
-            applied_index,
-            logical_time_ms,
-        }))
+        Ok(self.reply(
+            shard,
+            pb::BalanceReply {
+                balance: b.as_ref().map(typed::balance_to),
+                applied_index,
+                logical_time_ms,
+            },
+        ))
     }
 
     async fn get_job(
@@ -434,36 +478,41 @@ impl Api for Services {
         let m = req.get_ref();
         let org = OrgId(m.org);
         let query = Query::Job(org, JobId(m.job));
-        let (answer, applied_index, logical_time_ms) = self
+        let ((answer, applied_index, logical_time_ms), shard) = self
             .typed_query(&req, m.read.as_ref(), Some(org), query)
             .await?;
         let Answer::Job(j) = answer else {
             return Err(malformed("answer", "not a job"));
         };
-        Ok(Response::new(pb::GetJobReply {
-            job: j.as_deref().map(typed::job_to),
-            applied_index,
-            logical_time_ms,
-        }))
+        Ok(self.reply(
+            shard,
+            pb::GetJobReply {
+                job: j.as_deref().map(typed::job_to),
+                applied_index,
+                logical_time_ms,
+            },
+        ))
     }
 
     async fn audit(&self, req: Call<pb::AuditRequest>) -> Result<Response<pb::AuditReply>, Status> {
         let m = req.get_ref();
-        let (shard, stale_ok) = typed::read_header(m.read.as_ref());
-        let shard = self.route(shard, m.org.map(OrgId));
+        let (shard, stale_ok) = self.read_shard(m.read.as_ref(), m.org.map(OrgId));
         // Linearizable unless the caller accepts this replica's state (DESIGN §56): a
         // replica still catching up must not report an old head as the chain's.
         if !stale_ok {
             if let Some(reply) = self.audit_at_leader(&req, shard).await? {
-                return Ok(Response::new(reply));
+                return Ok(self.reply(shard, reply));
             }
         }
         let (events, next_seq, head_seq) = self.audit_page(&req, shard, m, !stale_ok).await?;
         let events = events.iter().map(typed::audit_event_to).collect();
-        Ok(Response::new(pb::AuditReply {
-            events,
-            next_seq,
-            head_seq,
-        }))
+        Ok(self.reply(
+            shard,
+            pb::AuditReply {
+                events,
+                next_seq,
+                head_seq,
+            },
+        ))
     }
 }

@@ -38,7 +38,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_stream::Stream;
-use tonic::metadata::MetadataValue;
+use tonic::metadata::{Ascii, MetadataValue};
 use tonic::Status;
 
 pub use crate::limits::{
@@ -65,6 +65,16 @@ pub(crate) fn shard_of(node: &Node, shard: ShardId) -> Result<&Shard, Status> {
             "UNKNOWN_SHARD",
         )
     })
+}
+
+/// The address of `shard`'s leader when this replica knows one and is not it (the
+/// `allot-leader-addr` a successful reply carries, `api::Services::reply`).
+pub(crate) fn leader_elsewhere(node: &Node, shard: ShardId) -> Option<MetadataValue<Ascii>> {
+    let metrics = node.shard(shard)?.raft.metrics();
+    let m = metrics.borrow();
+    let leader = m.current_leader.filter(|l| *l != node.id)?;
+    let addr = &m.membership_config.membership().get_node(&leader)?.addr;
+    MetadataValue::try_from(addr.as_str()).ok()
 }
 
 /// An admin call's argument refused (`INVALID_ARGUMENT`, reason `INVALID_ARGUMENT`).

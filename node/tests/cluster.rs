@@ -1418,6 +1418,56 @@ async fn a_data_dir_of_a_newer_format_is_refused_untouched() {
     }
 }
 
+/// A client whose first try for a shard is a follower — its first endpoint, or the
+/// leader it cached before leadership moved — is forwarded once and told who leads: its
+/// next calls go to the leader, not through the follower. Found reviewing the per-call
+/// path (issue 24): a forwarded call's success made the client cache the follower as the
+/// shard's leader for good, so every later write and linearizable read paid a second
+/// gRPC hop (the follower's admission, its forward, and the leader's) until something
+/// failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_sent_to_a_follower_goes_to_the_leader_next_time() {
+    let (_dir, mut c) = cluster("rehint", 3, 1);
+    up(&mut c).await;
+    setup_shards(&allot_node::local_cluster::client(c.endpoints()), 1).await;
+    let leader = c.leader_of(0).await.expect("leader");
+    let follower = (1..=3).find(|id| *id != leader).unwrap();
+    // Shard 0's first try is the first endpoint: the follower.
+    let first = c.node(follower).addr.clone();
+    let mut endpoints = vec![first.clone()];
+    endpoints.extend(c.endpoints().into_iter().filter(|a| *a != first));
+    let client = allot_node::local_cluster::client(endpoints);
+    let served = |id: u64, method: &'static str| {
+        let addr = c.node(id).metrics_addr.clone();
+        async move { metric(&addr, &format!("allot_requests_total{{method=\"{method}\"")).await }
+    };
+    let before = (
+        served(follower, "api.execute").await,
+        served(follower, "api.query").await,
+        served(leader, "api.execute").await,
+    );
+    const CALLS: u32 = 20;
+    let mut cycle = HoldCycle::new(7, 3_000_000);
+    for _ in 0..CALLS {
+        let (outs, _) = client.execute(0, &[cycle.request()]).await.expect("write");
+        assert!(outs.iter().all(Outcome::is_ok), "{outs:?}");
+        client.query(0, &Query::Prices).await.expect("read");
+    }
+    let through_follower = (
+        served(follower, "api.execute").await - before.0,
+        served(follower, "api.query").await - before.1,
+    );
+    let at_leader = served(leader, "api.execute").await - before.2;
+    eprintln!("the follower served {through_follower:?}, the leader {at_leader} writes");
+    // The first call reaches the follower (and is forwarded); none after it.
+    assert!(
+        through_follower.0 <= 1.0 && through_follower.1 == 0.0,
+        "calls still routed through a follower: {through_follower:?} of {CALLS} writes and reads"
+    );
+    assert!(at_leader >= f64::from(CALLS), "{at_leader}");
+    assert_eq!(c.leader_of(0).await.ok(), Some(leader), "leadership moved");
+}
+
 // ---------------------------------------------------------------- leader transfer (§49)
 
 /// Leadership handed over under load: shard 0 goes to a chosen voter in exactly one new

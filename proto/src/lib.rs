@@ -30,6 +30,9 @@ pub mod meta {
     pub const FORWARDED: &str = "allot-forwarded";
     /// On a NotLeader (`UNAVAILABLE`) answer: the leader's node id and address, if known.
     pub const LEADER_ID: &str = "allot-leader-id";
+    /// Also on a successful reply (response headers) from a replica that does not lead
+    /// the call's shard — it forwarded the call, or answered a stale read itself — so
+    /// the client's next call goes to the leader, not through it again.
     pub const LEADER_ADDR: &str = "allot-leader-addr";
     /// On a `RESOURCE_EXHAUSTED` answer: when to retry, in milliseconds.
     pub const RETRY_AFTER_MS: &str = "retry-after-ms";
