@@ -218,3 +218,51 @@ def test_any_command_in_a_batch_and_any_read(endpoints):
     assert jobs.WhichOneof("answer") == "jobs" and len(jobs.jobs.jobs) == 0
     totals = admin.query(shard=1, totals=pb.Empty())
     assert totals.WhichOneof("answer") == "totals"
+
+
+def _leader_hint(endpoint: str, shard: int):
+    """The ``allot-leader-addr`` header of a linearizable read of ``shard`` sent to
+    ``endpoint`` alone: ``None`` when that node leads the shard (it answered itself)."""
+    import grpc
+    from allot._gen import allot_api_pb2_grpc as pbg
+
+    with grpc.insecure_channel(endpoint) as ch:
+        req = pb.QueryRequest(read=pb.Read(shard=shard), totals=pb.Empty())
+        _, call = pbg.ApiStub(ch).Query.with_call(req, timeout=10)
+        return dict(call.initial_metadata() or ()).get("allot-leader-addr")
+
+
+def test_a_client_sent_to_a_follower_goes_to_the_leader_next_time(endpoints):
+    # Each shard's leader: the one endpoint whose answer names no other leader.
+    for shard in (0, 1):
+        hints = {ep: _leader_hint(ep, shard) for ep in endpoints}
+        leaders = [ep for ep, h in hints.items() if h is None]
+        assert len(leaders) == 1, hints
+        leader = leaders[0]
+        assert all(h == leader for ep, h in hints.items() if ep != leader), hints
+        # A client whose first endpoint is a follower: forwarded once, then the leader.
+        follower = next(ep for ep in endpoints if ep != leader)
+        c = Client([follower] + [ep for ep in endpoints if ep != follower], dev_actor="admin")
+        c.query(shard=shard, totals=pb.Empty())
+        assert c._leaders[("shard", shard)] == leader, c._leaders
+        c.query(shard=shard, totals=pb.Empty())
+        assert c._leaders[("shard", shard)] == leader, c._leaders
+        # A hint naming a node the client was not given is not followed on a success.
+        lone = Client([follower], dev_actor="admin")
+        lone.query(shard=shard, totals=pb.Empty())
+        assert lone._leaders[("shard", shard)] == follower, lone._leaders
+
+
+def test_calls_are_remembered_by_the_shard_or_org_they_route_by():
+    from allot.client import _route_key
+
+    assert _route_key(pb.QueryRequest(read=pb.Read(shard=1), totals=pb.Empty())) == ("shard", 1)
+    assert _route_key(pb.QueryRequest(jobs=pb.JobFilter(org=7, limit=1))) == ("org", 7)
+    assert _route_key(pb.GetJobRequest(org=9, job=1)) == ("org", 9)
+    assert _route_key(pb.BalanceRequest(account=pb.Account(org=5))) == ("org", 5)
+    assert _route_key(pb.ExecuteRequest(commands=[pb.Command(capture=pb.CaptureRequest(org=4, hold=1))])) == (
+        "org", 4)
+    assert _route_key(pb.ExecuteRequest(shard=0, commands=[pb.Command(capture=pb.CaptureRequest(org=4))])) == (
+        "shard", 0)
+    assert _route_key(pb.CreateOrgRequest(call=pb.Call(request_id=1), org=3)) == ("org", 3)
+    assert _route_key(pb.SetPricesRequest(call=pb.Call(request_id=1, shard=1))) == ("shard", 1)

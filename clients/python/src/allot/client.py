@@ -5,7 +5,10 @@ It behaves like the Rust client (``allot-client``):
 
 * **Endpoints** — any node answers: a follower forwards a write to its shard's leader.
   When a node answers ``UNAVAILABLE`` with the leader's address (``allot-leader-addr``)
-  the next attempt goes there; otherwise the next endpoint in the list.
+  the next attempt goes there; otherwise the next endpoint in the list. A successful
+  reply from a follower names the leader in its headers too: the client remembers it
+  (when it is one of its endpoints) for the shard the call was routed by, so the next
+  call there goes to the leader instead of through the follower again.
 * **Retries** — ``UNAVAILABLE``, ``RESOURCE_EXHAUSTED`` (after ``retry-after-ms`` when
   given) and a lost answer (``DEADLINE_EXCEEDED`` of one attempt) are retried with full
   jitter exponential backoff until the call's deadline. A mutating call is retried
@@ -24,6 +27,7 @@ import time
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
 import grpc
+from google.protobuf.message import Message
 
 from ._gen import allot_api_pb2 as pb
 from ._gen import allot_api_pb2_grpc as pbg
@@ -89,7 +93,9 @@ class Client:
         self.backoff_max = backoff_max
         self._channels: Dict[str, grpc.Channel] = {}
         self._next = 0
-        self._preferred: Optional[str] = None
+        # The leader last seen per route (`_route_key`): an explicit shard, or an org
+        # (whose home shard the node routes it to).
+        self._leaders: Dict[tuple, str] = {}
 
     # ------------------------------------------------------------------ plumbing
 
@@ -114,14 +120,14 @@ class Client:
     def _metadata(self):
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
-    def _endpoint(self) -> str:
-        if self._preferred is not None:
-            return self._preferred
-        ep = self.endpoints[self._next % len(self.endpoints)]
-        return ep
+    def _endpoint(self, route: tuple) -> str:
+        leader = self._leaders.get(route)
+        if leader is not None:
+            return leader
+        return self.endpoints[self._next % len(self.endpoints)]
 
-    def _rotate(self) -> None:
-        self._preferred = None
+    def _rotate(self, route: tuple) -> None:
+        self._leaders.pop(route, None)
         self._next += 1
 
     def _call(self, method: str, request):
@@ -130,14 +136,23 @@ class Client:
         deadline = time.monotonic() + self.timeout
         attempt = 0
         last: Optional[grpc.RpcError] = None
+        route = _route_key(request)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            endpoint = self._endpoint()
+            endpoint = self._endpoint(route)
             try:
                 rpc = getattr(self._stub(endpoint), method)
-                return rpc(request, timeout=min(left, self.attempt_timeout), metadata=self._metadata())
+                reply, call = rpc.with_call(
+                    request, timeout=min(left, self.attempt_timeout), metadata=self._metadata()
+                )
+                # A follower that forwarded the call (or answered a stale read) names
+                # the leader: go there next time. Only an address this client was given:
+                # a peer's own address may not be reachable from here.
+                hint = dict(call.initial_metadata() or ()).get("allot-leader-addr")
+                self._leaders[route] = hint if hint in self.endpoints else endpoint
+                return reply
             except grpc.RpcError as e:  # noqa: PERF203 (retry loop)
                 last = e
                 code = e.code()
@@ -148,9 +163,9 @@ class Client:
                 if leader and code == grpc.StatusCode.UNAVAILABLE:
                     if leader not in self.endpoints:
                         self.endpoints.append(leader)
-                    self._preferred = leader
+                    self._leaders[route] = leader
                 else:
-                    self._rotate()
+                    self._rotate(route)
                 wait = random.uniform(0, min(self.backoff_max, self.backoff_base * (2 ** attempt)))
                 if "retry-after-ms" in trailers:
                     try:
@@ -471,7 +486,8 @@ class Client:
                 req.org = org
             if shard is not None:
                 req.shard = shard
-            endpoint = self._endpoint()
+            route = _route_key(req)
+            endpoint = self._endpoint(route)
             try:
                 for ev in self._stub(endpoint).WatchEvents(req, metadata=self._metadata()):
                     attempt = 0
@@ -482,9 +498,69 @@ class Client:
             except grpc.RpcError as e:
                 if e.code() not in _RETRIED:
                     raise _typed(e, dict(e.trailing_metadata() or ())) from None
-            self._rotate()
+            self._rotate(route)
             time.sleep(random.uniform(0, min(self.backoff_max, self.backoff_base * (2 ** attempt))))
             attempt += 1
+
+
+def _repeated(f) -> bool:
+    # `label` is gone from newer protobuf runtimes, `is_repeated` absent from older ones.
+    rep = getattr(f, "is_repeated", None)
+    return bool(rep) if rep is not None else f.label == f.LABEL_REPEATED
+
+
+def _field(msg, name: str):
+    """Field ``name`` of ``msg`` if it has one and it is set (``None`` otherwise); a
+    scalar without presence is returned as it is."""
+    f = msg.DESCRIPTOR.fields_by_name.get(name)
+    if f is None or _repeated(f):
+        return None
+    try:
+        if not msg.HasField(name):
+            return None
+    except ValueError:  # a scalar without presence
+        pass
+    return getattr(msg, name)
+
+
+def _org_in(msg, depth: int = 0) -> Optional[int]:
+    """The first org a message names: its own ``org``, else (in field order) that of a
+    field set in it, a repeated field's first element, up to three levels down."""
+    org = _field(msg, "org")
+    if isinstance(org, int) and org:
+        return org
+    if isinstance(org, Message):
+        found = _field(org, "org")
+        if isinstance(found, int) and found:
+            return found
+    if depth >= 3:
+        return None
+    for f, value in msg.ListFields():
+        if f.type != f.TYPE_MESSAGE:
+            continue
+        if _repeated(f):
+            value = value[0] if len(value) else None
+        if value is not None:
+            found = _org_in(value, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def _route_key(request) -> tuple:
+    """What the node routes a call by, as the key the client remembers its shard's
+    leader under: the shard the call names (``shard``, ``call.shard`` or
+    ``read.shard``), else the org it names (the node sends it to the org's home shard),
+    else shard 0."""
+    shard = _field(request, "shard")
+    for header in ("call", "read"):
+        h = _field(request, header)
+        if shard is None and h is not None:
+            shard = _field(h, "shard")
+    if shard is not None:
+        return ("shard", shard)
+    org = _org_in(request)
+    return ("org", org) if org is not None else ("shard", 0)
 
 
 def _typed(e: grpc.RpcError, trailers: Dict[str, str]) -> AllotError:
