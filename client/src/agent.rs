@@ -656,11 +656,17 @@ const SMALL_FILE_MAX: u64 = 256;
 pub fn next_incarnation(work_dir: &Path) -> Result<u64> {
     use std::io::Write;
     let path = work_dir.join("incarnation");
+    // The file's format, kept by every release: the number first, then whatever a later
+    // release appends (read and ignored here), so an agent rolled back over a newer one's
+    // work dir still registers above it.
     let last = match read_small(&path, SMALL_FILE_MAX) {
         Ok(s) => s
-            .trim()
-            .parse::<u64>()
-            .map_err(|_| Error::Config(format!("{}: not an incarnation number", path.display())))?,
+            .split_whitespace()
+            .next()
+            .and_then(|n| n.parse::<u64>().ok())
+            .ok_or_else(|| {
+                Error::Config(format!("{}: not an incarnation number", path.display()))
+            })?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
         Err(e) => return Err(Error::Config(format!("{}: {e}", path.display()))),
     };
@@ -681,6 +687,14 @@ pub fn next_incarnation(work_dir: &Path) -> Result<u64> {
 }
 
 /// Records a started runner so a later incarnation of the agent can stop it.
+///
+/// The record's format is a contract between releases (an agent upgraded, or rolled
+/// back, stops the runners its predecessor recorded): one line of space-separated
+/// fields, **the process group id and its leader's start time first**, in that order in
+/// every release, then the attempt (org, job, attempt), then whatever a later release
+/// appends. A reader uses the first two and ignores the rest, so fields are only ever
+/// appended, never reordered or removed (`stop_orphans`; test
+/// `a_runner_recorded_with_fields_a_later_release_appends_is_stopped`).
 fn record_runner(work_dir: &Path, pgid: u32, a: &Assignment) {
     let line = format!(
         "{pgid} {} {} {} {}\n",
@@ -726,6 +740,7 @@ pub async fn stop_orphans(
         let path = e.path();
         let text = read_small(&path, SMALL_FILE_MAX).unwrap_or_default();
         let mut f = text.split_whitespace();
+        // The first two fields (`record_runner`'s contract); later ones are ignored.
         let (Some(pgid), Some(started)) = (
             f.next().and_then(|x| x.parse::<u32>().ok()),
             f.next().and_then(|x| x.parse::<u64>().ok()),
@@ -2252,12 +2267,65 @@ mod tests {
         let ahead = now_ms + 86_400_000;
         std::fs::write(dir.path().join("incarnation"), ahead.to_string()).unwrap();
         assert_eq!(next_incarnation(dir.path()).unwrap(), ahead + 1);
+        // Fields a later release appends after the number are ignored (an agent rolled
+        // back over a newer one's work dir still rises above it).
+        std::fs::write(
+            dir.path().join("incarnation"),
+            format!("{} v2 host=gpu-7\n", ahead + 10),
+        )
+        .unwrap();
+        assert_eq!(next_incarnation(dir.path()).unwrap(), ahead + 11);
         // A damaged record is an error, not a silent restart from the clock.
         std::fs::write(dir.path().join("incarnation"), "x").unwrap();
         assert!(matches!(
             next_incarnation(dir.path()),
             Err(Error::Config(_))
         ));
+    }
+
+    /// A runner record in the layout a later release may write — the two fields every
+    /// release reads first, then fields this one does not know — still gets its runner
+    /// stopped by this release (an agent rolled back over a newer one's work dir), and the
+    /// record is forgotten.
+    #[tokio::test]
+    async fn a_runner_recorded_with_fields_a_later_release_appends_is_stopped() {
+        let dir = tempfile::tempdir().unwrap();
+        // A process group of its own that the test does not parent (so no zombie of
+        // ours keeps the group alive): `setsid` in a background job does not fork.
+        let out = std::process::Command::new("sh")
+            .args(["-c", "setsid sleep 60 >/dev/null 2>&1 & echo $!"])
+            .output()
+            .unwrap();
+        let pgid: u32 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+        let gone = || {
+            std::fs::read_to_string(format!("/proc/{pgid}/stat")).map_or(true, |s| {
+                s.rsplit(')')
+                    .next()
+                    .is_some_and(|r| r.trim_start().starts_with('Z'))
+            })
+        };
+        let started = (0..100)
+            .find_map(|_| {
+                std::thread::sleep(Duration::from_millis(10));
+                start_time(pgid).filter(|_| group_alive(pgid))
+            })
+            .expect("the runner's group");
+        let runners = runners_dir(dir.path());
+        std::fs::create_dir_all(&runners).unwrap();
+        let record = runners.join(pgid.to_string());
+        std::fs::write(
+            &record,
+            format!("{pgid} {started} 7 9 1 v2 cgroup=a1-7-9-1\n"),
+        )
+        .unwrap();
+        let found = stop_orphans(dir.path(), None, Duration::from_secs(5)).await;
+        assert_eq!(found, 1);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !gone() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(gone(), "the recorded runner {pgid} is still running");
+        assert!(!record.exists(), "the record was not forgotten");
     }
 
     /// The agent's own credential variables cannot be allow-listed for runners.

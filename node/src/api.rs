@@ -68,7 +68,7 @@ impl Services {
     /// A reply to a call on `shard`, naming the shard's leader (`allot-leader-addr`)
     /// when this replica does not lead it — it forwarded the call, or answered a read
     /// from its own state — so the client sends its next call to the leader instead of
-    /// paying the forward on every call (DESIGN §50).
+    /// paying the forward on every call (DESIGN §31).
     fn reply<T>(&self, shard: u32, msg: T) -> Response<T> {
         let mut r = Response::new(msg);
         if let Some(addr) = crate::server::leader_elsewhere(&self.node, shard) {

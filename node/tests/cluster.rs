@@ -1459,13 +1459,13 @@ async fn a_client_sent_to_a_follower_goes_to_the_leader_next_time() {
     );
     let at_leader = served(leader, "api.execute").await - before.2;
     eprintln!("the follower served {through_follower:?}, the leader {at_leader} writes");
+    assert_eq!(c.leader_of(0).await.ok(), Some(leader), "leadership moved");
     // The first call reaches the follower (and is forwarded); none after it.
     assert!(
         through_follower.0 <= 1.0 && through_follower.1 == 0.0,
         "calls still routed through a follower: {through_follower:?} of {CALLS} writes and reads"
     );
     assert!(at_leader >= f64::from(CALLS), "{at_leader}");
-    assert_eq!(c.leader_of(0).await.ok(), Some(leader), "leadership moved");
 }
 
 // ---------------------------------------------------------------- leader transfer (§49)

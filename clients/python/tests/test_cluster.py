@@ -266,3 +266,8 @@ def test_calls_are_remembered_by_the_shard_or_org_they_route_by():
         "shard", 0)
     assert _route_key(pb.CreateOrgRequest(call=pb.Call(request_id=1), org=3)) == ("org", 3)
     assert _route_key(pb.SetPricesRequest(call=pb.Call(request_id=1, shard=1))) == ("shard", 1)
+    # As the node routes: a message with its own org field is routed by it alone (a
+    # transfer naming only `from.org` goes to shard 0), and a map is not looked into.
+    assert _route_key(pb.TransferRequest(**{"from": pb.Account(org=8)})) == ("shard", 0)
+    assert _route_key(pb.ExecuteRequest(commands=[pb.Command(
+        register_node=pb.RegisterNodeRequest(node=1, labels={"zone": "a"}))])) == ("shard", 0)

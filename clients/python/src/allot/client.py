@@ -7,8 +7,8 @@ It behaves like the Rust client (``allot-client``):
   When a node answers ``UNAVAILABLE`` with the leader's address (``allot-leader-addr``)
   the next attempt goes there; otherwise the next endpoint in the list. A successful
   reply from a follower names the leader in its headers too: the client remembers it
-  (when it is one of its endpoints) for the shard the call was routed by, so the next
-  call there goes to the leader instead of through the follower again.
+  (when it is one of the endpoints it was given) for the shard, or the org, the call was
+  routed by, so the next call there goes to the leader instead of through the follower.
 * **Retries** — ``UNAVAILABLE``, ``RESOURCE_EXHAUSTED`` (after ``retry-after-ms`` when
   given) and a lost answer (``DEADLINE_EXCEEDED`` of one attempt) are retried with full
   jitter exponential backoff until the call's deadline. A mutating call is retried
@@ -38,6 +38,9 @@ _KINDS = {
     "promotional": pb.BUCKET_KIND_PROMOTIONAL,
     "granted": pb.BUCKET_KIND_GRANTED,
 }
+
+# The most routes (shards and orgs) whose leader a client remembers.
+_ROUTES_MAX = 4_096
 
 _RETRIED = {
     grpc.StatusCode.UNAVAILABLE,
@@ -85,6 +88,9 @@ class Client:
         if not endpoints:
             raise ValueError("at least one endpoint")
         self.endpoints: List[str] = list(endpoints)
+        # The endpoints this client was given: the only addresses a successful reply's
+        # leader hint is followed to (`self.endpoints` also gains hinted addresses).
+        self._given = frozenset(self.endpoints)
         self.token = token
         self.dev_actor = dev_actor
         self.timeout = timeout
@@ -151,7 +157,9 @@ class Client:
                 # the leader: go there next time. Only an address this client was given:
                 # a peer's own address may not be reachable from here.
                 hint = dict(call.initial_metadata() or ()).get("allot-leader-addr")
-                self._leaders[route] = hint if hint in self.endpoints else endpoint
+                if len(self._leaders) >= _ROUTES_MAX:
+                    self._leaders.clear()  # relearned as calls go on
+                self._leaders[route] = hint if hint in self._given else endpoint
                 return reply
             except grpc.RpcError as e:  # noqa: PERF203 (retry loop)
                 last = e
@@ -524,19 +532,20 @@ def _field(msg, name: str):
 
 
 def _org_in(msg, depth: int = 0) -> Optional[int]:
-    """The first org a message names: its own ``org``, else (in field order) that of a
-    field set in it, a repeated field's first element, up to three levels down."""
-    org = _field(msg, "org")
-    if isinstance(org, int) and org:
-        return org
-    if isinstance(org, Message):
-        found = _field(org, "org")
-        if isinstance(found, int) and found:
-            return found
+    """The org the node routes a message by: its own ``org`` field when it has one (unset
+    or 0: none — the node does not look deeper, e.g. at a transfer's ``from.org``);
+    otherwise, for a message without one (a request wrapping an account, a command or
+    a query arm), the first such org among the messages set in it, in field order (a
+    repeated field's first element), up to three levels down."""
+    if "org" in msg.DESCRIPTOR.fields_by_name:
+        org = _field(msg, "org")
+        if isinstance(org, Message):
+            org = _field(org, "org")
+        return org if isinstance(org, int) and org else None
     if depth >= 3:
         return None
     for f, value in msg.ListFields():
-        if f.type != f.TYPE_MESSAGE:
+        if f.type != f.TYPE_MESSAGE or f.message_type.GetOptions().map_entry:
             continue
         if _repeated(f):
             value = value[0] if len(value) else None
