@@ -13,17 +13,10 @@ use crate::types::{LogEntry, LogId, ShardId, StorageError, TypeConfig, Vote};
 use openraft::storage::{LogFlushed, RaftLogStorage};
 use openraft::{LogState, RaftLogReader};
 use rocksdb::{IteratorMode, ReadOptions, WriteBatch, WriteOptions, DB};
-use std::collections::VecDeque;
 use std::fmt::Debug;
 use std::ops::{Bound, RangeBounds};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
-
-/// Scratch switch for measuring the tail (`ALLOT_X_LOG_TAIL=0` turns reads from it off).
-static TAIL_ON: std::sync::LazyLock<std::sync::atomic::AtomicBool> =
-    std::sync::LazyLock::new(|| {
-        std::sync::atomic::AtomicBool::new(std::env::var("ALLOT_X_LOG_TAIL").as_deref() != Ok("0"))
-    });
+use std::sync::Arc;
 
 const META_VOTE: &[u8] = b"vote";
 const META_COMMITTED: &[u8] = b"committed";
@@ -145,109 +138,6 @@ pub struct LogStore {
     syncer: Arc<Syncer>,
     trigger: Option<Arc<SnapshotTrigger>>,
     timeline: Option<Arc<Timeline>>,
-    /// Shared by the store and its readers (clones).
-    tail: Arc<Mutex<Tail>>,
-}
-
-/// The most entries the log's [`Tail`] keeps.
-const TAIL_ENTRIES_MAX: usize = 4_096;
-/// The most payload bytes the log's [`Tail`] keeps (one shard's; a batch is at most
-/// `MAX_BATCH_BYTES`, 1 MiB, so it always holds the newest few).
-const TAIL_BYTES_MAX: usize = 8 << 20;
-
-/// The newest entries of the log, as appended, in memory. openraft reads every entry
-/// back right after appending it — on the leader to apply it and once per follower to
-/// replicate it, on a follower to apply it — and each read from RocksDB builds an
-/// iterator (a super-version reference, a merging iterator over the memtables and
-/// files) and decodes the entry again. The tail answers those reads with a copy.
-///
-/// Invariant: when not empty, it holds a contiguous run of entries that **ends at the
-/// log's last entry** — every append, truncation and purge goes through it — so a read
-/// starting at or after its first entry is answered from it whole, and any other read
-/// from RocksDB. After a restart it is empty until the first append.
-#[derive(Default)]
-struct Tail {
-    entries: VecDeque<LogEntry>,
-    bytes: usize,
-}
-
-impl Tail {
-    fn payload(e: &LogEntry) -> usize {
-        match &e.payload {
-            openraft::EntryPayload::Normal(b) => b.requests.len(),
-            _ => 0,
-        }
-    }
-
-    /// Entries just written to the log, in index order.
-    fn appended(&mut self, entries: Vec<LogEntry>) {
-        let Some(first) = entries.first().map(|e| e.log_id.index) else {
-            return;
-        };
-        if self
-            .entries
-            .back()
-            .is_some_and(|last| last.log_id.index.checked_add(1) != Some(first))
-        {
-            // Not a continuation (openraft truncates before it overwrites, so this is
-            // defensive): start over from these, which are the log's newest.
-            self.entries.clear();
-            self.bytes = 0;
-        }
-        for e in entries {
-            self.bytes += Tail::payload(&e);
-            self.entries.push_back(e);
-        }
-        while self.entries.len() > TAIL_ENTRIES_MAX
-            || (self.bytes > TAIL_BYTES_MAX && self.entries.len() > 1)
-        {
-            if let Some(e) = self.entries.pop_front() {
-                self.bytes -= Tail::payload(&e);
-            }
-        }
-    }
-
-    /// Entries from `index` on were deleted.
-    fn truncated(&mut self, index: u64) {
-        while self.entries.back().is_some_and(|e| e.log_id.index >= index) {
-            if let Some(e) = self.entries.pop_back() {
-                self.bytes -= Tail::payload(&e);
-            }
-        }
-    }
-
-    /// Entries up to `index` were deleted.
-    fn purged(&mut self, index: u64) {
-        while self
-            .entries
-            .front()
-            .is_some_and(|e| e.log_id.index <= index)
-        {
-            if let Some(e) = self.entries.pop_front() {
-                self.bytes -= Tail::payload(&e);
-            }
-        }
-    }
-
-    /// `[start, end)` (`end` `None`: to the last entry) if the tail holds all of it.
-    fn get(&self, start: u64, end: Option<u64>) -> Option<Vec<LogEntry>> {
-        let first = self.entries.front()?.log_id.index;
-        let last = self.entries.back()?.log_id.index;
-        if start < first {
-            return None;
-        }
-        let from = (start - first) as usize;
-        let to = end.map_or(last + 1, |e| e.min(last + 1));
-        if to <= start {
-            return Some(Vec::new());
-        }
-        Some(
-            self.entries
-                .range(from..(to - first) as usize)
-                .cloned()
-                .collect(),
-        )
-    }
 }
 
 fn sync_opts() -> WriteOptions {
@@ -264,16 +154,7 @@ impl LogStore {
             syncer,
             trigger: None,
             timeline: None,
-            tail: Arc::default(),
         }
-    }
-
-    fn tail(&self) -> std::sync::MutexGuard<'_, Tail> {
-        // A panic while holding it would have poisoned it; the tail's updates are
-        // whole or nothing, so its content is still valid.
-        self.tail
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Records when each entry is appended and made durable.
@@ -361,18 +242,6 @@ impl RaftLogReader<TypeConfig> for LogStore {
         if end.is_some_and(|e| e <= start) {
             return Ok(Vec::new());
         }
-        if TAIL_ON.load(std::sync::atomic::Ordering::Relaxed) {
-            if let Some(entries) = self.tail().get(start, end) {
-                return Ok(entries);
-            }
-        }
-        self.read_db(start, end)
-    }
-}
-
-impl LogStore {
-    /// Entries `[start, end)` (`end` `None`: to the last) from RocksDB.
-    fn read_db(&self, start: u64, end: Option<u64>) -> Result<Vec<LogEntry>, StorageError> {
         let from = index_key(self.shard, start);
         let upper = end.map(|e| index_key(self.shard, e));
         let mut out = Vec::new();
@@ -386,7 +255,7 @@ impl LogStore {
                 break;
             }
             let idx = index_of_key(&k);
-            if idx < start || end.is_some_and(|e| idx >= e) {
+            if !range.contains(&idx) {
                 break;
             }
             out.push(bincode::deserialize(&v).map_err(io_read)?);
@@ -440,34 +309,18 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         let log = cf(&self.db, CF_LOG);
         let mut appended = 0;
         let mut range: Option<(u64, u64)> = None;
-        let mut kept = Vec::new();
         for e in entries {
             let i = e.log_id.index;
             range = Some(range.map_or((i, i), |(a, b)| (a.min(i), b.max(i))));
             let bytes = bincode::serialize(&e).map_err(io_write)?;
             appended += bytes.len() as u64;
             batch.put_cf(log, index_key(self.shard, e.log_id.index), bytes);
-            kept.push(e);
         }
         if let Some(t) = &self.trigger {
             t.appended(appended);
         }
         // Written in call order (so the log never has a hole), made durable by the syncer.
-        // The tail is updated under its lock around the write, so a reader never sees it
-        // ahead of or behind RocksDB for long enough to matter: both hold the entries
-        // once this returns, and nothing reads an entry before openraft appended it.
-        {
-            let mut tail = self.tail();
-            let written = self.db.write(batch).map_err(io_write);
-            match written {
-                Ok(()) => tail.appended(kept),
-                Err(e) => {
-                    // What RocksDB holds is unknown: answer every read from it.
-                    *tail = Tail::default();
-                    return Err(e);
-                }
-            }
-        }
+        self.db.write(batch).map_err(io_write)?;
         let marks = match (&self.timeline, range) {
             (Some(t), Some((first, last))) => {
                 t.appended(first, last);
@@ -482,7 +335,6 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn truncate(&mut self, log_id: LogId) -> Result<(), StorageError> {
-        self.tail().truncated(log_id.index);
         let mut batch = WriteBatch::default();
         batch.delete_range_cf(
             cf(&self.db, CF_LOG),
@@ -497,7 +349,6 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         // Record the purge point first: a crash between the two writes leaves entries
         // that are already covered by `last_purged` and are never read again.
         self.put_meta(META_PURGED, &log_id, true)?;
-        self.tail().purged(log_id.index);
         self.db
             .delete_range_cf(
                 cf(&self.db, CF_LOG),
@@ -505,111 +356,5 @@ impl RaftLogStorage<TypeConfig> for LogStore {
                 index_key(self.shard, log_id.index + 1),
             )
             .map_err(io_write)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use openraft::storage::RaftLogStorageExt;
-    use openraft::{CommittedLeaderId, Entry, EntryPayload};
-
-    fn entry(term: u64, index: u64, bytes: usize) -> LogEntry {
-        Entry {
-            log_id: LogId::new(CommittedLeaderId::new(term, 1), index),
-            payload: EntryPayload::Normal(crate::types::Batch {
-                logical_time_ms: index,
-                requests: vec![index as u8; bytes],
-            }),
-        }
-    }
-
-    /// The tail answers every read it answers exactly as RocksDB does, through appends
-    /// (small and large, past its bounds), truncations (a new leader's overwrite) and
-    /// purges (snapshots), in a long pseudo-random sequence; and it answers the reads
-    /// of the newest entries (what it is for).
-    #[tokio::test]
-    async fn the_log_tail_answers_as_rocksdb_does() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = super::super::open_db(dir.path()).unwrap();
-        let mut log = LogStore::new(db.clone(), 3, Syncer::start(db));
-        let (mut next, mut term, mut purged) = (1u64, 1u64, 0u64);
-        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
-        let mut roll = |n: u64| {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng % n
-        };
-        let (mut from_tail, mut checked) = (0, 0);
-        for step in 0..2_000 {
-            let mut appended_last = false;
-            match roll(20) {
-                0 if next - 1 > purged => {
-                    // A new leader overwrites a suffix.
-                    let at = purged + 1 + roll(next - 1 - purged);
-                    log.truncate(LogId::new(CommittedLeaderId::new(term, 1), at))
-                        .await
-                        .unwrap();
-                    next = at;
-                    term += 1;
-                }
-                1 if next - 1 > purged => {
-                    let upto = purged + 1 + roll(next - 1 - purged);
-                    log.purge(LogId::new(CommittedLeaderId::new(term, 1), upto))
-                        .await
-                        .unwrap();
-                    purged = upto;
-                }
-                _ => {
-                    let n = 1 + roll(if step % 97 == 0 { 6_000 } else { 8 });
-                    let big = if roll(100) == 0 { 3 << 20 } else { 64 };
-                    let batch: Vec<_> = (next..next + n).map(|i| entry(term, i, big)).collect();
-                    log.blocking_append(batch).await.unwrap();
-                    next += n;
-                    appended_last = true;
-                }
-            }
-            // Reads around the tail's edges and the log's.
-            let last = next - 1;
-            for _ in 0..4 {
-                let start = purged + 1 + roll(last.saturating_sub(purged) + 2);
-                let end = match roll(3) {
-                    0 => None,
-                    _ => Some(start + roll(10)),
-                };
-                let want = log.read_db(start, end).unwrap();
-                if let Some(got) = log.tail().get(start, end) {
-                    assert_eq!(got, want, "step {step}: [{start}, {end:?})");
-                    from_tail += 1;
-                }
-                checked += 1;
-                let via_reader = match end {
-                    Some(e) => log.try_get_log_entries(start..e).await.unwrap(),
-                    None => log.try_get_log_entries(start..).await.unwrap(),
-                };
-                assert_eq!(via_reader, want, "step {step}: [{start}, {end:?})");
-            }
-            // After an append, the newest entry is in the tail (a truncation or a purge
-            // may leave it empty: then RocksDB answers).
-            if appended_last && last > purged {
-                assert_eq!(
-                    log.tail().get(last, None).map(|v| v.len()),
-                    Some(1),
-                    "step {step}"
-                );
-            }
-            let t = log.tail();
-            assert!(t.entries.len() <= TAIL_ENTRIES_MAX);
-            assert!(
-                t.bytes <= TAIL_BYTES_MAX || t.entries.len() == 1,
-                "{}",
-                t.bytes
-            );
-        }
-        assert!(
-            from_tail * 2 > checked,
-            "{from_tail} of {checked} reads from the tail"
-        );
     }
 }
