@@ -27,7 +27,6 @@ import time
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
 import grpc
-from google.protobuf.message import Message
 
 from ._gen import allot_api_pb2 as pb
 from ._gen import allot_api_pb2_grpc as pbg
@@ -539,8 +538,6 @@ def _org_in(msg, depth: int = 0) -> Optional[int]:
     repeated field's first element), up to three levels down."""
     if "org" in msg.DESCRIPTOR.fields_by_name:
         org = _field(msg, "org")
-        if isinstance(org, Message):
-            org = _field(org, "org")
         return org if isinstance(org, int) and org else None
     if depth >= 3:
         return None
