@@ -31,6 +31,29 @@ pub fn with_reason(mut s: Status, reason: &str) -> Status {
 /// (`INVALID_ARGUMENT`). The typed error travels as JSON in `allot-error-json-bin` (the
 /// typed API's `Error.details_json`) and its name in `allot-reason`, so a client reports
 /// it exactly as it would the same refusal from apply.
+/// A rule-version activation reaches the log only if apply would act on it (the
+/// caller may, and the request is well formed: `State::admits`). Apply refuses the
+/// others alike on every replica, but an entry holding one stops every replica of the
+/// releases before this one that does not support the version it names — a node
+/// rolled back, or a learner held back with `--max-rules-version` — for good.
+pub fn activations_admitted(
+    shard: &Shard,
+    requests: &[Request],
+    actors: &[Option<Actor>],
+) -> Result<(), Status> {
+    let g = shard.view.read();
+    for (i, (r, a)) in requests.iter().zip(actors).enumerate() {
+        if !matches!(r.command, Command::ActivateVersion { .. }) {
+            continue;
+        }
+        let admitted = a.map_or(Err(CommandError::Unauthenticated), |a| g.state.admits(a, r));
+        if let Err(e) = admitted {
+            return Err(rejected(i, &e));
+        }
+    }
+    Ok(())
+}
+
 pub fn rejected(index: usize, e: &CommandError) -> Status {
     let mut s = with_reason(
         Status::invalid_argument(format!("request {index}: {e}")),

@@ -77,6 +77,19 @@ pub(crate) fn leader_elsewhere(node: &Node, shard: ShardId) -> Option<MetadataVa
     MetadataValue::try_from(addr.as_str()).ok()
 }
 
+/// "Not the leader", naming the leader this replica knows of (the error its proposer
+/// gives, for a call this replica does not propose).
+fn not_leader(node: &Node, shard: ShardId) -> ProposeError {
+    let leader = node
+        .shard(shard)
+        .and_then(|s| s.raft.metrics().borrow().current_leader)
+        .filter(|l| *l != node.id);
+    ProposeError::NotLeader {
+        leader,
+        addr: leader_elsewhere(node, shard).and_then(|a| a.to_str().ok().map(str::to_owned)),
+    }
+}
+
 /// An admin call's argument refused (`INVALID_ARGUMENT`, reason `INVALID_ARGUMENT`).
 fn bad_argument(m: &'static str) -> Status {
     edge::with_reason(Status::invalid_argument(m), "INVALID_ARGUMENT")
@@ -216,6 +229,10 @@ impl Services {
         let was_forwarded = forwarded(req);
         let leader = shard.raft.metrics().borrow().current_leader == Some(self.node.id);
         let actors = edge::credentials(&self.node, shard, &requests, leader).await?;
+        let activation = crate::versions::activation_in(&requests);
+        if leader && activation.is_some() {
+            edge::activations_admitted(shard, &requests, &actors)?;
+        }
         // Who will read each outcome, for the answer's redaction (`redact`): as resolved
         // here, or — a token this replica did not know yet — after the commit.
         let readers: Vec<Result<Actor, Actor>> = actors
@@ -238,12 +255,19 @@ impl Services {
                 .inc();
         })?;
         // The cluster version gate, on the replica that proposes (a follower forwards).
-        if let (true, Some(version)) = (leader, crate::versions::activation_in(&requests)) {
+        if let (true, Some(version)) = (leader, activation) {
             crate::versions::check_activation(&self.node, shard, version).await?;
         }
         #[cfg(feature = "chaos")]
         crate::chaos::rewrite_request_ids(&mut requests);
-        let committed = match shard.proposer.propose(requests).await {
+        // An activation the gate has not passed is never proposed here: this replica may
+        // be elected before its proposer takes the call, and would propose it unchecked.
+        // It goes to the leader, which checks it.
+        let proposed = match (leader, activation) {
+            (false, Some(_)) => Err(not_leader(&self.node, shard.id)),
+            _ => shard.proposer.propose(requests).await,
+        };
+        let committed = match proposed {
             Ok(c) => Ok(c),
             Err(e @ ProposeError::NotLeader { addr: Some(_), .. }) if !was_forwarded => {
                 // Forward once; the leader answers (or says who leads now).

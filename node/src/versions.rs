@@ -114,6 +114,42 @@ pub fn activation_in(requests: &[Request]) -> Option<u32> {
         .max()
 }
 
+/// The rule version above `rules_max` that `entry` would activate on `state`, if apply
+/// would act on it: the replica must then stop rather than apply the entry (a newer
+/// binary activates the version; this one cannot follow it). An activation apply would
+/// refuse whatever the binary — a token nobody issued, a caller that is not the
+/// operator, a replayed request id — is applied like any refused request on every
+/// replica alike, so it stops nothing.
+///
+/// Whether apply acts on it is read from apply itself, on a copy of the state: the
+/// request reached the version rule if its outcome is the activation's own (done, or
+/// refused as `UnsupportedRulesVersion` — a version this build does not implement, which
+/// a newer one may). Entries without such an activation (all but an operator's upgrade
+/// step) cost one scan of their requests.
+pub fn activation_beyond(
+    state: &allot_statemachine::State,
+    entry: &allot_statemachine::Entry,
+    rules_max: u32,
+) -> Option<u32> {
+    use allot_statemachine::CommandError;
+    let beyond = |r: &Request| match r.command {
+        Command::ActivateVersion { version } if version > rules_max => Some(version),
+        _ => None,
+    };
+    let version = entry.requests.iter().filter_map(beyond).max()?;
+    let mut probe = state.clone();
+    let Ok(out) = allot_statemachine::apply(&mut probe, entry) else {
+        // Apply refuses the entry as a whole (already applied): the real apply says so.
+        return None;
+    };
+    let acted = probe.rules.active > rules_max
+        || entry.requests.iter().zip(&out.outcomes).any(|(r, o)| {
+            beyond(r).is_some()
+                && matches!(o, Ok(_) | Err(CommandError::UnsupportedRulesVersion { .. }))
+        });
+    acted.then_some(version)
+}
+
 /// What this node reports to a peer asking which versions it supports.
 pub fn local_versions(node: &Node) -> allot_proto::VersionsReply {
     allot_proto::VersionsReply {

@@ -1386,6 +1386,39 @@ async fn unknown_tokens_are_refused_at_the_edge_and_never_proposed() {
     h.assert_all_running();
 }
 
+/// A rule-version activation reaches the log only if apply would act on it. A tenant's
+/// `ActivateVersion` (of a version every node supports, so the cluster version gate
+/// passes it) is refused at the edge as apply would refuse it, through every node, and
+/// nothing of it is applied. Before, it was proposed and refused inside apply — an
+/// entry that stops every replica of the previous release for good (a node rolled back
+/// before the operator activates cannot start).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_activation_apply_would_refuse_never_reaches_the_log() {
+    let mut h = secured(1).await;
+    h.admin.create_org(OrgId(7)).await.unwrap();
+    let tenant = h
+        .admin
+        .create_token(PrincipalId(50), Scope::Org(OrgId(7)), None)
+        .await
+        .unwrap();
+    let before = h.head_seq(0).await;
+    for id in 1..=3 {
+        let mut a = api(channel(&h.addr(id)).await);
+        let r = Request {
+            org: Some(OrgId(7)),
+            ..req(80 + id as u128, Command::ActivateVersion { version: 2 })
+        };
+        let e = a
+            .execute(bearer(exec(0, &[r]), Some(&tenant)))
+            .await
+            .map(|ok| ok.into_inner())
+            .expect_err("refused before the log");
+        assert_eq!(reason(&e), "UNAUTHORIZED", "node {id}: {e:?}");
+    }
+    h.only_denials_since(0, before, None).await;
+    h.assert_all_running();
+}
+
 /// Reads are rate-limited per org by default (the node's own defaults, no flags): a
 /// tenant's queries past the read burst get `RESOURCE_EXHAUSTED` with a retry hint,
 /// whichever of its tokens it uses and whether or not it claims to be forwarded;

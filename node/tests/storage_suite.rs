@@ -93,6 +93,79 @@ async fn entries_this_binary_cannot_apply_stop_the_replica_and_change_nothing() 
     assert_eq!(sm.view().read().state.time_ms, 5);
 }
 
+/// Only an activation that apply would act on stops a replica. The same request from a
+/// token nobody issued, or from a tenant, is refused by apply on every replica alike
+/// (whatever version it names), so the replica applies it and goes on. Before, any
+/// `ActivateVersion` above the replica's version stopped it — and every replica of the
+/// shard, for good, since the entry is committed: a request that reached the log through
+/// a follower elected in between (the version gate runs on the leader) was enough.
+#[tokio::test]
+async fn an_activation_apply_would_refuse_does_not_stop_the_replica() {
+    use allot_node::types::{Batch, LogEntry};
+    use allot_statemachine::ids::{Actor, OrgId, PrincipalId, TokenDigest};
+    use allot_statemachine::outcome::CommandError;
+    use allot_statemachine::{Command, Request};
+    use openraft::storage::RaftStateMachine;
+    use openraft::{CommittedLeaderId, EntryPayload, LogId};
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let db = store::open_db(dir.path()).expect("open db");
+    let mut sm = StateMachineStore::open(db, 0, allot_statemachine::Config::default())
+        .expect("open")
+        .with_rules_max(1);
+    let entry = |index: u64, requests: &[Request]| LogEntry {
+        log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+        payload: EntryPayload::Normal(Batch::new(5 + index, requests)),
+    };
+    let activate = |actor, version| Request {
+        actor,
+        request_id: 7,
+        org: None,
+        command: Command::ActivateVersion { version },
+    };
+    let cases = [
+        (
+            activate(Actor::Bearer(TokenDigest([9; 32])), u32::MAX),
+            CommandError::Unauthenticated,
+        ),
+        (
+            activate(
+                Actor::Tenant {
+                    org: OrgId(3),
+                    principal: PrincipalId(1),
+                },
+                2,
+            ),
+            CommandError::Unauthorized,
+        ),
+    ];
+    for (i, (request, refused)) in cases.into_iter().enumerate() {
+        let index = i as u64 + 1;
+        let applied = sm
+            .apply([entry(index, std::slice::from_ref(&request))])
+            .await
+            .unwrap_or_else(|e| panic!("{request:?} stopped the replica: {e:?}"));
+        assert_eq!(applied[0].outcomes, vec![Err(refused)], "{request:?}");
+        let view = sm.view();
+        let g = view.read();
+        assert_eq!(g.last_applied.map(|l| l.index), Some(index));
+        assert_eq!(g.state.rules.active, 1, "nothing activated");
+    }
+
+    // The operator's activation of a version this replica does not support still stops
+    // it, and changes nothing.
+    let admin = allot_node::workload::admin(8, Command::ActivateVersion { version: 2 });
+    let refused = sm.apply([entry(3, &[admin])]).await;
+    assert!(
+        format!("{refused:?}").contains("activates rule version 2"),
+        "{refused:?}"
+    );
+    let view = sm.view();
+    let g = view.read();
+    assert_eq!(g.last_applied.map(|l| l.index), Some(2), "not applied");
+    assert_eq!(g.state.rules.active, 1);
+}
+
 /// Shutdown waits for snapshot work running on threads of its own: `close` does not
 /// report the work done while it runs, a closed tracker starts nothing, and `close`
 /// returns once the running work ends. (Before, nothing joined these threads, and a

@@ -220,6 +220,26 @@ impl Default for State {
 }
 
 impl State {
+    /// Would apply let `actor` (resolved) run `req` on this state, as far as the request
+    /// itself and who sends it go: its fields, its namespace and the caller's right to
+    /// it — the checks apply makes before the idempotency table and the command's own
+    /// rules, by the same functions. The edge asks it where a request must not even
+    /// reach the log unless apply would act on it (a rule-version activation: an entry
+    /// holding one stops a replica that does not support the version, whoever sent it,
+    /// on the releases before this one).
+    pub fn admits(&self, actor: Actor, req: &Request) -> Result<(), CommandError> {
+        let ns = request_namespace(self, actor, req)?;
+        let command = &*req.command.resolved_at(self.time_ms);
+        authorize(
+            &self.ledger,
+            &self.scheduler,
+            &self.security,
+            actor,
+            ns,
+            command,
+        )
+    }
+
     pub fn new(config: Config) -> State {
         State {
             time_ms: 0,
@@ -438,6 +458,21 @@ pub fn apply_into(
 }
 
 /// Idempotency around one command. Returns the outcome and whether it was a replay.
+/// The request's own fields (the same check the edge ran before proposing), then the
+/// namespace it acts in: an invalid request is refused before it takes an idempotency
+/// record.
+fn request_namespace(
+    state: &State,
+    actor: Actor,
+    req: &Request,
+) -> Result<Option<OrgId>, CommandError> {
+    crate::validate::validate(req, state.rules.active)?;
+    // A tenant naming another org: a command it may never send is refused as such
+    // whatever it names; otherwise the other org is unknown to it.
+    req.namespace(&actor)
+        .map_err(|e| crate::authz::tenant_refusal(&req.command).unwrap_or(e))
+}
+
 fn apply_request(
     state: &mut State,
     actor: Actor,
@@ -446,21 +481,9 @@ fn apply_request(
     now: u64,
     effects: &mut Vec<PendingEvent>,
 ) -> (Outcome, bool) {
-    // The request's own fields first (the same check the edge ran before proposing):
-    // an invalid request is refused before it takes an idempotency record.
-    if let Err(e) = crate::validate::validate(req, state.rules.active) {
-        return (Err(e), false);
-    }
-    let ns = match req.namespace(&actor) {
+    let ns = match request_namespace(state, actor, req) {
         Ok(ns) => ns,
-        // A tenant naming another org: a command it may never send is refused as such
-        // whatever it names; otherwise the other org is unknown to it.
-        Err(e) => {
-            return (
-                Err(crate::authz::tenant_refusal(&req.command).unwrap_or(e)),
-                false,
-            )
-        }
+        Err(e) => return (Err(e), false),
     };
     if !req.command.uses_idempotency_table() {
         return (execute(state, actor, ns, &req.command, now, effects), false);

@@ -147,6 +147,29 @@ fn load_snapshot(db: &DB, shard: ShardId) -> Result<Option<StoredSnapshot>, Stor
 }
 
 impl StateMachineStore {
+    /// This replica cannot apply the entry at `log_id` as the others do (bytes of a
+    /// newer format, or an activation of a rule version it does not support): it stops
+    /// here, the entry not applied (it stays in the log for a newer binary), rather than
+    /// diverge.
+    fn cannot_apply(
+        &self,
+        g: &mut AppliedState,
+        applied_before: Option<LogId>,
+        log_id: LogId,
+        why: impl std::fmt::Display,
+    ) -> StorageError {
+        g.last_applied = applied_before;
+        tracing::error!(
+            shard = self.shard,
+            index = log_id.index,
+            "cannot apply: {why}; this replica stops applying (upgrade its binary to go on)"
+        );
+        StorageError::from(openraft::StorageIOError::apply(
+            log_id,
+            openraft::AnyError::error(why),
+        ))
+    }
+
     /// Opens the shard's state machine: the last snapshot if there is one, else a new
     /// state with `config`.
     pub fn open(
@@ -519,31 +542,8 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                         // applies such an entry as a tick alike (time advances; nothing
                         // else).
                         let decoded = b.decode();
-                        let unsupported = match &decoded {
-                            Err(e @ codec::CodecError::NewerFormat(_)) => Some(e.to_string()),
-                            Ok(reqs) => crate::versions::activation_in(reqs)
-                                .filter(|v| *v > self.rules_max)
-                                .map(|v| {
-                                    format!(
-                                        "the entry activates rule version {v}; this node \
-                                         supports up to {}",
-                                        self.rules_max
-                                    )
-                                }),
-                            Err(_) => None,
-                        };
-                        if let Some(why) = unsupported {
-                            g.last_applied = applied_before;
-                            tracing::error!(
-                                shard = self.shard,
-                                index = log_id.index,
-                                "cannot apply: {why}; this replica stops applying \
-                                 (upgrade its binary to go on)"
-                            );
-                            return Err(StorageError::from(openraft::StorageIOError::apply(
-                                log_id,
-                                openraft::AnyError::error(why),
-                            )));
+                        if let Err(e @ codec::CodecError::NewerFormat(_)) = &decoded {
+                            return Err(self.cannot_apply(&mut g, applied_before, log_id, e));
                         }
                         let requests = decoded.unwrap_or_else(|e| {
                             tracing::error!(
@@ -559,6 +559,16 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                             logical_time_ms: b.logical_time_ms,
                             requests,
                         };
+                        if let Some(v) =
+                            crate::versions::activation_beyond(&g.state, &sm_entry, self.rules_max)
+                        {
+                            let why = format!(
+                                "the entry activates rule version {v}; this node supports \
+                                 up to {}",
+                                self.rules_max
+                            );
+                            return Err(self.cannot_apply(&mut g, applied_before, log_id, why));
+                        }
                         let rules_before = g.state.rules.active;
                         apply_into(&mut g.state, &sm_entry, &mut self.out).map_err(|e| {
                             StorageError::from(openraft::StorageIOError::apply(
