@@ -26,8 +26,9 @@ pub enum Key {
     Admin(u64),
     /// Every caller whose credentials did not resolve on this replica, together.
     Unresolved,
-    /// One principal (stream bounds: each of an org's tokens' identities).
-    Principal(u64),
+    /// One tenant principal, by org and principal id (stream bounds: each of an org's
+    /// tokens' identities; principal ids are per org).
+    Principal(u64, u64),
 }
 
 /// The limit key of a resolved actor (`None`: unresolved). The node's own `System`
@@ -155,8 +156,9 @@ impl Drop for StreamSlot {
 /// node), and for a tenant its org with the org's `streams_max` (`org_streams_max`).
 /// `None` for the node's own `System` actor.
 pub fn stream_keys(who: Actor, org_streams_max: Option<u32>) -> Option<Vec<(Key, usize)>> {
-    let principal =
-        |p: allot_statemachine::PrincipalId| (Key::Principal(p.0), STREAMS_PER_PRINCIPAL_MAX);
+    let principal = |org: allot_statemachine::OrgId, p: allot_statemachine::PrincipalId| {
+        (Key::Principal(org.0, p.0), STREAMS_PER_PRINCIPAL_MAX)
+    };
     Some(match who {
         Actor::Tenant { org, principal: p }
         | Actor::Project {
@@ -165,13 +167,13 @@ pub fn stream_keys(who: Actor, org_streams_max: Option<u32>) -> Option<Vec<(Key,
         | Actor::User {
             org, principal: p, ..
         } => vec![
-            principal(p),
+            principal(org, p),
             (
                 Key::Org(org.0),
                 org_streams_max.map_or(STREAMS_PER_PRINCIPAL_MAX, |m| m as usize),
             ),
         ],
-        Actor::Admin(p) => vec![principal(p)],
+        Actor::Admin(p) => vec![(Key::Admin(p.0), STREAMS_PER_PRINCIPAL_MAX)],
         Actor::Agent(n) => vec![(Key::Agent(n.0), STREAMS_PER_PRINCIPAL_MAX)],
         Actor::System => return None,
         Actor::Anonymous | Actor::Bearer(_) => {
@@ -455,11 +457,35 @@ mod tests {
         drop(second);
         assert!(l.open_stream(&project(3)).is_ok());
         drop(first);
-        assert!(!l
-            .streams
-            .lock()
+        assert!(l.streams.lock().unwrap().by_key.is_empty(), "all released");
+    }
+
+    /// Principal ids are per org: another org's principal of the same number, and the
+    /// operator's, stream on whatever one org holds open. (Before, the per-principal
+    /// bound was keyed by the number alone, node-wide: an org holding 16 streams with
+    /// its principal 1 refused every other org's principal 1 and the bootstrap admin.)
+    #[test]
+    fn one_orgs_streams_do_not_count_against_anothers_principals() {
+        use allot_statemachine::{OrgId, PrincipalId};
+        let l = limiter(0, 0);
+        let tenant = |org| {
+            stream_keys(
+                Actor::Tenant {
+                    org: OrgId(org),
+                    principal: PrincipalId(1),
+                },
+                Some(64),
+            )
             .unwrap()
-            .by_key
-            .contains_key(&Key::Principal(1)));
+        };
+        let held: Vec<_> = (0..STREAMS_PER_PRINCIPAL_MAX)
+            .map(|_| l.open_stream(&tenant(7)).unwrap())
+            .collect();
+        assert!(l.open_stream(&tenant(7)).is_err(), "its own bound holds");
+        l.open_stream(&tenant(8))
+            .expect("another org's principal 1 is another principal");
+        l.open_stream(&stream_keys(Actor::Admin(PrincipalId(1)), None).unwrap())
+            .expect("the operator's principal 1 is not a tenant's");
+        drop(held);
     }
 }

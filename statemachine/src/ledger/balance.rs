@@ -14,7 +14,8 @@ pub struct UpcomingExpiry {
 }
 
 /// An account's credits at one instant. `issued + moved_in = available + held +
-/// consumed + expired + moved_out` holds for every balance.
+/// consumed + expired + moved_out` holds for every balance whose figures are below
+/// `u64::MAX` (a figure past it — cumulative ones can get there — shows `u64::MAX`).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Balance {
     pub paid_available_micro: u64,
@@ -56,7 +57,9 @@ pub struct BucketView {
 
 impl Balance {
     pub fn available_micro(&self) -> u64 {
-        self.paid_available_micro + self.promotional_available_micro + self.granted_available_micro
+        self.paid_available_micro
+            .saturating_add(self.promotional_available_micro)
+            .saturating_add(self.granted_available_micro)
     }
 }
 
@@ -105,37 +108,38 @@ impl Books {
         horizon_ms: u64,
     ) -> Option<Balance> {
         let rec = self.account(org, account)?;
-        let sat = |x: u128| x.min(u64::MAX as u128) as u64;
-        let mut b = Balance {
-            consumed_micro: sat(rec.archived.consumed),
-            expired_micro: sat(rec.archived.expired),
-            issued_micro: sat(rec.archived.issued),
-            moved_in_micro: sat(rec.archived.moved_in),
-            moved_out_micro: sat(rec.archived.moved_out),
-            ..Balance::default()
-        };
+        // Summed in u128 (an account's cumulative figures — its archived buckets' and
+        // the live ones' — may pass u64 when credit goes to and fro for long enough),
+        // each shown saturated at u64::MAX.
+        let a = &rec.archived;
+        let mut sum = [0u128; 9];
+        let [paid, promotional, granted, held, consumed, expired, issued, moved_in, moved_out] =
+            &mut sum;
+        (*consumed, *expired, *issued, *moved_in, *moved_out) =
+            (a.consumed, a.expired, a.issued, a.moved_in, a.moved_out);
+        let mut upcoming_expirations = Vec::new();
         for id in &rec.buckets {
             let Some(bucket) = self.buckets.get(id) else {
                 continue;
             };
-            b.held_micro += bucket.held;
-            b.consumed_micro += bucket.consumed;
-            b.expired_micro += bucket.expired;
-            b.issued_micro += bucket.issued;
-            b.moved_in_micro += bucket.moved_in;
-            b.moved_out_micro += bucket.moved_out;
+            *held += u128::from(bucket.held);
+            *consumed += u128::from(bucket.consumed);
+            *expired += u128::from(bucket.expired);
+            *issued += u128::from(bucket.issued);
+            *moved_in += u128::from(bucket.moved_in);
+            *moved_out += u128::from(bucket.moved_out);
             if !bucket.spendable_at(now) {
-                b.expired_micro += bucket.remaining;
+                *expired += u128::from(bucket.remaining);
                 continue;
             }
             *match bucket.kind {
-                BucketKind::Paid => &mut b.paid_available_micro,
-                BucketKind::Promotional => &mut b.promotional_available_micro,
-                BucketKind::Granted => &mut b.granted_available_micro,
-            } += bucket.remaining;
+                BucketKind::Paid => &mut *paid,
+                BucketKind::Promotional => &mut *promotional,
+                BucketKind::Granted => &mut *granted,
+            } += u128::from(bucket.remaining);
             if let Some(at) = bucket.expires_at_ms {
                 if at <= now.saturating_add(horizon_ms) && bucket.remaining > 0 {
-                    b.upcoming_expirations.push(UpcomingExpiry {
+                    upcoming_expirations.push(UpcomingExpiry {
                         bucket: bucket.id,
                         kind: bucket.kind,
                         expires_at_ms: at,
@@ -144,6 +148,19 @@ impl Books {
                 }
             }
         }
+        let sat = |x: u128| u64::try_from(x).unwrap_or(u64::MAX);
+        let mut b = Balance {
+            paid_available_micro: sat(*paid),
+            promotional_available_micro: sat(*promotional),
+            granted_available_micro: sat(*granted),
+            held_micro: sat(*held),
+            consumed_micro: sat(*consumed),
+            expired_micro: sat(*expired),
+            issued_micro: sat(*issued),
+            moved_in_micro: sat(*moved_in),
+            moved_out_micro: sat(*moved_out),
+            upcoming_expirations,
+        };
         b.upcoming_expirations
             .sort_by_key(|u| (u.expires_at_ms, u.bucket));
         Some(b)

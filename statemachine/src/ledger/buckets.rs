@@ -273,12 +273,29 @@ impl Books {
         // A part with the same terms as a transfer bucket `to` already has joins it, so
         // repeated transfers (a rebalancer, or a flood of tiny ones) do not fill the
         // account's bucket list.
+        // A bucket joined keeps `issued + moved_in` within u64 (every counter of a
+        // bucket is bounded by it), however often credit goes to and fro; a part that
+        // would take it past starts a new bucket.
+        let mut joined: Vec<(BucketId, u128)> = Vec::new();
         let joins: Vec<Option<BucketId>> = plan
             .iter()
-            .map(|(src, _)| {
-                self.buckets
+            .map(|(src, part)| {
+                let dst = self
+                    .buckets
                     .get(src)
-                    .and_then(|s| self.same_terms(org, to, s, ctx.now))
+                    .and_then(|s| self.same_terms(org, to, s, ctx.now))?;
+                let b = self.buckets.get(&dst)?;
+                let before = joined.iter().find(|(id, _)| *id == dst).map_or(0, |j| j.1);
+                let after =
+                    u128::from(b.issued) + u128::from(b.moved_in) + before + u128::from(*part);
+                if after > u128::from(u64::MAX) {
+                    return None;
+                }
+                match joined.iter_mut().find(|(id, _)| *id == dst) {
+                    Some(j) => j.1 += u128::from(*part),
+                    None => joined.push((dst, u128::from(*part))),
+                }
+                Some(dst)
             })
             .collect();
         self.check_bucket_room(org, quota, to, joins.iter().filter(|j| j.is_none()).count())?;
