@@ -542,7 +542,7 @@ impl Received {
     pub fn decode(&self) -> Result<(allot_statemachine::State, Vec<u8>), String> {
         use std::io::Read;
         let file = std::fs::File::open(&self.path).map_err(|e| e.to_string())?;
-        let state = allot_statemachine::State::decode_from(std::io::BufReader::new(file))
+        let state = allot_statemachine::State::decode_from(std::io::BufReader::new(file), self.len)
             .map_err(|e| format!("snapshot does not decode: {e}"))?;
         let mut bytes = Vec::with_capacity(usize::try_from(self.len).unwrap_or(0));
         std::fs::File::open(&self.path)

@@ -171,7 +171,23 @@ pub fn decode_versioned_from<T, R: std::io::Read>(
 
 /// The body of a blob (after its version byte), as the current format lays it out.
 pub fn decode_body_from<T: DeserializeOwned, R: std::io::Read>(r: &mut R) -> Result<T, CodecError> {
-    decode_options()
+    decode_body_within(r, DECODE_BYTES_MAX)
+}
+
+/// [`decode_body_from`] of input known to hold at most `size` bytes. A length prefix is
+/// checked against what is left of `size` before anything is allocated for it: the
+/// reader's decoder sizes a string or byte buffer by its prefix before reading it, so
+/// without the input's size an 11-byte blob claiming a 4 GiB string allocated (and
+/// zeroed) 4 GiB before failing.
+pub fn decode_body_within<T: DeserializeOwned, R: std::io::Read>(
+    r: &mut R,
+    size: u64,
+) -> Result<T, CodecError> {
+    bincode::DefaultOptions::new()
+        .with_limit(size.min(DECODE_BYTES_MAX))
+        .with_little_endian()
+        .with_varint_encoding()
+        .reject_trailing_bytes()
         .deserialize_from(r)
         .map_err(|e| CodecError::Malformed(e.to_string()))
 }

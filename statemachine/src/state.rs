@@ -299,15 +299,17 @@ impl State {
     /// Decodes a snapshot of any format in the support window (format 5: converted
     /// from [`StateV5`], at the baseline rule version; format 6 through [`StateV6`]).
     pub fn decode(bytes: &[u8]) -> Result<State, codec::CodecError> {
-        Self::decode_from(bytes)
+        Self::decode_from(bytes, bytes.len() as u64)
     }
 
-    /// [`State::decode`] from a reader (a snapshot received into a file).
-    pub fn decode_from(r: impl std::io::Read) -> Result<State, codec::CodecError> {
+    /// [`State::decode`] from a reader of at most `size` bytes (a snapshot received into
+    /// a file): no length prefix in it is trusted beyond what is left of `size`.
+    pub fn decode_from(r: impl std::io::Read, size: u64) -> Result<State, codec::CodecError> {
+        use codec::decode_body_within as body;
         codec::decode_versioned_from(r, |version, r| match version {
-            5 => codec::decode_body_from::<StateV5, _>(r).map(State::from),
-            6 => codec::decode_body_from::<StateV6, _>(r).map(State::from),
-            _ => codec::decode_body_from::<StateV7, _>(r).map(State::from),
+            5 => body::<StateV5, _>(r, size).map(State::from),
+            6 => body::<StateV6, _>(r, size).map(State::from),
+            _ => body::<StateV7, _>(r, size).map(State::from),
         })
     }
 }
