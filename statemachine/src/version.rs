@@ -51,8 +51,11 @@
 //!   not have learnt of the preemption. Billing: a scheduler job's meter runs from its
 //!   attempt's first accepted heartbeat (its runner's start), not its placement, and
 //!   an attempt that never started bills nothing
-//!   (`crate::ledger::METER_FROM_FIRST_HEARTBEAT_FROM`). The state's format is
-//!   unchanged.
+//!   (`crate::ledger::METER_FROM_FIRST_HEARTBEAT_FROM`). Agents: a report on a job
+//!   not placed on the agent's node answers `UnknownJob` whatever became of the job
+//!   (`crate::scheduler::AGENTS_SEE_ONLY_THEIR_JOBS_FROM`; before, `JobFinished`,
+//!   `JobNotPlaced` and `StaleAttempt` told any agent about any org's jobs). The
+//!   state's format is unchanged.
 
 use serde::{Deserialize, Serialize};
 

@@ -464,6 +464,91 @@ fn user_tokens_act_only_as_their_user_so_user_budgets_hold() {
         .is_ok());
 }
 
+/// From rule version 4 an agent learns nothing of any job not placed on its node: a
+/// report on one — whatever org it belongs to, whatever became of it — answers as a
+/// report on an id no job has. Before, node 2's agent told a queued job
+/// (`JobNotPlaced`), a finished one (`JobFinished`) and a requeued one (`StaleAttempt`,
+/// with its attempt count) from an unused id, for any org: a GPU node could list every
+/// org's jobs and their states. Under rule version 1 the answers stay what they were.
+#[test]
+fn an_agent_learns_nothing_of_jobs_not_placed_on_its_node() {
+    let answers = |rules: u32| {
+        let mut h = secured();
+        if rules > 1 {
+            h.ok(Command::ActivateVersion { version: rules });
+        }
+        h.grant(
+            1,
+            Account::Project(PROJECT),
+            BucketKind::Paid,
+            credits(1000),
+            None,
+        );
+        h.fleet(&[(1, a100(), 8, 80)]);
+        assert!(h
+            .run_as(bearer(AGENT1), Command::NodeHeartbeat { node: NodeId(1) })
+            .is_ok());
+        // Jobs 7 and 9 run on node 1; 7 finishes; job 8 (all 8 GPUs) waits behind 9.
+        let submit = |h: &mut Harness, job, gpus| {
+            let spec = Harness::job_spec(job, Tier(1), vec![a100()], gpus);
+            assert!(h.run_as(bearer(ORG1), Command::SubmitJob(spec)).is_ok());
+        };
+        submit(&mut h, 7, 1);
+        submit(&mut h, 9, 1);
+        h.tick();
+        let finish = |job, attempt| Command::FinishJob {
+            job: JobId(job),
+            attempt,
+            success: true,
+        };
+        let attempt = h.job(7).attempt;
+        assert!(h.run_as(bearer(AGENT1), finish(7, attempt)).is_ok());
+        submit(&mut h, 8, 8);
+        h.tick();
+        assert_eq!(
+            h.job(8).state,
+            allot_statemachine::scheduler::JobState::Queued
+        );
+        let heartbeat = |job, attempt| {
+            Command::JobHeartbeat(JobHeartbeat {
+                job: JobId(job),
+                attempt,
+                seq: 1,
+                progress_ppm: 0,
+                checkpoint: 0,
+            })
+        };
+        let mut seen = Vec::new();
+        for job in [7, 8, 9, 99] {
+            for attempt in [0, 1, 2] {
+                for command in [
+                    finish(job, attempt),
+                    heartbeat(job, attempt),
+                    Command::JobFenced {
+                        job: JobId(job),
+                        attempt,
+                    },
+                ] {
+                    seen.push((job, h.run_in(bearer(AGENT2), ORG, command)));
+                }
+            }
+        }
+        seen
+    };
+    for (job, answer) in answers(4) {
+        assert_eq!(answer, Err(CommandError::UnknownJob), "job {job}");
+    }
+    let before: Vec<_> = answers(1).into_iter().map(|(_, a)| a).collect();
+    assert!(
+        before.contains(&Err(CommandError::JobFinished)),
+        "{before:?}"
+    );
+    assert!(
+        before.contains(&Err(CommandError::JobNotPlaced)),
+        "{before:?}"
+    );
+}
+
 #[test]
 fn an_agent_token_cannot_finish_another_nodes_job() {
     let mut h = secured();

@@ -24,6 +24,10 @@ pub(crate) fn hold_of(id: JobKey) -> HoldId {
     HoldId(id.1 .0)
 }
 
+/// The rule version from which an agent's report on a job not placed on its node is
+/// answered `UnknownJob` whatever became of the job (`Scheduler::job_for`).
+pub const AGENTS_SEE_ONLY_THEIR_JOBS_FROM: u32 = 4;
+
 impl Scheduler {
     pub(crate) fn job_event(
         &self,
@@ -295,8 +299,15 @@ impl Scheduler {
     /// The job, if `actor` may act on it (an agent only on jobs placed on its node). A
     /// late report gets the answer for what became of the job: `JobFinished` once it
     /// ended, `StaleAttempt` once the attempt the agent ran was requeued or moved.
-    fn job_for(&self, actor: Actor, id: JobKey) -> Result<&Job, CommandError> {
-        self.job_for_attempt(actor, id, None)
+    ///
+    /// From rule version [`AGENTS_SEE_ONLY_THEIR_JOBS_FROM`] an agent learns nothing of a
+    /// job not placed on its node: every such report is `UnknownJob`, as for an id no
+    /// job has. (Before it, a finished job answered `JobFinished`, a queued one
+    /// `JobNotPlaced` and a requeued one `StaleAttempt` with its attempt count, to any
+    /// agent, for any org's job: a GPU node could list every org's jobs and their
+    /// states. The agent stops its runner on each of these answers alike.)
+    fn job_for(&self, actor: Actor, id: JobKey, rules: u32) -> Result<&Job, CommandError> {
+        self.job_for_attempt(actor, id, None, rules)
     }
 
     fn job_for_attempt(
@@ -304,8 +315,15 @@ impl Scheduler {
         actor: Actor,
         id: JobKey,
         attempt: Option<u32>,
+        rules: u32,
     ) -> Result<&Job, CommandError> {
         let j = self.jobs.get(&id).ok_or(CommandError::UnknownJob)?;
+        if let Actor::Agent(node) = actor {
+            let placed = j.placement.as_ref().map(|p| p.node);
+            if rules >= AGENTS_SEE_ONLY_THEIR_JOBS_FROM && placed != Some(node) {
+                return Err(CommandError::UnknownJob);
+            }
+        }
         if j.state.is_final() {
             return Err(CommandError::JobFinished);
         }
@@ -499,7 +517,7 @@ impl Scheduler {
         actor: Actor,
         id: JobKey,
     ) -> Result<Reply, CommandError> {
-        self.job_for(actor, id)?;
+        self.job_for(actor, id, ledger.rules.0)?;
         let s = self.end(
             ctx,
             ledger,
@@ -524,7 +542,7 @@ impl Scheduler {
         hb: &JobHeartbeat,
     ) -> Result<Reply, CommandError> {
         let id = (org, hb.job);
-        let j = self.job_for_attempt(actor, id, Some(hb.attempt))?;
+        let j = self.job_for_attempt(actor, id, Some(hb.attempt), ledger.rules.0)?;
         Self::check_attempt(j, hb.attempt)?;
         let state = j.state;
         if state == JobState::Placed {
@@ -574,7 +592,7 @@ impl Scheduler {
         actor: Actor,
         (id, attempt, success): (JobKey, u32, bool),
     ) -> Result<Reply, CommandError> {
-        let j = self.job_for_attempt(actor, id, Some(attempt))?;
+        let j = self.job_for_attempt(actor, id, Some(attempt), ledger.rules.0)?;
         Self::check_attempt(j, attempt)?;
         if j.state == JobState::Preempting && !success {
             // The agent stopped the job for preemption (after checkpointing).
@@ -617,7 +635,7 @@ impl Scheduler {
         actor: Actor,
         (id, attempt): (JobKey, u32),
     ) -> Result<Reply, CommandError> {
-        let j = self.job_for_attempt(actor, id, Some(attempt))?;
+        let j = self.job_for_attempt(actor, id, Some(attempt), ledger.rules.0)?;
         Self::check_attempt(j, attempt)?;
         if j.state == JobState::Preempting {
             self.requeue(

@@ -18,6 +18,7 @@ mod jobs;
 mod pass;
 mod reservations;
 mod timers;
+pub use jobs::AGENTS_SEE_ONLY_THEIR_JOBS_FROM;
 pub use timers::GRACE_WAITS_FOR_THE_NODE_FROM;
 pub mod usage;
 
