@@ -1678,7 +1678,13 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
                     Directive::Shutdown => {
                         info!(job, attempt, "agent shutting down: SIGTERM (not reported as finished)");
                         runner.terminate().await;
-                        if tokio::time::timeout(shared.cfg.grace, &mut exit).await.is_err() {
+                        // SIGKILL after the agent's grace, but never later than a
+                        // SIGKILL already due (a preemption's grace, the fence) nor the
+                        // fence's own deadline: from now on nothing renews the leases,
+                        // and the cluster re-places the job once they run out.
+                        let grace_end = Instant::now() + shared.cfg.grace;
+                        let deadline = kill_at.map_or(grace_end, |k| k.min(grace_end)).min(fence_kill_at);
+                        if tokio::time::timeout_at(deadline, &mut exit).await.is_err() {
                             warn!(job, attempt, "still running after the grace period: SIGKILL");
                             runner.kill().await;
                             let _ = tokio::time::timeout(REAP_TIMEOUT, &mut exit).await;

@@ -1210,3 +1210,66 @@ async fn a_shortened_node_lease_fences_a_cut_off_agent_by_its_new_length() {
     assert!(after_ms < 6_000.0, "stopped {after_ms:.0} ms after the cut");
     a.assert_running();
 }
+
+/// A runner that ignores SIGTERM (a training script stuck in a collective, or one that
+/// traps it to checkpoint for longer than it may): logs `start` and then `alive` every
+/// 50 ms, as [`RUNNER`] does, until it is killed.
+const STUBBORN: &str = r#"#!/bin/sh
+out="$1"
+trap '' TERM
+tag="$ALLOT_JOB_ID $ALLOT_ATTEMPT $$"
+echo "start $tag $(date +%s%N)" >> "$out/events"
+while true; do
+  echo "alive $tag $(date +%s%N)" >> "$out/events"
+  sleep 0.05
+done
+"#;
+
+/// An agent told to stop (SIGTERM: a rollout, an operator) still kills a runner that
+/// ignores SIGTERM before the node's lease runs out, whatever its own `--grace`: once
+/// it stops, nothing renews the leases, and the cluster re-places the job when they
+/// lapse. Before, shutting down waited the agent's whole grace (here 60 s) and dropped
+/// any SIGKILL already due, so the job could run on two nodes at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_shutting_down_kills_a_stubborn_runner_before_its_lease_ends() {
+    let sc = Scene::new("allot-shutdown-").await;
+    let (c, client, out) = (&sc.c, &sc.client, &sc.out);
+    short_leases(client).await;
+    let script = sc.path().join("stubborn.sh");
+    std::fs::write(&script, STUBBORN).unwrap();
+    let args = [
+        "--grace",
+        "60s",
+        "--",
+        "/bin/sh",
+        script.to_str().unwrap(),
+        out.to_str().unwrap(),
+    ];
+    let adir = sc.path().join("agent");
+    let mut a = agent(&c.endpoints(), 1, &adir, &args, &[]);
+    wait_node(client, &mut a, 1).await;
+    client.submit_job(ORG, spec(1, 3_600_000)).await.unwrap();
+    let pid = started(out, 1, 1, Duration::from_secs(20)).await;
+    // Let the agent learn the short leases and renew under them.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let stopped_at = now_ns();
+    let status = a.stop(Duration::from_secs(20));
+    let last = events(out)
+        .iter()
+        .filter(|e| e.3 == pid)
+        .map(|e| e.4)
+        .max()
+        .unwrap();
+    let after_ms = (last as f64 - stopped_at as f64) / 1e6;
+    println!("shutdown: the runner was last seen {after_ms:+.0} ms after the agent's SIGTERM");
+    assert!(status.is_some(), "the agent exited by itself");
+    // The node lease is 5 s (the cluster may re-place the job from 8 s).
+    assert!(
+        after_ms < 5_000.0,
+        "the runner outlived the lease: last seen {after_ms:.0} ms after the shutdown began"
+    );
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "the runner is gone"
+    );
+}
