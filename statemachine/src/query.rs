@@ -633,9 +633,12 @@ fn usage(state: &State, u: &UsageQuery, only_project: Option<ProjectId>) -> Vec<
         .collect()
 }
 
-/// A page of jobs in (org, id) order from the per-org index: one org's jobs when the
-/// filter names it (a range of the index: no other org's job is looked at), every
-/// org's for an admin. At most `JOBS_SCAN_MAX` jobs are looked at.
+/// A page of jobs in (org, id) order: one org's jobs when the filter names it (a range
+/// of the per-org index: no other org's job is looked at), every org's for an admin;
+/// with a project (and a user) named too, a range of the per-project (per-user) index,
+/// so a project's or a user's token never looks at a sibling's jobs — nor learns their
+/// ids from the page's cursor, which is the last job looked at. At most
+/// `JOBS_SCAN_MAX` jobs are looked at.
 fn jobs_page(state: &State, f: &JobFilter) -> JobsPage {
     use std::ops::Bound::{Excluded, Included, Unbounded};
     let limit = match f.limit {
@@ -643,28 +646,48 @@ fn jobs_page(state: &State, f: &JobFilter) -> JobsPage {
         n => n.min(JOBS_PAGE_MAX),
     } as usize;
     let sched = &state.scheduler;
-    let start = match (f.org, f.after_org, f.after) {
-        (Some(o), _, Some(a)) => Excluded((o, a)),
-        (Some(o), _, None) => Included((o, JobId(0))),
-        (None, Some(o), Some(a)) => Excluded((o, a)),
-        (None, Some(o), None) => Included((o, JobId(0))),
-        (None, None, Some(a)) => Excluded((OrgId(0), a)),
-        (None, None, None) => Unbounded,
-    };
-    let end = match f.org {
-        Some(o) => Included((o, JobId(u64::MAX))),
-        None => Unbounded,
+    let from = |a: Option<JobId>| a.map_or(JobId(0), |a| JobId(a.0.saturating_add(1)));
+    let keys: Box<dyn Iterator<Item = crate::ids::JobKey>> = match (f.org, f.project, f.user) {
+        (Some(o), Some(p), Some(u)) => Box::new(
+            sched
+                .scoped_jobs
+                .by_user
+                .range((o, p, u, from(f.after))..=(o, p, u, JobId(u64::MAX)))
+                .map(|k| (k.0, k.3)),
+        ),
+        (Some(o), Some(p), None) => Box::new(
+            sched
+                .scoped_jobs
+                .by_project
+                .range((o, p, from(f.after))..=(o, p, JobId(u64::MAX)))
+                .map(|k| (k.0, k.2)),
+        ),
+        _ => {
+            let start = match (f.org, f.after_org, f.after) {
+                (Some(o), _, Some(a)) => Excluded((o, a)),
+                (Some(o), _, None) => Included((o, JobId(0))),
+                (None, Some(o), Some(a)) => Excluded((o, a)),
+                (None, Some(o), None) => Included((o, JobId(0))),
+                (None, None, Some(a)) => Excluded((OrgId(0), a)),
+                (None, None, None) => Unbounded,
+            };
+            let end = match f.org {
+                Some(o) => Included((o, JobId(u64::MAX))),
+                None => Unbounded,
+            };
+            Box::new(sched.org_jobs.range((start, end)).copied())
+        }
     };
     let mut jobs = Vec::new();
     let mut last = None;
     let mut more = false;
-    for (scanned, key) in sched.org_jobs.range((start, end)).enumerate() {
+    for (scanned, key) in keys.enumerate() {
         if jobs.len() == limit || scanned == JOBS_SCAN_MAX {
             more = true;
             break;
         }
-        last = Some(*key);
-        let Some(j) = sched.jobs.get(key) else {
+        last = Some(key);
+        let Some(j) = sched.jobs.get(&key) else {
             continue;
         };
         let keep = f.project.is_none_or(|p| j.spec.project == p)

@@ -306,11 +306,13 @@ impl State {
     /// a file): no length prefix in it is trusted beyond what is left of `size`.
     pub fn decode_from(r: impl std::io::Read, size: u64) -> Result<State, codec::CodecError> {
         use codec::decode_body_within as body;
-        codec::decode_versioned_from(r, |version, r| match version {
+        let mut state = codec::decode_versioned_from(r, |version, r| match version {
             5 => body::<StateV5, _>(r, size).map(State::from),
             6 => body::<StateV6, _>(r, size).map(State::from),
             _ => body::<StateV7, _>(r, size).map(State::from),
-        })
+        })?;
+        state.scheduler.rebuild_derived();
+        Ok(state)
     }
 }
 

@@ -1123,3 +1123,86 @@ fn tenants_cannot_take_the_operators_part_of_the_token_table_from_rule_version_4
         assert_eq!(h.run(agent_token), Ok(Reply::TokenSet));
     }
 }
+
+/// A project token pages through its own project's jobs only: no page's cursor names a
+/// sibling project's job. Before, the scan behind a page went through the whole org's
+/// jobs and stopped after `JOBS_SCAN_MAX` of them; its cursor (`next`) was the last job
+/// it looked at, whatever its project, so a project token could read its sibling
+/// projects' job ids off the cursors (choosing `after` to binary-search them).
+#[test]
+fn a_project_tokens_job_pages_never_name_a_siblings_job() {
+    let mut h = secured();
+    h.grant(
+        1,
+        Account::Project(PROJECT_B),
+        BucketKind::Paid,
+        credits(100_000_000),
+        None,
+    );
+    h.grant(
+        2,
+        Account::Project(PROJECT),
+        BucketKind::Paid,
+        credits(1_000),
+        None,
+    );
+    h.fleet(&[(1, a100(), 8, 80)]);
+    let sibling_jobs = query::JOBS_SCAN_MAX as u64 + 1;
+    let ids: Vec<u64> = (1..=sibling_jobs).collect();
+    for chunk in ids.chunks(1_000) {
+        // Submitted and cancelled (finished jobs are listed too), so the org's queue
+        // quota is never in the way.
+        let mut reqs = Vec::new();
+        for &job in chunk {
+            let spec = JobSpec {
+                project: PROJECT_B,
+                ..Harness::job_spec(job, Tier(1), vec![a100()], 1)
+            };
+            for command in [
+                Command::SubmitJob(spec),
+                Command::CancelJob { job: JobId(job) },
+            ] {
+                let request_id = h.fresh_request_id();
+                reqs.push(Request {
+                    actor: bearer(ADMIN_TOKEN),
+                    request_id,
+                    org: Some(ORG),
+                    command,
+                });
+            }
+        }
+        let out = h.apply(reqs);
+        assert!(
+            out.iter().all(|o| o.is_ok()),
+            "{:?}",
+            out.iter().find(|o| o.is_err())
+        );
+    }
+    let mine = Harness::job_spec(20_000, Tier(1), vec![a100()], 1);
+    assert!(h.run_as(bearer(PROJ11), Command::SubmitJob(mine)).is_ok());
+
+    let mut after = None;
+    let mut seen = Vec::new();
+    for _ in 0..100 {
+        let q = Query::Jobs(JobFilter {
+            after,
+            ..Default::default()
+        });
+        let Ok(Answer::Jobs(page)) = answer_as(&h.state, bearer(PROJ11), &q) else {
+            panic!("a page");
+        };
+        seen.extend(page.jobs.iter().map(|j| j.spec.job.0));
+        match page.next {
+            None => break,
+            Some(next) => {
+                assert!(
+                    h.state.scheduler.job(ORG, next).map(|j| j.spec.project) == Some(PROJECT),
+                    "a cursor named job {}, not the project's",
+                    next.0
+                );
+                after = Some(next);
+            }
+        }
+    }
+    assert_eq!(seen, vec![20_000]);
+}

@@ -78,6 +78,19 @@ pub fn check(state: &State) -> Result<(), String> {
     if s.org_jobs.len() != s.jobs.len() || s.jobs.keys().any(|k| !s.org_jobs.contains(k)) {
         return Err("the per-org job index disagrees with the jobs".into());
     }
+    // So do the per-project and per-user ones.
+    let scoped = &s.scoped_jobs;
+    if scoped.by_project.len() != s.jobs.len()
+        || scoped.by_user.len() != s.jobs.len()
+        || s.jobs.iter().any(|((org, id), j)| {
+            !scoped.by_project.contains(&(*org, j.spec.project, *id))
+                || !scoped
+                    .by_user
+                    .contains(&(*org, j.spec.project, j.spec.user, *id))
+        })
+    {
+        return Err("the per-project or per-user job index disagrees with the jobs".into());
+    }
     // Every slot points at a job that holds GPUs there.
     let mut fleet = 0;
     for (nid, n) in s.nodes.sorted() {

@@ -287,6 +287,7 @@ impl Scheduler {
             },
         );
         self.org_jobs.insert(key);
+        self.scoped_jobs.insert(key, spec);
         self.enqueue(key);
         self.job_event(ctx.effects, key, None, Reason::Submitted);
         Ok(Reply::JobSubmitted {
@@ -737,7 +738,9 @@ impl Scheduler {
     }
 
     fn forget_job(&mut self, id: JobKey) {
-        self.jobs.remove(&id);
+        if let Some(j) = self.jobs.remove(&id) {
+            self.scoped_jobs.remove(id, &j.spec);
+        }
         self.org_jobs.remove(&id);
         self.dedup_forget(id);
     }

@@ -487,9 +487,42 @@ pub struct Scheduler {
     /// empty until version 3, whose snapshots are format 7).
     #[serde(skip)]
     pub dedup: dedup::Dedup,
+    /// Every job by project and by user (derived from `jobs`: not encoded, rebuilt when a
+    /// state is decoded): a project's or a user's jobs are listed page by page without
+    /// looking at a sibling's (`query::jobs_page`).
+    #[serde(skip)]
+    pub scoped_jobs: ScopedJobs,
+}
+
+/// Jobs in (org, project, id) and (org, project, user, id) order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ScopedJobs {
+    pub by_project: BTreeSet<(OrgId, ProjectId, JobId)>,
+    pub by_user: BTreeSet<(OrgId, ProjectId, UserId, JobId)>,
+}
+
+impl ScopedJobs {
+    fn insert(&mut self, (org, id): JobKey, spec: &JobSpec) {
+        self.by_project.insert((org, spec.project, id));
+        self.by_user.insert((org, spec.project, spec.user, id));
+    }
+
+    fn remove(&mut self, (org, id): JobKey, spec: &JobSpec) {
+        self.by_project.remove(&(org, spec.project, id));
+        self.by_user.remove(&(org, spec.project, spec.user, id));
+    }
 }
 
 impl Scheduler {
+    /// Rebuilds what is derived from the jobs and not encoded (after a decode).
+    pub(crate) fn rebuild_derived(&mut self) {
+        let mut scoped = ScopedJobs::default();
+        for (key, j) in self.jobs.iter() {
+            scoped.insert(*key, &j.spec);
+        }
+        self.scoped_jobs = scoped;
+    }
+
     pub fn job(&self, org: OrgId, id: JobId) -> Option<&Job> {
         self.jobs.get(&(org, id))
     }
