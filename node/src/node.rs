@@ -195,12 +195,19 @@ impl Node {
                 config.raft.snapshot_min_log_bytes,
             ));
             let timeline = Arc::new(store::Timeline::new());
-            let log = LogStore::new(db.clone(), id, syncer.clone())
-                .with_trigger(trigger.clone())
-                .with_timeline(timeline.clone());
             let preloaded = store::sm::Preloaded::default();
             let sm = StateMachineStore::open(db.clone(), id, allot_statemachine::Config::default())
-                .map_err(|e| anyhow::anyhow!("opening shard {id}: {e}"))?
+                .map_err(|e| anyhow::anyhow!("opening shard {id}: {e}"))?;
+            let floor = Arc::new(
+                store::log::PurgeFloor::open(&db, id, sm.stored_snapshot_index())
+                    .map_err(|e| anyhow::anyhow!("opening shard {id}'s log: {e}"))?,
+            );
+            let log = LogStore::new(db.clone(), id, syncer.clone())
+                .with_trigger(trigger.clone())
+                .with_timeline(timeline.clone())
+                .with_purge_floor(floor.clone());
+            let sm = sm
+                .with_purge_floor(floor)
                 .with_metrics(metrics.clone())
                 .with_trigger(trigger.clone())
                 .with_timeline(timeline.clone())

@@ -243,3 +243,105 @@ async fn a_snapshot_build_during_shutdown_stores_nothing() {
     let stored = sm.get_current_snapshot().await.expect("read");
     assert_eq!(stored.expect("kept").meta.snapshot_id, first, "unchanged");
 }
+
+/// The log is never purged past the shard's stored snapshot. openraft 0.9 purges a
+/// follower's log up to a snapshot it installs as soon as it hands the snapshot over,
+/// before the state machine has stored it; an install that then fails (here: a
+/// snapshot taken under a rule version this node does not support; a crash or a full
+/// disk alike) left the log purged past the newest snapshot, and the replica could not
+/// start again. Now that purge waits for the snapshot: after a failed install the log
+/// still holds its entries, and after a successful one it is purged; a purge a crash
+/// left pending is made or forgotten at the next start by what the stored snapshot
+/// covers.
+#[tokio::test]
+async fn an_install_that_fails_leaves_the_log_unpurged() {
+    use allot_node::store::log::PurgeFloor;
+    use allot_node::types::{LogEntry, SnapshotMeta};
+    use allot_statemachine::{Command, State};
+    use openraft::storage::{RaftLogReader, RaftLogStorage, RaftStateMachine};
+    use openraft::{CommittedLeaderId, EntryPayload, LogId, StoredMembership};
+    use std::io::Cursor;
+    use std::sync::Arc;
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let db = store::open_db(dir.path()).expect("open db");
+    let id = |index| LogId::new(CommittedLeaderId::new(1, 1), index);
+    let log_cf = db.cf_handle(store::CF_LOG).expect("log cf");
+    for index in 1..=3u64 {
+        let mut key = 0u32.to_be_bytes().to_vec();
+        key.extend_from_slice(&index.to_be_bytes());
+        let entry = LogEntry {
+            log_id: id(index),
+            payload: EntryPayload::Blank,
+        };
+        db.put_cf(log_cf, key, bincode::serialize(&entry).unwrap())
+            .expect("put");
+    }
+    let open = |db: &Arc<rocksdb::DB>, rules_max| {
+        let sm = StateMachineStore::open(db.clone(), 0, allot_statemachine::Config::default())
+            .expect("open")
+            .with_rules_max(rules_max);
+        let floor = Arc::new(PurgeFloor::open(db, 0, sm.stored_snapshot_index()).expect("floor"));
+        let log = LogStore::new(db.clone(), 0, store::log::Syncer::start(db.clone()))
+            .with_purge_floor(floor.clone());
+        (log, sm.with_purge_floor(floor))
+    };
+    // A snapshot at index 10 of a state under rule version 2.
+    let mut state = State::default();
+    let activate = allot_node::workload::admin(1, Command::ActivateVersion { version: 2 });
+    allot_statemachine::apply(
+        &mut state,
+        &allot_statemachine::Entry {
+            log_index: 10,
+            logical_time_ms: 5,
+            requests: vec![activate],
+        },
+    )
+    .expect("applied");
+    let meta = SnapshotMeta {
+        last_log_id: Some(id(10)),
+        last_membership: StoredMembership::default(),
+        snapshot_id: "installed".into(),
+    };
+    let purged = |log: &mut LogStore| {
+        let mut log = log.clone();
+        async move { log.get_log_state().await.expect("state").last_purged_log_id }
+    };
+
+    // openraft's order: the purge, then the install (refused by a node that supports
+    // rule version 1 only).
+    let (mut log, mut sm) = open(&db, 1);
+    log.purge(id(10)).await.expect("purge");
+    let refused = sm
+        .install_snapshot(&meta, Box::new(Cursor::new(state.encode())))
+        .await;
+    assert!(refused.is_err(), "the install fails");
+    assert_eq!(purged(&mut log).await, None, "nothing purged");
+    assert_eq!(log.try_get_log_entries(1..4).await.expect("read").len(), 3);
+
+    // A restart forgets the purge no snapshot covers; the log is whole.
+    drop((log, sm));
+    let (mut log, sm) = open(&db, 1);
+    assert_eq!(purged(&mut log).await, None);
+    assert_eq!(log.try_get_log_entries(1..4).await.expect("read").len(), 3);
+    drop((log, sm));
+
+    // On a node that supports the version, the install stores the snapshot, and the
+    // purge is made.
+    let (mut log, mut sm) = open(&db, 2);
+    log.purge(id(10)).await.expect("purge");
+    assert_eq!(
+        purged(&mut log).await,
+        None,
+        "deferred until the snapshot is stored"
+    );
+    sm.install_snapshot(&meta, Box::new(Cursor::new(state.encode())))
+        .await
+        .expect("installed");
+    assert_eq!(purged(&mut log).await, Some(id(10)));
+    assert!(log
+        .try_get_log_entries(1..4)
+        .await
+        .expect("read")
+        .is_empty());
+}

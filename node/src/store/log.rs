@@ -21,6 +21,9 @@ use std::sync::Arc;
 const META_VOTE: &[u8] = b"vote";
 const META_COMMITTED: &[u8] = b"committed";
 const META_PURGED: &[u8] = b"purged";
+/// A purge openraft asked for past the shard's stored snapshot, made when a snapshot
+/// covers it ([`PurgeFloor`]).
+const META_PURGE_PENDING: &[u8] = b"purge-pending";
 
 /// Read options that confine an iterator to `[lower, upper)` (`upper` `None`: to the
 /// end of the shard's keys). Without bounds RocksDB cannot tell that a range is
@@ -104,6 +107,97 @@ impl Syncer {
     }
 }
 
+/// The log of a shard is never purged past its stored snapshot.
+///
+/// openraft 0.9 purges a follower's log up to a snapshot it installs as soon as it hands
+/// the snapshot to the state machine — before the state machine has stored it. A crash,
+/// a full disk or a refused snapshot (a rule version this node does not support) in
+/// between left a replica whose log was purged past its newest snapshot: it could not
+/// start again (the entries to re-apply were gone) until its data dir was wiped. So a
+/// purge past the stored snapshot is deferred — recorded durably, so a restart finishes
+/// or forgets it — and made when a snapshot that covers it is stored; if none ever is,
+/// the log keeps its entries, consistent with the snapshot it has.
+#[derive(Debug, Default)]
+pub struct PurgeFloor {
+    inner: std::sync::Mutex<Floor>,
+}
+
+#[derive(Debug, Default)]
+struct Floor {
+    /// The last index the shard's stored snapshot covers.
+    stored: Option<u64>,
+    /// A purge waiting for a snapshot that covers it.
+    pending: Option<LogId>,
+}
+
+impl PurgeFloor {
+    /// The floor of a shard whose stored snapshot covers up to `stored`, with a purge
+    /// a previous run deferred made now if the snapshot covers it, else forgotten.
+    pub fn open(db: &DB, shard: ShardId, stored: Option<u64>) -> Result<PurgeFloor, StorageError> {
+        let floor = PurgeFloor {
+            inner: std::sync::Mutex::new(Floor {
+                stored,
+                pending: None,
+            }),
+        };
+        let key = shard_key(shard, META_PURGE_PENDING);
+        if let Some(bytes) = db.get_cf(cf(db, CF_META), &key).map_err(io_read)? {
+            let pending: LogId = bincode::deserialize(&bytes).map_err(io_read)?;
+            if stored.is_some_and(|s| s >= pending.index) {
+                purge_now(db, shard, pending)?;
+            }
+            db.delete_cf_opt(cf(db, CF_META), key, &sync_opts())
+                .map_err(io_write)?;
+        }
+        Ok(floor)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Floor> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A snapshot covering up to `index` is stored: a deferred purge it covers is made.
+    pub fn stored(&self, db: &DB, shard: ShardId, index: u64) -> Result<(), StorageError> {
+        let mut f = self.lock();
+        f.stored = f.stored.max(Some(index));
+        if let Some(p) = f.pending.filter(|p| p.index <= index) {
+            purge_now(db, shard, p)?;
+            db.delete_cf_opt(
+                cf(db, CF_META),
+                shard_key(shard, META_PURGE_PENDING),
+                &sync_opts(),
+            )
+            .map_err(io_write)?;
+            f.pending = None;
+        }
+        Ok(())
+    }
+}
+
+/// Purges the log up to `log_id` (never lowering the recorded purge point). Callers
+/// hold the shard's [`PurgeFloor`] lock when it has one.
+fn purge_now(db: &DB, shard: ShardId, log_id: LogId) -> Result<(), StorageError> {
+    let meta = cf(db, CF_META);
+    let key = shard_key(shard, META_PURGED);
+    if let Some(bytes) = db.get_cf(meta, &key).map_err(io_read)? {
+        let purged: LogId = bincode::deserialize(&bytes).map_err(io_read)?;
+        if purged.index >= log_id.index {
+            return Ok(());
+        }
+    }
+    // Record the purge point first: a crash between the two writes leaves entries that
+    // are already covered by `last_purged` and are never read again.
+    let bytes = bincode::serialize(&log_id).map_err(io_write)?;
+    db.put_cf_opt(meta, key, bytes, &sync_opts())
+        .map_err(io_write)?;
+    db.delete_range_cf(
+        cf(db, CF_LOG),
+        index_key(shard, 0),
+        index_key(shard, log_id.index + 1),
+    )
+    .map_err(io_write)
+}
+
 /// Adds a restored shard's log metadata to `batch`: the log starts after `last` (as if
 /// purged up to it, the entries being inside the restored snapshot), `last` is
 /// committed, and the node has seen `vote` — the term of `last` — so its first election
@@ -138,6 +232,7 @@ pub struct LogStore {
     syncer: Arc<Syncer>,
     trigger: Option<Arc<SnapshotTrigger>>,
     timeline: Option<Arc<Timeline>>,
+    floor: Option<Arc<PurgeFloor>>,
 }
 
 fn sync_opts() -> WriteOptions {
@@ -154,7 +249,15 @@ impl LogStore {
             syncer,
             trigger: None,
             timeline: None,
+            floor: None,
         }
+    }
+
+    /// Never purges past the shard's stored snapshot ([`PurgeFloor`], shared with the
+    /// shard's state machine store).
+    pub fn with_purge_floor(mut self, floor: Arc<PurgeFloor>) -> LogStore {
+        self.floor = Some(floor);
+        self
     }
 
     /// Records when each entry is appended and made durable.
@@ -346,15 +449,17 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn purge(&mut self, log_id: LogId) -> Result<(), StorageError> {
-        // Record the purge point first: a crash between the two writes leaves entries
-        // that are already covered by `last_purged` and are never read again.
-        self.put_meta(META_PURGED, &log_id, true)?;
-        self.db
-            .delete_range_cf(
-                cf(&self.db, CF_LOG),
-                index_key(self.shard, 0),
-                index_key(self.shard, log_id.index + 1),
-            )
-            .map_err(io_write)
+        let Some(floor) = &self.floor else {
+            return purge_now(&self.db, self.shard, log_id);
+        };
+        let mut f = floor.lock();
+        if f.stored.is_some_and(|s| s >= log_id.index) {
+            return purge_now(&self.db, self.shard, log_id);
+        }
+        // Past the stored snapshot (one being installed): deferred until it is stored.
+        let pending = f.pending.map_or(log_id, |p| p.max(log_id));
+        self.put_meta(META_PURGE_PENDING, &pending, true)?;
+        f.pending = Some(pending);
+        Ok(())
     }
 }

@@ -97,6 +97,9 @@ pub struct StateMachineStore {
     /// Test hook (`--test-snapshot-hold-file`): builds wait between encoding and storing
     /// while this file exists.
     test_hold: Option<std::path::PathBuf>,
+    /// Told of every snapshot stored, so the log is purged only up to one
+    /// (`log::PurgeFloor`, shared with the shard's log store).
+    floor: Option<Arc<super::log::PurgeFloor>>,
 }
 
 /// A snapshot's state decoded ahead of its installation, by snapshot id.
@@ -214,6 +217,7 @@ impl StateMachineStore {
             rules_max: allot_statemachine::version::RULES_MAX,
             background: Arc::default(),
             test_hold: None,
+            floor: None,
         })
     }
 
@@ -246,6 +250,18 @@ impl StateMachineStore {
     pub fn with_test_hold(mut self, file: Option<std::path::PathBuf>) -> StateMachineStore {
         self.test_hold = file;
         self
+    }
+
+    /// Tells `floor` of every snapshot stored (the shard's log store purges only up to
+    /// one: `log::PurgeFloor`).
+    pub fn with_purge_floor(mut self, floor: Arc<super::log::PurgeFloor>) -> StateMachineStore {
+        self.floor = Some(floor);
+        self
+    }
+
+    /// The last index the snapshot this store opened from covers (`None`: no snapshot).
+    pub fn stored_snapshot_index(&self) -> Option<u64> {
+        self.view().read().last_applied.map(|l| l.index)
     }
 
     /// Records when each entry starts being applied.
@@ -286,6 +302,7 @@ pub struct SnapshotBuilder {
     trigger: Option<Arc<SnapshotTrigger>>,
     background: Arc<Background>,
     test_hold: Option<std::path::PathBuf>,
+    floor: Option<Arc<super::log::PurgeFloor>>,
 }
 
 impl SnapshotBuilder {
@@ -348,6 +365,9 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
                 Ok::<_, StorageError>((stored.data, encoded, started.elapsed() - encoded))
             })
             .await??;
+        if let (Some(floor), Some(last)) = (&self.floor, meta.last_log_id) {
+            floor.stored(&self.db, self.shard, last.index)?;
+        }
         if let Some(t) = &self.trigger {
             t.taken(mark, data.len() as u64);
         }
@@ -632,6 +652,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             trigger: self.trigger.clone(),
             background: self.background.clone(),
             test_hold: self.test_hold.clone(),
+            floor: self.floor.clone(),
         }
     }
 
@@ -670,6 +691,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 data,
             },
         )?;
+        if let (Some(floor), Some(last)) = (&self.floor, meta.last_log_id) {
+            floor.stored(&self.db, self.shard, last.index)?;
+        }
         {
             let mut g = self.write();
             g.state = state;
