@@ -42,7 +42,8 @@
 //!   stopped at once.
 //! - **Gone from the assignment set** (cancelled, ended by a lease or the grace timer,
 //!   requeued): confirmed with a linearizable query (a lagging replica's stream must not
-//!   kill a live job), then SIGKILL at once; no finish is reported.
+//!   kill a live job), then SIGKILL at once; no finish is reported. A query that fails
+//!   confirms nothing: the runner keeps running, and its heartbeats or the fence decide.
 //! - **A newer attempt** of a running job (fencing): SIGKILL at once, then the new
 //!   attempt starts. A set showing an *older* attempt is a stale view and is ignored.
 //! - **Heartbeat answered with `stop`** (out of credits: the hold is settled and the job
@@ -1419,18 +1420,18 @@ async fn report(shared: &Shared, (org, job): JobKey, attempt: u32, what: Report)
     }
 }
 
-/// Whether `(job, attempt)` is still placed here, by a linearizable read (`None`: gone,
-/// or the cluster could not say — then the job is not allowed to keep running).
-async fn still_assigned(shared: &Shared, key: JobKey, attempt: u32) -> Option<JobState> {
-    match read_assigned(shared, key, attempt).await {
-        Ok(state) => state,
-        Err(e) => {
-            warn!(
-                job = key.1 .0,
-                attempt, "cannot confirm the assignment: {e}"
-            );
-            None
-        }
+/// What a running attempt does when an assignment set no longer names it, by the
+/// linearizable read that checks it: preempted, still placed here, or gone (SIGKILL, no
+/// report). A read that fails (an election, a rate limit) is no answer: the attempt
+/// keeps running — its heartbeats stop it if the cluster has moved on (`StaleAttempt`,
+/// `UnknownJob`, …), and the fence stops it if the cluster stays unreachable. Taking a
+/// failed read for "gone" killed a healthy runner unreported, and the job it left
+/// `Running` ended `Lost` when its lease ran out.
+fn when_gone(read: std::result::Result<Option<JobState>, ()>) -> Directive {
+    match read {
+        Ok(Some(JobState::Preempting)) => Directive::Preempt,
+        Ok(Some(_)) | Err(()) => Directive::Run,
+        Ok(None) => Directive::Gone,
     }
 }
 
@@ -1649,11 +1650,14 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
             changed = dir.changed() => {
                 let d = if changed.is_ok() { *dir.borrow_and_update() } else { Directive::Shutdown };
                 let d = match d {
-                    Directive::Gone => match still_assigned(shared, a.key(), attempt).await {
-                        Some(JobState::Preempting) => Directive::Preempt,
-                        Some(_) => Directive::Run,
-                        None => Directive::Gone,
-                    },
+                    Directive::Gone => {
+                        let read = read_assigned(shared, a.key(), attempt).await;
+                        if let Err(e) = &read {
+                            warn!(job, attempt, "a set without the attempt, and the cluster could not confirm it: \
+                                  it keeps running (its heartbeats and the fence stop it if it moved on): {e}");
+                        }
+                        when_gone(read.map_err(|_| ()))
+                    }
                     d => d,
                 };
                 match d {
@@ -2254,6 +2258,26 @@ pub fn progress_file(work_dir: &Path, org: OrgId, job: JobId, attempt: u32) -> P
 
 #[cfg(test)]
 mod tests {
+    /// A set without a running attempt is acted on only by what the cluster answers:
+    /// gone, preempted or still here; a read that failed keeps the runner (before, it
+    /// was killed as gone, and the job ended `Lost`).
+    #[test]
+    fn an_attempt_missing_from_a_set_is_killed_only_if_the_cluster_says_it_is_gone() {
+        use super::{when_gone, Directive, JobState};
+        assert_eq!(when_gone(Ok(None)), Directive::Gone);
+        assert_eq!(
+            when_gone(Ok(Some(JobState::Preempting))),
+            Directive::Preempt
+        );
+        assert_eq!(when_gone(Ok(Some(JobState::Running))), Directive::Run);
+        assert_eq!(when_gone(Ok(Some(JobState::Placed))), Directive::Run);
+        assert_eq!(
+            when_gone(Err(())),
+            Directive::Run,
+            "a failed read is no answer"
+        );
+    }
+
     use super::*;
 
     /// Each agent process's incarnation is above the last one recorded in its work dir,
