@@ -823,8 +823,8 @@ impl Runner {
         match &shared.cfg.mode {
             Mode::Run { program, args } => {
                 let dir = &shared.cfg.work_dir;
-                let progress_file = progress_file(dir, a.org, a.job, a.attempt);
-                let _ = std::fs::remove_file(&progress_file);
+                let progress_file = progress_file(dir, a.org, a.job, a.attempt)
+                    .map_err(|e| std::io::Error::other(e.to_string()))?;
                 if let Some(u) = &shared.cfg.runner_user {
                     // The one file of the work dir the runner may write.
                     let f = create_fresh(&progress_file)?;
@@ -2129,6 +2129,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
             "stopped the runners a previous agent process left behind"
         );
     }
+    remove_stale_progress_files(&config.work_dir);
     let client = agent_client(&config)?;
     // The register token: the one given, else the file's (read once here).
     let register_token = match (&config.register_token, &config.register_token_file) {
@@ -2251,9 +2252,36 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     }
 }
 
-/// The work directory's progress file of an attempt (for runners and tests).
-pub fn progress_file(work_dir: &Path, org: OrgId, job: JobId, attempt: u32) -> PathBuf {
-    work_dir.join(format!("job-{}-{}.{}.progress", org.0, job.0, attempt))
+/// A new progress file name for an attempt in the work directory:
+/// `job-<org>-<job>.<attempt>.<128 random bits in hex>.progress`. The random part keeps
+/// it from every other runner: runners of every org may share one uid
+/// (`--runner-user`), and the work dir lets them pass through to a file whose name they
+/// know (0711), so a name made of the org, job and attempt let any runner on the node
+/// read another org's progress and checkpoint, or write them — a billing input. Its
+/// runner learns it from `ALLOT_PROGRESS_FILE`.
+pub fn progress_file(work_dir: &Path, org: OrgId, job: JobId, attempt: u32) -> Result<PathBuf> {
+    let mut secret = [0u8; 16];
+    getrandom::fill(&mut secret).map_err(|e| Error::Config(format!("no OS randomness: {e}")))?;
+    let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
+    Ok(work_dir.join(format!(
+        "job-{}-{}.{}.{hex}.progress",
+        org.0, job.0, attempt
+    )))
+}
+
+/// Progress files a previous agent process left (it ended without cleaning up): the
+/// runners they belonged to are stopped before this one registers.
+fn remove_stale_progress_files(work_dir: &Path) {
+    let Ok(dir) = std::fs::read_dir(work_dir) else {
+        return;
+    };
+    for e in dir.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with("job-") && name.ends_with(".progress") {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
 
 #[cfg(test)]
@@ -2261,6 +2289,26 @@ mod tests {
     /// A set without a running attempt is acted on only by what the cluster answers:
     /// gone, preempted or still here; a read that failed keeps the runner (before, it
     /// was killed as gone, and the job ended `Lost`).
+    /// A runner cannot find another attempt's progress file by its org, job and
+    /// attempt: the name carries 128 random bits, new for every attempt started (before,
+    /// it was `job-<org>-<job>.<attempt>.progress`, which any runner on the node sharing
+    /// the runner uid could open, read and write in the pass-through work dir).
+    #[test]
+    fn progress_file_names_cannot_be_guessed() {
+        use allot_statemachine::{JobId, OrgId};
+        let dir = std::path::Path::new("/w");
+        let a = super::progress_file(dir, OrgId(7), JobId(3), 1).unwrap();
+        let b = super::progress_file(dir, OrgId(7), JobId(3), 1).unwrap();
+        assert_ne!(a, b);
+        let name = a.file_name().unwrap().to_str().unwrap();
+        let secret = name
+            .strip_prefix("job-7-3.1.")
+            .and_then(|r| r.strip_suffix(".progress"))
+            .expect("job-<org>-<job>.<attempt>.<secret>.progress");
+        assert_eq!(secret.len(), 32);
+        assert!(secret.chars().all(|c| c.is_ascii_hexdigit()));
+    }
+
     #[test]
     fn an_attempt_missing_from_a_set_is_killed_only_if_the_cluster_says_it_is_gone() {
         use super::{when_gone, Directive, JobState};
