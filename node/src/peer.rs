@@ -195,8 +195,13 @@ fn check_membership(m: &Membership<NodeId, openraft::BasicNode>) -> Result<(), S
 }
 
 fn check_entry(e: &LogEntry) -> Result<(), String> {
+    use allot_statemachine::limits::LOGICAL_TIME_MS_MAX;
     match &e.payload {
         EntryPayload::Membership(m) => check_membership(m),
+        EntryPayload::Normal(b) if b.logical_time_ms > LOGICAL_TIME_MS_MAX => Err(format!(
+            "entry {} is stamped {} ms, past the latest logical time ({LOGICAL_TIME_MS_MAX})",
+            e.log_id, b.logical_time_ms
+        )),
         EntryPayload::Blank | EntryPayload::Normal(_) => Ok(()),
     }
 }
@@ -573,6 +578,30 @@ mod tests {
 
     fn leader(term: u64) -> Vote {
         Vote::new_committed(term, ME)
+    }
+
+    /// An entry stamped past the latest logical time is refused: one would pin the
+    /// shard's time there for good (time never goes back), firing every expiry, and the
+    /// sums of time and a lease in apply would overflow. Before, any stamp was taken.
+    #[test]
+    fn an_entry_stamped_past_the_latest_logical_time_is_refused() {
+        use crate::types::Batch;
+        use allot_statemachine::limits::LOGICAL_TIME_MS_MAX;
+        let append = |stamp: u64| AppendWire {
+            vote: Vote::new_committed(5, 2),
+            prev_log_id: Some(log_id(5, 2, 1)),
+            leader_commit: None,
+            entries: vec![LogEntry {
+                log_id: log_id(5, 2, 2),
+                payload: EntryPayload::Normal(Batch::new(stamp, &[])),
+            }],
+        };
+        let ok = check_append(&append(LOGICAL_TIME_MS_MAX), ME, None);
+        assert!(ok.is_ok(), "{ok:?}");
+        for stamp in [LOGICAL_TIME_MS_MAX + 1, u64::MAX] {
+            let e = check_append(&append(stamp), ME, None).unwrap_err();
+            assert!(e.contains("past the latest logical time"), "{e}");
+        }
     }
 
     #[test]

@@ -324,7 +324,12 @@ impl ProposerTask {
                 .batch_bytes
                 .with_label_values(&[&self.shard.to_string()])
                 .observe(bytes as f64);
-            let batch = Batch::new(stamp, &requests);
+            // Never past the latest logical time replicas accept (a wall clock set to
+            // the year 10000): the shard's time stays there until clocks are fixed.
+            let batch = Batch::new(
+                stamp.min(allot_statemachine::limits::LOGICAL_TIME_MS_MAX),
+                &requests,
+            );
             drop(requests);
             last_proposal = Instant::now();
             let proposed = Instant::now();

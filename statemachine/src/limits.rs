@@ -93,6 +93,12 @@ pub const LABELS_PER_NODE_MAX: usize = 16;
 pub const LABEL_LEN_MAX: usize = 64;
 /// GPUs one job may ask for (all on one node).
 pub const GPUS_PER_JOB_MAX: u32 = 8;
+/// The latest logical time an entry may carry: 9999-12-31T23:59:59.999Z. A replica
+/// refuses a peer's entry stamped later (`allot-node`'s peer checks) and a leader never
+/// stamps later: logical time only goes forward (§12), so one such stamp would pin the
+/// shard there for good — every expiry fired, every lease past — and the sums of time
+/// and a duration in apply would overflow.
+pub const LOGICAL_TIME_MS_MAX: u64 = 253_402_300_799_999;
 /// Longest `max_duration` a job may ask for (30 days).
 pub const JOB_DURATION_MS_MAX: u64 = 30 * 86_400_000;
 /// Memory floor a job may ask for, and node memory, in GB.
