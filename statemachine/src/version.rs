@@ -54,7 +54,10 @@
 //!   (`crate::ledger::METER_FROM_FIRST_HEARTBEAT_FROM`). Agents: a report on a job
 //!   not placed on the agent's node answers `UnknownJob` whatever became of the job
 //!   (`crate::scheduler::AGENTS_SEE_ONLY_THEIR_JOBS_FROM`; before, `JobFinished`,
-//!   `JobNotPlaced` and `StaleAttempt` told any agent about any org's jobs). The
+//!   `JobNotPlaced` and `StaleAttempt` told any agent about any org's jobs). A job that
+//!   ends while its node's lease has run out (cancelled, at its deadline) is billed no
+//!   later than the lease's end, by which its agent has stopped the runner
+//!   (`crate::scheduler::ENDINGS_ON_A_LAPSED_NODE_BILL_TO_THE_LEASE_FROM`). The
 //!   state's format is unchanged.
 
 use serde::{Deserialize, Serialize};

@@ -1759,3 +1759,49 @@ fn billing_starts_with_the_runner_from_rule_version_4() {
         assert_eq!(s.captured_micro, never_ran, "version {rules}");
     }
 }
+
+/// Found by review (2026-11-27): a job ended while its node's lease had run out —
+/// cancelled by its user, or at its deadline — was billed to the moment it ended, though
+/// its agent (cut off, the node silent) had stopped the runner by the lease's end (the
+/// fence: §45). From rule version 4 such an ending bills at most to the end of the node's
+/// lease; with the node renewing, it bills to now as before.
+#[test]
+fn an_ending_on_a_lapsed_node_bills_to_the_lease_from_rule_version_4() {
+    for rules in [3, 4] {
+        let mut h = world_default_leases();
+        h.ok(Command::ActivateVersion { version: rules });
+        h.fleet(&[(1, a100(), 8, 80)]);
+        submit(&mut h, Harness::job_spec(10, Tier::PAID, vec![a100()], 1));
+        h.nodes_alive();
+        h.job_heartbeat(10, 1, 0).unwrap();
+        assert_eq!(h.job(10).state, JobState::Running);
+        let started = h.now;
+        // The node renews once more, then goes silent; its lease ends at `lease_end`.
+        h.advance(20_000);
+        h.nodes_alive();
+        h.job_heartbeat(10, 2, 0).unwrap();
+        let lease_end = h.state.scheduler.nodes[&NodeId(1)].lease_until_ms;
+        // Five seconds past the lease (within the fence margin: the job still holds its
+        // GPUs), its user cancels it.
+        h.now = lease_end + 5_000;
+        h.tick();
+        assert!(h.job(10).state.holds_gpus());
+        let price = h
+            .hold(10)
+            .meter
+            .as_ref()
+            .expect("metered")
+            .price_micro_per_gpu_hour;
+        let Ok(Reply::JobCancelled(Some(s))) =
+            h.run_in(tenant(ORG), ORG, Command::CancelJob { job: JobId(10) })
+        else {
+            panic!()
+        };
+        let billed_to = if rules == 4 { lease_end } else { h.now };
+        assert_eq!(
+            s.captured_micro,
+            ledger::cost_micro(billed_to - started, price, 1),
+            "version {rules}"
+        );
+    }
+}

@@ -220,8 +220,24 @@ impl Ledger {
         attempt: u32,
         reason: SettleReason,
     ) -> Result<Settlement, CommandError> {
+        self.settle_until(ctx, org, hold_id, attempt, reason, None)
+    }
+
+    /// [`Ledger::settle`], an ending that bills to now billing no later than
+    /// `bill_until` (the end of a lapsed node's lease: its runner is stopped by then).
+    pub(crate) fn settle_until(
+        &mut self,
+        ctx: &mut Ctx,
+        org: OrgId,
+        hold_id: HoldId,
+        attempt: u32,
+        reason: SettleReason,
+        bill_until: Option<u64>,
+    ) -> Result<Settlement, CommandError> {
         let mut hc = self.open_hold(org, hold_id)?;
-        let uncollected = hc.books.end_attempt(ctx, hc.hold, attempt, reason)?;
+        let uncollected = hc
+            .books
+            .end_attempt(ctx, hc.hold, attempt, reason, bill_until)?;
         Ok(hc.finish(ctx, reason, uncollected))
     }
 }
@@ -267,6 +283,7 @@ impl Books {
         hold: &mut Hold,
         attempt: u32,
         reason: SettleReason,
+        bill_until: Option<u64>,
     ) -> Result<u64, CommandError> {
         let Some(meter) = hold.meter.as_mut().filter(|m| !m.closed) else {
             return Ok(0);
@@ -277,7 +294,7 @@ impl Books {
                 current: meter.attempt,
             });
         }
-        let billed_ms = meter.billable_ms(reason, ctx.now);
+        let billed_ms = meter.billable_ms(reason, bill_until.map_or(ctx.now, |u| u.min(ctx.now)));
         let uncollected = self.bill_to(ctx, hold, billed_ms);
         if let Some(m) = hold.meter.as_mut() {
             m.closed = true;

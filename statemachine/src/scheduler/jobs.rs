@@ -24,6 +24,11 @@ pub(crate) fn hold_of(id: JobKey) -> HoldId {
     HoldId(id.1 .0)
 }
 
+/// The rule version from which a job that ends while its node's lease has run out (a
+/// cancel, its deadline, a late finish) is billed no later than the lease's end
+/// (`Scheduler::end`).
+pub const ENDINGS_ON_A_LAPSED_NODE_BILL_TO_THE_LEASE_FROM: u32 = 4;
+
 /// The rule version from which an agent's report on a job not placed on its node is
 /// answered `UnknownJob` whatever became of the job (`Scheduler::job_for`).
 pub const AGENTS_SEE_ONLY_THEIR_JOBS_FROM: u32 = 4;
@@ -435,7 +440,16 @@ impl Scheduler {
             // An attempt whose runner never started (from rule version 4) bills nothing.
             ledger.meter_from_now_if_unstarted(id.0, hold_of(id), ctx.now);
         }
-        let settlement = ledger.settle(ctx, id.0, hold_of(id), attempt, settle).ok();
+        // From rule version 4, an ending on a node whose lease has run out bills no later
+        // than the lease's end: its agent has stopped the runner by then (the fence).
+        let bill_until = (ledger.rules.0 >= ENDINGS_ON_A_LAPSED_NODE_BILL_TO_THE_LEASE_FROM)
+            .then(|| j.placement.as_ref().and_then(|p| self.nodes.get(&p.node)))
+            .flatten()
+            .map(|n| n.lease_until_ms)
+            .filter(|until| *until < ctx.now);
+        let settlement = ledger
+            .settle_until(ctx, id.0, hold_of(id), attempt, settle, bill_until)
+            .ok();
         if state == JobState::Queued {
             self.dequeue(id);
         }
@@ -492,7 +506,7 @@ impl Scheduler {
             .and_then(|h| h.meter.as_ref())
             .map_or(0, |m| m.billable_ms(why, ctx.now));
         if let Some(hc) = ledger.open_hold_ctx(id.0, hold_of(id)) {
-            let _ = hc.books.end_attempt(ctx, hc.hold, attempt, why);
+            let _ = hc.books.end_attempt(ctx, hc.hold, attempt, why, None);
         }
         self.release_gpus(ctx.now, cfg, id);
         self.set_timer(id, Timer::JobLease, None);
