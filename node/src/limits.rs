@@ -84,6 +84,12 @@ pub const STREAMS_PER_NODE_MAX: usize = 4096;
 /// call waits for its message's bytes at most `ADMISSION_WAIT_MAX`, then is refused
 /// (`RESOURCE_EXHAUSTED`, `NODE_BUSY`). Separate, so a client flood never delays Raft.
 pub const CLIENT_BYTES_IN_FLIGHT_MAX: usize = 64 << 20;
+/// Encoded request bytes a shard's proposer holds queued (calls admitted and waiting to
+/// be batched). The call's admission permit ends when its caller stops waiting (a
+/// deadline, a cancel), but its requests stay queued until the proposer takes them:
+/// this bounds them on their own. Beyond it callers are told to back off
+/// (`RESOURCE_EXHAUSTED`, retried).
+pub const PROPOSER_QUEUE_BYTES_MAX: usize = 64 << 20;
 pub const RAFT_BYTES_IN_FLIGHT_MAX: usize = 16 * RAFT_MESSAGE_MAX;
 pub const ADMISSION_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(2);
 /// A call's message must arrive within this of the call (`DEADLINE_EXCEEDED`,

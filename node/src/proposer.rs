@@ -96,26 +96,37 @@ struct Pending {
     bytes: usize,
     reply: oneshot::Sender<Result<Committed, ProposeError>>,
     enqueued: Instant,
+    /// Its share of the queue's byte bound, returned when the proposer takes it.
+    _queued: tokio::sync::OwnedSemaphorePermit,
 }
 
 #[derive(Clone)]
 pub struct Proposer {
     tx: mpsc::Sender<Pending>,
+    /// Encoded bytes the queue may still take (`PROPOSER_QUEUE_BYTES_MAX`).
+    queued: Arc<Semaphore>,
 }
 
 impl Proposer {
     pub async fn propose(&self, requests: Vec<Request>) -> Result<Committed, ProposeError> {
         let (reply, rx) = oneshot::channel();
-        let bytes = requests
+        let bytes: usize = requests
             .iter()
             .map(|r| allot_statemachine::codec::encoded_len(r) as usize)
             .sum();
+        let share = bytes.clamp(1, crate::limits::PROPOSER_QUEUE_BYTES_MAX) as u32;
+        let queued = self
+            .queued
+            .clone()
+            .try_acquire_many_owned(share)
+            .map_err(|_| ProposeError::Overloaded)?;
         self.tx
             .try_send(Pending {
                 requests,
                 bytes,
                 reply,
                 enqueued: Instant::now(),
+                _queued: queued,
             })
             .map_err(|e| match e {
                 mpsc::error::TrySendError::Full(_) => ProposeError::Overloaded,
@@ -205,7 +216,10 @@ impl ProposerTask {
     pub fn spawn(self) -> Proposer {
         let (tx, rx) = mpsc::channel(self.config.queue);
         tokio::spawn(self.run(rx));
-        Proposer { tx }
+        Proposer {
+            tx,
+            queued: Arc::new(Semaphore::new(crate::limits::PROPOSER_QUEUE_BYTES_MAX)),
+        }
     }
 
     async fn run(self, mut rx: mpsc::Receiver<Pending>) {
@@ -260,6 +274,15 @@ impl ProposerTask {
             } else if last_proposal.elapsed() < self.config.tick {
                 continue;
             }
+            // A call whose caller stopped waiting (its deadline, a cancel) is not
+            // proposed: the caller retries with the same request ids, or not at all.
+            let before = group.len();
+            group.retain(|p| !p.reply.is_closed());
+            if before > 0 && group.is_empty() {
+                continue;
+            }
+            count = group.iter().map(|p| p.requests.len()).sum();
+            bytes = group.iter().map(|p| p.bytes).sum();
             let Ok(permit) = inflight.clone().acquire_owned().await else {
                 return;
             };
@@ -352,16 +375,21 @@ impl ProposerTask {
             let stage_hist = self.metrics.stage.clone();
             let (shard, slow) = (self.shard, self.config.slow);
             let slow_logged = slow_logged.clone();
+            let me = self.me;
             tokio::spawn(async move {
                 let _permit = permit;
-                let rx_write = rx_write;
-                let result: Result<ClientWriteResponse<TypeConfig>, ProposeError> =
-                    match rx_write.await {
-                        Err(_) => Err(ProposeError::ShuttingDown),
-                        Ok(Ok(resp)) => Ok(resp),
-                        Ok(Err(ClientWriteError::ForwardToLeader(_))) => Err(not_leader(&raft)),
-                        Ok(Err(e)) => Err(ProposeError::Raft(e.to_string())),
-                    };
+                let deposed = deposed(&raft, me, term, LEADERSHIP_CHECK_EVERY);
+                let answer = answer_unless_stranded(rx_write, deposed, STRANDED_AFTER).await;
+                let result: Result<ClientWriteResponse<TypeConfig>, ProposeError> = match answer {
+                    // Never answered after this node lost the term it proposed in:
+                    // whether the entry commits is for the next leader to say, and a
+                    // caller that retries (the same request ids) learns it there.
+                    None => Err(not_leader(&raft)),
+                    Some(Err(_)) => Err(ProposeError::ShuttingDown),
+                    Some(Ok(Ok(resp))) => Ok(resp),
+                    Some(Ok(Err(ClientWriteError::ForwardToLeader(_)))) => Err(not_leader(&raft)),
+                    Some(Ok(Err(e))) => Err(ProposeError::Raft(e.to_string())),
+                };
                 let committed = proposed.elapsed();
                 commit.observe(committed.as_secs_f64());
                 let stages = match &result {
@@ -428,6 +456,44 @@ impl ProposerTask {
     }
 }
 
+/// How often a proposal waiting for its answer checks that this node still leads in
+/// the term it proposed in.
+const LEADERSHIP_CHECK_EVERY: Duration = Duration::from_secs(1);
+/// How long a proposal still waits for openraft's answer once this node has lost that
+/// term (the answer normally comes at once: applied, or truncated with
+/// `ForwardToLeader`).
+const STRANDED_AFTER: Duration = Duration::from_secs(3);
+
+/// Resolves once this node no longer leads in `term` (checked every `every`).
+async fn deposed(raft: &Raft, me: NodeId, term: u64, every: Duration) {
+    loop {
+        tokio::time::sleep(every).await;
+        let (leader, _, now) = leader_of(raft);
+        if leader != Some(me) || now != term {
+            return;
+        }
+    }
+}
+
+/// openraft's answer to a proposed entry, or `None` if it has not come `grace` after
+/// `deposed` resolved. openraft 0.9 answers a proposal when its entry is applied or
+/// truncated, but not when a snapshot that covers its index replaces the log of a
+/// deposed leader without truncating it: the answer never comes. The proposal's
+/// in-flight slot was held for good then, and once all of them were, the proposer —
+/// and the shard's writes and ticks on this node, should it lead again — stopped.
+async fn answer_unless_stranded<T>(
+    answer: impl std::future::Future<Output = T>,
+    deposed: impl std::future::Future<Output = ()>,
+    grace: Duration,
+) -> Option<T> {
+    tokio::pin!(answer);
+    tokio::select! {
+        a = &mut answer => return Some(a),
+        () = deposed => {}
+    }
+    tokio::time::timeout(grace, answer).await.ok()
+}
+
 /// Turns an openraft API error into a proposal error: NotLeader when openraft says
 /// to forward, the API error's own message otherwise.
 pub fn from_raft_error<E>(raft: &Raft, e: RaftError<NodeId, E>) -> ProposeError
@@ -465,5 +531,94 @@ mod read_error_tests {
                 .and_then(|v| v.to_str().ok()),
             Some("NO_QUORUM")
         );
+    }
+}
+
+#[cfg(test)]
+mod waiting_tests {
+    use super::*;
+
+    /// A proposal whose answer never comes after its leader lost the term (openraft 0.9
+    /// does not answer entries a snapshot replaced) gives its slot back `grace` after
+    /// the loss, as "not the leader" (the caller retries with its request ids); an
+    /// answer that comes within the grace is taken. Before, the wait had no end: after
+    /// `max_inflight` such proposals the shard's proposer on that node stopped for good.
+    #[tokio::test(start_paused = true)]
+    async fn a_stranded_proposal_gives_its_slot_back() {
+        let grace = Duration::from_secs(3);
+        let never = std::future::pending::<u32>();
+        let started = tokio::time::Instant::now();
+        let deposed_after_2s = tokio::time::sleep(Duration::from_secs(2));
+        assert_eq!(
+            answer_unless_stranded(never, deposed_after_2s, grace).await,
+            None
+        );
+        assert_eq!(started.elapsed(), Duration::from_secs(5));
+
+        let late = async {
+            tokio::time::sleep(Duration::from_secs(4)).await;
+            7u32
+        };
+        let deposed_after_2s = tokio::time::sleep(Duration::from_secs(2));
+        assert_eq!(
+            answer_unless_stranded(late, deposed_after_2s, grace).await,
+            Some(7)
+        );
+
+        // Still leading: the answer is waited for however long it takes.
+        let slow = async {
+            tokio::time::sleep(Duration::from_secs(3_600)).await;
+            9u32
+        };
+        let still_leading = std::future::pending::<()>();
+        assert_eq!(
+            answer_unless_stranded(slow, still_leading, grace).await,
+            Some(9)
+        );
+    }
+
+    /// Calls wait in the queue within a byte bound of their own: a caller that stopped
+    /// waiting gives back its admission permit, not its queued requests. Beyond the
+    /// bound a call is refused as overloaded (retried), and a call taken off the queue
+    /// gives its share back. Before, abandoned calls piled up to 65,536 a shard.
+    #[tokio::test]
+    async fn the_queue_is_bounded_by_bytes() {
+        use allot_statemachine::Command;
+        let (tx, mut rx) = mpsc::channel(1024);
+        let grant = |id: u64| {
+            allot_statemachine::workload::admin(
+                id as u128,
+                Command::CreateOrg {
+                    org: allot_statemachine::OrgId(id),
+                },
+            )
+        };
+        let one = allot_statemachine::codec::encoded_len(&grant(1)) as usize;
+        let p = Proposer {
+            tx,
+            queued: Arc::new(Semaphore::new(3 * one)),
+        };
+        let mut waiting = Vec::new();
+        for id in 1..=3 {
+            let p = p.clone();
+            waiting.push(tokio::spawn(
+                async move { p.propose(vec![grant(id)]).await },
+            ));
+        }
+        while p.queued.available_permits() > 0 {
+            tokio::task::yield_now().await;
+        }
+        let refused = p.propose(vec![grant(4)]).await;
+        assert!(
+            matches!(refused, Err(ProposeError::Overloaded)),
+            "{refused:?}"
+        );
+        // The proposer takes one: its share comes back.
+        let taken = rx.recv().await.expect("queued");
+        drop(taken);
+        assert_eq!(p.queued.available_permits(), one);
+        for w in waiting {
+            w.abort();
+        }
     }
 }

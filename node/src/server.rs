@@ -1021,11 +1021,22 @@ impl Admin for Services {
     ) -> Result<tonic::Response<allot_proto::TransferLeaderReply>, Status> {
         auth::require_admin(&self.node, req.metadata(), "admin:transfer_leader", false)?;
         let msg = req.into_inner();
-        let shard = shard_of(&self.node, msg.shard)?;
+        shard_of(&self.node, msg.shard)?;
         let to = (msg.to != 0).then_some(msg.to);
-        Ok(tonic::Response::new(
-            crate::transfer::transfer(&self.node, shard, to).await?,
-        ))
+        // A task of its own, so that it runs to its end whatever happens to this call:
+        // a transfer turns this leader's heartbeats and elections off while it hands
+        // over, and only its end turns them back on. Dropped with the call (a client's
+        // deadline, a cancel), it left them off for good — the node never campaigned
+        // again, and led without heartbeats if made leader later.
+        let node = self.node.clone();
+        let transfer = tokio::spawn(async move {
+            let shard = shard_of(&node, msg.shard)?;
+            crate::transfer::transfer(&node, shard, to).await
+        });
+        let reply = transfer
+            .await
+            .map_err(|e| Status::internal(format!("the leader transfer task failed: {e}")))??;
+        Ok(tonic::Response::new(reply))
     }
 
     async fn shard_hash(

@@ -1470,6 +1470,52 @@ async fn a_client_sent_to_a_follower_goes_to_the_leader_next_time() {
 
 // ---------------------------------------------------------------- leader transfer (§49)
 
+/// A transfer whose call is dropped (the client's deadline, a cancel) still runs to its
+/// end, which turns the leader's heartbeats and elections back on. Before, the handler's
+/// future was the transfer, and dropping it mid-way left them off for good: made leader
+/// again, the node sent no heartbeats, and the shard held an election every timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_whose_call_is_dropped_still_restores_the_leader() {
+    let (_dir, mut c) = cluster("transfer-dropped", 3, 1);
+    // Idle ticks far apart: followers hear from an idle leader by its heartbeats only.
+    for n in &mut c.nodes {
+        n.extra_args = vec!["--tick-ms".into(), "5000".into()];
+    }
+    up(&mut c).await;
+    let client = allot_node::local_cluster::client(c.endpoints());
+    setup_shards(&client, 1).await;
+    let a = c.leader_of(0).await.expect("leader");
+    let mut admin = allot_node::local_cluster::admin(&c.node(a).addr)
+        .await
+        .unwrap();
+    // Dropped while the leader waits for its followers' lease to run out (heartbeats
+    // and elections off).
+    let mut req = tonic::Request::new(allot_proto::TransferLeaderRequest { shard: 0, to: 0 });
+    req.set_timeout(Duration::from_millis(100));
+    let dropped =
+        tokio::time::timeout(Duration::from_millis(100), admin.transfer_leader(req)).await;
+    assert!(
+        !matches!(dropped, Ok(Ok(_))),
+        "the call ended early: {dropped:?}"
+    );
+    // The transfer's own end (its budget is a few election timeouts).
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    if c.leader_of(0).await.ok() != Some(a) {
+        client
+            .transfer_leader(0, Some(a))
+            .await
+            .expect("leadership back to a");
+    }
+    let term = c.status(a).await.unwrap().shards[0].term;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(c.leader_of(0).await.ok(), Some(a), "a still leads");
+    assert_eq!(
+        c.status(a).await.unwrap().shards[0].term,
+        term,
+        "no election since: a sends heartbeats again"
+    );
+}
+
 /// Leadership handed over under load: shard 0 goes to a chosen voter in exactly one new
 /// term, then every shard node 1 leads is handed away and node 1 is restarted without
 /// any election at all. No write fails (callers retry through the pause); every
