@@ -57,8 +57,12 @@
 //!   `JobNotPlaced` and `StaleAttempt` told any agent about any org's jobs). A job that
 //!   ends while its node's lease has run out (cancelled, at its deadline) is billed no
 //!   later than the lease's end, by which its agent has stopped the runner
-//!   (`crate::scheduler::ENDINGS_ON_A_LAPSED_NODE_BILL_TO_THE_LEASE_FROM`). The
-//!   state's format is unchanged.
+//!   (`crate::scheduler::ENDINGS_ON_A_LAPSED_NODE_BILL_TO_THE_LEASE_FROM`). Budgets:
+//!   when a requeued attempt is billed back to its checkpoint, the captures reversed
+//!   from an earlier day go back to their buckets instead of staying held for the next
+//!   attempt, which spent them today without a budget check
+//!   (`crate::ledger::PAST_DAY_REVERSALS_RETURN_FROM`). The state's format is
+//!   unchanged.
 
 use serde::{Deserialize, Serialize};
 

@@ -1805,3 +1805,92 @@ fn an_ending_on_a_lapsed_node_bills_to_the_lease_from_rule_version_4() {
         );
     }
 }
+
+/// Found by review (2026-11-27): a preempted job's attempt is billed back to its
+/// checkpoint and its hold stays open for the next attempt; captures reversed from a
+/// day already over went back to the hold, counted in today's usage, and the next
+/// attempt spent them today without a budget check (spending held credit is not a
+/// draw) — a hard daily budget could be overshot by them. From rule version 4 the part
+/// of a reversal billed on an earlier day goes back to its buckets at once; the next
+/// attempt draws it again, through the budget checks, if it needs it.
+#[test]
+fn a_reversal_from_a_past_day_returns_to_its_buckets_from_rule_version_4() {
+    let project = |h: &Harness| {
+        let p = &h.state.ledger.projects[&(ORG, PROJECT)].account;
+        (p.usage.held, h.bucket(1).remaining)
+    };
+    let mut seen = Vec::new();
+    for rules in [3, 4] {
+        let mut h = world();
+        h.ok(Command::ActivateVersion { version: rules });
+        h.fleet(&[(1, a100(), 2, 80)]);
+        // 23:50 of the first day.
+        h.advance(23 * HOUR_MS + 50 * 60_000);
+        submit(&mut h, Harness::job_spec(10, Tier::FREE, vec![a100()], 2));
+        h.nodes_alive();
+        h.job_heartbeat(10, 1, 1).unwrap();
+        // Checkpoint at 23:55; billed at 23:59 (the first day) and at 00:02.
+        h.advance(5 * 60_000);
+        h.nodes_alive();
+        h.job_heartbeat(10, 2, 2).unwrap();
+        h.advance(4 * 60_000);
+        h.nodes_alive();
+        h.job_heartbeat(10, 3, 2).unwrap();
+        h.advance(3 * 60_000);
+        h.nodes_alive();
+        h.job_heartbeat(10, 4, 2).unwrap();
+        let price = h
+            .hold(10)
+            .meter
+            .as_ref()
+            .expect("metered")
+            .price_micro_per_gpu_hour;
+        // An enterprise job takes the node; at the grace's end job 10 is requeued,
+        // billed to its checkpoint: 23:55–00:02 is reversed, the captures made at 23:59
+        // (the first day's) and at 00:02 (today's).
+        // (Another project's: its hold draws on that project's buckets.)
+        h.grant(
+            2,
+            Account::Project(PROJECT_B),
+            BucketKind::Paid,
+            credits(100_000),
+            None,
+        );
+        let before = project(&h);
+        let preemptor = JobSpec {
+            project: PROJECT_B,
+            ..Harness::job_spec(20, Tier::ENTERPRISE, vec![a100()], 2)
+        };
+        submit(&mut h, preemptor);
+        assert_eq!(h.job(10).state, JobState::Preempting);
+        let grace = h.state.config.scheduler.grace_ms;
+        h.advance(grace + 1);
+        h.nodes_alive();
+        h.tick();
+        assert_eq!(h.job(10).state, JobState::Queued);
+        let after = project(&h);
+        let past_day =
+            ledger::cost_micro(9 * 60_000, price, 2) - ledger::cost_micro(5 * 60_000, price, 2);
+        let today_part =
+            ledger::cost_micro(12 * 60_000, price, 2) - ledger::cost_micro(9 * 60_000, price, 2);
+        assert!(today_part > 0);
+        seen.push((rules, before, after, past_day, today_part));
+    }
+    for (rules, (held_before, left_before), (held_after, left_after), past_day, today_part) in seen
+    {
+        let today = held_after as i128 - held_before as i128;
+        let refunded = left_after as i128 - left_before as i128;
+        // Held for the next attempt: the reversal (less what goes back), held as today's.
+        let reversed = (past_day + today_part) as i128;
+        if rules == 3 {
+            assert_eq!(refunded, 0, "version 3: everything reversed stays held");
+            assert_eq!(today, reversed, "version 3");
+        } else {
+            assert_eq!(
+                refunded, past_day as i128,
+                "version 4: the first day's part goes back to its bucket"
+            );
+            assert_eq!(today, reversed - past_day as i128, "version 4");
+        }
+    }
+}

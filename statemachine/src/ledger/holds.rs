@@ -303,12 +303,43 @@ impl Books {
     /// Returns everything still held to the exact buckets it came from. A bucket that
     /// has expired (or reached its instant) meanwhile forfeits the refund at once.
     pub(crate) fn release(&mut self, ctx: &mut Ctx, hold: &mut Hold) -> Released {
+        self.give_back(ctx, hold, u64::MAX, false)
+    }
+
+    /// Returns up to `amount` of what `hold` holds to the buckets it came from, newest
+    /// draws first; the hold stays open with the rest.
+    pub(crate) fn release_part(&mut self, ctx: &mut Ctx, hold: &mut Hold, amount: u64) -> Released {
+        self.give_back(ctx, hold, amount, true)
+    }
+
+    /// Returns up to `limit` held credit to its draws' buckets, in draw order or newest
+    /// first (a refund, or forfeited if the bucket is no longer spendable).
+    fn give_back(
+        &mut self,
+        ctx: &mut Ctx,
+        hold: &mut Hold,
+        limit: u64,
+        newest_first: bool,
+    ) -> Released {
         let mut out = Released::default();
-        for d in hold.draws.iter_mut() {
-            let part = std::mem::take(&mut d.held);
+        let (mut left, mut taken) = (limit, 0u64);
+        let order: Vec<usize> = if newest_first {
+            (0..hold.draws.len()).rev().collect()
+        } else {
+            (0..hold.draws.len()).collect()
+        };
+        for i in order {
+            if left == 0 {
+                break;
+            }
+            let d = &mut hold.draws[i];
+            let part = d.held.min(left);
             if part == 0 {
                 continue;
             }
+            d.held -= part;
+            left -= part;
+            taken += part;
             let Some(bucket) = self.buckets.get_mut(&d.bucket) else {
                 continue;
             };
@@ -343,8 +374,10 @@ impl Books {
                 );
             }
         }
-        self.move_usage(ctx.now, hold.path(), UsageMove::Unhold(hold.held));
-        hold.held = 0;
+        // The whole of it: the hold's own count (equal to its draws' by the invariants).
+        let taken = if limit == u64::MAX { hold.held } else { taken };
+        self.move_usage(ctx.now, hold.path(), UsageMove::Unhold(taken));
+        hold.held = hold.held.saturating_sub(taken);
         out
     }
 }

@@ -197,7 +197,7 @@ impl Ledger {
         }
         let billed_ms = ctx.now.saturating_sub(meter.started_ms);
         let before = meter.captured_attempt;
-        let uncollected = hc.books.bill_to(ctx, hc.hold, billed_ms);
+        let (uncollected, _) = hc.books.bill_to(ctx, hc.hold, billed_ms);
         let stop =
             (uncollected > 0).then(|| hc.finish(ctx, SettleReason::OutOfCredits, uncollected));
         let captured_attempt = hc.hold.meter.as_ref().map_or(0, |m| m.captured_attempt);
@@ -235,7 +235,7 @@ impl Ledger {
         bill_until: Option<u64>,
     ) -> Result<Settlement, CommandError> {
         let mut hc = self.open_hold(org, hold_id)?;
-        let uncollected = hc
+        let (uncollected, _) = hc
             .books
             .end_attempt(ctx, hc.hold, attempt, reason, bill_until)?;
         Ok(hc.finish(ctx, reason, uncollected))
@@ -284,9 +284,9 @@ impl Books {
         attempt: u32,
         reason: SettleReason,
         bill_until: Option<u64>,
-    ) -> Result<u64, CommandError> {
+    ) -> Result<(u64, u64), CommandError> {
         let Some(meter) = hold.meter.as_mut().filter(|m| !m.closed) else {
-            return Ok(0);
+            return Ok((0, 0));
         };
         if meter.attempt != attempt {
             return Err(CommandError::StaleAttempt {
@@ -295,20 +295,23 @@ impl Books {
             });
         }
         let billed_ms = meter.billable_ms(reason, bill_until.map_or(ctx.now, |u| u.min(ctx.now)));
-        let uncollected = self.bill_to(ctx, hold, billed_ms);
+        let billed = self.bill_to(ctx, hold, billed_ms);
         if let Some(m) = hold.meter.as_mut() {
             m.closed = true;
         }
-        Ok(uncollected)
+        Ok(billed)
     }
 
     /// Brings the attempt's captures to exactly the cost of `billed_ms`: captures more
     /// (topping the hold up when it runs low) or reverses captures already made. Returns
-    /// the part of the cost the account could not pay.
-    fn bill_to(&mut self, ctx: &mut Ctx, hold: &mut Hold, billed_ms: u64) -> u64 {
+    /// the part of the cost the account could not pay, and the part of a reversal that
+    /// had been billed on an earlier day than today.
+    fn bill_to(&mut self, ctx: &mut Ctx, hold: &mut Hold, billed_ms: u64) -> (u64, u64) {
         let Some(meter) = hold.meter.as_ref() else {
-            return 0;
+            return (0, 0);
         };
+        let today = crate::calendar::day_index(ctx.now);
+        let mut before_today = 0u64;
         let target = meter.cost(billed_ms);
         let captured = meter.captured_attempt;
         let topup_chunk = meter.cost(self.config.hold_topup_ms);
@@ -325,6 +328,9 @@ impl Books {
                     break;
                 };
                 let part = left.min(*amount);
+                if *day != today {
+                    before_today += part;
+                }
                 self.uncapture(ctx, hold, part, *day);
                 *amount -= part;
                 left -= part;
@@ -333,7 +339,7 @@ impl Books {
                 }
             }
             if left > 0 {
-                self.uncapture(ctx, hold, left, crate::calendar::day_index(ctx.now));
+                self.uncapture(ctx, hold, left, today);
             }
             if let Some(m) = hold.meter.as_mut() {
                 m.billed_days = days;
@@ -362,14 +368,14 @@ impl Books {
             let _ = self.capture(ctx, hold, take);
             if let Some(m) = hold.meter.as_mut() {
                 m.captured_attempt = captured + take;
-                m.record_billed(crate::calendar::day_index(ctx.now), take);
+                m.record_billed(today, take);
             }
-            return need - take;
+            return (need - take, 0);
         }
         if let Some(m) = hold.meter.as_mut() {
             m.captured_attempt = target;
         }
-        0
+        (0, before_today)
     }
 }
 

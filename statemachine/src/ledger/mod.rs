@@ -314,6 +314,10 @@ pub const CLOSED_BUCKETS_COUNTED_FROM: u32 = 4;
 /// that ends before it ever starts bills nothing (DESIGN §45, "Billing starts with the
 /// runner").
 pub const METER_FROM_FIRST_HEARTBEAT_FROM: u32 = 4;
+/// The rule version from which the part of a requeued attempt's reversed captures that
+/// had been billed on an earlier day goes back to its buckets at once, instead of
+/// staying held for the next attempt (which spent it today without a budget check).
+pub const PAST_DAY_REVERSALS_RETURN_FROM: u32 = 4;
 
 /// Open holds and settled tombstones.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -505,8 +505,16 @@ impl Scheduler {
             .hold(id.0, hold_of(id))
             .and_then(|h| h.meter.as_ref())
             .map_or(0, |m| m.billable_ms(why, ctx.now));
+        let rules = ledger.rules.0;
         if let Some(hc) = ledger.open_hold_ctx(id.0, hold_of(id)) {
-            let _ = hc.books.end_attempt(ctx, hc.hold, attempt, why, None);
+            if let Ok((_, before_today)) = hc.books.end_attempt(ctx, hc.hold, attempt, why, None) {
+                // From rule version 4, captures reversed from an earlier day go back to
+                // their buckets: a next attempt spends today only what today's budget
+                // checks let it draw.
+                if rules >= crate::ledger::PAST_DAY_REVERSALS_RETURN_FROM && before_today > 0 {
+                    hc.books.release_part(ctx, hc.hold, before_today);
+                }
+            }
         }
         self.release_gpus(ctx.now, cfg, id);
         self.set_timer(id, Timer::JobLease, None);
