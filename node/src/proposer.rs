@@ -207,7 +207,8 @@ fn no_quorum(
     }
 }
 
-fn not_leader(raft: &Raft) -> ProposeError {
+/// "Not the leader", naming the leader this replica knows of.
+pub(crate) fn not_leader(raft: &Raft) -> ProposeError {
     let (leader, addr, _) = leader_of(raft);
     ProposeError::NotLeader { leader, addr }
 }

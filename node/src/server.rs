@@ -77,19 +77,6 @@ pub(crate) fn leader_elsewhere(node: &Node, shard: ShardId) -> Option<MetadataVa
     MetadataValue::try_from(addr.as_str()).ok()
 }
 
-/// "Not the leader", naming the leader this replica knows of (the error its proposer
-/// gives, for a call this replica does not propose).
-fn not_leader(node: &Node, shard: ShardId) -> ProposeError {
-    let leader = node
-        .shard(shard)
-        .and_then(|s| s.raft.metrics().borrow().current_leader)
-        .filter(|l| *l != node.id);
-    ProposeError::NotLeader {
-        leader,
-        addr: leader_elsewhere(node, shard).and_then(|a| a.to_str().ok().map(str::to_owned)),
-    }
-}
-
 /// An admin call's argument refused (`INVALID_ARGUMENT`, reason `INVALID_ARGUMENT`).
 fn bad_argument(m: &'static str) -> Status {
     edge::with_reason(Status::invalid_argument(m), "INVALID_ARGUMENT")
@@ -264,7 +251,7 @@ impl Services {
         // be elected before its proposer takes the call, and would propose it unchecked.
         // It goes to the leader, which checks it.
         let proposed = match (leader, activation) {
-            (false, Some(_)) => Err(not_leader(&self.node, shard.id)),
+            (false, Some(_)) => Err(crate::proposer::not_leader(&shard.raft)),
             _ => shard.proposer.propose(requests).await,
         };
         let committed = match proposed {

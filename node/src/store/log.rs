@@ -143,11 +143,8 @@ impl PurgeFloor {
         let key = shard_key(shard, META_PURGE_PENDING);
         if let Some(bytes) = db.get_cf(cf(db, CF_META), &key).map_err(io_read)? {
             let pending: LogId = bincode::deserialize(&bytes).map_err(io_read)?;
-            if stored.is_some_and(|s| s >= pending.index) {
-                purge_now(db, shard, pending)?;
-            }
-            db.delete_cf_opt(cf(db, CF_META), key, &sync_opts())
-                .map_err(io_write)?;
+            let covered = stored.is_some_and(|s| s >= pending.index);
+            settle_pending(db, shard, covered.then_some(pending))?;
         }
         Ok(floor)
     }
@@ -161,17 +158,24 @@ impl PurgeFloor {
         let mut f = self.lock();
         f.stored = f.stored.max(Some(index));
         if let Some(p) = f.pending.filter(|p| p.index <= index) {
-            purge_now(db, shard, p)?;
-            db.delete_cf_opt(
-                cf(db, CF_META),
-                shard_key(shard, META_PURGE_PENDING),
-                &sync_opts(),
-            )
-            .map_err(io_write)?;
+            settle_pending(db, shard, Some(p))?;
             f.pending = None;
         }
         Ok(())
     }
+}
+
+/// Ends a deferred purge: makes it (`Some`) or forgets it, and drops its record.
+fn settle_pending(db: &DB, shard: ShardId, purge: Option<LogId>) -> Result<(), StorageError> {
+    if let Some(p) = purge {
+        purge_now(db, shard, p)?;
+    }
+    db.delete_cf_opt(
+        cf(db, CF_META),
+        shard_key(shard, META_PURGE_PENDING),
+        &sync_opts(),
+    )
+    .map_err(io_write)
 }
 
 /// Purges the log up to `log_id` (never lowering the recorded purge point). Callers
