@@ -152,8 +152,9 @@ struct Server {
     /// The commit split on the leaders' timelines, (p50, p99) bucket bounds of each:
     /// queue wait, RaftCore writing the entry, the leader's fsync, the followers'
     /// acknowledgement, apply and answer; and the followers' own time to answer an
-    /// AppendEntries. Named as in [`STAGES`].
-    stages: Vec<(f64, f64)>,
+    /// AppendEntries. Named as in [`STAGES`]. The third figure is each stage's mean (ms),
+    /// from the histograms' sums: finer than the buckets below a millisecond.
+    stages: Vec<(f64, f64, f64)>,
     /// The same for the nodes' WAL fsyncs, and the bucket of the slowest fsync and of
     /// the slowest commit.
     wal_p99_ms: f64,
@@ -198,11 +199,20 @@ struct RunResult {
     server: Option<Server>,
 }
 
-/// Cumulative histogram buckets (le in seconds → count) of the series of `metric` whose
-/// labels contain `filter`, summed over the nodes.
-async fn server_buckets(metrics: &[String], metric: &str, filter: &str) -> Vec<(f64, f64)> {
+/// One histogram as scraped, summed over the nodes: its cumulative buckets (le in seconds
+/// → count) and the sum of its observations (seconds).
+#[derive(Default)]
+struct Scraped {
+    buckets: Vec<(f64, f64)>,
+    sum_s: f64,
+}
+
+/// The series of `metric` whose labels contain `filter`, scraped from every node
+/// ([`add_histogram`]).
+async fn server_buckets(metrics: &[String], metric: &str, filter: &str) -> Scraped {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut sum: std::collections::BTreeMap<u64, f64> = Default::default();
+    let mut sum_s = 0.0;
     for addr in metrics {
         let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
             continue;
@@ -217,34 +227,70 @@ async fn server_buckets(metrics: &[String], metric: &str, filter: &str) -> Vec<(
         if s.read_to_string(&mut body).await.is_err() {
             continue;
         }
-        for line in body.lines() {
-            let Some(rest) = line
-                .strip_prefix(metric)
-                .and_then(|r| r.strip_prefix("_bucket{"))
-            else {
-                continue;
-            };
-            if !rest.contains(filter) {
-                continue;
-            }
-            let Some(le) = rest.split("le=\"").nth(1).and_then(|x| x.split('"').next()) else {
-                continue;
-            };
-            let le = if le == "+Inf" {
-                f64::INFINITY
-            } else {
-                le.parse().unwrap_or(f64::INFINITY)
-            };
-            let count: f64 = line
-                .rsplit(' ')
-                .next()
-                .and_then(|c| c.parse().ok())
-                .unwrap_or(0.0);
-            *sum.entry((le * 1e6).min(u64::MAX as f64) as u64)
-                .or_default() += count;
-        }
+        add_histogram(&body, metric, filter, &mut sum, &mut sum_s);
     }
-    sum.into_iter().map(|(k, v)| (k as f64 / 1e6, v)).collect()
+    Scraped {
+        buckets: sum.into_iter().map(|(k, v)| (k as f64 / 1e6, v)).collect(),
+        sum_s,
+    }
+}
+
+/// Adds the series of `metric` in one node's exposition `body` whose labels contain
+/// `filter` to `buckets` (le in µs → cumulative count) and `sum_s` (a `_sum` line
+/// matches when its labels do, or when `filter` is `le=`, which every bucket carries).
+fn add_histogram(
+    body: &str,
+    metric: &str,
+    filter: &str,
+    buckets: &mut std::collections::BTreeMap<u64, f64>,
+    sum_s: &mut f64,
+) {
+    for line in body.lines() {
+        let Some(after) = line.strip_prefix(metric) else {
+            continue;
+        };
+        if let Some(labels) = after.strip_prefix("_sum") {
+            if filter == "le=" || labels.contains(filter) {
+                *sum_s += labels
+                    .rsplit(' ')
+                    .next()
+                    .and_then(|c| c.parse::<f64>().ok())
+                    .unwrap_or(0.0);
+            }
+            continue;
+        }
+        let Some(rest) = after.strip_prefix("_bucket{") else {
+            continue;
+        };
+        if !rest.contains(filter) {
+            continue;
+        }
+        let Some(le) = rest.split("le=\"").nth(1).and_then(|x| x.split('"').next()) else {
+            continue;
+        };
+        let le = if le == "+Inf" {
+            f64::INFINITY
+        } else {
+            le.parse().unwrap_or(f64::INFINITY)
+        };
+        let count: f64 = line
+            .rsplit(' ')
+            .next()
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0.0);
+        *buckets
+            .entry((le * 1e6).min(u64::MAX as f64) as u64)
+            .or_default() += count;
+    }
+}
+
+/// Mean (ms) of what a histogram gained between two scrapes; NaN when it gained nothing.
+fn server_mean(before: &Scraped, after: &Scraped) -> f64 {
+    let n = server_count(&before.buckets, &after.buckets);
+    if n == 0 {
+        return f64::NAN;
+    }
+    (after.sum_s - before.sum_s).max(0.0) * 1e3 / n as f64
 }
 
 fn server_p99(before: &[(f64, f64)], after: &[(f64, f64)]) -> f64 {
@@ -276,10 +322,15 @@ fn server_quantile(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> f64 {
         .map_or(f64::NAN, |(le, _)| le * 1e3)
 }
 
-/// A figure as a JSON number, `null` when there is none (NaN).
+/// A figure as a JSON number with one decimal, `null` when there is none (NaN).
 fn json_num(x: f64) -> String {
+    json_fixed(x, 1)
+}
+
+/// A figure as a JSON number with `decimals` decimals, `null` when there is none (NaN).
+fn json_fixed(x: f64, decimals: usize) -> String {
     if x.is_finite() {
-        format!("{x:.1}")
+        format!("{x:.decimals$}")
     } else {
         "null".into()
     }
@@ -551,21 +602,23 @@ async fn run(
     let before = scrape().await;
     let (total, windows) = drive(target, &spec, pids, o.json).await?;
     let after = scrape().await;
+    let (b, a) = (|i: usize| &before[i].buckets, |i: usize| &after[i].buckets);
     let server = matches!(target, Target::Allot { .. }).then(|| Server {
-        snapshots: server_count(&before[4], &after[4]),
-        snap_clone_max_ms: server_quantile(&before[4], &after[4], 1.0),
-        snap_encode_max_ms: server_quantile(&before[5], &after[5], 1.0),
-        wal_p99_ms: server_p99(&before[3], &after[3]),
-        wal_max_ms: server_quantile(&before[3], &after[3], 1.0),
-        commit_max_ms: server_quantile(&before[2], &after[2], 1.0),
-        p99_ms: server_p99(&before[0], &after[0]),
-        commit_p99_ms: server_p99(&before[2], &after[2]),
+        snapshots: server_count(b(4), a(4)),
+        snap_clone_max_ms: server_quantile(b(4), a(4), 1.0),
+        snap_encode_max_ms: server_quantile(b(5), a(5), 1.0),
+        wal_p99_ms: server_p99(b(3), a(3)),
+        wal_max_ms: server_quantile(b(3), a(3), 1.0),
+        commit_max_ms: server_quantile(b(2), a(2), 1.0),
+        p99_ms: server_p99(b(0), a(0)),
+        commit_p99_ms: server_p99(b(2), a(2)),
         stages: [1, 6, 7, 8, 9, 10]
             .iter()
             .map(|&i| {
                 (
-                    server_quantile(&before[i], &after[i], 0.5),
-                    server_p99(&before[i], &after[i]),
+                    server_quantile(b(i), a(i), 0.5),
+                    server_p99(b(i), a(i)),
+                    server_mean(&before[i], &after[i]),
                 )
             })
             .collect(),
@@ -832,10 +885,11 @@ fn json_row(r: &RunResult) -> String {
             STAGES
                 .iter()
                 .zip(&s.stages)
-                .map(|(n, (p50, p99))| format!(
-                    "\"{n}_p50_ms_le\":{},\"{n}_p99_ms_le\":{},",
+                .map(|(n, (p50, p99, mean))| format!(
+                    "\"{n}_p50_ms_le\":{},\"{n}_p99_ms_le\":{},\"{n}_mean_ms\":{},",
                     json_num(*p50),
-                    json_num(*p99)
+                    json_num(*p99),
+                    json_fixed(*mean, 3)
                 ))
                 .collect::<String>(),
             json_num(s.wal_p99_ms),
@@ -1063,22 +1117,22 @@ fn report(o: &Opts, results: &[RunResult], etcd_version: Option<&str>) {
         return;
     }
     println!(
-        "\nwhere allot's commit time goes (p50 / p99 of each stage, bucket upper bounds in ms; the leaders' own timelines, and the followers' answers to AppendEntries):"
+        "\nwhere allot's commit time goes (p50 / p99 of each stage, bucket upper bounds in ms, then its mean in ms; the leaders' own timelines, and the followers' answers to AppendEntries):"
     );
     print!("{:<14} {:>6} {:>8}", "run", "per", "clients");
     for n in STAGES {
-        print!(" {n:>16}");
+        print!(" {n:>22}");
     }
     println!();
     for r in allot {
         print!("{:<14} {:>6} {:>8}", r.label, r.per_call, r.clients);
-        for (p50, p99) in r
+        for (p50, p99, mean) in r
             .server
             .as_ref()
             .map(|s| s.stages.as_slice())
             .unwrap_or(&[])
         {
-            print!(" {:>16}", format!("{p50} / {p99}"));
+            print!(" {:>22}", format!("{p50} / {p99} · {mean:.3}"));
         }
         println!();
     }
@@ -1087,6 +1141,52 @@ fn report(o: &Opts, results: &[RunResult], etcd_version: Option<&str>) {
 #[cfg(test)]
 mod tests {
     use super::parse;
+
+    #[test]
+    fn a_stage_mean_is_its_sum_over_its_count_between_scrapes() {
+        use super::{add_histogram, server_mean, Scraped};
+        let scrape = |queue: (f64, f64), commit: (f64, f64)| {
+            // Two nodes' expositions; `commit` is a different stage of the same metric.
+            let body = format!(
+                "allot_proposal_stage_seconds_bucket{{stage=\"queue\",le=\"0.0001\"}} {q0}\n\
+                 allot_proposal_stage_seconds_bucket{{stage=\"queue\",le=\"+Inf\"}} {q0}\n\
+                 allot_proposal_stage_seconds_sum{{stage=\"queue\"}} {qs}\n\
+                 allot_proposal_stage_seconds_count{{stage=\"queue\"}} {q0}\n\
+                 allot_proposal_stage_seconds_bucket{{stage=\"commit\",le=\"+Inf\"}} {c0}\n\
+                 allot_proposal_stage_seconds_sum{{stage=\"commit\"}} {cs}\n",
+                q0 = queue.0,
+                qs = queue.1,
+                c0 = commit.0,
+                cs = commit.1
+            );
+            let (mut buckets, mut sum_s) = (Default::default(), 0.0);
+            for _node in 0..2 {
+                add_histogram(
+                    &body,
+                    "allot_proposal_stage_seconds",
+                    "stage=\"queue\"",
+                    &mut buckets,
+                    &mut sum_s,
+                );
+            }
+            Scraped {
+                buckets: buckets
+                    .into_iter()
+                    .map(|(k, v)| (k as f64 / 1e6, v))
+                    .collect(),
+                sum_s,
+            }
+        };
+        let before = scrape((10.0, 0.001), (5.0, 9.0));
+        // Each node gains 4 observations of 0.25 ms in all; the commit stage gains 9 s.
+        let after = scrape((14.0, 0.002), (6.0, 18.0));
+        let mean = server_mean(&before, &after);
+        assert!((mean - 0.25).abs() < 1e-9, "mean {mean} ms");
+        assert!(
+            server_mean(&after, &after).is_nan(),
+            "no observations, no mean"
+        );
+    }
 
     fn args(s: &str) -> Vec<String> {
         s.split_whitespace().map(String::from).collect()
