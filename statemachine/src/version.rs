@@ -61,8 +61,10 @@
 //!   when a requeued attempt is billed back to its checkpoint, the captures reversed
 //!   from an earlier day go back to their buckets instead of staying held for the next
 //!   attempt, which spent them today without a budget check
-//!   (`crate::ledger::PAST_DAY_REVERSALS_RETURN_FROM`). The state's format is
-//!   unchanged.
+//!   (`crate::ledger::PAST_DAY_REVERSALS_RETURN_FROM`). Result dedup: a keyed
+//!   submission that takes a retained result reserves nothing, so credit and budgets
+//!   cannot refuse it (`crate::scheduler::dedup::RETAINED_RESULTS_RESERVE_NOTHING_FROM`).
+//!   The state's format is unchanged.
 
 use serde::{Deserialize, Serialize};
 

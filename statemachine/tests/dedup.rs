@@ -128,6 +128,61 @@ fn a_duplicate_of_a_retained_success_succeeds_at_once_reserving_nothing() {
     assert_eq!(h.state.scheduler.used_gpus, 0);
 }
 
+/// Found by review (tenth session, DESIGN §59): a keyed submission that takes a retained
+/// result went through `submit`'s reservation, so an org out of credit was refused a
+/// result that costs nothing. From rule version 4 it reserves nothing; under version 3
+/// it is refused as before (entries already in a log apply as they did).
+#[test]
+fn a_retained_result_needs_no_credit_from_rule_version_4() {
+    let drained = |version: u32| {
+        let mut h = world();
+        dedup(&mut h, 10, 1, "k").expect("runs");
+        h.advance(60_000);
+        h.finish_job(10, true).expect("finish");
+        if version > 3 {
+            h.ok(Command::ActivateVersion { version });
+        }
+        // Everything the project has left is held by a ledger hold.
+        let left = h.bucket(1).remaining;
+        h.ok(Command::CreateHold(Harness::hold_spec(500, left)));
+        h
+    };
+    let mut h = drained(3);
+    assert!(
+        matches!(
+            dedup(&mut h, 11, 1, "k"),
+            Err(CommandError::InsufficientCredits { .. })
+        ),
+        "version 3 reserves first"
+    );
+    let mut h = drained(4);
+    let hash = h.state.state_hash();
+    let reply = dedup(&mut h, 11, 1, "k").expect("answered from the result");
+    assert_eq!(
+        reply,
+        Reply::JobAttached {
+            job: JobId(11),
+            to: JobId(10),
+            hold_micro: 0,
+            state: JobState::Succeeded,
+        }
+    );
+    assert_ne!(h.state.state_hash(), hash, "the job is recorded");
+    assert!(
+        h.state.ledger.hold(ORG, HoldId(11)).is_none(),
+        "no hold was made for it"
+    );
+    assert_eq!(h.bucket(1).remaining, 0, "nothing moved");
+    // Its id still names its hold: a ledger hold of that id does not make it look like
+    // a finished job holding credit (the harness checks the invariants), and a keyed
+    // job whose id a ledger hold has taken is refused as `submit` refuses it.
+    h.grant(3, P, BucketKind::Paid, credits(10), None);
+    h.ok(Command::CreateHold(Harness::hold_spec(11, credits(1))));
+    h.ok(Command::CreateHold(Harness::hold_spec(12, credits(1))));
+    assert_eq!(dedup(&mut h, 12, 1, "k"), Err(CommandError::AlreadyExists));
+    h.assert_audit_rebuilds_ledger();
+}
+
 #[test]
 fn when_the_job_it_waits_for_fails_the_oldest_attached_job_runs_and_the_rest_follow_it() {
     let mut h = world();

@@ -11,7 +11,9 @@
 //!   the oldest attached job is queued to run itself (reason `DedupReleased`) and the
 //!   others attach to it.
 //! - **Succeeded and still retained** (`job_retention_ms`, or until the org's finished-jobs
-//!   quota drops it): the new job succeeds at once, reserving and charging nothing.
+//!   quota drops it): the new job succeeds at once, charging nothing. From rule version
+//!   [`RETAINED_RESULTS_RESERVE_NOTHING_FROM`] it reserves nothing either, so credit and
+//!   budgets cannot refuse it; before, it reserved its hold and released it in full.
 //! - **Otherwise** (no such job, or it ended without success): the job runs like any
 //!   other, and later submissions with the key attach to it.
 //!
@@ -28,6 +30,13 @@ use crate::ledger::{Ctx, Ledger};
 use crate::outcome::{CommandError, Reply};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+
+/// From this rule version a keyed submission that takes a retained result reserves
+/// nothing: it cannot be refused for credit, budget or open holds, and no hold is
+/// created and released for it (nor a soft budget's alert raised on money never spent).
+/// Before it, it went through `submit`'s reservation and released it in the same
+/// command.
+pub const RETAINED_RESULTS_RESERVE_NOTHING_FROM: u32 = 4;
 
 /// The dedup tables of a shard. Ordered maps: keys are chosen by callers, and lookups
 /// are O(log n) whatever they choose.
@@ -110,8 +119,12 @@ impl Scheduler {
             },
         };
         // Every check and the reservation are `submit`'s: a keyed job is a job (its
-        // queued-jobs quota counts attached jobs too).
-        self.submit(ctx, ledger, cfg, org, spec)?;
+        // queued-jobs quota counts attached jobs too). One that takes a retained result
+        // reserves nothing from rule version 4 (before, it reserved and released its
+        // hold in the same command, so it could be refused for credit or budget).
+        let reserve = !(matches!(found, Found::Succeeded(_))
+            && ledger.rules.0 >= RETAINED_RESULTS_RESERVE_NOTHING_FROM);
+        self.admit(ctx, ledger, cfg, org, spec, reserve)?;
         self.dedup.key_of.insert(id, key.clone());
         match found {
             Found::Run => {

@@ -12,7 +12,12 @@ pub fn check(state: &State) -> Result<(), String> {
     let mut tier_gpus: BTreeMap<_, u32> = BTreeMap::new();
     let mut queued = 0usize;
     for (id, j) in s.jobs.sorted() {
-        let hold = state.ledger.hold(id.0, super::jobs::hold_of(*id));
+        // The job's own hold: a ledger hold of the same id (made once the job's hold is
+        // forgotten, or for a job that never reserved one) is not the job's.
+        let hold = state
+            .ledger
+            .hold(id.0, super::jobs::hold_of(*id))
+            .filter(|h| h.job);
         if j.state.holds_gpus() {
             let p = j
                 .placement

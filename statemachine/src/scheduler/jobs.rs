@@ -204,6 +204,23 @@ impl Scheduler {
         org: OrgId,
         spec: &JobSpec,
     ) -> Result<Reply, CommandError> {
+        self.admit(ctx, ledger, cfg, org, spec, true)
+    }
+
+    /// [`Scheduler::submit`], which reserves the job's hold (`reserve`), or the same
+    /// admission without a hold, for a job that ends in the same command without
+    /// running (a keyed submission that takes a retained result, `dedup.rs`): every check
+    /// is the same but the reservation's own (credit, budget, open holds), and the job's
+    /// hold id must still be free, as it names the job's hold.
+    pub(crate) fn admit(
+        &mut self,
+        ctx: &mut Ctx,
+        ledger: &mut Ledger,
+        cfg: &SchedulerConfig,
+        org: OrgId,
+        spec: &JobSpec,
+        reserve: bool,
+    ) -> Result<Reply, CommandError> {
         check_spec(spec, cfg)?;
         let key = (org, spec.job);
         if let Some(j) = self.jobs.get(&key) {
@@ -265,8 +282,15 @@ impl Scheduler {
             gpu_types: spec.gpu_types.clone(),
             amount_micro: hold_micro,
         };
-        ledger.create_hold(ctx, org, &quota, &hold)?;
-        ledger.mark_job_hold(org, hold.hold);
+        let hold_micro = if reserve {
+            ledger.create_hold(ctx, org, &quota, &hold)?;
+            ledger.mark_job_hold(org, hold.hold);
+            hold_micro
+        } else if ledger.hold(org, hold.hold).is_some() {
+            return Err(CommandError::AlreadyExists);
+        } else {
+            0
+        };
         self.jobs.insert(
             key,
             Job {
