@@ -64,6 +64,10 @@
 //!   (`crate::ledger::PAST_DAY_REVERSALS_RETURN_FROM`). Result dedup: a keyed
 //!   submission that takes a retained result reserves nothing, so credit and budgets
 //!   cannot refuse it (`crate::scheduler::dedup::RETAINED_RESULTS_RESERVE_NOTHING_FROM`).
+//!   Metering: a retried heartbeat whose hold was settled since the meter saw it (the
+//!   one that ran out of credit, its reply lost) is answered as a duplicate with the
+//!   settlement instead of `HoldSettled`
+//!   (`crate::ledger::RETRIED_HEARTBEATS_SEE_THEIR_SETTLEMENT_FROM`).
 //!   The state's format is unchanged.
 
 use serde::{Deserialize, Serialize};

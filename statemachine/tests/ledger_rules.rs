@@ -447,6 +447,67 @@ fn low_hold_tops_up_then_stops_when_account_is_empty() {
     );
 }
 
+/// Found by review (tenth session, DESIGN §59): the heartbeat that ran a hold out of
+/// credit settles it; if its reply is lost, its retry was refused `HoldSettled`, which a
+/// client reports as "refused, nothing changed" although that heartbeat billed and
+/// stopped the job. From rule version 4 the retry is answered as a duplicate with the
+/// settlement; a heartbeat the meter never saw is still refused.
+#[test]
+fn a_retried_heartbeat_that_settled_its_hold_is_told_so_from_rule_version_4() {
+    let run_out = |version: u32| {
+        let mut h = Harness::world();
+        if version > 1 {
+            h.ok(Command::ActivateVersion { version });
+        }
+        h.grant(1, P, BucketKind::Paid, credits(5), None);
+        metered(&mut h, 1, credits(1), 1);
+        h.advance(3 * HOUR_MS);
+        let Ok(Reply::Heartbeat(r)) = heartbeat(&mut h, 1, 1, 1, 0) else {
+            panic!()
+        };
+        (h, r.stop.expect("out of credits"))
+    };
+    let (mut h, _) = run_out(3);
+    assert_eq!(
+        heartbeat(&mut h, 1, 1, 1, 0),
+        Err(CommandError::HoldSettled),
+        "version 3 answers as it did"
+    );
+    let (mut h, stop) = run_out(4);
+    let ledger = h.state.ledger.clone();
+    h.advance(60_000);
+    let Ok(Reply::Heartbeat(retry)) = heartbeat(&mut h, 1, 1, 1, 0) else {
+        panic!()
+    };
+    assert_eq!(
+        retry,
+        HeartbeatReply {
+            accepted: false,
+            captured_delta_micro: 0,
+            captured_attempt_micro: credits(5),
+            held_micro: 0,
+            stop: Some(stop),
+        }
+    );
+    assert_eq!(
+        retry.stop.map(|s| s.reason),
+        Some(SettleReason::OutOfCredits)
+    );
+    // An older seq of the same attempt is a duplicate too; a later seq, or another
+    // attempt, is not a retry of anything the meter saw.
+    assert!(matches!(heartbeat(&mut h, 1, 1, 0, 0), Ok(Reply::Heartbeat(r)) if r.stop.is_some()));
+    assert_eq!(
+        heartbeat(&mut h, 1, 1, 2, 0),
+        Err(CommandError::HoldSettled)
+    );
+    assert_eq!(
+        heartbeat(&mut h, 1, 2, 1, 0),
+        Err(CommandError::HoldSettled)
+    );
+    assert!(h.state.ledger == ledger, "the retries changed nothing");
+    h.assert_audit_rebuilds_ledger();
+}
+
 #[test]
 fn hard_budgets_reject_at_every_level() {
     for scope in [

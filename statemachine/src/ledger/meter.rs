@@ -177,6 +177,9 @@ impl Ledger {
         org: OrgId,
         hb: &Heartbeat,
     ) -> Result<HeartbeatReply, CommandError> {
+        if let Some(retry) = self.retried_after_settlement(org, hb) {
+            return Ok(retry);
+        }
         let mut hc = self.open_hold(org, hb.hold)?;
         let meter = current_meter(hc.hold, hb.attempt)?;
         if hb.seq <= meter.last_seq {
@@ -207,6 +210,30 @@ impl Ledger {
             captured_attempt_micro: captured_attempt,
             held_micro: hc.hold.held,
             stop,
+        })
+    }
+
+    /// The answer to a heartbeat the meter has already seen (`attempt` and a `seq` no
+    /// later than its last) on a hold settled since, from rule version
+    /// [`super::RETRIED_HEARTBEATS_SEE_THEIR_SETTLEMENT_FROM`]: a duplicate, nothing
+    /// changed, with the settlement that tells the agent to stop. `None` for every
+    /// other heartbeat, which goes through the open hold as before.
+    fn retried_after_settlement(&self, org: OrgId, hb: &Heartbeat) -> Option<HeartbeatReply> {
+        if self.rules.0 < super::RETRIED_HEARTBEATS_SEE_THEIR_SETTLEMENT_FROM {
+            return None;
+        }
+        let h = self.hold(org, hb.hold)?;
+        let (_, settlement) = h.settled.as_ref()?;
+        let m = h
+            .meter
+            .as_ref()
+            .filter(|m| m.attempt == hb.attempt && hb.seq <= m.last_seq)?;
+        Some(HeartbeatReply {
+            accepted: false,
+            captured_delta_micro: 0,
+            captured_attempt_micro: m.captured_attempt,
+            held_micro: h.held,
+            stop: Some(*settlement),
         })
     }
 

@@ -318,6 +318,13 @@ pub const METER_FROM_FIRST_HEARTBEAT_FROM: u32 = 4;
 /// had been billed on an earlier day goes back to its buckets at once, instead of
 /// staying held for the next attempt (which spent it today without a budget check).
 pub const PAST_DAY_REVERSALS_RETURN_FROM: u32 = 4;
+/// From this rule version a retried metering heartbeat whose hold has been settled since
+/// the meter saw its `(attempt, seq)` (the heartbeat that ran out of credit, whose reply
+/// was lost, or one overtaken by a settlement) is answered as a duplicate with the
+/// hold's settlement in `stop`, as a duplicate on an open hold is answered; before, it
+/// was refused `HoldSettled`, which a client reads as "refused, nothing changed"
+/// (DESIGN §9, "Heartbeats").
+pub const RETRIED_HEARTBEATS_SEE_THEIR_SETTLEMENT_FROM: u32 = 4;
 
 /// Open holds and settled tombstones.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
