@@ -309,6 +309,7 @@ impl Cluster {
                     shard: 0,
                     all_shards: true,
                     voters: v,
+                    allow_audit_loss: false,
                 })
                 .await
                 .map(drop)

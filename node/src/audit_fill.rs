@@ -34,10 +34,14 @@
 use crate::limits::AUDIT_PAGE_BYTES;
 use crate::node::{Node, Shard};
 use crate::store::{self, audit_key, AUDIT_BATCHES, AUDIT_EVENTS, CF_AUDIT};
-use crate::types::ShardId;
+use crate::types::{NodeId, ShardId};
 use allot_statemachine::audit::{verify_chain_back, verify_entry};
 use allot_statemachine::{codec, AuditChain, AuditEvent, Entry};
 use rocksdb::DB;
+use std::sync::Arc;
+
+/// How long the membership guard waits for a member's coverage.
+const COVERAGE_ASK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 use serde::{Deserialize, Serialize};
 use std::sync::Weak;
 use std::time::Duration;
@@ -126,6 +130,130 @@ fn load_checkpoint(db: &DB, shard: ShardId) -> Checkpoint {
 /// sequence 0 (its checkpoint): what `Admin.Status` reports as audit coverage.
 pub fn verified_to(db: &DB, shard: ShardId) -> u64 {
     load_checkpoint(db, shard).next_seq
+}
+
+/// How much of `shard`'s trail this replica holds now: a scan from its checkpoint up to
+/// its state's chain head (`Raft.AuditCoverage`; the membership guard of
+/// [`check_removal`]).
+pub fn coverage(node: &Node, shard: &Shard) -> Result<allot_proto::AuditCoverageReply, String> {
+    let head = shard.view.read().state.audit.clone();
+    let gap = scan(&node.db, shard.id, &head)?;
+    Ok(allot_proto::AuditCoverageReply {
+        node_id: node.id,
+        contiguous_to: gap.map_or(head.next_seq, |g| g.start.next_seq),
+        head: head.next_seq,
+    })
+}
+
+/// A replica's answer, or why there is none.
+async fn coverage_of(
+    node: &Arc<Node>,
+    shard: ShardId,
+    id: NodeId,
+    addr: &str,
+) -> Result<allot_proto::AuditCoverageReply, String> {
+    if id == node.id {
+        let node = node.clone();
+        return tokio::task::spawn_blocking(move || coverage(&node, &node.shards[shard as usize]))
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    let mut c = node.channels.raft_client(addr).map_err(|e| e.to_string())?;
+    let call = c.audit_coverage(
+        node.channels
+            .peer_request(allot_proto::AuditCoverageRequest { shard }),
+    );
+    match tokio::time::timeout(COVERAGE_ASK_TIMEOUT, call).await {
+        Ok(Ok(r)) => Ok(r.into_inner()),
+        // An older release without the RPC answers UNIMPLEMENTED: its coverage is unknown.
+        Ok(Err(s)) => Err(s.message().to_string()),
+        Err(_) => Err("timed out".into()),
+    }
+}
+
+/// Every member's answer, asked at once: one cut off costs its timeout, not the others'.
+async fn coverage_of_all(
+    node: &Arc<Node>,
+    shard: ShardId,
+    members: &[(NodeId, String)],
+) -> Vec<(NodeId, Result<allot_proto::AuditCoverageReply, String>)> {
+    futures::future::join_all(
+        members
+            .iter()
+            .map(|(id, addr)| async move { (*id, coverage_of(node, shard, *id, addr).await) }),
+    )
+    .await
+}
+
+/// The membership guard: a change of `shard`'s members to `voters` that removes any
+/// member must not remove the last reachable member holding the whole trail while no
+/// member left holds it. The members left are asked first (one that holds it is enough);
+/// then the members removed (if none of them answers holding it, nothing reachable is
+/// lost: a dead member is removed at once). Refused with `UNAVAILABLE` / `AUDIT_GAP`
+/// and a retry hint: the members left copy the trail from the others in the background
+/// (`run`), so the same change goes through once one of them has it.
+pub async fn check_removal(
+    node: &Arc<Node>,
+    shard: &Shard,
+    voters: &std::collections::BTreeSet<NodeId>,
+) -> Result<(), tonic::Status> {
+    let members: Vec<(NodeId, String)> = {
+        let m = shard.raft.metrics().borrow().membership_config.clone();
+        m.membership()
+            .nodes()
+            .map(|(id, n)| (*id, n.addr.clone()))
+            .collect()
+    };
+    let (kept, removed): (Vec<_>, Vec<_>) =
+        members.into_iter().partition(|(id, _)| voters.contains(id));
+    if removed.is_empty() {
+        return Ok(());
+    }
+    let whole = |c: &Result<allot_proto::AuditCoverageReply, String>| {
+        c.as_ref().is_ok_and(|c| c.contiguous_to == c.head)
+    };
+    let left = coverage_of_all(node, shard.id, &kept).await;
+    if left.iter().any(|(_, c)| whole(c)) {
+        return Ok(());
+    }
+    let short: Vec<String> = left
+        .iter()
+        .map(|(id, c)| match c {
+            Ok(c) => format!(
+                "node {id} holds events 0..{} of {}",
+                c.contiguous_to, c.head
+            ),
+            Err(e) => format!("node {id} did not answer ({e})"),
+        })
+        .collect();
+    let whole_on: Vec<String> = coverage_of_all(node, shard.id, &removed)
+        .await
+        .iter()
+        .filter(|(_, c)| whole(c))
+        .map(|(id, _)| id.to_string())
+        .collect();
+    if whole_on.is_empty() {
+        tracing::warn!(
+            shard = shard.id,
+            members_left = %short.join("; "),
+            "members removed although no member left holds the whole audit trail: none of \
+             those removed answered holding it either"
+        );
+        return Ok(());
+    }
+    let mut status = tonic::Status::unavailable(format!(
+        "shard {}: removing node(s) {} would leave no member holding the whole audit \
+         trail ({}); the members left copy it in the background, so retry shortly, or \
+         allow the loss explicitly (allow_audit_loss; nothing was changed)",
+        shard.id,
+        whole_on.join(", "),
+        short.join("; ")
+    ));
+    status.metadata_mut().insert(
+        "retry-after-ms",
+        tonic::metadata::MetadataValue::from(1000u64),
+    );
+    Err(crate::edge::with_reason(status, "AUDIT_GAP"))
 }
 
 /// A missing run of events: `start` is the chain state the replica holds before it,
@@ -347,6 +475,14 @@ async fn pass(node: &Node, shard: &Shard) -> bool {
             }
         };
         let Some(gap) = gap else { return true };
+        if node
+            .config
+            .test_audit_fill_hold_file
+            .as_ref()
+            .is_some_and(|f| f.exists())
+        {
+            return false;
+        }
         let peers: Vec<String> = {
             let m = shard.raft.metrics().borrow().clone();
             m.membership_config

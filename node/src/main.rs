@@ -247,6 +247,10 @@ struct RunArgs {
     /// waits before storing it (to stop a node in the middle of a build).
     #[arg(long, env = "ALLOT_TEST_SNAPSHOT_HOLD_FILE", hide = true)]
     test_snapshot_hold_file: Option<PathBuf>,
+    /// TEST ONLY: while this file exists, the audit fill task copies no rows from peers
+    /// (a new replica's trail keeps the gap its snapshot install left).
+    #[arg(long, env = "ALLOT_TEST_AUDIT_FILL_HOLD_FILE", hide = true)]
+    test_audit_fill_hold_file: Option<PathBuf>,
     /// TLS: this node's certificate (PEM). With --tls-key and --tls-ca, the node serves
     /// only TLS and peers must present a certificate of the CA (mutual TLS).
     #[arg(long, env = "ALLOT_TLS_CERT", requires_all = ["tls_key", "tls_ca"])]
@@ -401,6 +405,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         insecure_dev_mode: a.insecure_dev_mode,
         test_fsync_fail_file: a.test_fsync_fail_file.clone(),
         test_snapshot_hold_file: a.test_snapshot_hold_file.clone(),
+        test_audit_fill_hold_file: a.test_audit_fill_hold_file.clone(),
         rules_max: a.max_rules_version,
         min_free_disk: a.min_free_disk_mib.saturating_mul(1 << 20),
         peer_secret: match &a.peer_secret_file {

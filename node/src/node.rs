@@ -75,6 +75,9 @@ pub struct NodeConfig {
     /// Test hook: while this file exists, snapshot builds wait between encoding and
     /// storing (`--test-snapshot-hold-file`).
     pub test_snapshot_hold_file: Option<PathBuf>,
+    /// While this file exists, the audit fill task copies no rows from peers
+    /// (`--test-audit-fill-hold-file`).
+    pub test_audit_fill_hold_file: Option<PathBuf>,
     /// TLS for clients and peers (`--tls-cert/--tls-key/--tls-ca`).
     pub tls: Option<crate::tls::TlsFiles>,
     /// The secret peers present to each other (`--peer-secret-file`), if any.

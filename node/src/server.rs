@@ -808,6 +808,20 @@ impl Services {
     }
 }
 
+/// openraft's own "forward to the leader", for a membership change this replica does
+/// not propose because another node leads the shard (or none is known).
+fn not_the_leader(
+    raft: &crate::types::Raft,
+) -> openraft::error::RaftError<NodeId, openraft::error::ClientWriteError<NodeId, BasicNode>> {
+    let to = match crate::proposer::leader_of(raft) {
+        (Some(id), Some(addr), _) => {
+            openraft::error::ForwardToLeader::new(id, BasicNode::new(addr))
+        }
+        _ => openraft::error::ForwardToLeader::empty(),
+    };
+    openraft::error::RaftError::APIError(openraft::error::ClientWriteError::ForwardToLeader(to))
+}
+
 fn raft_status<E: std::fmt::Display>(e: E) -> Status {
     Status::failed_precondition(e.to_string())
 }
@@ -911,7 +925,18 @@ impl Admin for Services {
         }
         let mut out = Vec::new();
         for s in self.target_shards(msg.shard, msg.all_shards)? {
-            match s.raft.change_membership(voters.clone(), false).await {
+            // The guard runs where the change is proposed: on the leader. A replica that
+            // does not lead the shard leaves the change (and the guard) to the leader.
+            let leads = crate::proposer::leader_of(&s.raft).0 == Some(self.node.id);
+            if leads && !msg.allow_audit_loss {
+                crate::audit_fill::check_removal(&self.node, s, &voters).await?;
+            }
+            let r = if leads {
+                s.raft.change_membership(voters.clone(), false).await
+            } else {
+                Err(not_the_leader(&s.raft))
+            };
+            match r {
                 Ok(_) => out.push(shard_status(&self.node, s)),
                 Err(e) => {
                     let leader = self
@@ -920,6 +945,7 @@ impl Admin for Services {
                                 shard: s.id,
                                 all_shards: false,
                                 voters: voters.iter().copied().collect(),
+                                allow_audit_loss: msg.allow_audit_loss,
                             };
                             let r = forward_with(&self.node, m, &req_meta);
                             async move { c.change_membership(r).await }
@@ -1259,6 +1285,23 @@ impl RaftService for Services {
             .map_err(|_| Status::invalid_argument(format!("unknown handoff step {}", msg.step)))?;
         crate::transfer::step(shard, step, Duration::from_millis(msg.hold_ms)).await?;
         Ok(tonic::Response::new(allot_proto::HandoffReply {}))
+    }
+
+    async fn audit_coverage(
+        &self,
+        req: tonic::Request<allot_proto::AuditCoverageRequest>,
+    ) -> Result<tonic::Response<allot_proto::AuditCoverageReply>, Status> {
+        let id = shard_of(&self.node, req.into_inner().shard)?.id;
+        // A scan from the replica's checkpoint: off the workers, within the Raft budget.
+        let _permit = self.node.raft_permit().await?;
+        let node = self.node.clone();
+        tokio::task::spawn_blocking(move || {
+            crate::audit_fill::coverage(&node, &node.shards[id as usize])
+        })
+        .await
+        .map_err(|e| Status::internal(format!("audit coverage task: {e}")))?
+        .map(tonic::Response::new)
+        .map_err(|e| edge::with_reason(Status::failed_precondition(e), "AUDIT_ROWS"))
     }
 
     async fn versions(

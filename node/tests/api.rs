@@ -345,6 +345,31 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
         .insert(allot_node::peer::PEER_SECRET, secret.parse().unwrap());
     let e = raft.append(req).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    // The membership guard's coverage question is a peer call like the others.
+    let coverage = |shard: u32, with_secret: bool| {
+        let mut req = tonic::Request::new(allot_proto::AuditCoverageRequest { shard });
+        if with_secret {
+            req.metadata_mut()
+                .insert(allot_node::peer::PEER_SECRET, secret.parse().unwrap());
+        }
+        req
+    };
+    let e = raft.audit_coverage(coverage(0, false)).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    let e = raft
+        .audit_coverage(coverage(u32::MAX, true))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    let c0 = raft
+        .audit_coverage(coverage(0, true))
+        .await
+        .expect("a peer asks")
+        .into_inner();
+    assert!(
+        c0.head > 0 && c0.contiguous_to == c0.head,
+        "the leader holds its whole trail: {c0:?}"
+    );
     let e = admin(&leader_addr)
         .await
         .unwrap()

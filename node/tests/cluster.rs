@@ -816,7 +816,7 @@ async fn audit_whole_on(
 /// and a backup taken on each verifies.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replacing_every_original_node_keeps_the_audit_trail_from_genesis() {
-    use allot_proto::{ChangeMembershipRequest, Member, MemberRequest};
+    use allot_proto::{Member, MemberRequest};
     let (_dir, mut c) = cluster("replace", 6, 1);
     snapshot_by_size(&mut c);
     c.start_all().expect("start");
@@ -856,13 +856,7 @@ async fn replacing_every_original_node_keeps_the_audit_trail_from_genesis() {
         write(100).await;
         voters.retain(|v| *v != old);
         voters.push(new);
-        a.change_membership(ChangeMembershipRequest {
-            shard: 0,
-            all_shards: true,
-            voters: voters.clone(),
-        })
-        .await
-        .expect("promote and remove");
+        change_voters_when_the_trail_allows(&mut a, &voters).await;
         c.members = voters.clone();
         c.kill(old);
         c.wait_leaders(Duration::from_secs(30))
@@ -900,6 +894,185 @@ async fn replacing_every_original_node_keeps_the_audit_trail_from_genesis() {
         assert!(summary.audit_events >= n as u64, "{summary:?}");
     }
     println!("replace: {n} events served from genesis by every new replica, {copied} copied");
+}
+
+/// Changes every shard's voters to `voters`, retrying while the membership guard answers
+/// that no member left would hold the whole audit trail yet (`AUDIT_GAP`): the members
+/// left copy it in the background, as `allotctl member remove` waits for them.
+async fn change_voters_when_the_trail_allows(
+    a: &mut allot_proto::admin_client::AdminClient<tonic::transport::Channel>,
+    voters: &[u64],
+) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let r = a
+            .change_membership(allot_proto::ChangeMembershipRequest {
+                shard: 0,
+                all_shards: true,
+                voters: voters.to_vec(),
+                allow_audit_loss: false,
+            })
+            .await;
+        match r {
+            Ok(_) => return,
+            Err(s) if reason(&s) == Some("AUDIT_GAP") && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(200)).await
+            }
+            Err(s) => panic!("change voters to {voters:?}: {s:?}"),
+        }
+    }
+}
+
+fn reason(s: &tonic::Status) -> Option<&str> {
+    s.metadata()
+        .get("allot-reason")
+        .and_then(|v| v.to_str().ok())
+}
+
+/// Found by the tenth session's review (DESIGN §59): removing members did not check that
+/// a member left holds the whole audit trail. Nodes 4–7 join by snapshot with their audit
+/// fill held back (so each trail begins with a gap); replacing all of 1–3 by 4–6 in one
+/// change would leave no member with the events before their snapshots. The change is
+/// refused `AUDIT_GAP` (through the leader or a follower), nothing changed; keeping one
+/// original is allowed at once; once the fill may run the replacement goes through, and
+/// the new members serve the trail from genesis. `allow_audit_loss` overrides the guard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removing_the_last_members_with_the_whole_trail_waits_for_a_new_one() {
+    use allot_proto::{ChangeMembershipRequest, Member, MemberRequest};
+    let (dir, mut c) = cluster("auditguard", 7, 1);
+    snapshot_by_size(&mut c);
+    let hold = dir.path().join("audit-fill-hold");
+    let hold7 = dir.path().join("audit-fill-hold-7");
+    std::fs::write(&hold, b"").unwrap();
+    std::fs::write(&hold7, b"").unwrap();
+    for id in [4u64, 5, 6, 7] {
+        let file = if id == 7 { &hold7 } else { &hold };
+        c.nodes[id as usize - 1].extra_args.extend([
+            "--test-audit-fill-hold-file".to_string(),
+            file.display().to_string(),
+        ]);
+    }
+    c.start_all().expect("start");
+    c.init_members(&[1, 2, 3]).await.expect("init 1..3");
+    c.wait_leaders(Duration::from_secs(30))
+        .await
+        .expect("leaders");
+    let client = allot_node::local_cluster::client(c.endpoints());
+    setup_shards(&client, 1).await;
+    let mut cycle = HoldCycle::new(9, 3_000_000);
+    for _ in 0..300 {
+        let (outs, _) = client
+            .execute(0, &[cycle.request()])
+            .await
+            .expect("execute");
+        assert!(outs[0].is_ok(), "{outs:?}");
+    }
+    let leader = c.leader_of(0).await.unwrap();
+    // The leader's log is purged behind a snapshot, so the learners join by snapshot.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while c.status(leader).await.unwrap().shards[0].purged_index == 0 {
+        assert!(Instant::now() < deadline, "the leader never purged its log");
+        let (outs, _) = client
+            .execute(0, &[cycle.request()])
+            .await
+            .expect("execute");
+        assert!(outs[0].is_ok(), "{outs:?}");
+    }
+    let mut a = allot_node::local_cluster::admin(&c.node(leader).addr)
+        .await
+        .unwrap();
+    for new in [4u64, 5, 6, 7] {
+        a.add_learner(MemberRequest {
+            shard: 0,
+            all_shards: true,
+            member: Some(Member {
+                node_id: new,
+                addr: c.node(new).addr.clone(),
+            }),
+        })
+        .await
+        .expect("add learner");
+    }
+    for id in [4u64, 5, 6, 7] {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let st = loop {
+            let st = c.status(id).await.unwrap();
+            if st.shards[0].snapshot_index > 0 {
+                break st;
+            }
+            assert!(Instant::now() < deadline, "node {id} joined by snapshot");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert!(
+            st.shards[0].audit_verified_seq < st.shards[0].audit_head_seq,
+            "node {id}'s trail has its gap: {:?}",
+            st.shards[0]
+        );
+    }
+    let change = |voters: Vec<u64>, allow_audit_loss: bool| ChangeMembershipRequest {
+        shard: 0,
+        all_shards: true,
+        voters,
+        allow_audit_loss,
+    };
+    // Through a follower too: it forwards to the leader, which runs the guard.
+    let follower = [1u64, 2, 3].into_iter().find(|n| *n != leader).unwrap();
+    let mut f = allot_node::local_cluster::admin(&c.node(follower).addr)
+        .await
+        .unwrap();
+    for via in [&mut a, &mut f] {
+        let refused = via
+            .change_membership(change(vec![4, 5, 6, 7], false))
+            .await
+            .expect_err("no member left would hold the whole trail");
+        assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+        assert_eq!(reason(&refused), Some("AUDIT_GAP"), "{refused:?}");
+        assert!(
+            refused.message().contains("node 4 holds events 0.."),
+            "{}",
+            refused.message()
+        );
+    }
+    let st = c.status(leader).await.unwrap();
+    assert_eq!(st.shards[0].voters, vec![1, 2, 3], "nothing was changed");
+    assert_eq!(
+        st.shards[0].learners,
+        vec![4, 5, 6, 7],
+        "nothing was changed"
+    );
+    // Keeping one original, which holds the whole trail, is allowed at once.
+    a.change_membership(change(vec![leader, 4, 5, 6, 7], false))
+        .await
+        .expect("the leader keeps the whole trail");
+    // Removing it too waits until a newcomer has copied the trail.
+    std::fs::remove_file(&hold).unwrap();
+    change_voters_when_the_trail_allows(&mut a, &[4, 5, 6, 7]).await;
+    c.members = vec![4, 5, 6, 7];
+    for id in [1u64, 2, 3] {
+        c.kill(id);
+    }
+    c.wait_leaders(Duration::from_secs(30))
+        .await
+        .expect("leaders");
+    let trails = [
+        audit_whole_on(&c, 4, 0).await,
+        audit_whole_on(&c, 5, 0).await,
+    ];
+    assert!(trails[0].len() > 300, "{}", trails[0].len());
+    let n = trails[0].len().min(trails[1].len());
+    assert_eq!(trails[0][..n], trails[1][..n]);
+    // Node 7's fill is still held: leaving only it would lose the trail, unless allowed.
+    let mut a = allot_node::local_cluster::admin(&c.node(c.leader_of(0).await.unwrap()).addr)
+        .await
+        .unwrap();
+    let refused = a
+        .change_membership(change(vec![7], false))
+        .await
+        .expect_err("only node 7 would be left, without the whole trail");
+    assert_eq!(reason(&refused), Some("AUDIT_GAP"), "{refused:?}");
+    a.change_membership(change(vec![7], true))
+        .await
+        .expect("the loss allowed explicitly");
 }
 
 async fn shard_time(c: &LocalCluster, shard: u32) -> u64 {
@@ -953,6 +1126,7 @@ async fn a_learner_joins_is_promoted_and_the_removed_voter_does_not_disrupt() {
             shard: 0,
             all_shards: true,
             voters: vec![1, 2, 4],
+            allow_audit_loss: false,
         })
         .await
         .expect("change membership")

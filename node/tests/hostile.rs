@@ -2052,6 +2052,7 @@ async fn one_hostile_message(r: &mut Rng, addr: &str, me: u64, secret: &str, rev
                             shard,
                             all_shards: true,
                             voters: vec![r.big()],
+                            allow_audit_loss: r.big().is_multiple_of(2),
                         },
                         tok,
                     ))

@@ -39,6 +39,11 @@ pub struct ChangeArgs {
     /// Only this shard (default: every shard).
     #[arg(long)]
     shard: Option<u32>,
+    /// Remove the node even if it is the last reachable one holding a shard's whole
+    /// audit trail and no member left holds it yet (by default the change waits, up to
+    /// --timeout, for the members left to copy it).
+    #[arg(long)]
+    allow_audit_loss: bool,
 }
 
 #[derive(Serialize)]
@@ -172,6 +177,7 @@ async fn change(ctx: &Ctx, a: ChangeArgs, promote: bool) -> anyhow::Result<()> {
                     shard,
                     all_shards: false,
                     voters: voters.clone(),
+                    allow_audit_loss: a.allow_audit_loss,
                 });
                 async move { c.change_membership(req).await }
             })
