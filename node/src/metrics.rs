@@ -31,6 +31,9 @@ pub struct Metrics {
     /// How long this node took to answer the leader's AppendEntries, per shard (decode,
     /// append, fsync, reply): the follower's part of the `replicate` stage.
     pub follower_append: HistogramVec,
+    /// The leader's side of the same: from sending an AppendEntries to its answer
+    /// (transport both ways and the follower's time), per shard.
+    pub peer_append: HistogramVec,
     /// Entries carried by each AppendEntries this node answered, per shard; the `le="0"`
     /// bucket counts the ones that carried only a commit index or a heartbeat.
     pub follower_append_entries: HistogramVec,
@@ -132,6 +135,14 @@ impl Metrics {
             HistogramOpts::new(
                 "follower_append_seconds",
                 "Time to answer an AppendEntries from the shard's leader",
+            )
+            .buckets(latency_buckets()),
+            &["shard"],
+        ));
+        let peer_append = must(HistogramVec::new(
+            HistogramOpts::new(
+                "peer_append_seconds",
+                "Time from sending an AppendEntries to the shard's follower to its answer",
             )
             .buckets(latency_buckets()),
             &["shard"],
@@ -238,6 +249,7 @@ impl Metrics {
             Box::new(latency.clone()),
             Box::new(stage.clone()),
             Box::new(follower_append.clone()),
+            Box::new(peer_append.clone()),
             Box::new(follower_append_entries.clone()),
             Box::new(wal_sync.clone()),
             Box::new(raft.clone()),
@@ -263,6 +275,7 @@ impl Metrics {
             latency,
             stage,
             follower_append,
+            peer_append,
             follower_append_entries,
             wal_sync,
             raft,

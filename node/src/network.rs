@@ -176,6 +176,8 @@ pub struct Network {
     /// This node (answers are checked against it: no peer may vote in its name).
     pub me: NodeId,
     pub channels: Arc<Channels>,
+    /// The shard's `allot_peer_append_seconds`: each AppendEntries' round trip.
+    pub append_rtt: prometheus::Histogram,
 }
 
 pub struct Peer {
@@ -188,6 +190,7 @@ pub struct Peer {
     /// The highest log id the peer acknowledged, and under which vote (a peer that
     /// later reports a conflict at or below it is lying or broken).
     acked: Option<(Vote, LogId)>,
+    append_rtt: prometheus::Histogram,
 }
 
 impl RaftNetworkFactory<TypeConfig> for Network {
@@ -202,6 +205,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             addr: node.addr.clone(),
             channels: self.channels.clone(),
             acked: None,
+            append_rtt: self.append_rtt.clone(),
         }
     }
 }
@@ -321,11 +325,13 @@ impl RaftNetwork<TypeConfig> for Peer {
             leader_commit: rpc.leader_commit,
             entries,
         };
+        let sent_at = std::time::Instant::now();
         let resp: AppendEntriesResponse<NodeId> = self
             .call(Rpc::Append, &wire, option.hard_ttl())
             .await
             .map_err(CallError::rpc)?
             .map_err(|e| self.remote(e))?;
+        self.append_rtt.observe(sent_at.elapsed().as_secs_f64());
         let acked = self.acked.filter(|(v, _)| *v == rpc.vote).map(|(_, l)| l);
         peer::check_append_response(&resp, &rpc.vote, self.me, rpc.prev_log_id, &sent, acked)
             .map_err(|e| network(&e))?;

@@ -244,6 +244,7 @@ impl Node {
                     shard: id,
                     me: config.id,
                     channels: channels.clone(),
+                    append_rtt: metrics.peer_append.with_label_values(&[&id.to_string()]),
                 },
                 log,
                 sm,

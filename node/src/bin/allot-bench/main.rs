@@ -131,13 +131,14 @@ fn parse(args: impl IntoIterator<Item = String>) -> anyhow::Result<Opts> {
 }
 
 /// The stage columns of the second table and their JSON names.
-const STAGES: [&str; 6] = [
+const STAGES: [&str; 7] = [
     "queue",
     "append",
     "local_flush",
     "replicate",
     "apply",
     "follower_append",
+    "peer_append",
 ];
 
 /// What the allot nodes' own histograms said about one run.
@@ -151,8 +152,9 @@ struct Server {
     commit_p99_ms: f64,
     /// The commit split on the leaders' timelines, (p50, p99) bucket bounds of each:
     /// queue wait, RaftCore writing the entry, the leader's fsync, the followers'
-    /// acknowledgement, apply and answer; and the followers' own time to answer an
-    /// AppendEntries. Named as in [`STAGES`]. The third figure is each stage's mean (ms),
+    /// acknowledgement, apply and answer; the followers' own time to answer an
+    /// AppendEntries, and the leaders' time from sending one to its answer. Named as in
+    /// [`STAGES`]. The third figure is each stage's mean (ms),
     /// from the histograms' sums: finer than the buckets below a millisecond.
     stages: Vec<(f64, f64, f64)>,
     /// The same for the nodes' WAL fsyncs, and the bucket of the slowest fsync and of
@@ -584,6 +586,7 @@ async fn run(
     let replicate = ("allot_proposal_stage_seconds", "stage=\"replicate\"");
     let apply = ("allot_proposal_stage_seconds", "stage=\"apply\"");
     let follower = ("allot_follower_append_seconds", "le=");
+    let peer = ("allot_peer_append_seconds", "le=");
     let scrape = || async {
         [
             server_buckets(metrics, exec.0, exec.1).await,
@@ -597,6 +600,7 @@ async fn run(
             server_buckets(metrics, replicate.0, replicate.1).await,
             server_buckets(metrics, apply.0, apply.1).await,
             server_buckets(metrics, follower.0, follower.1).await,
+            server_buckets(metrics, peer.0, peer.1).await,
         ]
     };
     let before = scrape().await;
@@ -612,7 +616,7 @@ async fn run(
         commit_max_ms: server_quantile(b(2), a(2), 1.0),
         p99_ms: server_p99(b(0), a(0)),
         commit_p99_ms: server_p99(b(2), a(2)),
-        stages: [1, 6, 7, 8, 9, 10]
+        stages: [1, 6, 7, 8, 9, 10, 11]
             .iter()
             .map(|&i| {
                 (
@@ -1117,7 +1121,7 @@ fn report(o: &Opts, results: &[RunResult], etcd_version: Option<&str>) {
         return;
     }
     println!(
-        "\nwhere allot's commit time goes (p50 / p99 of each stage, bucket upper bounds in ms, then its mean in ms; the leaders' own timelines, and the followers' answers to AppendEntries):"
+        "\nwhere allot's commit time goes (p50 / p99 of each stage, bucket upper bounds in ms, then its mean in ms; the leaders' own timelines, the followers' answers to AppendEntries, and the leaders' round trips of them):"
     );
     print!("{:<14} {:>6} {:>8}", "run", "per", "clients");
     for n in STAGES {
