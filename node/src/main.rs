@@ -251,6 +251,10 @@ struct RunArgs {
     /// (a new replica's trail keeps the gap its snapshot install left).
     #[arg(long, env = "ALLOT_TEST_AUDIT_FILL_HOLD_FILE", hide = true)]
     test_audit_fill_hold_file: Option<PathBuf>,
+    /// TEST ONLY: answer the leader-transfer handoff `UNIMPLEMENTED`, as a release
+    /// without leader transfer does (to rehearse a rolling upgrade).
+    #[arg(long, hide = true)]
+    test_without_handoff: bool,
     /// TLS: this node's certificate (PEM). With --tls-key and --tls-ca, the node serves
     /// only TLS and peers must present a certificate of the CA (mutual TLS).
     #[arg(long, env = "ALLOT_TLS_CERT", requires_all = ["tls_key", "tls_ca"])]
@@ -406,6 +410,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         test_fsync_fail_file: a.test_fsync_fail_file.clone(),
         test_snapshot_hold_file: a.test_snapshot_hold_file.clone(),
         test_audit_fill_hold_file: a.test_audit_fill_hold_file.clone(),
+        test_without_handoff: a.test_without_handoff,
         rules_max: a.max_rules_version,
         min_free_disk: a.min_free_disk_mib.saturating_mul(1 << 20),
         peer_secret: match &a.peer_secret_file {

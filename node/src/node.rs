@@ -78,6 +78,9 @@ pub struct NodeConfig {
     /// While this file exists, the audit fill task copies no rows from peers
     /// (`--test-audit-fill-hold-file`).
     pub test_audit_fill_hold_file: Option<PathBuf>,
+    /// Answers `Raft.Handoff` `UNIMPLEMENTED`, as a release without leader transfer
+    /// does (`--test-without-handoff`).
+    pub test_without_handoff: bool,
     /// TLS for clients and peers (`--tls-cert/--tls-key/--tls-ca`).
     pub tls: Option<crate::tls::TlsFiles>,
     /// The secret peers present to each other (`--peer-secret-file`), if any.

@@ -1279,6 +1279,11 @@ impl RaftService for Services {
         &self,
         req: tonic::Request<allot_proto::HandoffRequest>,
     ) -> Result<tonic::Response<allot_proto::HandoffReply>, Status> {
+        if self.node.config.test_without_handoff {
+            return Err(Status::unimplemented(
+                "Raft.Handoff (test: a release without it)",
+            ));
+        }
         let msg = req.into_inner();
         let shard = shard_of(&self.node, msg.shard)?;
         let step = allot_proto::handoff_request::Step::try_from(msg.step)

@@ -219,24 +219,11 @@ async fn hand_over(
             return Err(timed_out("the target did not catch up"));
         }
     }
-    // 3. The other voters and this one hold their elections; heartbeats stop.
-    let hold = deadline.saturating_duration_since(Instant::now()) + election_max;
-    for (id, addr) in others {
-        if let Err(e) = ask(node, addr, shard.id, Step::HoldElections, hold).await {
-            // It may campaign too; the target still wins with the others' votes or
-            // the next round. Worth a line, not a refusal.
-            tracing::warn!(
-                shard = shard.id,
-                node = id,
-                "leader transfer: hold refused: {e}"
-            );
-        }
-    }
-    shard.raft.runtime_config().elect(false);
-    shard.raft.runtime_config().heartbeat(false);
-    let stopped = Instant::now();
-    // 4. Once the followers' lease on this leader has run out, the target campaigns;
-    //    again every election timeout until it leads (or the deadline).
+    // 3. The other voters and this one hold their elections; heartbeats stop. A voter
+    //    of a release without the handoff (during a rolling upgrade) would not hold its
+    //    elections, and would campaign once heartbeats stop: the transfer is refused
+    //    before they do, with nothing changed. The target is asked too (to resume, which
+    //    changes nothing), so that one it could not tell to campaign is found now.
     let target_addr = {
         let m = watch.borrow();
         m.membership_config
@@ -245,12 +232,57 @@ async fn hand_over(
             .map(|n| n.addr.clone())
             .unwrap_or_default()
     };
+    let hold = deadline.saturating_duration_since(Instant::now()) + election_max;
+    let mut unsupported = Vec::new();
+    let asks = others
+        .iter()
+        .map(|(id, addr)| (*id, addr.as_str(), Step::HoldElections, hold))
+        .chain([(
+            target,
+            target_addr.as_str(),
+            Step::ResumeElections,
+            Duration::ZERO,
+        )]);
+    for (id, addr, step, hold) in asks {
+        match ask(node, addr, shard.id, step, hold).await {
+            Ok(()) => {}
+            Err(e) if e.unsupported => unsupported.push(id),
+            // Down or cut off: it hears no heartbeats either way, and the target still
+            // wins with the others' votes. Worth a line, not a refusal.
+            Err(e) => tracing::warn!(
+                shard = shard.id,
+                node = id,
+                "leader transfer: hold refused: {}",
+                e.message
+            ),
+        }
+    }
+    if !unsupported.is_empty() {
+        return Err(crate::edge::with_reason(
+            Status::failed_precondition(format!(
+                "leader transfer of shard {} to node {target}: node(s) {unsupported:?} run a \
+                 release without leader transfer (the handoff is unimplemented there) and \
+                 would hold an election of their own; upgrade them first (nothing changed: \
+                 the leader stays, writes resume)",
+                shard.id
+            )),
+            "VOTER_UNSUPPORTED",
+        ));
+    }
+    shard.raft.runtime_config().elect(false);
+    shard.raft.runtime_config().heartbeat(false);
+    let stopped = Instant::now();
+    // 4. Once the followers' lease on this leader has run out, the target campaigns;
+    //    again every election timeout until it leads (or the deadline).
     tokio::time::sleep_until((stopped + election_max + Duration::from_millis(20)).into()).await;
     loop {
         if let Err(e) = ask(node, &target_addr, shard.id, Step::Campaign, Duration::ZERO).await {
             // A target that cannot be told to campaign (down, unreachable) will not
             // lead: give up now rather than keep writes waiting to the deadline.
-            return Err(timed_out(&format!("the target did not answer ({e})")));
+            return Err(timed_out(&format!(
+                "the target did not answer ({})",
+                e.message
+            )));
         }
         let round = Instant::now() + election_max;
         loop {
@@ -285,14 +317,34 @@ fn matched(m: &openraft::RaftMetrics<u64, openraft::BasicNode>, id: u64) -> u64 
         .map_or(0, |l| l.index)
 }
 
+/// Why a voter did not take a handoff step.
+#[derive(Debug)]
+struct NotTaken {
+    /// It answered `UNIMPLEMENTED`: a release without leader transfer.
+    unsupported: bool,
+    message: String,
+}
+
+impl NotTaken {
+    fn other(message: impl Into<String>) -> NotTaken {
+        NotTaken {
+            unsupported: false,
+            message: message.into(),
+        }
+    }
+}
+
 async fn ask(
     node: &Node,
     addr: &str,
     shard: u32,
     step: Step,
     hold: Duration,
-) -> Result<(), String> {
-    let mut c = node.channels.raft_client(addr).map_err(|e| e.to_string())?;
+) -> Result<(), NotTaken> {
+    let mut c = node
+        .channels
+        .raft_client(addr)
+        .map_err(|e| NotTaken::other(e.to_string()))?;
     let call = c.handoff(node.channels.peer_request(HandoffRequest {
         shard,
         step: step as i32,
@@ -300,7 +352,10 @@ async fn ask(
     }));
     match tokio::time::timeout(Duration::from_secs(2), call).await {
         Ok(Ok(_)) => Ok(()),
-        Ok(Err(s)) => Err(s.message().to_string()),
-        Err(_) => Err("timed out".into()),
+        Ok(Err(s)) => Err(NotTaken {
+            unsupported: s.code() == tonic::Code::Unimplemented,
+            message: s.message().to_string(),
+        }),
+        Err(_) => Err(NotTaken::other("timed out")),
     }
 }

@@ -1690,6 +1690,51 @@ async fn a_transfer_whose_call_is_dropped_still_restores_the_leader() {
     );
 }
 
+/// Found by the tenth session's review (DESIGN §59): during a rolling upgrade, a voter of
+/// a release without the handoff answered the election hold `UNIMPLEMENTED`; the
+/// transfer went on with heartbeats off, and that voter could hold an election of its
+/// own. Now the transfer is refused before heartbeats stop, naming the voter — as a
+/// bystander and as the target — and nothing changes: the same leader in the same term.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_is_refused_while_a_voter_cannot_take_part() {
+    let (_dir, mut c) = cluster("transfer-old", 3, 1);
+    c.nodes[2].extra_args = vec!["--test-without-handoff".into()];
+    up(&mut c).await;
+    let client = allot_node::local_cluster::client(c.endpoints());
+    setup_shards(&client, 1).await;
+    // Node 3 plays the older release; the test needs another leader.
+    if c.leader_of(0).await.expect("leader") == 3 {
+        client
+            .transfer_leader(0, Some(1))
+            .await
+            .expect("node 3 hands over: it asks only the others");
+    }
+    let leader = c.leader_of(0).await.expect("leader");
+    let term = c.status(leader).await.unwrap().shards[0].term;
+    let other = [1u64, 2].into_iter().find(|n| *n != leader).unwrap();
+    for to in [other, 3] {
+        let refused = client
+            .transfer_leader(0, Some(to))
+            .await
+            .expect_err("node 3 cannot take part");
+        let text = format!("{refused:?}");
+        assert!(
+            text.contains("[3]") && text.contains("without leader transfer"),
+            "to {to}: {text}"
+        );
+    }
+    // Longer than an election timeout with heartbeats on: no election was held.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(c.leader_of(0).await.ok(), Some(leader));
+    assert_eq!(c.status(leader).await.unwrap().shards[0].term, term);
+    let mut cycle = HoldCycle::new(9, 3_000_000);
+    let (outs, _) = client
+        .execute(0, &[cycle.request()])
+        .await
+        .expect("writes resume");
+    assert!(outs[0].is_ok(), "{outs:?}");
+}
+
 /// Leadership handed over under load: shard 0 goes to a chosen voter in exactly one new
 /// term, then every shard node 1 leads is handed away and node 1 is restarted without
 /// any election at all. No write fails (callers retry through the pause); every
