@@ -197,13 +197,7 @@ pub async fn check_removal(
     shard: &Shard,
     voters: &std::collections::BTreeSet<NodeId>,
 ) -> Result<(), tonic::Status> {
-    let members: Vec<(NodeId, String)> = {
-        let m = shard.raft.metrics().borrow().membership_config.clone();
-        m.membership()
-            .nodes()
-            .map(|(id, n)| (*id, n.addr.clone()))
-            .collect()
-    };
+    let members = shard.members();
     let (kept, removed): (Vec<_>, Vec<_>) =
         members.into_iter().partition(|(id, _)| voters.contains(id));
     if removed.is_empty() {

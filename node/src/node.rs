@@ -142,6 +142,18 @@ const SHARD_COUNT_KEY: &[u8] = b"cluster/shards";
 /// well inside a supervisor's usual stop timeout, systemd's 90 s).
 pub const BACKGROUND_STOP_MAX: std::time::Duration = std::time::Duration::from_secs(60);
 
+impl Shard {
+    /// Every member of the shard's current configuration (voters and learners), with
+    /// the address it is reached at.
+    pub fn members(&self) -> Vec<(NodeId, String)> {
+        let m = self.raft.metrics().borrow().membership_config.clone();
+        m.membership()
+            .nodes()
+            .map(|(id, n)| (*id, n.addr.clone()))
+            .collect()
+    }
+}
+
 impl Node {
     pub async fn start(config: NodeConfig) -> anyhow::Result<Arc<Node>> {
         if config.shards == 0 || config.shards > 1024 {

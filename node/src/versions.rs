@@ -170,13 +170,7 @@ pub async fn check_activation(node: &Node, shard: &Shard, version: u32) -> Resul
     if version <= active {
         return Ok(()); // Apply answers it (a repeat, or a refusal): nothing to gate.
     }
-    let members: Vec<(u64, String)> = {
-        let m = shard.raft.metrics().borrow().membership_config.clone();
-        m.membership()
-            .nodes()
-            .map(|(id, n)| (*id, n.addr.clone()))
-            .collect()
-    };
+    let members = shard.members();
     let mut behind = Vec::new();
     for (id, addr) in members {
         let reply = if id == node.id {

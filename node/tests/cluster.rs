@@ -816,16 +816,9 @@ async fn audit_whole_on(
 /// and a backup taken on each verifies.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replacing_every_original_node_keeps_the_audit_trail_from_genesis() {
-    use allot_proto::{Member, MemberRequest};
     let (_dir, mut c) = cluster("replace", 6, 1);
     snapshot_by_size(&mut c);
-    c.start_all().expect("start");
-    c.init_members(&[1, 2, 3]).await.expect("init 1..3");
-    c.wait_leaders(Duration::from_secs(30))
-        .await
-        .expect("leaders");
-    let client = allot_node::local_cluster::client(c.endpoints());
-    setup_shards(&client, 1).await;
+    let client = start_with_voters_1_to_3(&mut c, 1).await;
     let mut cycle = HoldCycle::new(9, 3_000_000);
     let mut write = async |n: usize| {
         for _ in 0..n {
@@ -843,16 +836,7 @@ async fn replacing_every_original_node_keeps_the_audit_trail_from_genesis() {
         let mut a = allot_node::local_cluster::admin(&c.node(via).addr)
             .await
             .unwrap();
-        a.add_learner(MemberRequest {
-            shard: 0,
-            all_shards: true,
-            member: Some(Member {
-                node_id: new,
-                addr: c.node(new).addr.clone(),
-            }),
-        })
-        .await
-        .expect("add learner");
+        add_learner_everywhere(&mut a, &c, new).await;
         write(100).await;
         voters.retain(|v| *v != old);
         voters.push(new);
@@ -894,6 +878,37 @@ async fn replacing_every_original_node_keeps_the_audit_trail_from_genesis() {
         assert!(summary.audit_events >= n as u64, "{summary:?}");
     }
     println!("replace: {n} events served from genesis by every new replica, {copied} copied");
+}
+
+/// Starts every node of `c`, makes nodes 1–3 the voters of its `shards` shards, and sets
+/// up each shard's world; the client of the cluster.
+async fn start_with_voters_1_to_3(c: &mut LocalCluster, shards: u32) -> allot_client::Client {
+    c.start_all().expect("start");
+    c.init_members(&[1, 2, 3]).await.expect("init 1..3");
+    c.wait_leaders(Duration::from_secs(30))
+        .await
+        .expect("leaders");
+    let client = allot_node::local_cluster::client(c.endpoints());
+    setup_shards(&client, shards).await;
+    client
+}
+
+/// Adds node `new` as a learner of every shard, through `a`.
+async fn add_learner_everywhere(
+    a: &mut allot_proto::admin_client::AdminClient<tonic::transport::Channel>,
+    c: &LocalCluster,
+    new: u64,
+) {
+    a.add_learner(allot_proto::MemberRequest {
+        shard: 0,
+        all_shards: true,
+        member: Some(allot_proto::Member {
+            node_id: new,
+            addr: c.node(new).addr.clone(),
+        }),
+    })
+    .await
+    .expect("add learner");
 }
 
 /// Changes every shard's voters to `voters`, retrying while the membership guard answers
@@ -938,7 +953,7 @@ fn reason(s: &tonic::Status) -> Option<&str> {
 /// the new members serve the trail from genesis. `allow_audit_loss` overrides the guard.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn removing_the_last_members_with_the_whole_trail_waits_for_a_new_one() {
-    use allot_proto::{ChangeMembershipRequest, Member, MemberRequest};
+    use allot_proto::ChangeMembershipRequest;
     let (dir, mut c) = cluster("auditguard", 7, 1);
     snapshot_by_size(&mut c);
     let hold = dir.path().join("audit-fill-hold");
@@ -952,13 +967,7 @@ async fn removing_the_last_members_with_the_whole_trail_waits_for_a_new_one() {
             file.display().to_string(),
         ]);
     }
-    c.start_all().expect("start");
-    c.init_members(&[1, 2, 3]).await.expect("init 1..3");
-    c.wait_leaders(Duration::from_secs(30))
-        .await
-        .expect("leaders");
-    let client = allot_node::local_cluster::client(c.endpoints());
-    setup_shards(&client, 1).await;
+    let client = start_with_voters_1_to_3(&mut c, 1).await;
     let mut cycle = HoldCycle::new(9, 3_000_000);
     for _ in 0..300 {
         let (outs, _) = client
@@ -982,16 +991,7 @@ async fn removing_the_last_members_with_the_whole_trail_waits_for_a_new_one() {
         .await
         .unwrap();
     for new in [4u64, 5, 6, 7] {
-        a.add_learner(MemberRequest {
-            shard: 0,
-            all_shards: true,
-            member: Some(Member {
-                node_id: new,
-                addr: c.node(new).addr.clone(),
-            }),
-        })
-        .await
-        .expect("add learner");
+        add_learner_everywhere(&mut a, &c, new).await;
     }
     for id in [4u64, 5, 6, 7] {
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -1092,13 +1092,7 @@ async fn a_learner_joins_is_promoted_and_the_removed_voter_does_not_disrupt() {
     use allot_proto::{ChangeMembershipRequest, Member, MemberRequest};
     let shards = 2;
     let (_dir, mut c) = cluster("member", 4, shards);
-    c.start_all().expect("start");
-    c.init_members(&[1, 2, 3]).await.expect("init 1..3");
-    c.wait_leaders(Duration::from_secs(30))
-        .await
-        .expect("leaders");
-    let client = allot_node::local_cluster::client(c.endpoints());
-    setup_shards(&client, shards).await;
+    let client = start_with_voters_1_to_3(&mut c, shards).await;
 
     // Node 4 joins every shard as a learner, through node 2 (each shard's call goes to
     // that shard's leader).
