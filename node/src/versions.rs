@@ -62,7 +62,15 @@ pub fn check_data_dir(dir: &Path) -> anyhow::Result<()> {
 /// and with a state's format before it stores a snapshot of it
 /// ([`mark_for_snapshot`]): so until rule version 3 makes snapshots format 7, the dir
 /// stays readable by the previous release (a rollback).
+///
+/// One writer at a time: every shard's snapshot builds mark the same dir, and two at once
+/// went through the same temporary file (the second rename found it gone, and its shard
+/// stopped on the storage error). The data dir's lock (RocksDB's) keeps other processes
+/// out, so a lock in this process is enough; under it, the check and the write are one
+/// step, so the marker is never lowered either.
 pub fn mark_data_dir(dir: &Path, format: u8) -> anyhow::Result<()> {
+    static WRITER: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = WRITER.lock().unwrap_or_else(|p| p.into_inner());
     if data_dir_format(dir)?.is_some_and(|v| v >= format) {
         return Ok(());
     }
@@ -210,5 +218,41 @@ async fn ask(node: &Node, addr: &str) -> Result<allot_proto::VersionsReply, Stri
         // newer than the baseline.
         Ok(Err(s)) => Err(s.message().to_string()),
         Err(_) => Err("timed out".into()),
+    }
+}
+
+#[cfg(test)]
+mod marker_tests {
+    use super::*;
+
+    /// Found by a CI run (2026-11-27, the rolling-upgrade test): two shards storing their
+    /// first format-7 snapshots at once both wrote the marker through the same temporary
+    /// file, and the one whose rename came second found it gone. Its RaftCore stopped on
+    /// the storage error and the node exited (status 74) in the middle of an upgrade.
+    #[test]
+    fn shards_marking_the_data_dir_at_once_all_succeed() {
+        for round in 0..40 {
+            let dir = tempfile::tempdir().unwrap();
+            mark_data_dir(dir.path(), START_FORMAT).unwrap();
+            let barrier = std::sync::Arc::new(std::sync::Barrier::new(8));
+            let threads: Vec<_> = (0..8)
+                .map(|_| {
+                    let (dir, barrier) = (dir.path().to_path_buf(), barrier.clone());
+                    std::thread::spawn(move || {
+                        barrier.wait();
+                        mark_data_dir(&dir, FORMAT_VERSION).map_err(|e| format!("{e:#}"))
+                    })
+                })
+                .collect();
+            for t in threads {
+                let r = t.join().unwrap();
+                assert!(r.is_ok(), "round {round}: {r:?}");
+            }
+            assert_eq!(
+                data_dir_format(dir.path()).unwrap(),
+                Some(FORMAT_VERSION),
+                "round {round}"
+            );
+        }
     }
 }
