@@ -1786,12 +1786,7 @@ fn an_ending_on_a_lapsed_node_bills_to_the_lease_from_rule_version_4() {
         h.now = lease_end + 5_000;
         h.tick();
         assert!(h.job(10).state.holds_gpus());
-        let price = h
-            .hold(10)
-            .meter
-            .as_ref()
-            .expect("metered")
-            .price_micro_per_gpu_hour;
+        let price = meter_price(&h, 10);
         let Ok(Reply::JobCancelled(Some(s))) =
             h.run_in(tenant(ORG), ORG, Command::CancelJob { job: JobId(10) })
         else {
@@ -1839,12 +1834,7 @@ fn a_reversal_from_a_past_day_returns_to_its_buckets_from_rule_version_4() {
         h.advance(3 * 60_000);
         h.nodes_alive();
         h.job_heartbeat(10, 4, 2).unwrap();
-        let price = h
-            .hold(10)
-            .meter
-            .as_ref()
-            .expect("metered")
-            .price_micro_per_gpu_hour;
+        let price = meter_price(&h, 10);
         // An enterprise job takes the node; at the grace's end job 10 is requeued,
         // billed to its checkpoint: 23:55–00:02 is reversed, the captures made at 23:59
         // (the first day's) and at 00:02 (today's).
@@ -1893,4 +1883,13 @@ fn a_reversal_from_a_past_day_returns_to_its_buckets_from_rule_version_4() {
             assert_eq!(today, reversed - past_day as i128, "version 4");
         }
     }
+}
+
+/// The price per GPU-hour job `job`'s running attempt is metered at.
+fn meter_price(h: &Harness, job: u64) -> u64 {
+    h.hold(job)
+        .meter
+        .as_ref()
+        .expect("metered")
+        .price_micro_per_gpu_hour
 }
