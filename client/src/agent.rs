@@ -9,7 +9,10 @@
 //! ([`Mode::Run`]), in its own process group, with a **clean environment** — none of the
 //! agent's own variables (its tokens above all) reach the job's code; only
 //! [`AgentConfig::runner_env`] (by default `PATH`, `HOME`, `USER`, `LOGNAME`, `LANG`,
-//! `LC_ALL`, `TZ`, `TMPDIR`) and the job's:
+//! `LC_ALL`, `TZ`, `TMPDIR`) and the job's. It runs as the agent's user, the one
+//! `--runner-user`, or (`--runner-uid-range`, the `uids` module) a uid of its own per
+//! attempt, with its own `HOME` and `TMPDIR`, swept of every process when the attempt
+//! ends:
 //!
 //! - `CUDA_VISIBLE_DEVICES` — the assigned GPU indices, comma-separated (`0,3`);
 //! - `ALLOT_JOB_ID`, `ALLOT_ATTEMPT` — the job and its attempt (the fencing token);
@@ -105,8 +108,10 @@
 
 mod cgroup;
 mod output;
+mod uids;
 
 pub use cgroup::CgroupMode;
+pub use uids::UidRange;
 
 use crate::error::{Error, Result};
 use crate::{Assignment, AssignmentSet, Client};
@@ -227,6 +232,9 @@ pub struct AgentConfig {
     /// The most of a runner's output its log keeps (`--log-max`, default 256 MiB): the
     /// first bytes up to this, then the last 64 KiB (the `output` module).
     pub log_max: u64,
+    /// Each attempt runs as a uid of its own from this range (`--runner-uid-range`; the
+    /// `uids` module), instead of `runner_user`. Needs an agent running as root.
+    pub runner_uids: Option<UidRange>,
 }
 
 /// A user runners run as: job code cannot read the agent's token files or environment,
@@ -316,6 +324,7 @@ impl AgentConfig {
             log_retention: Duration::from_secs(7 * 86_400),
             cgroup: CgroupMode::Auto,
             log_max: 256 << 20,
+            runner_uids: None,
         }
     }
 
@@ -338,6 +347,13 @@ impl AgentConfig {
         }
         if self.log_max == 0 {
             return bad("--log-max must be positive");
+        }
+        if let Some(r) = &self.runner_uids {
+            if self.runner_user.is_some() {
+                return bad("--runner-user and --runner-uid-range exclude each other");
+            }
+            r.check_shape(self.gpus)
+                .map_err(|e| Error::Config(format!("--runner-uid-range {e}")))?;
         }
         match &self.mode {
             Mode::Run { program, .. } if program.is_empty() => bad("no job runner given"),
@@ -809,7 +825,6 @@ impl Runner {
         shared: &Shared,
         a: &Assignment,
     ) -> std::io::Result<(Runner, oneshot::Receiver<Exit>)> {
-        let (tx, rx) = oneshot::channel();
         if !gpus_valid(&a.gpu_indices, shared.cfg.gpus) {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
@@ -825,197 +840,248 @@ impl Runner {
                 let dir = &shared.cfg.work_dir;
                 let progress_file = progress_file(dir, a.org, a.job, a.attempt)
                     .map_err(|e| std::io::Error::other(e.to_string()))?;
-                if let Some(u) = &shared.cfg.runner_user {
-                    // The one file of the work dir the runner may write.
-                    let f = create_fresh(&progress_file)?;
-                    std::os::unix::fs::fchown(&f, Some(u.uid), Some(u.gid))?;
-                }
-                let log = create_fresh(
-                    &dir.join(format!("job-{}-{}.{}.log", a.org.0, a.job.0, a.attempt)),
-                )?;
-                let (out_r, out_w) = output::pipe()?;
-                let out_w2 = out_w.try_clone()?;
-                let cgroup = match &shared.cgroups {
-                    Some(c) => Some(Arc::new(c.create_attempt(
-                        shared.cfg.incarnation,
-                        a.org.0,
-                        a.job.0,
-                        a.attempt,
-                    )?)),
+                // The attempt's own uid (`--runner-uid-range`), handed to the runner's
+                // waiter once it runs; back to the pool here if it never started.
+                let mut uid_lease = match &shared.uids {
+                    Some(pool) => Some(pool.take().await?),
                     None => None,
                 };
-                let procs = cgroup.as_ref().map(|c| c.procs_path());
-                let mut cmd = tokio::process::Command::new(program);
-                // A clean environment: the agent's tokens never reach the job's code.
-                cmd.env_clear();
-                for name in &shared.cfg.runner_env {
-                    if let Some(v) = std::env::var_os(name) {
-                        cmd.env(name, v);
+                let started =
+                    Self::start_process(shared, a, program, args, progress_file, &mut uid_lease)
+                        .await;
+                if let (Some(l), Some(pool)) = (uid_lease, &shared.uids) {
+                    pool.release(l).await;
+                }
+                started
+            }
+            Mode::Simulate(sim) => Self::start_simulated(shared, a, sim).await,
+        }
+    }
+
+    /// Starts a runner process for `a` (`Mode::Run`): as the attempt's uid if `uid_lease`
+    /// holds one (taken from it once the runner runs), else as the runner user, else as
+    /// the agent's user.
+    async fn start_process(
+        shared: &Shared,
+        a: &Assignment,
+        program: &str,
+        args: &[String],
+        progress_file: PathBuf,
+        uid_lease: &mut Option<uids::UidLease>,
+    ) -> std::io::Result<(Runner, oneshot::Receiver<Exit>)> {
+        let (tx, rx) = oneshot::channel();
+        let dir = &shared.cfg.work_dir;
+        let as_user: Option<(u32, u32, PathBuf, String)> =
+            match (&*uid_lease, &shared.cfg.runner_user) {
+                (Some(l), _) => Some((l.uid, l.uid, l.home.clone(), l.name())),
+                (None, Some(u)) => Some((u.uid, u.gid, u.home.clone(), u.name.clone())),
+                (None, None) => None,
+            };
+        if let Some((uid, gid, ..)) = &as_user {
+            // The one file of the work dir the runner may write.
+            let f = create_fresh(&progress_file)?;
+            std::os::unix::fs::fchown(&f, Some(*uid), Some(*gid))?;
+        }
+        let log =
+            create_fresh(&dir.join(format!("job-{}-{}.{}.log", a.org.0, a.job.0, a.attempt)))?;
+        let (out_r, out_w) = output::pipe()?;
+        let out_w2 = out_w.try_clone()?;
+        let cgroup = match &shared.cgroups {
+            Some(c) => Some(Arc::new(c.create_attempt(
+                shared.cfg.incarnation,
+                a.org.0,
+                a.job.0,
+                a.attempt,
+            )?)),
+            None => None,
+        };
+        let procs = cgroup.as_ref().map(|c| c.procs_path());
+        let mut cmd = tokio::process::Command::new(program);
+        // A clean environment: the agent's tokens never reach the job's code.
+        cmd.env_clear();
+        for name in &shared.cfg.runner_env {
+            if let Some(v) = std::env::var_os(name) {
+                cmd.env(name, v);
+            }
+        }
+        if let Some((_, _, home, name)) = &as_user {
+            cmd.env("HOME", home).env("USER", name).env("LOGNAME", name);
+        }
+        if uid_lease.is_some() {
+            // The attempt's home is its own scratch space, removed with it.
+            if let Some((_, _, home, _)) = &as_user {
+                cmd.env("TMPDIR", home);
+            }
+        }
+        let ids = as_user.as_ref().map(|(uid, gid, ..)| (*uid, *gid));
+        let agent_pid = std::process::id();
+        // SAFETY: only async-signal-safe calls (open, write, close, setgroups,
+        // setgid, setuid, prctl, getppid, raise) between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                // Into the attempt's cgroup first, while still privileged.
+                if let Some(p) = &procs {
+                    cgroup::join(p)?;
+                }
+                if let Some((uid, gid)) = ids {
+                    if libc::setgroups(0, std::ptr::null()) != 0
+                        || libc::setgid(gid) != 0
+                        || libc::setuid(uid) != 0
+                    {
+                        return Err(std::io::Error::last_os_error());
                     }
                 }
-                if let Some(u) = &shared.cfg.runner_user {
-                    cmd.env("HOME", &u.home)
-                        .env("USER", &u.name)
-                        .env("LOGNAME", &u.name);
+                // The kernel kills the runner if the agent dies (its children
+                // are stopped by the next agent process, see `stop_orphans`).
+                // Set after the user change, which clears it.
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                if libc::getppid() as u32 != agent_pid {
+                    libc::raise(libc::SIGKILL);
                 }
-                let ids = shared.cfg.runner_user.as_ref().map(|u| (u.uid, u.gid));
-                let agent_pid = std::process::id();
-                // SAFETY: only async-signal-safe calls (open, write, close, setgroups,
-                // setgid, setuid, prctl, getppid, raise) between fork and exec.
-                unsafe {
-                    cmd.pre_exec(move || {
-                        // Into the attempt's cgroup first, while still privileged.
-                        if let Some(p) = &procs {
-                            cgroup::join(p)?;
-                        }
-                        if let Some((uid, gid)) = ids {
-                            if libc::setgroups(0, std::ptr::null()) != 0
-                                || libc::setgid(gid) != 0
-                                || libc::setuid(uid) != 0
-                            {
-                                return Err(std::io::Error::last_os_error());
-                            }
-                        }
-                        // The kernel kills the runner if the agent dies (its children
-                        // are stopped by the next agent process, see `stop_orphans`).
-                        // Set after the user change, which clears it.
-                        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                        if libc::getppid() as u32 != agent_pid {
-                            libc::raise(libc::SIGKILL);
-                        }
-                        Ok(())
-                    });
+                Ok(())
+            });
+        }
+        let child = cmd
+            .args(args)
+            .env("CUDA_VISIBLE_DEVICES", gpu_list(&a.gpu_indices))
+            .env("ALLOT_JOB_ID", a.job.0.to_string())
+            .env("ALLOT_ORG_ID", a.org.0.to_string())
+            .env("ALLOT_ATTEMPT", a.attempt.to_string())
+            .env("ALLOT_PROGRESS_FILE", &progress_file)
+            .stdin(std::process::Stdio::null())
+            .stdout(out_w2)
+            .stderr(out_w)
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn();
+        // The parent's copies of the pipe's write end go with the command, so
+        // the log's pump sees the end once every process of the attempt has.
+        drop(cmd);
+        let log_max = shared.cfg.log_max;
+        let (logged_tx, logged) = oneshot::channel();
+        let pumped = std::thread::Builder::new()
+            .name(format!("log-{}-{}", a.job.0, a.attempt))
+            .spawn(move || {
+                let dropped = output::pump(std::fs::File::from(out_r), log, log_max);
+                let _ = logged_tx.send(dropped);
+            });
+        let mut child = match (child, pumped) {
+            (Ok(c), Ok(_)) => c,
+            (Err(e), _) | (_, Err(e)) => {
+                if let Some(c) = &cgroup {
+                    c.kill_and_remove().await;
                 }
-                let child = cmd
-                    .args(args)
-                    .env("CUDA_VISIBLE_DEVICES", gpu_list(&a.gpu_indices))
-                    .env("ALLOT_JOB_ID", a.job.0.to_string())
-                    .env("ALLOT_ORG_ID", a.org.0.to_string())
-                    .env("ALLOT_ATTEMPT", a.attempt.to_string())
-                    .env("ALLOT_PROGRESS_FILE", &progress_file)
-                    .stdin(std::process::Stdio::null())
-                    .stdout(out_w2)
-                    .stderr(out_w)
-                    .process_group(0)
-                    .kill_on_drop(true)
-                    .spawn();
-                // The parent's copies of the pipe's write end go with the command, so
-                // the log's pump sees the end once every process of the attempt has.
-                drop(cmd);
-                let log_max = shared.cfg.log_max;
-                let (logged_tx, logged) = oneshot::channel();
-                let pumped = std::thread::Builder::new()
-                    .name(format!("log-{}-{}", a.job.0, a.attempt))
-                    .spawn(move || {
-                        let dropped = output::pump(std::fs::File::from(out_r), log, log_max);
-                        let _ = logged_tx.send(dropped);
-                    });
-                let mut child = match (child, pumped) {
-                    (Ok(c), Ok(_)) => c,
-                    (Err(e), _) | (_, Err(e)) => {
-                        if let Some(c) = &cgroup {
-                            c.kill_and_remove().await;
-                        }
-                        return Err(e);
-                    }
-                };
-                let Some(pgid) = child.id() else {
-                    if let Some(c) = &cgroup {
-                        c.kill_and_remove().await;
-                    }
-                    return Err(std::io::Error::other(
-                        "the runner exited before it had a pid",
-                    ));
-                };
-                record_runner(dir, pgid, a);
-                let dir = dir.clone();
-                let contained = cgroup.clone();
-                tokio::spawn(async move {
-                    let exit = match child.wait().await {
-                        Ok(st) => Exit {
-                            success: st.success(),
-                            how: st.to_string(),
-                        },
-                        Err(e) => Exit {
-                            success: false,
-                            how: format!("wait failed: {e}"),
-                        },
-                    };
-                    // Whatever the runner left behind goes with it: its group, and
-                    // everything in its cgroup (a process that left the group too). The
-                    // exit is reported only once the cgroup is empty.
-                    signal_group(pgid, "KILL").await;
-                    if let Some(c) = &contained {
-                        c.kill_and_remove().await;
-                    }
-                    forget_runner(&dir, pgid);
-                    // The log is whole before the exit is told (every writer is gone
-                    // once the cgroup is empty; without one, a process that left the
-                    // group may hold the pipe, so the wait is bounded).
-                    match tokio::time::timeout(LOG_FLUSH_TIMEOUT, logged).await {
+                return Err(e);
+            }
+        };
+        let Some(pgid) = child.id() else {
+            if let Some(c) = &cgroup {
+                c.kill_and_remove().await;
+            }
+            return Err(std::io::Error::other(
+                "the runner exited before it had a pid",
+            ));
+        };
+        record_runner(dir, pgid, a);
+        let dir = dir.clone();
+        let contained = cgroup.clone();
+        let uid = uid_lease.take().zip(shared.uids.clone());
+        tokio::spawn(async move {
+            let exit = match child.wait().await {
+                Ok(st) => Exit {
+                    success: st.success(),
+                    how: st.to_string(),
+                },
+                Err(e) => Exit {
+                    success: false,
+                    how: format!("wait failed: {e}"),
+                },
+            };
+            // Whatever the runner left behind goes with it: its group, and
+            // everything in its cgroup (a process that left the group too). The
+            // exit is reported only once the cgroup is empty.
+            signal_group(pgid, "KILL").await;
+            if let Some(c) = &contained {
+                c.kill_and_remove().await;
+            }
+            // And every process of the attempt's uid, wherever it is.
+            if let Some((lease, pool)) = uid {
+                pool.release(lease).await;
+            }
+            forget_runner(&dir, pgid);
+            // The log is whole before the exit is told (every writer is gone
+            // once the cgroup is empty; without one, a process that left the
+            // group may hold the pipe, so the wait is bounded).
+            match tokio::time::timeout(LOG_FLUSH_TIMEOUT, logged).await {
                         Ok(Ok(dropped)) if dropped > 0 => {
                             warn!(pgid, dropped, "the runner's output passed --log-max: its middle was dropped");
                         }
                         Ok(_) => {}
                         Err(_) => warn!(pgid, "the runner's output is still open after it exited: a process it started holds it"),
                     }
-                    let _ = tx.send(exit);
-                });
-                Ok((
-                    Runner::Process {
-                        pgid,
-                        cgroup,
-                        progress_file,
-                        last: Mutex::new((0, 0)),
-                    },
-                    rx,
-                ))
+            let _ = tx.send(exit);
+        });
+        Ok((
+            Runner::Process {
+                pgid,
+                cgroup,
+                progress_file,
+                last: Mutex::new((0, 0)),
+            },
+            rx,
+        ))
+    }
+
+    /// A simulated runner for `a` (`Mode::Simulate`): no process, a runtime chosen from
+    /// the job id.
+    async fn start_simulated(
+        shared: &Shared,
+        a: &Assignment,
+        sim: &SimConfig,
+    ) -> std::io::Result<(Runner, oneshot::Receiver<Exit>)> {
+        let (tx, rx) = oneshot::channel();
+        let job = match shared
+            .client
+            .query(shared.cfg.shard, &Query::Job(a.org, a.job))
+            .await
+        {
+            Ok(Answer::Job(Some(j))) => Some(*j),
+            Ok(_) => None,
+            Err(e) => {
+                warn!(job = a.job.0, "cannot read the job for the simulation: {e}");
+                None
             }
-            Mode::Simulate(sim) => {
-                let job = match shared
-                    .client
-                    .query(shared.cfg.shard, &Query::Job(a.org, a.job))
-                    .await
-                {
-                    Ok(Answer::Job(Some(j))) => Some(*j),
-                    Ok(_) => None,
-                    Err(e) => {
-                        warn!(job = a.job.0, "cannot read the job for the simulation: {e}");
-                        None
-                    }
-                };
-                let runtime = sim_runtime(a.job, sim.runtime_min, sim.runtime_max);
-                let prior = Duration::from_millis(job.as_ref().map_or(0, |j| j.run_ms));
-                let remaining = runtime.saturating_sub(prior);
-                let fails = sim_fails(a.job, sim.fail_pct);
-                let (sig_tx, sig_rx) = oneshot::channel::<&'static str>();
-                tokio::spawn(async move {
-                    let exit = tokio::select! {
-                        _ = tokio::time::sleep(remaining) => Exit {
-                            success: !fails,
-                            how: if fails { "simulated failure".into() } else { "simulated success".into() },
-                        },
-                        sig = sig_rx => Exit {
-                            success: false,
-                            how: format!("simulated {}", sig.unwrap_or("stop")),
-                        },
-                    };
-                    let _ = tx.send(exit);
-                });
-                Ok((
-                    Runner::Sim {
-                        started: Instant::now(),
-                        prior,
-                        runtime,
-                        checkpoint_every: sim.checkpoint_every,
-                        checkpointable: job.is_some_and(|j| j.spec.checkpointable),
-                        extra_checkpoints: AtomicU64::new(0),
-                        signal: Mutex::new(Some(sig_tx)),
-                    },
-                    rx,
-                ))
-            }
-        }
+        };
+        let runtime = sim_runtime(a.job, sim.runtime_min, sim.runtime_max);
+        let prior = Duration::from_millis(job.as_ref().map_or(0, |j| j.run_ms));
+        let remaining = runtime.saturating_sub(prior);
+        let fails = sim_fails(a.job, sim.fail_pct);
+        let (sig_tx, sig_rx) = oneshot::channel::<&'static str>();
+        tokio::spawn(async move {
+            let exit = tokio::select! {
+                _ = tokio::time::sleep(remaining) => Exit {
+                    success: !fails,
+                    how: if fails { "simulated failure".into() } else { "simulated success".into() },
+                },
+                sig = sig_rx => Exit {
+                    success: false,
+                    how: format!("simulated {}", sig.unwrap_or("stop")),
+                },
+            };
+            let _ = tx.send(exit);
+        });
+        Ok((
+            Runner::Sim {
+                started: Instant::now(),
+                prior,
+                runtime,
+                checkpoint_every: sim.checkpoint_every,
+                checkpointable: job.is_some_and(|j| j.spec.checkpointable),
+                extra_checkpoints: AtomicU64::new(0),
+                signal: Mutex::new(Some(sig_tx)),
+            },
+            rx,
+        ))
     }
 
     /// Progress (ppm) and last durable checkpoint, as of now.
@@ -1139,6 +1205,8 @@ struct Shared {
     lease: Lease,
     /// The agent's directory of attempt cgroups (`None`: `--cgroup off`, or not usable).
     cgroups: Option<cgroup::Cgroups>,
+    /// The runner uids, one per attempt (`--runner-uid-range`).
+    uids: Option<Arc<uids::UidPool>>,
     /// Set when a linearizable read found the shard's record of the node naming an
     /// older agent process than this one (a shard restored from a backup taken before
     /// this process registered): the node heartbeat task registers the node again.
@@ -2104,12 +2172,24 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         .map_err(|e| Error::Config(format!("work dir {}: {e}", config.work_dir.display())))?;
     let work_dir = std::fs::canonicalize(&config.work_dir)
         .map_err(|e| Error::Config(format!("work dir {}: {e}", config.work_dir.display())))?;
-    if config.runner_user.is_some() {
-        // Runners (another user) may pass through to their progress files, nothing more.
+    if let Some(r) = &config.runner_uids {
+        r.check_host()
+            .map_err(|e| Error::Config(format!("--runner-uid-range {e}")))?;
+    }
+    if config.runner_user.is_some() || config.runner_uids.is_some() {
+        // Runners (other users) may pass through to their progress files (and homes),
+        // nothing more.
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&work_dir, std::fs::Permissions::from_mode(0o711))
             .map_err(|e| Error::Config(format!("work dir {}: {e}", work_dir.display())))?;
     }
+    let uids = match config.runner_uids {
+        Some(r) => Some(
+            uids::UidPool::new(r, &work_dir)
+                .map_err(|e| Error::Config(format!("work dir {}: {e}", work_dir.display())))?,
+        ),
+        None => None,
+    };
     let cgroups = cgroup::Cgroups::open(&config.cgroup, &work_dir).map_err(Error::Config)?;
     let incarnation = next_incarnation(&work_dir)?;
     let config = AgentConfig {
@@ -2128,6 +2208,15 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
             orphans,
             "stopped the runners a previous agent process left behind"
         );
+    }
+    if let Some(pool) = &uids {
+        let swept = pool.recover().await;
+        if swept > 0 {
+            warn!(
+                swept,
+                "swept the runner uids a previous agent process left in use"
+            );
+        }
     }
     remove_stale_progress_files(&config.work_dir);
     let client = agent_client(&config)?;
@@ -2169,6 +2258,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         done: done_tx,
         lease,
         cgroups,
+        uids,
         register_again: Default::default(),
     });
     let background = [

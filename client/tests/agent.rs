@@ -726,6 +726,173 @@ echo "1000000 4" > "$ALLOT_PROGRESS_FILE" && echo yes > "$out/progress-$j"
     agent.stop(Duration::from_secs(15));
 }
 
+/// With `--runner-uid-range`, every attempt runs as a uid of its own. With one
+/// `--runner-user`, all runners of a node are the same user, and one job could
+/// `kill -KILL -1` (or trace, or read) every other org's runner there. Here the attacker
+/// cannot signal the victim, by pid or with `kill -1`; and since the uid is swept when
+/// its attempt ends, a process that left the runner's group dies with the attempt even
+/// without cgroups (`--cgroup off`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempts_run_as_uids_of_their_own_and_cannot_signal_each_other() {
+    use std::os::unix::fs::PermissionsExt;
+    const FIRST: u32 = 3_900_000_100;
+    let (dir, c, client) = cluster().await;
+    let script = dir.path().join("runner.sh");
+    std::fs::write(
+        &script,
+        r#"#!/bin/sh
+out="$1"; j="$ALLOT_JOB_ID"
+if [ -O "$HOME" ] && [ "$TMPDIR" = "$HOME" ]; then echo yes; else echo no; fi > "$out/home-$j"
+echo "$HOME" > "$out/homepath-$j"
+id -u > "$out/uid-$j"
+case "$j" in
+701)
+  setsid sh -c 'echo $$ > "$0/escaped.tmp" && mv "$0/escaped.tmp" "$0/escaped"; exec sleep 600' "$out" &
+  echo $$ > "$out/pid.tmp" && mv "$out/pid.tmp" "$out/pid"
+  exec sleep 600 ;;
+702)
+  while [ ! -e "$out/pid" ] || [ ! -e "$out/escaped" ]; do sleep 0.05; done
+  if kill -KILL "$(cat "$out/pid")" 2>/dev/null; then echo yes; else echo no; fi > "$out/direct"
+  if kill -KILL "$(cat "$out/escaped")" 2>/dev/null; then echo yes; else echo no; fi > "$out/direct-escaped"
+  kill -KILL -1 2>/dev/null
+  echo done > "$out/all" ;;
+esac
+"#,
+    )
+    .unwrap();
+    let out = dir.path().join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let adir = dir.path().join("agent");
+    let range = format!("{FIRST}-{}", FIRST + 3);
+    let args = [
+        "--runner-uid-range",
+        &range,
+        "--cgroup",
+        "off",
+        "--grace",
+        "1s",
+        "--",
+        "/bin/sh",
+        script.to_str().unwrap(),
+        out.to_str().unwrap(),
+    ];
+    let mut agent = AgentProc::start(&c.endpoints(), 2, &adir, &args);
+    if unsafe { libc::geteuid() } != 0 {
+        let st = (0..100)
+            .find_map(|_| {
+                std::thread::sleep(Duration::from_millis(100));
+                agent.exited()
+            })
+            .expect("a non-root agent refuses --runner-uid-range");
+        assert_eq!(st.code(), Some(2));
+        assert!(agent.log_text().contains("must run as root"));
+        return;
+    }
+    fund(&client).await;
+    wait_registered(&client, &mut agent, 2).await;
+    submit(&client, spec(701, Tier::PAID, 1, false)).await;
+    wait_state(&client, 701, JobState::Running, Duration::from_secs(30)).await;
+    let victim = wait_file(&out.join("pid"), Duration::from_secs(30)).await;
+    let escaped = wait_file(&out.join("escaped"), Duration::from_secs(30)).await;
+    submit(&client, spec(702, Tier::PAID, 1, false)).await;
+    wait_state(&client, 702, JobState::Succeeded, Duration::from_secs(30)).await;
+    let read = |what: &str| {
+        std::fs::read_to_string(out.join(what))
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
+    let uid = |job: u64| read(&format!("uid-{job}")).parse::<u32>().expect("a uid");
+    let (u1, u2) = (uid(701), uid(702));
+    assert_ne!(u1, u2, "each attempt has a uid of its own");
+    for u in [u1, u2] {
+        assert!(
+            (FIRST..=FIRST + 3).contains(&u),
+            "uid {u} is from the range"
+        );
+    }
+    assert_eq!(read("home-701"), "yes", "its own home, as HOME and TMPDIR");
+    assert_eq!(read("home-702"), "yes");
+    assert_eq!(
+        read("direct"),
+        "no",
+        "it cannot signal another attempt's runner"
+    );
+    assert_eq!(read("direct-escaped"), "no");
+    assert_eq!(read("all"), "done", "kill -1 ran");
+    assert!(alive(&victim), "the victim survives the attacker's kill -1");
+    assert!(alive(&escaped));
+    assert_eq!(job(&client, 701).await.state, JobState::Running);
+    // The attacker's attempt is over: its home went with it.
+    assert!(!Path::new(&read("homepath-702")).exists());
+
+    // Cancelled: the process that left the runner's group (no cgroup here) dies with the
+    // attempt, by the sweep of its uid, and the home goes.
+    client.cancel_job(ORG, JobId(701)).await.unwrap();
+    gone(
+        &escaped,
+        "the cancelled attempt's escaped process to be swept",
+    )
+    .await;
+    assert!(!alive(&victim));
+    let d = Deadline::new(
+        "the cancelled attempt's home to go",
+        Duration::from_secs(15),
+    );
+    while Path::new(&read("homepath-701")).exists() {
+        d.tick().await;
+    }
+    let st = agent
+        .stop(Duration::from_secs(15))
+        .expect("the agent stops on SIGTERM");
+    assert!(st.success(), "agent exit: {st}");
+}
+
+/// A range that names an account of the host is refused at start (a uid of the range
+/// must belong to no one but the attempt holding it), as is one sharing with
+/// `--runner-user` or smaller than the node's GPUs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_uid_range_that_is_not_reserved_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let endpoints = vec!["127.0.0.1:1".to_string()];
+    for (args, says) in [
+        (vec!["--runner-uid-range", "65533-65534"], "nobody"),
+        (
+            vec!["--runner-uid-range", "3900000200-3900000200"],
+            "at least one per GPU",
+        ),
+        (
+            vec![
+                "--runner-uid-range",
+                "3900000200-3900000210",
+                "--runner-user",
+                "nobody",
+            ],
+            "cannot be used with",
+        ),
+    ] {
+        let mut args = args;
+        args.extend(["--", "/bin/true"]);
+        let mut agent = AgentProc::start(&endpoints, 2, dir.path(), &args);
+        let st = (0..100)
+            .find_map(|_| {
+                std::thread::sleep(Duration::from_millis(100));
+                agent.exited()
+            })
+            .unwrap_or_else(|| panic!("{args:?} is refused"));
+        assert_eq!(st.code(), Some(2), "{args:?}");
+        let log = agent.log_text();
+        let says = if unsafe { libc::geteuid() } != 0 && says == "nobody" {
+            "must run as root"
+        } else {
+            says
+        };
+        assert!(log.contains(says), "{args:?}: {log}");
+    }
+}
+
 /// A runner that forks a process which leaves the runner's process group (`setsid`) and
 /// keeps running: the cluster has moved on from the attempt, but the escaped process
 /// would hold the GPUs and go on working. (The agent signalled only the runner's process

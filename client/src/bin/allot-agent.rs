@@ -116,6 +116,19 @@ struct Args {
     /// it must write in place). Runners get this user's HOME, USER and LOGNAME.
     #[arg(long, env = "ALLOT_RUNNER_USER", value_name = "USER")]
     runner_user: Option<String>,
+    /// Runs every attempt as a uid (and gid) of its own from this range, FIRST-LAST
+    /// (the agent must run as root; no user or group of the host may have an id in it;
+    /// at least one per GPU): runners of different jobs cannot signal, trace or read each
+    /// other, and every process of an attempt's uid is killed when the attempt ends.
+    /// Each attempt gets a fresh home (HOME and TMPDIR) under the work dir, made 0711.
+    /// Instead of --runner-user.
+    #[arg(
+        long,
+        env = "ALLOT_RUNNER_UID_RANGE",
+        value_name = "FIRST-LAST",
+        conflicts_with = "runner_user"
+    )]
+    runner_uid_range: Option<agent::UidRange>,
     /// Runner logs (job-<org>-<job>.<attempt>.log in the work dir) older than this are
     /// deleted, at start and hourly.
     #[arg(long, default_value = "7d", value_parser = duration)]
@@ -293,6 +306,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .as_deref()
         .map(allot_client::agent::RunnerUser::named)
         .transpose()?;
+    config.runner_uids = args.runner_uid_range;
     config.shard = args.shard;
     config.gpu_type = GpuType::new(&args.gpu_type);
     config.gpus = args.gpus;
