@@ -2,20 +2,29 @@
 //! entries touching every table (ledger, scheduler, tokens, alerts), the state after
 //! it (a snapshot), and its audit events, each as the codec writes them.
 //!
-//! `cargo run -p allot-statemachine --example format_fixture -- <dir>`
+//! `cargo run -p allot-statemachine --example format_fixture -- <dir> [<rule version>]`
 //!
 //! Run on the last commit of a format before its version is bumped, so that the next
 //! release's tests read what this one wrote (`statemachine/tests/formats.rs`;
 //! `tests/fixtures/format5` was written by commit 62f6f77, format 5, and
-//! `tests/fixtures/format6` by commit d1226df, format 6). It writes the state in the
-//! format of the fixture's rule version (the baseline: `State::format`).
+//! `tests/fixtures/format6` by commit d1226df, format 6, both at the baseline rules;
+//! `tests/fixtures/format7` by commit dc6b65a, format 7, at rule version 4). It writes
+//! the state in the format of the fixture's rule version (`State::format`). With a rule
+//! version above the baseline, the log activates it first and ends with a preemption
+//! in its grace (format 8 keeps its start).
 use allot_statemachine::testkit::*;
 use allot_statemachine::*;
 
 fn main() {
     let dir = std::path::PathBuf::from(std::env::args().nth(1).expect("usage: <dir>"));
     std::fs::create_dir_all(&dir).expect("fixture dir");
+    let rules: u32 = std::env::args()
+        .nth(2)
+        .map_or(1, |v| v.parse().expect("a rule version"));
     let mut h = Harness::world();
+    if rules > 1 {
+        h.ok(Command::ActivateVersion { version: rules });
+    }
     h.grant(1, Account::Org(ORG), BucketKind::Paid, credits(1_000), None);
     h.grant(
         2,
@@ -73,6 +82,31 @@ fn main() {
     });
     h.advance(3 * HOUR_MS);
     h.tick();
+    if rules > 1 {
+        // A free job on node 2's GPUs, then an enterprise one that needs them: the
+        // free one is preempted and its grace is still running when the log ends.
+        h.nodes_alive();
+        h.ok(Command::SubmitJob(Harness::job_spec(
+            503,
+            Tier::FREE,
+            vec![h100()],
+            4,
+        )));
+        h.nodes_alive();
+        let _ = h.job_heartbeat(503, 1, 1);
+        h.advance(61_000);
+        h.nodes_alive();
+        let _ = h.job_heartbeat(503, 2, 1);
+        h.advance(1_000);
+        h.ok(Command::SubmitJob(Harness::job_spec(
+            504,
+            Tier::ENTERPRISE,
+            vec![h100()],
+            8,
+        )));
+        let preempting = h.job(503).state;
+        assert_eq!(preempting, scheduler::JobState::Preempting, "job 503");
+    }
     let write = |name: &str, bytes: Vec<u8>| {
         std::fs::write(dir.join(name), bytes).expect("fixture file");
     };
