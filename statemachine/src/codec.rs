@@ -23,8 +23,15 @@ use serde::{de::DeserializeOwned, Serialize};
 ///   follow the state's other fields. Only the state's layout changed: every
 ///   other blob is still written as format 6 ([`WIRE_FORMAT`]), and a state is written
 ///   as format 7 only from rule version 3 on (`crate::version::state_format`).
-pub const FORMAT_VERSION: u8 = 7;
-/// The format this build writes for every blob whose layout did not change in format 7:
+/// - 8: the state appends the scheduler's fence instants (`scheduler::Fence`: each
+///   node's last renewal, each preemption's start), which rule version 4's silent-node
+///   grace rule reads. Written from rule version 4 on; a format-7 state read at version
+///   4 (written before format 8 existed) has them rebuilt from its leases and timers.
+///   Only the state's layout changed.
+pub const FORMAT_VERSION: u8 = 8;
+/// The state's format from rule version 3 until version 4 (`crate::version::state_format`).
+pub const COMPACT_TABLE_FORMAT: u8 = 7;
+/// The format this build writes for every blob whose layout did not change in formats 7 and 8:
 /// log entries' requests, audit rows, peer messages, backup frames other than the
 /// state. A node of the previous release (format 6) reads them, so it can stay in the
 /// cluster during a rolling upgrade.

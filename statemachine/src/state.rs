@@ -73,7 +73,7 @@ pub struct State {
 impl Serialize for State {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
-        let mut st = s.serialize_struct("State", 10)?;
+        let mut st = s.serialize_struct("State", 12)?;
         st.serialize_field("config", &self.config)?;
         st.serialize_field("time_ms", &self.time_ms)?;
         st.serialize_field("last_applied", &self.last_applied)?;
@@ -92,12 +92,56 @@ impl Serialize for State {
             // Format 7 appended the result-dedup tables (empty before rule version 3).
             st.serialize_field("dedup", &self.scheduler.dedup)?;
         }
+        if self.format() >= 8 {
+            // Format 8 appended the fence instants (empty before rule version 4).
+            st.serialize_field("fence", &self.scheduler.fence)?;
+        }
         st.end()
     }
 }
 
+/// The state as format 8 lays it out: [`State`]'s fields, then the scheduler's
+/// result-dedup tables (`scheduler::dedup`), then its fence instants
+/// (`scheduler::Fence`).
+#[derive(Deserialize)]
+struct StateV8 {
+    config: Config,
+    time_ms: u64,
+    last_applied: Option<u64>,
+    ledger: Ledger,
+    scheduler: Scheduler,
+    idempotency: IdempotencyTable,
+    audit: AuditChain,
+    security: Security,
+    alerts: crate::alerts::Alerts,
+    rules: crate::version::Rules,
+    dedup: crate::scheduler::dedup::Dedup,
+    fence: crate::scheduler::Fence,
+}
+
+impl From<StateV8> for State {
+    fn from(s: StateV8) -> State {
+        let mut state = State::from_v7(StateV7 {
+            config: s.config,
+            time_ms: s.time_ms,
+            last_applied: s.last_applied,
+            ledger: s.ledger,
+            scheduler: s.scheduler,
+            idempotency: s.idempotency,
+            audit: s.audit,
+            security: s.security,
+            alerts: s.alerts,
+            rules: s.rules,
+            dedup: s.dedup,
+        });
+        state.scheduler.fence = s.fence;
+        state
+    }
+}
+
 /// The state as format 7 lays it out: [`State`]'s fields, then the scheduler's
-/// result-dedup tables (`scheduler::dedup`).
+/// result-dedup tables (`scheduler::dedup`). Frozen: it changes only when format 7
+/// leaves the support window.
 #[derive(Deserialize)]
 struct StateV7 {
     config: Config,
@@ -114,7 +158,21 @@ struct StateV7 {
 }
 
 impl From<StateV7> for State {
+    /// A format-7 state at rule version 4 (written before format 8 existed) gets the
+    /// fence instants its activation would have filled in, from its leases and grace
+    /// timers.
     fn from(s: StateV7) -> State {
+        let mut state = State::from_v7(s);
+        if state.rules.active >= crate::scheduler::GRACE_WAITS_FOR_THE_NODE_FROM {
+            let cfg = state.config.scheduler.clone();
+            state.scheduler.fill_fence(&cfg);
+        }
+        state
+    }
+}
+
+impl State {
+    fn from_v7(s: StateV7) -> State {
         let mut scheduler = s.scheduler;
         scheduler.dedup = s.dedup;
         State {
@@ -309,7 +367,8 @@ impl State {
         let mut state = codec::decode_versioned_from(r, |version, r| match version {
             5 => body::<StateV5, _>(r, size).map(State::from),
             6 => body::<StateV6, _>(r, size).map(State::from),
-            _ => body::<StateV7, _>(r, size).map(State::from),
+            7 => body::<StateV7, _>(r, size).map(State::from),
+            _ => body::<StateV8, _>(r, size).map(State::from),
         })?;
         state.scheduler.rebuild_derived();
         Ok(state)
@@ -596,6 +655,11 @@ fn execute(
                     let keep = RETIRED_KEYS_PER_TENANT_PRINCIPAL_V4;
                     state.security.trim_tenant_retired(keep);
                 }
+                let fence = crate::scheduler::GRACE_WAITS_FOR_THE_NODE_FROM;
+                if before < fence && after >= fence {
+                    let cfg = &state.config.scheduler;
+                    state.scheduler.fill_fence(cfg);
+                }
                 state.ledger.books.rules = crate::ledger::RulesSeen(after);
                 Ok(Reply::RulesActive {
                     version: state.rules.active,
@@ -771,7 +835,7 @@ fn dispatch_scheduler(
     match command {
         Command::RegisterNode(spec) => sched.register_node(ctx, ledger, cfg, spec),
         Command::NodeHeartbeat { node } => {
-            let reply = sched.node_heartbeat(now, cfg.node_lease_ms, *node, ctx.effects)?;
+            let reply = sched.node_heartbeat(now, cfg.node_lease_ms, *node, ctx.effects, rules)?;
             if rules >= crate::scheduler::GRACE_WAITS_FOR_THE_NODE_FROM {
                 sched.end_waiting_graces(ctx, ledger, cfg, *node);
             }

@@ -68,7 +68,11 @@
 //!   one that ran out of credit, its reply lost) is answered as a duplicate with the
 //!   settlement instead of `HoldSettled`
 //!   (`crate::ledger::RETRIED_HEARTBEATS_SEE_THEIR_SETTLEMENT_FROM`).
-//!   The state's format is unchanged.
+//!   Snapshots are written in format 8: the state keeps each node's last renewal and
+//!   each preemption's start (`crate::scheduler::Fence`), which the grace rule above
+//!   compares, instead of rebuilding them from today's `node_lease_ms` and `grace_ms`
+//!   (a setting changed while a node was silent made it look renewed). Its activation
+//!   fills them in from the leases and grace timers in flight.
 
 use serde::{Deserialize, Serialize};
 
@@ -101,10 +105,14 @@ impl Default for Rules {
 
 /// The format a state is encoded in under rule version `rules` (snapshots, backups,
 /// the state hash): format 6's layout until version 3, so that a node of the previous
-/// release can still read every snapshot until the operator activates the new rules.
+/// release can still read every snapshot until the operator activates the new rules;
+/// format 7 (the compact idempotency table) under version 3; format 8 (the fence
+/// instants appended) from version 4.
 pub fn state_format(rules: u32) -> u8 {
-    if rules >= 3 {
+    if rules >= crate::scheduler::GRACE_WAITS_FOR_THE_NODE_FROM {
         crate::codec::FORMAT_VERSION
+    } else if rules >= 3 {
+        crate::codec::COMPACT_TABLE_FORMAT
     } else {
         crate::codec::WIRE_FORMAT
     }

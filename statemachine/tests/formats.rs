@@ -5,9 +5,9 @@
 //! release's format, byte for byte; a blob of a newer format is refused by name, never
 //! misread.
 //!
-//! `tests/fixtures/format5` was written by commit 62f6f77 (format 5) and
-//! `tests/fixtures/format6` by commit d1226df (format 6), with
-//! `examples/format_fixture.rs`.
+//! `tests/fixtures/format5` was written by commit 62f6f77 (format 5),
+//! `tests/fixtures/format6` by commit d1226df (format 6) and `tests/fixtures/format7` by
+//! commit b97dccb (format 7, at rule version 4), with `examples/format_fixture.rs`.
 
 use allot_statemachine::codec::{self, CodecError, FORMAT_VERSION, WIRE_FORMAT};
 use allot_statemachine::version::{Rules, RULES_BASELINE};
@@ -105,8 +105,8 @@ fn rule_version_3_writes_format_7_and_it_reads_back() {
     h.ok(Command::ActivateVersion { version: 3 });
     h.ok(Command::CreateHold(Harness::hold_spec(5, credits(2))));
     let after = h.state.encode();
-    assert_eq!(after[0], FORMAT_VERSION);
-    assert_eq!(FORMAT_VERSION, 7);
+    assert_eq!(after[0], codec::COMPACT_TABLE_FORMAT);
+    assert_eq!(codec::COMPACT_TABLE_FORMAT, 7);
     let back = State::decode(&after).expect("format 7");
     assert_eq!(back, h.state);
     assert_eq!(back.encode(), after, "canonical");
@@ -133,9 +133,74 @@ fn rule_version_3_writes_format_7_and_it_reads_back() {
     assert_eq!(twin.state_hash(), h2.state.state_hash());
 }
 
+/// `tests/fixtures/format7`, written by commit b97dccb (format 7, the last commit
+/// before format 8) at rule version 4 — as every node of that release wrote snapshots
+/// once version 4 was active — with a preemption in its grace when the log ends. Read
+/// by this build, the fence instants format 8 keeps are filled in from its leases and
+/// grace timers, and they are exactly what replaying its log records as it goes.
+#[test]
+fn a_format_7_state_at_rule_version_4_reads_with_its_fence_instants_filled_in() {
+    use allot_statemachine::scheduler::JobState;
+    let (entries, state, events) = (
+        fixture(7, "entries.bin"),
+        fixture(7, "state.bin"),
+        fixture(7, "events.bin"),
+    );
+    assert_eq!(state[0], 7, "the snapshot is format 7");
+    assert_eq!((entries[0], events[0]), (WIRE_FORMAT, WIRE_FORMAT));
+    let entries: Vec<Entry> = codec::decode(&entries).expect("old log entries read");
+    let old = State::decode(&state).expect("old snapshot read");
+    let old_events: Vec<AuditEvent> = codec::decode(&events).expect("old audit rows read");
+    assert_eq!(old.rules.active, 4);
+    assert!(
+        check_invariants(&old).is_ok(),
+        "{:?}",
+        check_invariants(&old)
+    );
+    let fence = &old.scheduler.fence;
+    assert_eq!(fence.renewed_ms.len(), old.scheduler.nodes.len());
+    let preempting: Vec<_> = old
+        .scheduler
+        .jobs
+        .sorted()
+        .into_iter()
+        .filter(|(_, j)| j.state == JobState::Preempting)
+        .map(|(id, j)| {
+            (
+                *id,
+                j.grace_at.expect("in its grace") - old.config.scheduler.grace_ms,
+            )
+        })
+        .collect();
+    assert_eq!(preempting.len(), 1, "the fixture ends mid-grace");
+    assert_eq!(
+        fence.preempted_ms.clone().into_iter().collect::<Vec<_>>(),
+        preempting
+    );
+
+    let mut replayed = State::new(old.config.clone());
+    let mut replayed_events = Vec::new();
+    for e in &entries {
+        replayed_events.extend(apply(&mut replayed, e).expect("apply").events);
+    }
+    assert_eq!(
+        replayed, old,
+        "the log replays to the old snapshot, fence included"
+    );
+    assert_eq!(replayed_events, old_events, "and to the old audit events");
+    // Written again it is format 8, and reads back whole.
+    let now = old.encode();
+    assert_eq!(now[0], FORMAT_VERSION);
+    assert_eq!(FORMAT_VERSION, 8);
+    let back = State::decode(&now).expect("format 8");
+    assert_eq!(back, old);
+    assert_eq!(back.encode(), now, "canonical");
+    assert!(now.len() > state.len(), "format 8 appends the instants");
+}
+
 #[test]
 fn a_newer_truncated_or_corrupted_snapshot_is_refused_without_panicking() {
-    for format in [5, 6] {
+    for format in [5, 6, 7] {
         corrupted_snapshots_are_refused(fixture(format, "state.bin"));
     }
     let mut h = allot_statemachine::testkit::Harness::world();

@@ -1713,6 +1713,126 @@ fn a_preemption_on_a_silent_node_waits_for_the_nodes_fate_from_rule_version_4() 
     }
 }
 
+/// Found by review (tenth session, 2026-11-27; fixed in the twelfth): rule version 4's
+/// grace check rebuilt both instants it compares from the settings of the moment — the
+/// preemption's start as the grace timer's end minus `grace_ms`, the node's last renewal
+/// as its lease's end minus `node_lease_ms`. An operator lengthening the grace, or
+/// shortening the node lease, while a node was silent with a preemption in its grace
+/// made the node look renewed: the victim was requeued (and its GPUs given to the
+/// preemptor) while its cut-off agent might still run it. The instants are now kept as
+/// they happened (`scheduler::Fence`, state format 8).
+#[test]
+fn a_silent_nodes_preemption_waits_whatever_the_settings_become_meanwhile() {
+    for change in ["a longer grace", "a shorter node lease"] {
+        // Leases as long as settings may make them (a day), so that nothing but the
+        // preemption happens in the test's minutes.
+        let mut config = Config::default();
+        config.scheduler.node_lease_ms = 86_400_000;
+        config.scheduler.job_lease_ms = 86_400_000;
+        let mut h = Harness::world_with(config);
+        h.grant(1, P, BucketKind::Paid, credits(100_000), None);
+        h.ok(Command::ActivateVersion { version: 4 });
+        h.fleet(&[(1, a100(), 4, 80)]);
+        submit(&mut h, Harness::job_spec(10, Tier::FREE, vec![a100()], 2));
+        submit(&mut h, Harness::job_spec(11, Tier::FREE, vec![a100()], 2));
+        h.advance(5 * 60_000);
+        h.nodes_alive();
+        h.job_heartbeat(10, 1, 1).unwrap();
+        h.job_heartbeat(11, 1, 0).unwrap();
+        h.advance(60_000);
+        // The node's last renewal; then it goes silent, and a second later the
+        // enterprise job preempts job 10 on it.
+        h.nodes_alive();
+        let renewed = h.now;
+        h.job_heartbeat(10, 2, 1).unwrap();
+        h.job_heartbeat(11, 2, 0).unwrap();
+        h.advance(1_000);
+        submit(
+            &mut h,
+            Harness::job_spec(20, Tier::ENTERPRISE, vec![a100()], 2),
+        );
+        assert_eq!(h.job(10).state, JobState::Preempting);
+        let fence = &h.state.scheduler.fence;
+        assert_eq!(fence.renewed_ms[&NodeId(1)], renewed);
+        assert_eq!(fence.preempted_ms[&(ORG, JobId(10))], renewed + 1_000);
+        // The operator retunes while the node is silent (each change is far more than
+        // the second between the renewal and the preemption).
+        let old = h.state.config.scheduler.clone();
+        let mut s = old.settings();
+        match change {
+            "a longer grace" => s.grace_ms = old.grace_ms + 20_000,
+            _ => s.node_lease_ms = old.node_lease_ms - 5_000,
+        }
+        h.ok(Command::ConfigureScheduler(s));
+        // The grace timer set at the preemption ends; the node has not renewed.
+        h.advance(old.grace_ms);
+        h.tick();
+        assert_eq!(
+            h.job(10).state,
+            JobState::Preempting,
+            "after {change}: the silent node's victim keeps its GPUs"
+        );
+        assert_eq!(h.job(20).state, JobState::Queued, "after {change}");
+        // The node renews: the victim is requeued and the preemptor placed.
+        h.nodes_alive();
+        assert_eq!(h.job(10).state, JobState::Queued, "after {change}");
+        assert_eq!(h.job(20).state, JobState::Placed, "after {change}");
+        assert!(h.state.scheduler.fence.preempted_ms.is_empty());
+    }
+}
+
+/// Rule version 4 activated while a preemption is in its grace: the activation fills
+/// in each node's last renewal and the preemption's start from the leases and grace
+/// timers (the invariants, checked after every entry, require them from version 4 on),
+/// and the grace rule acts on them at once.
+#[test]
+fn activating_version_4_mid_grace_fills_in_the_fence_instants() {
+    let mut h = world();
+    h.ok(Command::ActivateVersion { version: 3 });
+    h.fleet(&[(1, a100(), 4, 80)]);
+    submit(&mut h, Harness::job_spec(10, Tier::FREE, vec![a100()], 2));
+    submit(&mut h, Harness::job_spec(11, Tier::FREE, vec![a100()], 2));
+    h.advance(5 * 60_000);
+    h.nodes_alive();
+    h.job_heartbeat(10, 1, 1).unwrap();
+    h.job_heartbeat(11, 1, 0).unwrap();
+    h.advance(60_000);
+    h.nodes_alive();
+    let renewed = h.now;
+    h.job_heartbeat(10, 2, 1).unwrap();
+    h.job_heartbeat(11, 2, 0).unwrap();
+    h.advance(1_000);
+    submit(
+        &mut h,
+        Harness::job_spec(20, Tier::ENTERPRISE, vec![a100()], 2),
+    );
+    assert_eq!(h.job(10).state, JobState::Preempting);
+    let fence = h.state.scheduler.fence.clone();
+    assert!(
+        fence.renewed_ms.is_empty() && fence.preempted_ms.is_empty(),
+        "version 3 keeps none"
+    );
+    h.advance(1_000);
+    h.ok(Command::ActivateVersion { version: 4 });
+    let fence = &h.state.scheduler.fence;
+    assert_eq!(
+        fence.renewed_ms.clone().into_iter().collect::<Vec<_>>(),
+        vec![(NodeId(1), renewed)]
+    );
+    assert_eq!(
+        fence.preempted_ms.clone().into_iter().collect::<Vec<_>>(),
+        vec![((ORG, JobId(10)), renewed + 1_000)]
+    );
+    let grace = h.state.config.scheduler.grace_ms;
+    h.advance(grace);
+    h.tick();
+    assert_eq!(
+        h.job(10).state,
+        JobState::Preempting,
+        "the silent node's victim waits"
+    );
+}
+
 /// Found by review (2026-11-26, left open until 2026-11-27): a placed job's meter ran
 /// from its placement, so a placement its node's agent could not start at once (cut
 /// off, restarting within its lease) billed the wait before the runner started, and an

@@ -168,5 +168,43 @@ pub fn check(state: &State) -> Result<(), String> {
             "{in_queues} queue entries for {queued} queued jobs"
         ));
     }
+    fence(state)
+}
+
+/// The fence instants (rule version 4 on; empty before): one renewal per node, and a
+/// preemption start for every job in its grace (and none for a job not preempting).
+fn fence(state: &State) -> Result<(), String> {
+    let (s, f) = (&state.scheduler, &state.scheduler.fence);
+    if state.rules.active < super::GRACE_WAITS_FOR_THE_NODE_FROM {
+        if f.renewed_ms.is_empty() && f.preempted_ms.is_empty() {
+            return Ok(());
+        }
+        return Err("fence instants recorded before rule version 4".into());
+    }
+    if f.renewed_ms.len() != s.nodes.len() || f.renewed_ms.keys().any(|n| s.nodes.get(n).is_none())
+    {
+        return Err(format!(
+            "{} renewal instants for {} nodes",
+            f.renewed_ms.len(),
+            s.nodes.len()
+        ));
+    }
+    if let Some(j) = f.preempted_ms.keys().find(|j| {
+        s.jobs
+            .get(j)
+            .is_none_or(|j| j.state != JobState::Preempting)
+    }) {
+        return Err(format!(
+            "{j:?} has a preemption start but is not preempting"
+        ));
+    }
+    for (id, j) in s.jobs.sorted() {
+        if j.state == JobState::Preempting
+            && j.grace_at.is_some()
+            && !f.preempted_ms.contains_key(id)
+        {
+            return Err(format!("{id:?} is in its grace without a preemption start"));
+        }
+    }
     Ok(())
 }

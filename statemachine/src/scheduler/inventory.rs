@@ -115,6 +115,7 @@ impl Scheduler {
                 n.labels = spec.labels.clone();
             }
             self.renew_node_lease(spec.node, now + lease_ms);
+            self.note_renewal(spec.node, now, ledger.rules.0);
             return Ok(Reply::NodeUpdated);
         }
         if self.nodes.len() >= NODES_MAX {
@@ -140,6 +141,7 @@ impl Scheduler {
         );
         self.timers
             .insert((now + lease_ms, Timer::NodeLease(spec.node)));
+        self.note_renewal(spec.node, now, ledger.rules.0);
         self.type_nodes
             .entry(spec.gpu_type.clone())
             .or_default()
@@ -160,6 +162,7 @@ impl Scheduler {
         lease_ms: u64,
         id: NodeId,
         effects: &mut Vec<PendingEvent>,
+        rules: u32,
     ) -> Result<Reply, CommandError> {
         let n = self.nodes.get(&id).ok_or(CommandError::UnknownNode)?;
         if n.state == NodeState::Down {
@@ -167,7 +170,16 @@ impl Scheduler {
             self.set_node_state(id, NodeState::Ready, effects);
         }
         self.renew_node_lease(id, now + lease_ms);
+        self.note_renewal(id, now, rules);
         Ok(Reply::NodeUpdated)
+    }
+
+    /// Records a renewal's instant for the silent-node grace rule (rule version 4 on:
+    /// `Fence::renewed_ms`).
+    fn note_renewal(&mut self, id: NodeId, now: u64, rules: u32) {
+        if rules >= super::GRACE_WAITS_FOR_THE_NODE_FROM {
+            self.fence.renewed_ms.insert(id, now);
+        }
     }
 
     pub(crate) fn set_draining(

@@ -64,6 +64,9 @@ impl Scheduler {
         let from = j.state;
         j.state = to;
         j.last_reason = reason;
+        if from == JobState::Preempting && to != JobState::Preempting {
+            self.fence.preempted_ms.remove(&id);
+        }
         if to.is_final() {
             j.finished_ms = Some(ctx.now);
             self.finished.push(ctx.now, id.0, id.1);

@@ -492,6 +492,24 @@ pub struct Scheduler {
     /// looking at a sibling's (`query::jobs_page`).
     #[serde(skip)]
     pub scoped_jobs: ScopedJobs,
+    /// The instants the silent-node grace rule compares (rule version 4, `timers.rs`).
+    /// Not part of the scheduler's own encoding: the state writes it after its other
+    /// fields in format 8 only (it is empty before version 4, whose snapshots are
+    /// format 8).
+    #[serde(skip)]
+    pub fence: Fence,
+}
+
+/// When each node last renewed its lease, and when each preemption in flight began
+/// (rule version 4 on; empty before). Kept as instants because the settings that
+/// would otherwise rebuild them (`node_lease_ms`, `grace_ms`) can change in between.
+/// Bounded by the nodes (one entry each) and the jobs in `Preempting`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fence {
+    /// Node → the logical time of its last accepted renewal (registration or heartbeat).
+    pub renewed_ms: BTreeMap<NodeId, u64>,
+    /// Job in `Preempting` → the logical time its preemption began.
+    pub preempted_ms: BTreeMap<JobKey, u64>,
 }
 
 /// Jobs in (org, project, id) and (org, project, user, id) order.

@@ -541,7 +541,7 @@ impl Scheduler {
         let Some(((_, _, node), victims)) = best else {
             return;
         };
-        self.begin_preemption(ctx, cfg, id, node, victims);
+        self.begin_preemption(ctx, cfg, id, node, victims, ledger.rules.0);
     }
 
     /// The work `v` would lose if preempted now (GPUs × time since its last checkpoint,
@@ -585,6 +585,7 @@ impl Scheduler {
         id: JobKey,
         node: NodeId,
         victims: Vec<JobKey>,
+        rules: u32,
     ) {
         let Some(tier) = self.jobs.get(&id).map(|j| j.spec.tier) else {
             return;
@@ -599,6 +600,9 @@ impl Scheduler {
                 vj.preemptions += 1;
             }
             self.set_timer(v, Timer::Grace, Some(now + cfg.grace_ms));
+            if rules >= super::GRACE_WAITS_FOR_THE_NODE_FROM {
+                self.fence.preempted_ms.insert(v, now);
+            }
             // The victim's org learns the preemptor's tier, and its id only if the
             // preemptor is its own (another org's job ids are never shown).
             let reason = Reason::Preempted {

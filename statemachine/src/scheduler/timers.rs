@@ -65,7 +65,9 @@ impl Scheduler {
 
     /// From rule version 4: at the end of a preemption's grace (`grace_end`), whether
     /// the victim's node has been silent since the preemption began (its last lease
-    /// renewal is older). Its agent may then be cut off and never have learnt of the
+    /// renewal is older). Both instants are kept as they happened (`Fence`): rebuilt
+    /// from today's `grace_ms` and `node_lease_ms`, a setting changed in between made a
+    /// silent node look renewed (a longer grace, a shorter lease). Its agent may then be cut off and never have learnt of the
     /// preemption, its runner still running, so the victim keeps its GPUs — no timer —
     /// until the node's fate: it goes down at its lease's end plus the fence margin (by
     /// which its agent has stopped every runner) and its jobs are requeued, or it renews
@@ -86,9 +88,33 @@ impl Scheduler {
         let Some(n) = j.placement.as_ref().and_then(|p| self.nodes.get(&p.node)) else {
             return false;
         };
-        let began = grace_end.saturating_sub(cfg.grace_ms);
-        let renewed = n.lease_until_ms.saturating_sub(cfg.node_lease_ms);
+        // Both are always recorded under version 4 (its activation, and the decoding
+        // of a format-7 state at version 4, fill them in): the settings are a fallback
+        // that the invariants say is never taken.
+        let began = (self.fence.preempted_ms.get(&job).copied())
+            .unwrap_or_else(|| grace_end.saturating_sub(cfg.grace_ms));
+        let renewed = (self.fence.renewed_ms.get(&n.id).copied())
+            .unwrap_or_else(|| n.lease_until_ms.saturating_sub(cfg.node_lease_ms));
         n.state != NodeState::Down && renewed < began
+    }
+
+    /// The fence instants as rule version 4's activation finds the shard: each node's
+    /// last renewal and each grace timer's start, rebuilt from the settings in force
+    /// (the best that can be known of the time before version 4 recorded them).
+    pub(crate) fn fill_fence(&mut self, cfg: &SchedulerConfig) {
+        let mut fence = super::Fence::default();
+        for (id, n) in self.nodes.sorted() {
+            let renewed = n.lease_until_ms.saturating_sub(cfg.node_lease_ms);
+            fence.renewed_ms.insert(*id, renewed);
+        }
+        for (id, j) in self.jobs.sorted() {
+            if let (JobState::Preempting, Some(end)) = (j.state, j.grace_at) {
+                fence
+                    .preempted_ms
+                    .insert(*id, end.saturating_sub(cfg.grace_ms));
+            }
+        }
+        self.fence = fence;
     }
 
     /// A renewal of `node` (rule version 4): the preemptions on it whose grace ended

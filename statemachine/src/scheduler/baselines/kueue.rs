@@ -336,7 +336,7 @@ impl Baseline for Pass {
                     }
                 }
                 self.q.incoming[t][f] += gpus;
-                s.begin_preemption(ctx, cfg, id, node, victims);
+                s.begin_preemption(ctx, cfg, id, node, victims, ledger.rules.0);
                 return;
             }
         }

@@ -397,7 +397,7 @@ impl Scheduler {
             }
         }
         if let Some(((_, _, _, node), victims)) = best {
-            self.begin_preemption(ctx, cfg, id, node, victims);
+            self.begin_preemption(ctx, cfg, id, node, victims, ledger.rules.0);
         }
     }
 
