@@ -57,7 +57,7 @@ pub use api::{
     Assignment, AssignmentSet, AssignmentSetStream, AssignmentStream, AuditFilter, AuditPage,
 };
 pub use error::{Error, Result};
-pub use transport::{Client, ClientBuilder};
+pub use transport::{retry_after_of, Client, ClientBuilder};
 pub use units::{format_credits, parse_credits, parse_duration_ms, MICRO_PER_CREDIT};
 
 pub use allot_proto as proto;

@@ -259,6 +259,15 @@ fn transport_failure(s: &tonic::Status) -> bool {
     s.code() == tonic::Code::Internal && s.message().starts_with("h2 protocol error")
 }
 
+/// How long a refusal asks the caller to wait before trying again (`retry-after-ms`:
+/// the node is busy, rate-limits the caller, or waits for something — an audit fill
+/// before a membership change), if it says.
+pub fn retry_after_of(s: &tonic::Status) -> Option<Duration> {
+    metadata_str(s, meta::RETRY_AFTER_MS)
+        .and_then(|v| v.parse().ok())
+        .map(Duration::from_millis)
+}
+
 fn metadata_str<'a>(s: &'a tonic::Status, key: &str) -> Option<&'a str> {
     metadata_str_of(s.metadata(), key)
 }
@@ -433,9 +442,7 @@ impl Client {
                 Ok(Err(st)) if retryable(&st) => {
                     last = format!("{addr}: {:?}: {}", st.code(), st.message());
                     cause = metadata_str(&st, meta::REASON).map(str::to_string);
-                    retry_after = metadata_str(&st, meta::RETRY_AFTER_MS)
-                        .and_then(|v| v.parse().ok())
-                        .map(Duration::from_millis);
+                    retry_after = retry_after_of(&st);
                     let hint = metadata_str(&st, meta::LEADER_ADDR).map(str::to_string);
                     let mut leaders = lock(&self.inner.leaders);
                     match hint {

@@ -25,11 +25,11 @@ use serde::{de::DeserializeOwned, Serialize};
 ///   as format 7 only from rule version 3 on (`crate::version::state_format`).
 /// - 8: the state appends the scheduler's fence instants (`scheduler::Fence`: each
 ///   node's last renewal, each preemption's start), which rule version 4's silent-node
-///   grace rule reads. Written from rule version 4 on; a format-7 state read at version
-///   4 (written before format 8 existed) has them rebuilt from its leases and timers.
-///   Only the state's layout changed.
+///   grace rule reads, and the ledger's retired grant ids (`ledger::Books::
+///   retired_grants`). Written from rule version 5 on (both are recorded from its
+///   activation). Only the state's layout changed.
 pub const FORMAT_VERSION: u8 = 8;
-/// The state's format from rule version 3 until version 4 (`crate::version::state_format`).
+/// The state's format under rule versions 3 and 4 (`crate::version::state_format`).
 pub const COMPACT_TABLE_FORMAT: u8 = 7;
 /// The format this build writes for every blob whose layout did not change in formats 7 and 8:
 /// log entries' requests, audit rows, peer messages, backup frames other than the

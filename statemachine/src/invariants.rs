@@ -30,6 +30,8 @@ pub enum Violation {
     Scheduler(String),
     #[error("{0}: budget usage held {1} != open holds {2}")]
     UsageHeldMismatch(String, u64, u64),
+    #[error("{0}: a retired grant id {1}")]
+    RetiredGrant(BucketId, &'static str),
 }
 
 pub fn check_invariants(state: &State) -> Result<(), Violation> {
@@ -46,6 +48,22 @@ fn check_buckets(state: &State) -> Result<(), Violation> {
     for (_, h) in l.holds.sorted().into_iter().filter(|(_, h)| h.is_open()) {
         for d in &h.draws {
             *drawn.entry(d.bucket).or_default() += d.held;
+        }
+    }
+    // Retired grant ids (rule version 5 on): grants' ids, none of a live bucket.
+    let v4 = state.rules.active >= crate::ledger::GRANT_IDS_RETIRED_FROM;
+    for &id in &l.retired_grants {
+        if !v4 {
+            return Err(Violation::RetiredGrant(
+                id,
+                "recorded before rule version 5",
+            ));
+        }
+        if id.0 >= crate::limits::INTERNAL_ID_BASE {
+            return Err(Violation::RetiredGrant(id, "in the ledger's own id range"));
+        }
+        if l.buckets.get(&id).is_some() {
+            return Err(Violation::RetiredGrant(id, "still names a bucket"));
         }
     }
     for (_, b) in l.buckets.sorted() {

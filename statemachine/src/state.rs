@@ -73,7 +73,7 @@ pub struct State {
 impl Serialize for State {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
-        let mut st = s.serialize_struct("State", 12)?;
+        let mut st = s.serialize_struct("State", 13)?;
         st.serialize_field("config", &self.config)?;
         st.serialize_field("time_ms", &self.time_ms)?;
         st.serialize_field("last_applied", &self.last_applied)?;
@@ -93,16 +93,18 @@ impl Serialize for State {
             st.serialize_field("dedup", &self.scheduler.dedup)?;
         }
         if self.format() >= 8 {
-            // Format 8 appended the fence instants (empty before rule version 4).
+            // Format 8 appended the fence instants and the retired grant ids (both
+            // empty before rule version 5).
             st.serialize_field("fence", &self.scheduler.fence)?;
+            st.serialize_field("retired_grants", &self.ledger.books.retired_grants)?;
         }
         st.end()
     }
 }
 
 /// The state as format 8 lays it out: [`State`]'s fields, then the scheduler's
-/// result-dedup tables (`scheduler::dedup`), then its fence instants
-/// (`scheduler::Fence`).
+/// result-dedup tables (`scheduler::dedup`), its fence instants (`scheduler::Fence`)
+/// and the ledger's retired grant ids (`ledger::Books::retired_grants`).
 #[derive(Deserialize)]
 struct StateV8 {
     config: Config,
@@ -117,6 +119,7 @@ struct StateV8 {
     rules: crate::version::Rules,
     dedup: crate::scheduler::dedup::Dedup,
     fence: crate::scheduler::Fence,
+    retired_grants: std::collections::BTreeSet<crate::ids::BucketId>,
 }
 
 impl From<StateV8> for State {
@@ -135,6 +138,7 @@ impl From<StateV8> for State {
             dedup: s.dedup,
         });
         state.scheduler.fence = s.fence;
+        state.ledger.books.retired_grants = s.retired_grants;
         state
     }
 }
@@ -158,16 +162,10 @@ struct StateV7 {
 }
 
 impl From<StateV7> for State {
-    /// A format-7 state at rule version 4 (written before format 8 existed) gets the
-    /// fence instants its activation would have filled in, from its leases and grace
-    /// timers.
+    /// A format-7 state is below rule version 5 (format 8 from it on), so it has no
+    /// fence instants and no retired grant ids to read.
     fn from(s: StateV7) -> State {
-        let mut state = State::from_v7(s);
-        if state.rules.active >= crate::scheduler::GRACE_WAITS_FOR_THE_NODE_FROM {
-            let cfg = state.config.scheduler.clone();
-            state.scheduler.fill_fence(&cfg);
-        }
-        state
+        State::from_v7(s)
     }
 }
 
@@ -655,7 +653,7 @@ fn execute(
                     let keep = RETIRED_KEYS_PER_TENANT_PRINCIPAL_V4;
                     state.security.trim_tenant_retired(keep);
                 }
-                let fence = crate::scheduler::GRACE_WAITS_FOR_THE_NODE_FROM;
+                let fence = crate::scheduler::FENCE_INSTANTS_FROM;
                 if before < fence && after >= fence {
                     let cfg = &state.config.scheduler;
                     state.scheduler.fill_fence(cfg);

@@ -68,11 +68,18 @@
 //!   one that ran out of credit, its reply lost) is answered as a duplicate with the
 //!   settlement instead of `HoldSettled`
 //!   (`crate::ledger::RETRIED_HEARTBEATS_SEE_THEIR_SETTLEMENT_FROM`).
-//!   Snapshots are written in format 8: the state keeps each node's last renewal and
-//!   each preemption's start (`crate::scheduler::Fence`), which the grace rule above
-//!   compares, instead of rebuilding them from today's `node_lease_ms` and `grace_ms`
-//!   (a setting changed while a node was silent made it look renewed). Its activation
-//!   fills them in from the leases and grace timers in flight.
+//!   The state's format is unchanged (7).
+//! - **5** — snapshots are written in format 8. The scheduler keeps each node's last
+//!   renewal and each preemption's start (`crate::scheduler::Fence`,
+//!   `crate::scheduler::FENCE_INSTANTS_FROM`), which version 4's silent-node grace
+//!   rule compares, instead of rebuilding them from today's `node_lease_ms` and
+//!   `grace_ms` (a setting changed while a node was silent made it look renewed); its
+//!   activation fills them in from the leases and grace timers in flight. A grant's id
+//!   is retired when its bucket is archived and never issued again
+//!   (`crate::ledger::GRANT_IDS_RETIRED_FROM`; before, a replay of an old
+//!   `IssueGrant` after the archive issued the credit twice). A version of its own,
+//!   not part of 4: commits that already implemented version 4 wrote format 7 under
+//!   it, and every replica must start recording at one point of the log.
 
 use serde::{Deserialize, Serialize};
 
@@ -81,7 +88,7 @@ pub const RULES_BASELINE: u32 = 1;
 /// The newest rule version this build implements. A node may be told to support less
 /// (`allot-node --max-rules-version`, to rehearse an upgrade or to hold one back), never
 /// more.
-pub const RULES_MAX: u32 = 4;
+pub const RULES_MAX: u32 = 5;
 /// A job's longest `max_duration_ms` from rule version 2 on.
 pub const JOB_DURATION_MS_MAX_V2: u64 = 90 * 86_400_000;
 
@@ -106,10 +113,10 @@ impl Default for Rules {
 /// The format a state is encoded in under rule version `rules` (snapshots, backups,
 /// the state hash): format 6's layout until version 3, so that a node of the previous
 /// release can still read every snapshot until the operator activates the new rules;
-/// format 7 (the compact idempotency table) under version 3; format 8 (the fence
-/// instants appended) from version 4.
+/// format 7 (the compact idempotency table) under versions 3 and 4; format 8 (the
+/// fence instants and retired grant ids appended) from version 5.
 pub fn state_format(rules: u32) -> u8 {
-    if rules >= crate::scheduler::GRACE_WAITS_FOR_THE_NODE_FROM {
+    if rules >= crate::scheduler::FENCE_INSTANTS_FROM {
         crate::codec::FORMAT_VERSION
     } else if rules >= 3 {
         crate::codec::COMPACT_TABLE_FORMAT

@@ -134,13 +134,16 @@ fn rule_version_3_writes_format_7_and_it_reads_back() {
 }
 
 /// `tests/fixtures/format7`, written by commit b97dccb (format 7, the last commit
-/// before format 8) at rule version 4 — as every node of that release wrote snapshots
-/// once version 4 was active — with a preemption in its grace when the log ends. Read
-/// by this build, the fence instants format 8 keeps are filled in from its leases and
-/// grace timers, and they are exactly what replaying its log records as it goes.
+/// before format 8) at rule version 4 — as every node of that commit wrote snapshots
+/// once version 4 was active — with a preemption in its grace when the log ends. This
+/// build replays its log to the same state and events, and writes it again byte for
+/// byte as that commit did: a node of it reads every snapshot until version 5 is
+/// activated. Version 5's activation then fills in the fence instants from the leases
+/// and the grace timer, and the state is written in format 8.
 #[test]
-fn a_format_7_state_at_rule_version_4_reads_with_its_fence_instants_filled_in() {
+fn a_format_7_state_at_rule_version_4_is_read_and_written_as_it_was_until_version_5() {
     use allot_statemachine::scheduler::JobState;
+    use allot_statemachine::{Command, Request};
     let (entries, state, events) = (
         fixture(7, "entries.bin"),
         fixture(7, "state.bin"),
@@ -157,45 +160,60 @@ fn a_format_7_state_at_rule_version_4_reads_with_its_fence_instants_filled_in() 
         "{:?}",
         check_invariants(&old)
     );
-    let fence = &old.scheduler.fence;
-    assert_eq!(fence.renewed_ms.len(), old.scheduler.nodes.len());
-    let preempting: Vec<_> = old
-        .scheduler
-        .jobs
-        .sorted()
-        .into_iter()
+    let mut replayed = State::new(old.config.clone());
+    let mut replayed_events = Vec::new();
+    for e in &entries {
+        replayed_events.extend(apply(&mut replayed, e).expect("apply").events);
+    }
+    assert_eq!(replayed, old, "the log replays to the old snapshot");
+    assert_eq!(replayed_events, old_events, "and to the old audit events");
+    assert_eq!(
+        old.encode(),
+        state,
+        "format 7, byte for byte, under version 4"
+    );
+
+    // Version 5: the fence instants are filled in from the leases and grace timers.
+    let mut now = old.clone();
+    let activation = Entry {
+        log_index: old.last_applied.unwrap_or(0) + 1,
+        logical_time_ms: old.time_ms + 1,
+        requests: vec![Request {
+            actor: allot_statemachine::testkit::ADMIN,
+            request_id: 9_999_999,
+            org: None,
+            command: Command::ActivateVersion { version: 5 },
+        }],
+    };
+    apply(&mut now, &activation).expect("activation");
+    assert_eq!(now.rules.active, 5);
+    let cfg = &now.config.scheduler;
+    let fence = &now.scheduler.fence;
+    let renewals: Vec<_> = (now.scheduler.nodes.sorted().into_iter())
+        .map(|(id, n)| (*id, n.lease_until_ms - cfg.node_lease_ms))
+        .collect();
+    assert_eq!(renewals.len(), 2);
+    assert_eq!(
+        fence.renewed_ms.clone().into_iter().collect::<Vec<_>>(),
+        renewals
+    );
+    let preempting: Vec<_> = (now.scheduler.jobs.sorted().into_iter())
         .filter(|(_, j)| j.state == JobState::Preempting)
-        .map(|(id, j)| {
-            (
-                *id,
-                j.grace_at.expect("in its grace") - old.config.scheduler.grace_ms,
-            )
-        })
+        .map(|(id, j)| (*id, j.grace_at.expect("in its grace") - cfg.grace_ms))
         .collect();
     assert_eq!(preempting.len(), 1, "the fixture ends mid-grace");
     assert_eq!(
         fence.preempted_ms.clone().into_iter().collect::<Vec<_>>(),
         preempting
     );
-
-    let mut replayed = State::new(old.config.clone());
-    let mut replayed_events = Vec::new();
-    for e in &entries {
-        replayed_events.extend(apply(&mut replayed, e).expect("apply").events);
-    }
-    assert_eq!(
-        replayed, old,
-        "the log replays to the old snapshot, fence included"
-    );
-    assert_eq!(replayed_events, old_events, "and to the old audit events");
-    // Written again it is format 8, and reads back whole.
-    let now = old.encode();
-    assert_eq!(now[0], FORMAT_VERSION);
+    assert!(check_invariants(&now).is_ok());
+    let written = now.encode();
+    assert_eq!(written[0], FORMAT_VERSION);
     assert_eq!(FORMAT_VERSION, 8);
-    let back = State::decode(&now).expect("format 8");
-    assert_eq!(back, old);
-    assert_eq!(back.encode(), now, "canonical");
-    assert!(now.len() > state.len(), "format 8 appends the instants");
+    let back = State::decode(&written).expect("format 8");
+    assert_eq!(back, now);
+    assert_eq!(back.encode(), written, "canonical");
+    assert_eq!(back.state_hash(), now.state_hash());
 }
 
 #[test]

@@ -1194,3 +1194,64 @@ fn moving_credit_to_and_fro_never_overflows_a_counter() {
         );
     }
 }
+
+/// Found by the tenth session's review, fixed in the twelfth: a grant's bucket id could
+/// be issued again once its bucket was archived (`bucket_retention_ms`, 7 days, after it
+/// closed) — a billing system replaying an old `IssueGrant` after that (the idempotency
+/// window is a day) issued the credit a second time. From rule version 5 the id is
+/// retired when the bucket is archived, and a grant naming it is refused as one naming
+/// a live bucket is. The retired ids are kept in snapshots (format 8).
+#[test]
+fn a_grant_id_is_never_issued_again_after_its_bucket_is_archived_from_rule_version_5() {
+    for rules in [4, 5] {
+        let mut h = Harness::world();
+        h.ok(Command::ActivateVersion { version: rules });
+        h.grant(77, P, BucketKind::Paid, credits(5), None);
+        h.ok(Command::CreateHold(Harness::hold_spec(1, credits(5))));
+        h.ok(Command::Capture {
+            hold: HoldId(1),
+            amount_micro: credits(5),
+        });
+        h.ok(Command::ReleaseHold { hold: HoldId(1) });
+        let again = Command::IssueGrant(Grant {
+            bucket: BucketId(77),
+            owner: P,
+            kind: BucketKind::Paid,
+            amount_micro: credits(5),
+            expires_at_ms: None,
+            priority: 100,
+            policy: None,
+            source_ref: None,
+        });
+        // While the drained bucket is kept, the id is taken.
+        assert_eq!(h.run(again.clone()), Err(CommandError::AlreadyExists));
+        h.advance(h.state.config.ledger.bucket_retention_ms + 1_000);
+        h.tick();
+        assert!(
+            h.state.ledger.buckets.get(&BucketId(77)).is_none(),
+            "archived"
+        );
+        let before = h.state.ledger.balance(ORG, P, h.now, 0).unwrap();
+        let replayed = h.run(again);
+        let after = h.state.ledger.balance(ORG, P, h.now, 0).unwrap();
+        if rules == 4 {
+            assert!(replayed.is_ok(), "version 4: {replayed:?}");
+            assert_eq!(
+                after.paid_available_micro,
+                before.paid_available_micro + credits(5),
+                "version 4 issues the credit a second time"
+            );
+            continue;
+        }
+        assert_eq!(replayed, Err(CommandError::AlreadyExists), "version 5");
+        assert_eq!(after, before, "nothing issued");
+        assert!(h.state.ledger.retired_grants.contains(&BucketId(77)));
+        // A snapshot keeps the retired id: a replica restored from it refuses too.
+        let back = State::decode(&h.state.encode()).expect("format 8");
+        assert_eq!(back, h.state);
+        assert!(back.ledger.retired_grants.contains(&BucketId(77)));
+        // Other ids are still free.
+        h.grant(78, P, BucketKind::Paid, credits(1), None);
+        assert_eq!(h.state.ledger.retired_grants.len(), 1);
+    }
+}

@@ -1719,11 +1719,16 @@ fn a_preemption_on_a_silent_node_waits_for_the_nodes_fate_from_rule_version_4() 
 /// as its lease's end minus `node_lease_ms`. An operator lengthening the grace, or
 /// shortening the node lease, while a node was silent with a preemption in its grace
 /// made the node look renewed: the victim was requeued (and its GPUs given to the
-/// preemptor) while its cut-off agent might still run it. The instants are now kept as
-/// they happened (`scheduler::Fence`, state format 8).
+/// preemptor) while its cut-off agent might still run it. From rule version 5 the
+/// instants are kept as they happened (`scheduler::Fence`, state format 8).
 #[test]
-fn a_silent_nodes_preemption_waits_whatever_the_settings_become_meanwhile() {
-    for change in ["a longer grace", "a shorter node lease"] {
+fn a_silent_nodes_preemption_waits_whatever_the_settings_become_meanwhile_from_rule_version_5() {
+    for (rules, change) in [
+        (4, "a longer grace"),
+        (5, "a longer grace"),
+        (4, "a shorter node lease"),
+        (5, "a shorter node lease"),
+    ] {
         // Leases as long as settings may make them (a day), so that nothing but the
         // preemption happens in the test's minutes.
         let mut config = Config::default();
@@ -1731,7 +1736,7 @@ fn a_silent_nodes_preemption_waits_whatever_the_settings_become_meanwhile() {
         config.scheduler.job_lease_ms = 86_400_000;
         let mut h = Harness::world_with(config);
         h.grant(1, P, BucketKind::Paid, credits(100_000), None);
-        h.ok(Command::ActivateVersion { version: 4 });
+        h.ok(Command::ActivateVersion { version: rules });
         h.fleet(&[(1, a100(), 4, 80)]);
         submit(&mut h, Harness::job_spec(10, Tier::FREE, vec![a100()], 2));
         submit(&mut h, Harness::job_spec(11, Tier::FREE, vec![a100()], 2));
@@ -1753,8 +1758,12 @@ fn a_silent_nodes_preemption_waits_whatever_the_settings_become_meanwhile() {
         );
         assert_eq!(h.job(10).state, JobState::Preempting);
         let fence = &h.state.scheduler.fence;
-        assert_eq!(fence.renewed_ms[&NodeId(1)], renewed);
-        assert_eq!(fence.preempted_ms[&(ORG, JobId(10))], renewed + 1_000);
+        if rules == 5 {
+            assert_eq!(fence.renewed_ms[&NodeId(1)], renewed);
+            assert_eq!(fence.preempted_ms[&(ORG, JobId(10))], renewed + 1_000);
+        } else {
+            assert!(fence.renewed_ms.is_empty() && fence.preempted_ms.is_empty());
+        }
         // The operator retunes while the node is silent (each change is far more than
         // the second between the renewal and the preemption).
         let old = h.state.config.scheduler.clone();
@@ -1767,6 +1776,14 @@ fn a_silent_nodes_preemption_waits_whatever_the_settings_become_meanwhile() {
         // The grace timer set at the preemption ends; the node has not renewed.
         h.advance(old.grace_ms);
         h.tick();
+        if rules == 4 {
+            assert_eq!(
+                h.job(10).state,
+                JobState::Queued,
+                "version 4, after {change}: the silent node looks renewed"
+            );
+            continue;
+        }
         assert_eq!(
             h.job(10).state,
             JobState::Preempting,
@@ -1778,17 +1795,18 @@ fn a_silent_nodes_preemption_waits_whatever_the_settings_become_meanwhile() {
         assert_eq!(h.job(10).state, JobState::Queued, "after {change}");
         assert_eq!(h.job(20).state, JobState::Placed, "after {change}");
         assert!(h.state.scheduler.fence.preempted_ms.is_empty());
+        assert_eq!(h.state.scheduler.fence.renewed_ms[&NodeId(1)], h.now);
     }
 }
 
-/// Rule version 4 activated while a preemption is in its grace: the activation fills
+/// Rule version 5 activated while a preemption is in its grace: the activation fills
 /// in each node's last renewal and the preemption's start from the leases and grace
-/// timers (the invariants, checked after every entry, require them from version 4 on),
+/// timers (the invariants, checked after every entry, require them from version 5 on),
 /// and the grace rule acts on them at once.
 #[test]
-fn activating_version_4_mid_grace_fills_in_the_fence_instants() {
+fn activating_version_5_mid_grace_fills_in_the_fence_instants() {
     let mut h = world();
-    h.ok(Command::ActivateVersion { version: 3 });
+    h.ok(Command::ActivateVersion { version: 4 });
     h.fleet(&[(1, a100(), 4, 80)]);
     submit(&mut h, Harness::job_spec(10, Tier::FREE, vec![a100()], 2));
     submit(&mut h, Harness::job_spec(11, Tier::FREE, vec![a100()], 2));
@@ -1810,10 +1828,10 @@ fn activating_version_4_mid_grace_fills_in_the_fence_instants() {
     let fence = h.state.scheduler.fence.clone();
     assert!(
         fence.renewed_ms.is_empty() && fence.preempted_ms.is_empty(),
-        "version 3 keeps none"
+        "version 4 keeps none"
     );
     h.advance(1_000);
-    h.ok(Command::ActivateVersion { version: 4 });
+    h.ok(Command::ActivateVersion { version: 5 });
     let fence = &h.state.scheduler.fence;
     assert_eq!(
         fence.renewed_ms.clone().into_iter().collect::<Vec<_>>(),

@@ -1,7 +1,7 @@
 //! Buckets: issuance, the spend-order index, expiry, and transfers.
 
-use super::CLOSED_BUCKETS_COUNTED_FROM;
 use super::{unknown_account, AccountRec, Books, Bucket, BucketRef, Ctx};
+use super::{CLOSED_BUCKETS_COUNTED_FROM, GRANT_IDS_RETIRED_FROM};
 use crate::audit::EventBody;
 use crate::command::{Grant, Quota};
 use crate::ids::{Account, BucketId, OrgId};
@@ -98,7 +98,9 @@ impl Books {
         if !self.has_account(org, g.owner) {
             return Err(unknown_account(g.owner));
         }
-        if self.buckets.contains_key(&g.bucket) {
+        if self.buckets.contains_key(&g.bucket)
+            || (self.rules.0 >= GRANT_IDS_RETIRED_FROM && self.retired_grants.contains(&g.bucket))
+        {
             return Err(CommandError::AlreadyExists);
         }
         self.check_bucket_room(org, quota, g.owner, 1)?;
@@ -246,6 +248,10 @@ impl Books {
                 }
             }
             self.archived.add(&b);
+            if self.rules.0 >= GRANT_IDS_RETIRED_FROM && id.0 < crate::limits::INTERNAL_ID_BASE {
+                // A grant's (client-chosen) id; transfer buckets take ids of their own.
+                self.retired_grants.insert(id);
+            }
             ctx.bucket_event(b.refs(), None, EventBody::BucketArchived { bucket: id });
         }
     }

@@ -283,6 +283,13 @@ pub struct Books {
     pub archived: Archived,
     /// Closed buckets in closing order, archived `bucket_retention_ms` later.
     pub closed_queue: std::collections::VecDeque<(u64, BucketId)>,
+    /// The ids of grants whose buckets were archived (rule version 5 on,
+    /// [`GRANT_IDS_RETIRED_FROM`]): never issued again. Grows with the grants an admin
+    /// issues (tenants issue none), one id each. Not part of the ledger's own encoding:
+    /// the state writes it after its other fields in format 8 only (it is empty before
+    /// version 5, whose snapshots are format 8).
+    #[serde(skip)]
+    pub retired_grants: BTreeSet<BucketId>,
     /// The shard's active rule version as apply last set it (`crate::version`), for the
     /// ledger's rules that depend on it. Not state: not encoded, not compared.
     #[serde(skip)]
@@ -307,6 +314,13 @@ impl Eq for RulesSeen {}
 /// From this rule version a closed bucket counts against its org's bucket quota until
 /// it is archived (DESIGN §44, "Buckets closed by churn").
 pub const CLOSED_BUCKETS_COUNTED_FROM: u32 = 4;
+
+/// From this rule version a grant's id is retired when its bucket is archived, and a
+/// grant naming it again is refused `AlreadyExists` like one naming a live bucket:
+/// before, a retry of an `IssueGrant` arriving after the bucket's archive (the
+/// idempotency window is a day, the archive comes `bucket_retention_ms` after the
+/// bucket closes) issued the credit a second time (DESIGN §59).
+pub const GRANT_IDS_RETIRED_FROM: u32 = 5;
 
 /// From this rule version a placed job's meter runs from its attempt's first accepted
 /// heartbeat (the runner's start), not from its placement: a placement its node's agent

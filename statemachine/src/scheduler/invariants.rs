@@ -171,15 +171,15 @@ pub fn check(state: &State) -> Result<(), String> {
     fence(state)
 }
 
-/// The fence instants (rule version 4 on; empty before): one renewal per node, and a
-/// preemption start for every job in its grace (and none for a job not preempting).
+/// The fence instants (rule version 5 on; empty before): one renewal per node, and a
+/// preemption start for exactly the jobs in their grace (`Preempting`, timer pending).
 fn fence(state: &State) -> Result<(), String> {
     let (s, f) = (&state.scheduler, &state.scheduler.fence);
-    if state.rules.active < super::GRACE_WAITS_FOR_THE_NODE_FROM {
+    if state.rules.active < super::FENCE_INSTANTS_FROM {
         if f.renewed_ms.is_empty() && f.preempted_ms.is_empty() {
             return Ok(());
         }
-        return Err("fence instants recorded before rule version 4".into());
+        return Err("fence instants recorded before rule version 5".into());
     }
     if f.renewed_ms.len() != s.nodes.len() || f.renewed_ms.keys().any(|n| s.nodes.get(n).is_none())
     {
@@ -192,10 +192,10 @@ fn fence(state: &State) -> Result<(), String> {
     if let Some(j) = f.preempted_ms.keys().find(|j| {
         s.jobs
             .get(j)
-            .is_none_or(|j| j.state != JobState::Preempting)
+            .is_none_or(|j| j.state != JobState::Preempting || j.grace_at.is_none())
     }) {
         return Err(format!(
-            "{j:?} has a preemption start but is not preempting"
+            "{j:?} has a preemption start but is not in its grace"
         ));
     }
     for (id, j) in s.jobs.sorted() {

@@ -174,10 +174,10 @@ impl Scheduler {
         Ok(Reply::NodeUpdated)
     }
 
-    /// Records a renewal's instant for the silent-node grace rule (rule version 4 on:
+    /// Records a renewal's instant for the silent-node grace rule (rule version 5 on:
     /// `Fence::renewed_ms`).
     fn note_renewal(&mut self, id: NodeId, now: u64, rules: u32) {
-        if rules >= super::GRACE_WAITS_FOR_THE_NODE_FROM {
+        if rules >= super::FENCE_INSTANTS_FROM {
             self.fence.renewed_ms.insert(id, now);
         }
     }

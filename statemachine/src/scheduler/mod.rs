@@ -19,7 +19,7 @@ mod pass;
 mod reservations;
 mod timers;
 pub use jobs::{AGENTS_SEE_ONLY_THEIR_JOBS_FROM, ENDINGS_ON_A_LAPSED_NODE_BILL_TO_THE_LEASE_FROM};
-pub use timers::GRACE_WAITS_FOR_THE_NODE_FROM;
+pub use timers::{FENCE_INSTANTS_FROM, GRACE_WAITS_FOR_THE_NODE_FROM};
 pub mod usage;
 
 use crate::command::{JobSpec, Quota};
@@ -492,23 +492,24 @@ pub struct Scheduler {
     /// looking at a sibling's (`query::jobs_page`).
     #[serde(skip)]
     pub scoped_jobs: ScopedJobs,
-    /// The instants the silent-node grace rule compares (rule version 4, `timers.rs`).
-    /// Not part of the scheduler's own encoding: the state writes it after its other
-    /// fields in format 8 only (it is empty before version 4, whose snapshots are
-    /// format 8).
+    /// The instants the silent-node grace rule compares (rule version 5 on,
+    /// `timers.rs`). Not part of the scheduler's own encoding: the state writes it after
+    /// its other fields in format 8 only (it is empty before version 5, whose snapshots
+    /// are format 8).
     #[serde(skip)]
     pub fence: Fence,
 }
 
-/// When each node last renewed its lease, and when each preemption in flight began
-/// (rule version 4 on; empty before). Kept as instants because the settings that
+/// When each node last renewed its lease, and when each preemption still in its grace
+/// began (rule version 5 on; empty before). Kept as instants because the settings that
 /// would otherwise rebuild them (`node_lease_ms`, `grace_ms`) can change in between.
 /// Bounded by the nodes (one entry each) and the jobs in `Preempting`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Fence {
     /// Node → the logical time of its last accepted renewal (registration or heartbeat).
     pub renewed_ms: BTreeMap<NodeId, u64>,
-    /// Job in `Preempting` → the logical time its preemption began.
+    /// Job in `Preempting` whose grace timer is pending → the logical time its
+    /// preemption began (removed when the timer fires: nothing reads it after).
     pub preempted_ms: BTreeMap<JobKey, u64>,
 }
 

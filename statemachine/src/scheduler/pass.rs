@@ -600,7 +600,7 @@ impl Scheduler {
                 vj.preemptions += 1;
             }
             self.set_timer(v, Timer::Grace, Some(now + cfg.grace_ms));
-            if rules >= super::GRACE_WAITS_FOR_THE_NODE_FROM {
+            if rules >= super::FENCE_INSTANTS_FROM {
                 self.fence.preempted_ms.insert(v, now);
             }
             // The victim's org learns the preemptor's tier, and its id only if the

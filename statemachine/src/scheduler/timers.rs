@@ -12,6 +12,9 @@ use crate::limits::TIMERS_PER_ENTRY_MAX;
 /// The rule version from which a preemption's grace waits for a silent victim node
 /// ([`Scheduler::grace_waits_for_the_node`]).
 pub const GRACE_WAITS_FOR_THE_NODE_FROM: u32 = 4;
+/// The rule version from which the instants that rule compares are kept as they happen
+/// (`Fence`), not rebuilt from the settings of the moment.
+pub const FENCE_INSTANTS_FROM: u32 = 5;
 
 impl Scheduler {
     /// A job whose node lost it (the lease ran out, or the agent stopped it when it could
@@ -65,9 +68,10 @@ impl Scheduler {
 
     /// From rule version 4: at the end of a preemption's grace (`grace_end`), whether
     /// the victim's node has been silent since the preemption began (its last lease
-    /// renewal is older). Both instants are kept as they happened (`Fence`): rebuilt
-    /// from today's `grace_ms` and `node_lease_ms`, a setting changed in between made a
-    /// silent node look renewed (a longer grace, a shorter lease). Its agent may then be cut off and never have learnt of the
+    /// renewal is older). From rule version 5 both instants are kept as they happened
+    /// (`Fence`); before, they are rebuilt from today's `grace_ms` and `node_lease_ms`,
+    /// and a setting changed in between made a silent node look renewed (a longer
+    /// grace, a shorter lease). Its agent may then be cut off and never have learnt of the
     /// preemption, its runner still running, so the victim keeps its GPUs — no timer —
     /// until the node's fate: it goes down at its lease's end plus the fence margin (by
     /// which its agent has stopped every runner) and its jobs are requeued, or it renews
@@ -77,6 +81,7 @@ impl Scheduler {
         job: crate::ids::JobKey,
         cfg: &SchedulerConfig,
         grace_end: u64,
+        rules: u32,
     ) -> bool {
         let Some(j) = self
             .jobs
@@ -88,17 +93,17 @@ impl Scheduler {
         let Some(n) = j.placement.as_ref().and_then(|p| self.nodes.get(&p.node)) else {
             return false;
         };
-        // Both are always recorded under version 4 (its activation, and the decoding
-        // of a format-7 state at version 4, fill them in): the settings are a fallback
-        // that the invariants say is never taken.
-        let began = (self.fence.preempted_ms.get(&job).copied())
+        // From version 5 both are always recorded (its activation fills them in): the
+        // settings are then a fallback the invariants say is never taken.
+        let kept = rules >= FENCE_INSTANTS_FROM;
+        let began = (self.fence.preempted_ms.get(&job).copied().filter(|_| kept))
             .unwrap_or_else(|| grace_end.saturating_sub(cfg.grace_ms));
-        let renewed = (self.fence.renewed_ms.get(&n.id).copied())
+        let renewed = (self.fence.renewed_ms.get(&n.id).copied().filter(|_| kept))
             .unwrap_or_else(|| n.lease_until_ms.saturating_sub(cfg.node_lease_ms));
         n.state != NodeState::Down && renewed < began
     }
 
-    /// The fence instants as rule version 4's activation finds the shard: each node's
+    /// The fence instants as rule version 5's activation finds the shard: each node's
     /// last renewal and each grace timer's start, rebuilt from the settings in force
     /// (the best that can be known of the time before version 4 recorded them).
     pub(crate) fn fill_fence(&mut self, cfg: &SchedulerConfig) {
@@ -243,7 +248,8 @@ impl Scheduler {
                 }
                 Timer::Grace(job) => {
                     let waits = rules >= GRACE_WAITS_FOR_THE_NODE_FROM
-                        && self.grace_waits_for_the_node(job, cfg, at);
+                        && self.grace_waits_for_the_node(job, cfg, at, rules);
+                    self.fence.preempted_ms.remove(&job);
                     let Some(j) = self.jobs.get_mut(&job) else {
                         continue;
                     };

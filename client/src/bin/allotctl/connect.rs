@@ -103,15 +103,21 @@ impl Ctx {
         let mut last = String::new();
         for attempt in 0usize.. {
             let addr = &endpoints[attempt % endpoints.len()];
-            match call(self.admin(addr)?).await {
+            let wait = match call(self.admin(addr)?).await {
                 Ok(r) => return Ok(r.into_inner()),
-                Err(s) if retryable(&s) => last = format!("{addr}: {}", s.message()),
-                Err(s) => anyhow::bail!("{what}: {addr}: {:?}: {}", s.code(), s.message()),
-            }
-            if Instant::now() >= deadline {
+                Err(s) => match retry_wait(&s) {
+                    Some(wait) => {
+                        last = format!("{addr}: {}", s.message());
+                        wait
+                    }
+                    None => anyhow::bail!("{what}: {addr}: {:?}: {}", s.code(), s.message()),
+                },
+            };
+            let now = Instant::now();
+            if now >= deadline {
                 break;
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            tokio::time::sleep(wait.min(deadline - now)).await;
         }
         anyhow::bail!(
             "{what}: no endpoint answered within {:?}: {last}",
@@ -192,11 +198,17 @@ pub fn tier_name(config: &[TierConfig], t: Tier) -> String {
     }
 }
 
-fn retryable(s: &tonic::Status) -> bool {
-    matches!(
+/// How long to wait before trying an admin call again after `s`, or `None` if `s` is
+/// final: an unavailable node or shard, a deadline, or a refusal that names a wait
+/// (`retry-after-ms`: a busy or rate-limiting node, a membership change waiting for an
+/// audit fill) — at least 100 ms, and at least what the node asked for.
+fn retry_wait(s: &tonic::Status) -> Option<Duration> {
+    let after = allot_client::retry_after_of(s);
+    let retryable = matches!(
         s.code(),
         tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Unknown
-    )
+    ) || (s.code() == tonic::Code::ResourceExhausted && after.is_some());
+    retryable.then(|| after.unwrap_or_default().max(Duration::from_millis(100)))
 }
 
 /// The `n`-th object id derived from a request id: splitmix64 over its halves and `n`,
