@@ -914,6 +914,9 @@ impl Runner {
             }
         }
         let ids = as_user.as_ref().map(|(uid, gid, ..)| (*uid, *gid));
+        // An attempt's own uid gains nothing by exec: a setuid file another attempt
+        // left cannot make it that attempt's uid.
+        let no_new_privs = uid_lease.is_some();
         let agent_pid = std::process::id();
         // SAFETY: only async-signal-safe calls (open, write, close, setgroups,
         // setgid, setuid, prctl, getppid, raise) between fork and exec.
@@ -930,6 +933,9 @@ impl Runner {
                     {
                         return Err(std::io::Error::last_os_error());
                     }
+                }
+                if no_new_privs && libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
                 }
                 // The kernel kills the runner if the agent dies (its children
                 // are stopped by the next agent process, see `stop_orphans`).

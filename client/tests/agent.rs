@@ -744,6 +744,7 @@ async fn attempts_run_as_uids_of_their_own_and_cannot_signal_each_other() {
 out="$1"; j="$ALLOT_JOB_ID"
 if [ -O "$HOME" ] && [ "$TMPDIR" = "$HOME" ]; then echo yes; else echo no; fi > "$out/home-$j"
 echo "$HOME" > "$out/homepath-$j"
+if grep -q '^NoNewPrivs:[[:space:]]*1' /proc/self/status; then echo yes; else echo no; fi > "$out/nnp-$j"
 id -u > "$out/uid-$j"
 case "$j" in
 701)
@@ -815,6 +816,11 @@ esac
     }
     assert_eq!(read("home-701"), "yes", "its own home, as HOME and TMPDIR");
     assert_eq!(read("home-702"), "yes");
+    assert_eq!(
+        read("nnp-701"),
+        "yes",
+        "no setuid file lifts a runner to another uid"
+    );
     assert_eq!(
         read("direct"),
         "no",

@@ -132,8 +132,80 @@ impl UidRange {
                 "{self}: group {name} has gid {id}: the range must be reserved for allot's runners"
             ));
         }
+        // Directory services (LDAP, SSSD) often do not enumerate: a small range is
+        // looked up id by id as well.
+        if self.size() <= LOOKUP_MAX {
+            for id in self.first..=self.last {
+                if let Some(name) = user_of(id) {
+                    return Err(format!(
+                        "{self}: user {name} has uid {id}: the range must be reserved for allot's runners"
+                    ));
+                }
+                if let Some(name) = group_of(id) {
+                    return Err(format!(
+                        "{self}: group {name} has gid {id}: the range must be reserved for allot's runners"
+                    ));
+                }
+            }
+        }
+        // A user's subordinate ids (rootless containers) are ids that user can become.
+        for file in ["/etc/subuid", "/etc/subgid"] {
+            if let Ok(text) = std::fs::read_to_string(file) {
+                if let Some(line) = subordinate_overlap(&text, self) {
+                    return Err(format!(
+                        "{self}: {file} gives {line}, which overlaps it: those ids can be taken by that user"
+                    ));
+                }
+            }
+        }
         Ok(())
     }
+}
+
+/// Ranges of at most this many uids are also looked up id by id at start.
+const LOOKUP_MAX: u32 = 4096;
+
+/// The first `name:start:count` line of a subuid/subgid file whose ids overlap `r`.
+fn subordinate_overlap<'a>(text: &'a str, r: &UidRange) -> Option<&'a str> {
+    text.lines().map(str::trim).find(|line| {
+        let mut f = line.split(':');
+        let (Some(_), Some(start), Some(count)) = (f.next(), f.next(), f.next()) else {
+            return false;
+        };
+        let (Ok(start), Ok(count)) = (start.parse::<u64>(), count.parse::<u64>()) else {
+            return false;
+        };
+        count > 0 && start <= r.last as u64 && start + count > r.first as u64
+    })
+}
+
+/// The user database's name for `uid`, if it has one (through NSS).
+fn user_of(uid: u32) -> Option<String> {
+    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut buf = vec![0 as libc::c_char; 16 * 1024];
+    let mut found: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: getpwuid_r writes only into `pwd` and `buf`, which outlive the call; the
+    // name it points at lives in `buf` and is copied out before `buf` is dropped.
+    let rc = unsafe { libc::getpwuid_r(uid, &mut pwd, buf.as_mut_ptr(), buf.len(), &mut found) };
+    (rc == 0 && !found.is_null()).then(|| {
+        unsafe { std::ffi::CStr::from_ptr(pwd.pw_name) }
+            .to_string_lossy()
+            .into_owned()
+    })
+}
+
+/// The group database's name for `gid`, if it has one (through NSS).
+fn group_of(gid: u32) -> Option<String> {
+    let mut grp: libc::group = unsafe { std::mem::zeroed() };
+    let mut buf = vec![0 as libc::c_char; 64 * 1024];
+    let mut found: *mut libc::group = std::ptr::null_mut();
+    // SAFETY: as for `user_of`.
+    let rc = unsafe { libc::getgrgid_r(gid, &mut grp, buf.as_mut_ptr(), buf.len(), &mut found) };
+    (rc == 0 && !found.is_null()).then(|| {
+        unsafe { std::ffi::CStr::from_ptr(grp.gr_name) }
+            .to_string_lossy()
+            .into_owned()
+    })
 }
 
 enum Database {
@@ -195,31 +267,35 @@ pub enum Swept {
 
 /// Sends SIGKILL to every process running as `uid`, from a child that switched to it,
 /// until none is left (or [`SWEEP_FOR`] passes). Blocking: call off the runtime.
+///
+/// It always signals once, whatever `/proc` says first: a process whose main thread
+/// exited while others run shows as a zombie in its own status. A sweeper that the
+/// uid's processes stop or kill (they may signal it once it is their uid) is killed
+/// and tried again.
 pub fn sweep(uid: u32) -> std::io::Result<Swept> {
     let until = std::time::Instant::now() + SWEEP_FOR;
     loop {
-        // `kill(-1)`'s result cannot tell: it is 0 whenever any other process exists,
-        // even if it was allowed to signal none of them.
+        kill_all_as(uid, until)?;
         if processes_of(uid) == 0 {
             return Ok(Swept::Clean);
         }
-        kill_all_as(uid)?;
         if std::time::Instant::now() >= until {
-            return Ok(if processes_of(uid) == 0 {
-                Swept::Clean
-            } else {
-                Swept::Stuck
-            });
+            return Ok(Swept::Stuck);
         }
         // Killed processes are gone once their parents (or init) reap them.
         std::thread::sleep(Duration::from_millis(20));
     }
 }
 
-/// How many live processes (zombies aside: they run nothing) have `uid` as their real,
-/// effective or saved uid, from `/proc` (the agent's pid namespace).
+/// How many live processes have `uid` as their real, effective or saved uid, from
+/// `/proc` (the agent's pid namespace). A process counts while any of its threads is
+/// not a zombie (zombies run nothing).
 pub fn processes_of(uid: u32) -> usize {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
+    processes_in(Path::new("/proc"), uid)
+}
+
+fn processes_in(proc_dir: &Path, uid: u32) -> usize {
+    let Ok(dir) = std::fs::read_dir(proc_dir) else {
         return 0;
     };
     dir.flatten()
@@ -228,36 +304,58 @@ pub fn processes_of(uid: u32) -> usize {
                 .to_str()
                 .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
         })
-        .filter(|e| {
-            // A process that exits meanwhile has no status: not counted.
-            std::fs::read_to_string(e.path().join("status"))
-                .is_ok_and(|st| status_runs_as(&st, uid))
-        })
+        // A process that exits meanwhile has no status: not counted.
+        .filter(|e| process_runs_as(&e.path(), uid))
         .count()
 }
 
-/// Whether a `/proc/<pid>/status` text is of a live process running as `uid`.
-fn status_runs_as(status: &str, uid: u32) -> bool {
-    let mut zombie = false;
-    let mut ids: Option<Vec<u32>> = None;
+/// Whether `/proc/<pid>` (`dir`) is a process running as `uid` with a live thread.
+fn process_runs_as(dir: &Path, uid: u32) -> bool {
+    let Ok(status) = std::fs::read_to_string(dir.join("status")) else {
+        return false;
+    };
+    let (state, ids) = status_fields(&status);
+    // Real, effective, saved (the fourth, the filesystem uid, follows the effective).
+    if !ids.iter().take(3).any(|&i| i == uid) {
+        return false;
+    }
+    if !is_zombie(state) {
+        return true;
+    }
+    // A zombie leader may still have live threads: its task list says.
+    std::fs::read_dir(dir.join("task")).is_ok_and(|tasks| {
+        tasks.flatten().any(|t| {
+            std::fs::read_to_string(t.path().join("status"))
+                .is_ok_and(|st| !is_zombie(status_fields(&st).0))
+        })
+    })
+}
+
+/// The `State:` letter and the `Uid:` ids of a `/proc/<pid>/status` text.
+fn status_fields(status: &str) -> (char, Vec<u32>) {
+    let mut state = '?';
+    let mut ids = Vec::new();
     for line in status.lines() {
         if let Some(v) = line.strip_prefix("State:") {
-            zombie = v.trim_start().starts_with(['Z', 'X']);
+            state = v.trim_start().chars().next().unwrap_or('?');
         } else if let Some(v) = line.strip_prefix("Uid:") {
-            ids = Some(
-                v.split_whitespace()
-                    .filter_map(|t| t.parse().ok())
-                    .collect(),
-            );
+            ids = v
+                .split_whitespace()
+                .filter_map(|t| t.parse().ok())
+                .collect();
         }
     }
-    // Real, effective, saved (the fourth, the filesystem uid, follows the effective).
-    !zombie && ids.is_some_and(|ids| ids.iter().take(3).any(|&i| i == uid))
+    (state, ids)
+}
+
+fn is_zombie(state: char) -> bool {
+    matches!(state, 'Z' | 'X' | 'x')
 }
 
 /// One `kill(-1, SIGKILL)` as `uid`, which reaches every process whose real or saved
-/// uid is `uid` but the caller.
-fn kill_all_as(uid: u32) -> std::io::Result<()> {
+/// uid is `uid` but the caller. The child is waited for until `until` at most (the
+/// uid's processes may stop it once it has their uid), then killed.
+fn kill_all_as(uid: u32, until: std::time::Instant) -> std::io::Result<()> {
     // SAFETY: between fork and _exit the child makes only async-signal-safe calls
     // (setgroups, setgid, setuid, kill, _exit) on values computed before the fork.
     let pid = unsafe { libc::fork() };
@@ -277,24 +375,36 @@ fn kill_all_as(uid: u32) -> std::io::Result<()> {
         }
     }
     let mut status = 0;
+    let mut killed = false;
     loop {
-        // SAFETY: waits for the child forked above, which nothing else reaps.
-        let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+        // SAFETY: polls the child forked above, which nothing else reaps.
+        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
         if r == pid {
             break;
         }
-        let e = std::io::Error::last_os_error();
-        if e.kind() != std::io::ErrorKind::Interrupted {
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
             return Err(e);
         }
+        if !killed && std::time::Instant::now() >= until {
+            // Stopped or stuck: the agent (root) may always kill its own child.
+            // SAFETY: `pid` is our unreaped child, so it cannot have been reused.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            killed = true;
+        }
+        std::thread::sleep(Duration::from_millis(2));
     }
-    if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::other(format!(
-            "the sweep of uid {uid} could not switch to it (wait status {status})"
-        )))
+    if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 3 {
+        return Err(std::io::Error::other(format!(
+            "the sweep of uid {uid} could not switch to it"
+        )));
     }
+    // Exited after its kill, or killed (by the uid's processes, or by us past the
+    // deadline): the caller looks at /proc and tries again while time is left.
+    Ok(())
 }
 
 /// The uids of a range, handed to attempts one at a time.
@@ -357,6 +467,11 @@ impl UidPool {
             let mut swept = 0;
             for e in entries.flatten() {
                 let uid = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok());
+                if uid.is_some_and(|u| !pool.range.contains(u)) {
+                    // A home of another range (the flag changed): its uid may be
+                    // someone's now, so it is not swept.
+                    warn!(path = %e.path().display(), "a runner home outside --runner-uid-range: removed, its uid not swept");
+                }
                 if let Some(uid) = uid.filter(|u| pool.range.contains(*u)) {
                     match sweep(uid) {
                         Ok(Swept::Clean) => {}
@@ -450,9 +565,6 @@ impl UidPool {
         let pool = Arc::clone(self);
         let done = tokio::task::spawn_blocking(move || {
             let swept = sweep(lease.uid);
-            if let Err(e) = remove_tree(&lease.home) {
-                warn!(uid = lease.uid, "cannot remove the attempt's home: {e}");
-            }
             match swept {
                 Ok(Swept::Clean) => {}
                 Ok(Swept::Stuck) => error!(
@@ -461,8 +573,16 @@ impl UidPool {
                 ),
                 Err(e) => error!(uid = lease.uid, "cannot sweep an ended attempt's uid: {e}"),
             }
-            // Freed either way: `take` sweeps it again and skips it while it is stuck.
-            pool.free(lease.uid);
+            match remove_tree(&lease.home) {
+                // Freed even if not yet swept clean: `take` sweeps it again and skips
+                // it while processes of it live.
+                Ok(()) => pool.free(lease.uid),
+                // Not freed: its next holder would get the previous holder's files.
+                Err(e) => error!(
+                    uid = lease.uid,
+                    "cannot remove the attempt's home, so the uid is held back until the agent restarts: {e}"
+                ),
+            }
         })
         .await;
         if let Err(e) = done {
@@ -478,12 +598,46 @@ impl UidPool {
     }
 }
 
-/// Removes a directory tree a runner wrote; absent is fine. (`std::fs::remove_dir_all`
-/// removes a symlink in the tree, never what it points at.)
+/// How long removing an attempt's home may take before the uid is held back.
+const REMOVE_FOR: Duration = Duration::from_secs(120);
+
+/// Removes a directory tree a runner wrote; absent is fine. In a child process
+/// (`rm -rf --one-file-system`, which walks any depth in bounded memory and file
+/// descriptors, and never follows a symlink out of the tree): a tree nested deep
+/// enough to exhaust the agent's descriptors or overflow a thread's stack (std's
+/// `remove_dir_all` recurses) costs only that child. Bounded at [`REMOVE_FOR`].
 fn remove_tree(path: &Path) -> std::io::Result<()> {
-    match std::fs::remove_dir_all(path) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        r => r,
+    if std::fs::symlink_metadata(path).is_err() {
+        return Ok(());
+    }
+    let mut child = std::process::Command::new("rm")
+        .args(["-rf", "--one-file-system", "--"])
+        .arg(path)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let until = std::time::Instant::now() + REMOVE_FOR;
+    loop {
+        if let Some(st) = child.try_wait()? {
+            return if st.success() && std::fs::symlink_metadata(path).is_err() {
+                Ok(())
+            } else {
+                Err(std::io::Error::other(format!(
+                    "rm -rf {} failed ({st})",
+                    path.display()
+                )))
+            };
+        }
+        if std::time::Instant::now() >= until {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(std::io::Error::other(format!(
+                "removing {} took longer than {REMOVE_FOR:?}",
+                path.display()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -524,32 +678,121 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_process_runs_as_a_uid_if_its_real_effective_or_saved_uid_is_it() {
+    /// A `/proc`-like directory: each process's status, and its threads' statuses.
+    fn fake_proc(procs: &[(u32, &str, &str, &[&str])]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
         let status = |state: &str, ids: &str| {
             format!("Name:\tsh\nState:\t{state}\nUid:\t{ids}\nGid:\t0\t0\t0\t0\n")
         };
-        assert!(status_runs_as(&status("S (sleeping)", "7\t7\t7\t7"), 7));
-        assert!(
-            status_runs_as(&status("R (running)", "1\t1\t7\t1"), 7),
-            "saved"
-        );
-        assert!(
-            !status_runs_as(&status("Z (zombie)", "7\t7\t7\t7"), 7),
-            "a zombie runs nothing"
-        );
-        assert!(
-            !status_runs_as(&status("S (sleeping)", "1\t1\t1\t7"), 7),
-            "the fs uid alone"
-        );
-        assert!(!status_runs_as(
-            &status("S (sleeping)", "70\t70\t70\t70"),
-            7
-        ));
+        for (pid, state, ids, threads) in procs {
+            let p = dir.path().join(pid.to_string());
+            std::fs::create_dir_all(p.join("task")).unwrap();
+            std::fs::write(p.join("status"), status(state, ids)).unwrap();
+            for (i, t) in threads.iter().enumerate() {
+                let t_dir = p.join("task").join((pid + i as u32).to_string());
+                std::fs::create_dir_all(&t_dir).unwrap();
+                std::fs::write(t_dir.join("status"), status(t, ids)).unwrap();
+            }
+        }
+        std::fs::create_dir_all(dir.path().join("self")).unwrap();
+        dir
+    }
+
+    /// Found by review (twelfth session): a process whose main thread exited while
+    /// another thread runs shows `Z` in its own status, and the first sweep counted it
+    /// as gone — without ever signalling it.
+    #[test]
+    fn a_process_runs_as_a_uid_if_its_real_effective_or_saved_uid_is_it_and_a_thread_lives() {
+        let z: &[&str] = &["Z (zombie)"];
+        let procs = fake_proc(&[
+            (10, "S (sleeping)", "7\t7\t7\t7", &["S (sleeping)"]),
+            (20, "R (running)", "1\t1\t7\t1", &["R (running)"]),
+            (30, "Z (zombie)", "7\t7\t7\t7", z),
+            (
+                40,
+                "Z (zombie)",
+                "7\t7\t7\t7",
+                &["Z (zombie)", "S (sleeping)"],
+            ),
+            (50, "S (sleeping)", "1\t1\t1\t7", &["S (sleeping)"]),
+            (60, "S (sleeping)", "70\t70\t70\t70", &["S (sleeping)"]),
+        ]);
+        let runs = |pid: u32| process_runs_as(&procs.path().join(pid.to_string()), 7);
+        assert!(runs(10));
+        assert!(runs(20), "saved uid");
+        assert!(!runs(30), "a zombie runs nothing");
+        assert!(runs(40), "a zombie leader whose other thread lives");
+        assert!(!runs(50), "the fs uid alone");
+        assert!(!runs(60));
+        assert_eq!(processes_in(procs.path(), 7), 3);
         // This test's own process is counted under its uid, and a uid no process has is not.
         let me = unsafe { libc::getuid() };
         assert!(processes_of(me) >= 1);
         assert_eq!(processes_of(3_999_999_999), 0);
+    }
+
+    /// A tree far deeper than a thread's stack or the descriptor limit allows std's
+    /// recursive removal to walk is removed (by a child `rm`), and a missing one is fine.
+    #[test]
+    fn a_deep_tree_is_removed_whole() {
+        // Few descriptors (nextest runs each test in a process of its own): a walk that
+        // holds one per level, as std's `remove_dir_all` does, runs out long before the
+        // tree's 3,000 levels.
+        let lim = libc::rlimit {
+            rlim_cur: 256,
+            rlim_max: 256,
+        };
+        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+        let dir = tempfile::tempdir().unwrap();
+        let home = dir.path().join("home");
+        let mut p = home.clone();
+        std::fs::create_dir(&p).unwrap();
+        // Built relative to the last directory, since the full path passes PATH_MAX.
+        let mut cur = std::fs::File::open(&p).unwrap();
+        for _ in 0..3_000 {
+            use std::os::fd::AsRawFd;
+            let name = std::ffi::CString::new("d").unwrap();
+            assert_eq!(
+                unsafe { libc::mkdirat(cur.as_raw_fd(), name.as_ptr(), 0o700) },
+                0
+            );
+            let fd = unsafe {
+                libc::openat(
+                    cur.as_raw_fd(),
+                    name.as_ptr(),
+                    libc::O_RDONLY | libc::O_DIRECTORY,
+                )
+            };
+            assert!(fd >= 0);
+            cur = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        }
+        p.push("d");
+        assert!(p.exists());
+        remove_tree(&home).unwrap();
+        assert!(!home.exists());
+        remove_tree(&home).unwrap();
+    }
+
+    /// Found by review (twelfth session): a user's subordinate ids (`/etc/subuid`, the
+    /// ids its rootless containers map to) were not checked, and Debian's default
+    /// allocation (100000 + 65536·n) reaches the shipped unit's range at the 30th user.
+    #[test]
+    fn subordinate_ids_that_overlap_the_range_are_found() {
+        let text = "alice:100000:65536\n# comment\nbob:2031616:65536\nbad line\n";
+        let r = |s: &str| s.parse::<UidRange>().unwrap();
+        assert_eq!(subordinate_overlap(text, &r("2000000-2000255")), None);
+        assert_eq!(
+            subordinate_overlap(text, &r("165535-165600")),
+            Some("alice:100000:65536")
+        );
+        assert_eq!(
+            subordinate_overlap(text, &r("2000000-2031616")),
+            Some("bob:2031616:65536")
+        );
+        assert_eq!(subordinate_overlap(text, &r("165536-2031615")), None);
+        // Every host has root: a one-id range of it is found by the lookup too.
+        assert_eq!(user_of(0).as_deref(), Some("root"));
+        assert_eq!(user_of(3_999_999_999), None);
     }
 
     #[test]
