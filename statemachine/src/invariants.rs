@@ -51,9 +51,9 @@ fn check_buckets(state: &State) -> Result<(), Violation> {
         }
     }
     // Retired grant ids (rule version 5 on): grants' ids, none of a live bucket.
-    let v4 = state.rules.active >= crate::ledger::GRANT_IDS_RETIRED_FROM;
+    let retiring = state.rules.active >= crate::ledger::GRANT_IDS_RETIRED_FROM;
     for &id in &l.retired_grants {
-        if !v4 {
+        if !retiring {
             return Err(Violation::RetiredGrant(
                 id,
                 "recorded before rule version 5",

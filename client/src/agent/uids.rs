@@ -271,11 +271,16 @@ pub enum Swept {
 /// It always signals once, whatever `/proc` says first: a process whose main thread
 /// exited while others run shows as a zombie in its own status. A sweeper that the
 /// uid's processes stop or kill (they may signal it once it is their uid) is killed
-/// and tried again.
+/// after [`SWEEPER_FOR`] and another one sent, as is one that could not be forked
+/// (a fork bomb of the uid may exhaust the pids for a while) — until [`SWEEP_FOR`].
 pub fn sweep(uid: u32) -> std::io::Result<Swept> {
     let until = std::time::Instant::now() + SWEEP_FOR;
     loop {
-        kill_all_as(uid, until)?;
+        match kill_all_as(uid) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {}
+            Err(e) => return Err(e),
+        }
         if processes_of(uid) == 0 {
             return Ok(Swept::Clean);
         }
@@ -289,14 +294,15 @@ pub fn sweep(uid: u32) -> std::io::Result<Swept> {
 
 /// How many live processes have `uid` as their real, effective or saved uid, from
 /// `/proc` (the agent's pid namespace). A process counts while any of its threads is
-/// not a zombie (zombies run nothing).
+/// not a zombie (zombies run nothing). If `/proc` cannot be read, `usize::MAX`: never
+/// "none".
 pub fn processes_of(uid: u32) -> usize {
     processes_in(Path::new("/proc"), uid)
 }
 
 fn processes_in(proc_dir: &Path, uid: u32) -> usize {
     let Ok(dir) = std::fs::read_dir(proc_dir) else {
-        return 0;
+        return usize::MAX;
     };
     dir.flatten()
         .filter(|e| {
@@ -352,10 +358,15 @@ fn is_zombie(state: char) -> bool {
     matches!(state, 'Z' | 'X' | 'x')
 }
 
+/// How long one sweeping child may take before the agent kills it (the uid's processes
+/// may stop it once it has their uid) and sends another.
+const SWEEPER_FOR: Duration = Duration::from_millis(100);
+
 /// One `kill(-1, SIGKILL)` as `uid`, which reaches every process whose real or saved
-/// uid is `uid` but the caller. The child is waited for until `until` at most (the
-/// uid's processes may stop it once it has their uid), then killed.
-fn kill_all_as(uid: u32, until: std::time::Instant) -> std::io::Result<()> {
+/// uid is `uid` but the caller. The child is waited for [`SWEEPER_FOR`] at most, then
+/// killed.
+fn kill_all_as(uid: u32) -> std::io::Result<()> {
+    let until = std::time::Instant::now() + SWEEPER_FOR;
     // SAFETY: between fork and _exit the child makes only async-signal-safe calls
     // (setgroups, setgid, setuid, kill, _exit) on values computed before the fork.
     let pid = unsafe { libc::fork() };

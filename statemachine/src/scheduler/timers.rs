@@ -105,7 +105,7 @@ impl Scheduler {
 
     /// The fence instants as rule version 5's activation finds the shard: each node's
     /// last renewal and each grace timer's start, rebuilt from the settings in force
-    /// (the best that can be known of the time before version 4 recorded them).
+    /// (the best that can be known of the time before version 5 recorded them).
     pub(crate) fn fill_fence(&mut self, cfg: &SchedulerConfig) {
         let mut fence = super::Fence::default();
         for (id, n) in self.nodes.sorted() {
