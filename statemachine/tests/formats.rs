@@ -216,6 +216,43 @@ fn a_format_7_state_at_rule_version_4_is_read_and_written_as_it_was_until_versio
     assert_eq!(back.state_hash(), now.state_hash());
 }
 
+/// Found by the second review of the twelfth session: a state's format follows from
+/// its rule version, and nothing checked it. A format-7 state claiming version 5 (whose
+/// snapshots are format 8) loaded with no fence instants and no retired grant ids,
+/// and would have acted apart from every version-5 replica. Such a blob is refused.
+#[test]
+fn a_state_whose_format_does_not_match_its_rule_version_is_refused() {
+    let state = fixture(7, "state.bin");
+    let old = State::decode(&state).expect("format 7 at version 4");
+    // The rules are encoded right before the result-dedup tables, last in format 7.
+    let mut tail = Vec::new();
+    codec::encode_into(&mut tail, &old.rules);
+    codec::encode_into(&mut tail, &old.scheduler.dedup);
+    assert!(state.ends_with(&tail), "the layout this test edits");
+    let mut claimed = old.rules.clone();
+    claimed.active = 5;
+    for a in &mut claimed.activations {
+        if a.0 == 4 {
+            a.0 = 5;
+        }
+    }
+    let mut forged_tail = Vec::new();
+    codec::encode_into(&mut forged_tail, &claimed);
+    codec::encode_into(&mut forged_tail, &old.scheduler.dedup);
+    assert_eq!(forged_tail.len(), tail.len());
+    let mut forged = state[..state.len() - tail.len()].to_vec();
+    forged.extend_from_slice(&forged_tail);
+    match State::decode(&forged) {
+        Err(CodecError::Malformed(m)) => {
+            assert!(m.contains("format-7 state at rule version 5"), "{m}")
+        }
+        other => panic!(
+            "a format-7 state at version 5 was read: {:?}",
+            other.map(|s| s.rules)
+        ),
+    }
+}
+
 #[test]
 fn a_newer_truncated_or_corrupted_snapshot_is_refused_without_panicking() {
     for format in [5, 6, 7] {
