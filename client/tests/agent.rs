@@ -650,6 +650,19 @@ async fn a_cancelled_job_is_killed_at_once_and_a_runner_ignoring_sigterm_after_t
     assert!(st.success(), "agent exit: {st}");
 }
 
+/// The agent exits within 10 s with the usage status (2), its log saying `says`.
+fn assert_refused(agent: &mut common::agent::AgentProc, says: &str) {
+    let st = (0..100)
+        .find_map(|_| {
+            std::thread::sleep(Duration::from_millis(100));
+            agent.exited()
+        })
+        .unwrap_or_else(|| panic!("the agent was to refuse to start ({says})"));
+    assert_eq!(st.code(), Some(2), "{says}");
+    let log = agent.log_text();
+    assert!(log.contains(says), "{says}: {log}");
+}
+
 /// With `--runner-user`, job code runs as that user: it cannot write the agent's work
 /// dir, read the agent's environment, or read another job's log — it writes only its
 /// own progress file, which the cluster still gets. (Runners ran as the agent's user,
@@ -690,14 +703,7 @@ echo "1000000 4" > "$ALLOT_PROGRESS_FILE" && echo yes > "$out/progress-$j"
     ];
     let mut agent = AgentProc::start(&c.endpoints(), 2, &adir, &args);
     if unsafe { libc::geteuid() } != 0 {
-        let st = (0..100)
-            .find_map(|_| {
-                std::thread::sleep(Duration::from_millis(100));
-                agent.exited()
-            })
-            .expect("a non-root agent refuses --runner-user");
-        assert_eq!(st.code(), Some(2));
-        assert!(agent.log_text().contains("must run as root"));
+        assert_refused(&mut agent, "must run as root");
         return;
     }
     fund(&client).await;
@@ -781,14 +787,7 @@ esac
     ];
     let mut agent = AgentProc::start(&c.endpoints(), 2, &adir, &args);
     if unsafe { libc::geteuid() } != 0 {
-        let st = (0..100)
-            .find_map(|_| {
-                std::thread::sleep(Duration::from_millis(100));
-                agent.exited()
-            })
-            .expect("a non-root agent refuses --runner-uid-range");
-        assert_eq!(st.code(), Some(2));
-        assert!(agent.log_text().contains("must run as root"));
+        assert_refused(&mut agent, "must run as root");
         return;
     }
     fund(&client).await;
@@ -882,20 +881,12 @@ async fn a_runner_uid_range_that_is_not_reserved_is_refused() {
         let mut args = args;
         args.extend(["--", "/bin/true"]);
         let mut agent = AgentProc::start(&endpoints, 2, dir.path(), &args);
-        let st = (0..100)
-            .find_map(|_| {
-                std::thread::sleep(Duration::from_millis(100));
-                agent.exited()
-            })
-            .unwrap_or_else(|| panic!("{args:?} is refused"));
-        assert_eq!(st.code(), Some(2), "{args:?}");
-        let log = agent.log_text();
         let says = if unsafe { libc::geteuid() } != 0 && says == "nobody" {
             "must run as root"
         } else {
             says
         };
-        assert!(log.contains(says), "{args:?}: {log}");
+        assert_refused(&mut agent, says);
     }
 }
 

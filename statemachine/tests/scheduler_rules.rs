@@ -1645,6 +1645,28 @@ fn a_new_agent_incarnation_fences_the_old_ones_reports() {
     assert_eq!(h.job(10).state, JobState::Succeeded);
 }
 
+/// Node 1 (4 A100s) runs free jobs 10 and 11 (job 10 checkpointed); the node renews
+/// its lease for the last time, falls silent, and a second later an enterprise job
+/// preempts job 10 on it. The instant of that last renewal.
+fn preempt_a_second_after_the_last_renewal(h: &mut Harness) -> u64 {
+    h.fleet(&[(1, a100(), 4, 80)]);
+    submit(h, Harness::job_spec(10, Tier::FREE, vec![a100()], 2));
+    submit(h, Harness::job_spec(11, Tier::FREE, vec![a100()], 2));
+    h.advance(5 * 60_000);
+    h.nodes_alive();
+    h.job_heartbeat(10, 1, 1).unwrap();
+    h.job_heartbeat(11, 1, 0).unwrap();
+    h.advance(60_000);
+    h.nodes_alive();
+    let renewed = h.now;
+    h.job_heartbeat(10, 2, 1).unwrap();
+    h.job_heartbeat(11, 2, 0).unwrap();
+    h.advance(1_000);
+    submit(h, Harness::job_spec(20, Tier::ENTERPRISE, vec![a100()], 2));
+    assert_eq!(h.job(10).state, JobState::Preempting);
+    renewed
+}
+
 /// Found by review (2026-11-27): a preemption's grace ended by the clock alone. When the
 /// victim's node had gone silent before the preemption (its agent cut off, its runner
 /// still running, the preemption never seen), the victim was requeued at the grace's end
@@ -1658,25 +1680,7 @@ fn a_preemption_on_a_silent_node_waits_for_the_nodes_fate_from_rule_version_4() 
     for (rules, comes_back) in [(3, true), (4, true), (4, false)] {
         let mut h = world();
         h.ok(Command::ActivateVersion { version: rules });
-        h.fleet(&[(1, a100(), 4, 80)]);
-        submit(&mut h, Harness::job_spec(10, Tier::FREE, vec![a100()], 2));
-        submit(&mut h, Harness::job_spec(11, Tier::FREE, vec![a100()], 2));
-        h.advance(5 * 60_000);
-        h.nodes_alive();
-        h.job_heartbeat(10, 1, 1).unwrap();
-        h.job_heartbeat(11, 1, 0).unwrap();
-        h.advance(60_000);
-        // The node's last renewal; then it goes silent, and a second later the
-        // enterprise job preempts job 10 on it.
-        h.nodes_alive();
-        h.job_heartbeat(10, 2, 1).unwrap();
-        h.job_heartbeat(11, 2, 0).unwrap();
-        h.advance(1_000);
-        submit(
-            &mut h,
-            Harness::job_spec(20, Tier::ENTERPRISE, vec![a100()], 2),
-        );
-        assert_eq!(h.job(10).state, JobState::Preempting);
+        preempt_a_second_after_the_last_renewal(&mut h);
         let cfg = h.state.config.scheduler.clone();
         h.advance(cfg.grace_ms + 1);
         h.tick();
@@ -1737,26 +1741,7 @@ fn a_silent_nodes_preemption_waits_whatever_the_settings_become_meanwhile_from_r
         let mut h = Harness::world_with(config);
         h.grant(1, P, BucketKind::Paid, credits(100_000), None);
         h.ok(Command::ActivateVersion { version: rules });
-        h.fleet(&[(1, a100(), 4, 80)]);
-        submit(&mut h, Harness::job_spec(10, Tier::FREE, vec![a100()], 2));
-        submit(&mut h, Harness::job_spec(11, Tier::FREE, vec![a100()], 2));
-        h.advance(5 * 60_000);
-        h.nodes_alive();
-        h.job_heartbeat(10, 1, 1).unwrap();
-        h.job_heartbeat(11, 1, 0).unwrap();
-        h.advance(60_000);
-        // The node's last renewal; then it goes silent, and a second later the
-        // enterprise job preempts job 10 on it.
-        h.nodes_alive();
-        let renewed = h.now;
-        h.job_heartbeat(10, 2, 1).unwrap();
-        h.job_heartbeat(11, 2, 0).unwrap();
-        h.advance(1_000);
-        submit(
-            &mut h,
-            Harness::job_spec(20, Tier::ENTERPRISE, vec![a100()], 2),
-        );
-        assert_eq!(h.job(10).state, JobState::Preempting);
+        let renewed = preempt_a_second_after_the_last_renewal(&mut h);
         let fence = &h.state.scheduler.fence;
         if rules == 5 {
             assert_eq!(fence.renewed_ms[&NodeId(1)], renewed);
@@ -1807,24 +1792,7 @@ fn a_silent_nodes_preemption_waits_whatever_the_settings_become_meanwhile_from_r
 fn activating_version_5_mid_grace_fills_in_the_fence_instants() {
     let mut h = world();
     h.ok(Command::ActivateVersion { version: 4 });
-    h.fleet(&[(1, a100(), 4, 80)]);
-    submit(&mut h, Harness::job_spec(10, Tier::FREE, vec![a100()], 2));
-    submit(&mut h, Harness::job_spec(11, Tier::FREE, vec![a100()], 2));
-    h.advance(5 * 60_000);
-    h.nodes_alive();
-    h.job_heartbeat(10, 1, 1).unwrap();
-    h.job_heartbeat(11, 1, 0).unwrap();
-    h.advance(60_000);
-    h.nodes_alive();
-    let renewed = h.now;
-    h.job_heartbeat(10, 2, 1).unwrap();
-    h.job_heartbeat(11, 2, 0).unwrap();
-    h.advance(1_000);
-    submit(
-        &mut h,
-        Harness::job_spec(20, Tier::ENTERPRISE, vec![a100()], 2),
-    );
-    assert_eq!(h.job(10).state, JobState::Preempting);
+    let renewed = preempt_a_second_after_the_last_renewal(&mut h);
     let fence = h.state.scheduler.fence.clone();
     assert!(
         fence.renewed_ms.is_empty() && fence.preempted_ms.is_empty(),
