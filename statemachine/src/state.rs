@@ -102,41 +102,20 @@ impl Serialize for State {
     }
 }
 
-/// The state as format 8 lays it out: [`State`]'s fields, then the scheduler's
-/// result-dedup tables (`scheduler::dedup`), its fence instants (`scheduler::Fence`)
-/// and the ledger's retired grant ids (`ledger::Books::retired_grants`).
+/// The state as format 8 lays it out: format 7's ([`StateV7`]), then the scheduler's
+/// fence instants (`scheduler::Fence`) and the ledger's retired grant ids
+/// (`ledger::Books::retired_grants`). bincode lays a nested struct out as its fields in
+/// order, so format 7's shape is this one's prefix.
 #[derive(Deserialize)]
 struct StateV8 {
-    config: Config,
-    time_ms: u64,
-    last_applied: Option<u64>,
-    ledger: Ledger,
-    scheduler: Scheduler,
-    idempotency: IdempotencyTable,
-    audit: AuditChain,
-    security: Security,
-    alerts: crate::alerts::Alerts,
-    rules: crate::version::Rules,
-    dedup: crate::scheduler::dedup::Dedup,
+    v7: StateV7,
     fence: crate::scheduler::Fence,
     retired_grants: std::collections::BTreeSet<crate::ids::BucketId>,
 }
 
 impl From<StateV8> for State {
     fn from(s: StateV8) -> State {
-        let mut state = State::from_v7(StateV7 {
-            config: s.config,
-            time_ms: s.time_ms,
-            last_applied: s.last_applied,
-            ledger: s.ledger,
-            scheduler: s.scheduler,
-            idempotency: s.idempotency,
-            audit: s.audit,
-            security: s.security,
-            alerts: s.alerts,
-            rules: s.rules,
-            dedup: s.dedup,
-        });
+        let mut state = State::from(s.v7);
         state.scheduler.fence = s.fence;
         state.ledger.books.retired_grants = s.retired_grants;
         state
@@ -165,12 +144,6 @@ impl From<StateV7> for State {
     /// A format-7 state is below rule version 5 (format 8 from it on), so it has no
     /// fence instants and no retired grant ids to read.
     fn from(s: StateV7) -> State {
-        State::from_v7(s)
-    }
-}
-
-impl State {
-    fn from_v7(s: StateV7) -> State {
         let mut scheduler = s.scheduler;
         scheduler.dedup = s.dedup;
         State {
