@@ -119,7 +119,7 @@ use allot_statemachine::query::{Answer, Query};
 use allot_statemachine::scheduler::JobState;
 use allot_statemachine::{
     Actor, Command, CommandError, GpuType, JobHeartbeat, JobId, JobKey, NodeId, NodeSpec, OrgId,
-    PrincipalId, Reply,
+    PrincipalId, Reply, RunnerExit,
 };
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -499,6 +499,19 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 struct Exit {
     success: bool,
     how: String,
+    /// When the last of the attempt's processes was gone (its GPUs free), or a moment
+    /// after: what the finish report counts the exit from.
+    at: Instant,
+}
+
+impl Exit {
+    fn now(success: bool, how: String) -> Exit {
+        Exit {
+            success,
+            how,
+            at: Instant::now(),
+        }
+    }
 }
 
 /// Control of a started runner; its exit arrives on the paired oneshot.
@@ -993,15 +1006,9 @@ impl Runner {
         let contained = cgroup.clone();
         let uid = uid_lease.take().zip(shared.uids.clone());
         tokio::spawn(async move {
-            let exit = match child.wait().await {
-                Ok(st) => Exit {
-                    success: st.success(),
-                    how: st.to_string(),
-                },
-                Err(e) => Exit {
-                    success: false,
-                    how: format!("wait failed: {e}"),
-                },
+            let mut exit = match child.wait().await {
+                Ok(st) => Exit::now(st.success(), st.to_string()),
+                Err(e) => Exit::now(false, format!("wait failed: {e}")),
             };
             // Whatever the runner left behind goes with it: its group, and
             // everything in its cgroup (a process that left the group too). The
@@ -1014,6 +1021,9 @@ impl Runner {
             if let Some((lease, pool)) = uid {
                 pool.release(lease).await;
             }
+            // Every process of the attempt is gone now (as far as it is contained):
+            // that is the exit its bill runs to.
+            exit.at = Instant::now();
             forget_runner(&dir, pgid);
             // The log is whole before the exit is told (every writer is gone
             // once the cgroup is empty; without one, a process that left the
@@ -1065,14 +1075,11 @@ impl Runner {
         let (sig_tx, sig_rx) = oneshot::channel::<&'static str>();
         tokio::spawn(async move {
             let exit = tokio::select! {
-                _ = tokio::time::sleep(remaining) => Exit {
-                    success: !fails,
-                    how: if fails { "simulated failure".into() } else { "simulated success".into() },
-                },
-                sig = sig_rx => Exit {
-                    success: false,
-                    how: format!("simulated {}", sig.unwrap_or("stop")),
-                },
+                _ = tokio::time::sleep(remaining) => Exit::now(
+                    !fails,
+                    if fails { "simulated failure".into() } else { "simulated success".into() },
+                ),
+                sig = sig_rx => Exit::now(false, format!("simulated {}", sig.unwrap_or("stop"))),
             };
             let _ = tx.send(exit);
         });
@@ -1411,30 +1418,68 @@ async fn heartbeat(shared: &Shared, a: &Assignment, seq: &mut u64, progress: (u3
     Beat::Unanswered
 }
 
+/// When a runner exited, for its finish report: `at`, counted from the moment the
+/// attempt's heartbeat `seq` — the newest the cluster accepted — was `sent`, rounded up
+/// to the millisecond (an exit the report places early would bill less than the runner
+/// used; the cluster applied that heartbeat after it was sent, so counting from the send
+/// places the exit a little late, never early). An exit before the send (the final
+/// heartbeat goes out after the runner has exited) counts as 0.
+fn runner_exit(seq: u64, sent: Instant, at: Instant) -> RunnerExit {
+    let after = at.saturating_duration_since(sent);
+    RunnerExit {
+        heartbeat_seq: seq,
+        after_ms: u64::try_from(after.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX),
+    }
+}
+
 /// What the agent reports about an attempt that ended here.
 #[derive(Clone, Copy, Debug)]
 enum Report {
-    /// The runner exited (or, while preempting, stopped): `FinishJob`.
-    Finished { success: bool },
+    /// The runner exited (or, while preempting, stopped): `FinishJob`, or `FinishJobAt`
+    /// with when it exited if a heartbeat of the attempt was accepted.
+    Finished {
+        success: bool,
+        exit: Option<RunnerExit>,
+    },
     /// The agent stopped it because it could not renew a lease: `JobFenced`.
     Fenced,
 }
 
-/// Reports an attempt's end, retrying (same request id) while the cluster is unreachable.
+/// Reports an attempt's end without an exit instant (no runner of it ran here).
 async fn report_finish(shared: &Shared, (org, job): JobKey, attempt: u32, success: bool) {
-    report(shared, (org, job), attempt, Report::Finished { success }).await
+    let what = Report::Finished {
+        success,
+        exit: None,
+    };
+    report(shared, (org, job), attempt, what).await
 }
 
-async fn report(shared: &Shared, (org, job): JobKey, attempt: u32, what: Report) {
+/// Reports an attempt's end, retrying (same request id) while the cluster is
+/// unreachable. A shard whose rule version predates `FinishJobAt` refuses it with
+/// nothing recorded (`UnsupportedRulesVersion`, before the idempotency table): the
+/// report goes again at once as `FinishJob`, under the same request id, and stays so.
+async fn report(shared: &Shared, (org, job): JobKey, attempt: u32, mut what: Report) {
     let id = shared.client.next_request_id();
     let started = Instant::now();
-    let success = matches!(what, Report::Finished { success: true });
+    let success = matches!(what, Report::Finished { success: true, .. });
     loop {
         let cmd = match what {
-            Report::Finished { success } => Command::FinishJob {
+            Report::Finished {
+                success,
+                exit: None,
+            } => Command::FinishJob {
                 job,
                 attempt,
                 success,
+            },
+            Report::Finished {
+                success,
+                exit: Some(exit),
+            } => Command::FinishJobAt {
+                job,
+                attempt,
+                success,
+                exit,
             },
             Report::Fenced => Command::JobFenced { job, attempt },
         };
@@ -1471,6 +1516,17 @@ async fn report(shared: &Shared, (org, job): JobKey, attempt: u32, what: Report)
                     attempt, "the attempt was already requeued or placed again ({e})"
                 );
                 return;
+            }
+            Err(Error::Rejected(CommandError::UnsupportedRulesVersion { .. }))
+                if matches!(what, Report::Finished { exit: Some(_), .. }) =>
+            {
+                debug!(
+                    job = job.0,
+                    attempt, "the shard does not take exit instants yet: reporting without"
+                );
+                if let Report::Finished { exit, .. } = &mut what {
+                    *exit = None;
+                }
             }
             Err(Error::Rejected(e)) => {
                 warn!(
@@ -1570,7 +1626,10 @@ async fn confirm_start(
                     job,
                     attempt, "preempted before it started here: reporting it stopped"
                 );
-                return Err(End::Exited { success: false });
+                return Err(End::Exited {
+                    success: false,
+                    exit: None,
+                });
             }
             Ok(_) => {
                 info!(
@@ -1613,8 +1672,12 @@ async fn confirm_start(
 
 /// How an attempt ended, as far as the agent is concerned.
 enum End {
-    /// The runner exited: report it.
-    Exited { success: bool },
+    /// The runner exited: report it, and when (after which accepted heartbeat) if a
+    /// heartbeat of the attempt was accepted.
+    Exited {
+        success: bool,
+        exit: Option<RunnerExit>,
+    },
     /// Stopped because a lease could not be renewed: report `JobFenced`.
     Fenced,
     /// Stopped here; nothing to report.
@@ -1629,7 +1692,15 @@ async fn job_task(shared: Arc<Shared>, a: Assignment, mut dir: watch::Receiver<D
     // again as soon as the report lands).
     let ended = !matches!(end, End::NotStarted { ended: false });
     match end {
-        End::Exited { success } => report_finish(&shared, a.key(), a.attempt, success).await,
+        End::Exited { success, exit } => {
+            report(
+                &shared,
+                a.key(),
+                a.attempt,
+                Report::Finished { success, exit },
+            )
+            .await
+        }
         End::Fenced => report(&shared, a.key(), a.attempt, Report::Fenced).await,
         End::Dropped | End::NotStarted { .. } => {}
     }
@@ -1645,11 +1716,16 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
         Ok(r) => r,
         Err(e) => {
             error!(job, attempt, "cannot start the job runner: {e}");
-            return End::Exited { success: false };
+            return End::Exited {
+                success: false,
+                exit: None,
+            };
         }
     };
     info!(job, attempt, gpus = %gpu_list(&a.gpu_indices), "job started");
     let mut seq = 0u64;
+    // The newest heartbeat the cluster accepted: its seq and when it was sent.
+    let mut accepted: Option<(u64, Instant)> = None;
     let mut tick = tokio::time::interval(shared.cfg.heartbeat_interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut preempting = false;
@@ -1667,14 +1743,19 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
         let (term_at, fence_kill_at) = shared.lease.attempt_schedule(&shared.cfg, job_renewed);
         tokio::select! {
             exited = &mut exit => {
-                let exited = exited.unwrap_or(Exit { success: false, how: "lost".into() });
+                let exited = exited.unwrap_or_else(|_| Exit::now(false, "lost".into()));
                 // The final progress: a checkpoint written while stopping counts (a fenced
                 // attempt's cluster is unreachable: its report goes out when it answers).
+                let sent = Instant::now();
                 let last = if fencing {
                     Beat::Unanswered
                 } else {
                     heartbeat(shared, a, &mut seq, runner.progress()).await
                 };
+                if let Beat::Accepted = last {
+                    accepted = Some((seq, sent));
+                }
+                let exit = accepted.map(|(seq, sent)| runner_exit(seq, sent, exited.at));
                 if let Beat::Stop(why) = last {
                     info!(job, attempt, "runner exited ({}), but {why}", exited.how);
                     break End::Dropped;
@@ -1685,10 +1766,10 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
                 }
                 if preempting {
                     info!(job, attempt, "runner stopped for preemption ({})", exited.how);
-                    break End::Exited { success: false };
+                    break End::Exited { success: false, exit };
                 }
                 info!(job, attempt, success = exited.success, "runner exited ({})", exited.how);
-                break End::Exited { success: exited.success };
+                break End::Exited { success: exited.success, exit };
             }
             _ = lengths.changed() => {}
             _ = tick.tick(), if !fencing => {
@@ -1699,7 +1780,10 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
                 let sent = Instant::now();
                 let beat = heartbeat(shared, a, &mut seq, runner.progress());
                 match tokio::time::timeout_at(term_at.max(sent), beat).await {
-                    Ok(Beat::Accepted) => job_renewed = job_renewed.max(sent),
+                    Ok(Beat::Accepted) => {
+                        job_renewed = job_renewed.max(sent);
+                        accepted = Some((seq, sent));
+                    }
                     Ok(Beat::Unanswered) | Err(_) => {}
                     Ok(Beat::Stop(why)) => {
                         warn!(job, attempt, "killing the runner: {why}");
@@ -2382,9 +2466,24 @@ fn remove_stale_progress_files(work_dir: &Path) {
 
 #[cfg(test)]
 mod tests {
-    /// A set without a running attempt is acted on only by what the cluster answers:
-    /// gone, preempted or still here; a read that failed keeps the runner (before, it
-    /// was killed as gone, and the job ended `Lost`).
+    /// A runner's exit is placed a whole millisecond late rather than a fraction early
+    /// (an early exit bills less than the runner used), and an exit before the
+    /// heartbeat counted from (the final one goes out after the runner exited) is 0.
+    #[test]
+    fn a_runner_exit_counts_whole_milliseconds_up_from_the_heartbeats_send() {
+        use std::time::Duration;
+        let sent = tokio::time::Instant::now();
+        let at = |us| sent + Duration::from_micros(us);
+        let ms = |a| super::runner_exit(4, sent, a).after_ms;
+        assert_eq!(super::runner_exit(4, sent, at(0)).heartbeat_seq, 4);
+        assert_eq!(ms(at(0)), 0);
+        assert_eq!(ms(at(1)), 1);
+        assert_eq!(ms(at(1_000)), 1);
+        assert_eq!(ms(at(1_001)), 2);
+        assert_eq!(ms(at(2_500_000)), 2_500);
+        assert_eq!(super::runner_exit(4, at(5_000), sent).after_ms, 0);
+    }
+
     /// A runner cannot find another attempt's progress file by its org, job and
     /// attempt: the name carries 128 random bits, new for every attempt started (before,
     /// it was `job-<org>-<job>.<attempt>.progress`, which any runner on the node sharing
@@ -2405,6 +2504,9 @@ mod tests {
         assert!(secret.chars().all(|c| c.is_ascii_hexdigit()));
     }
 
+    /// A set without a running attempt is acted on only by what the cluster answers:
+    /// gone, preempted or still here; a read that failed keeps the runner (before, it
+    /// was killed as gone, and the job ended `Lost`).
     #[test]
     fn an_attempt_missing_from_a_set_is_killed_only_if_the_cluster_says_it_is_gone() {
         use super::{when_gone, Directive, JobState};

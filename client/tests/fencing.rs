@@ -775,6 +775,77 @@ async fn a_late_finish_of_a_settled_job_is_refused_and_logged_as_such() {
 /// starts and the report after it exits (DESIGN §45).
 const DISPATCH_AND_REPORT_MS: f64 = 100.0;
 
+/// A runner that exits while its agent is cut off (for less than the node's lease, so
+/// the cluster never fences the node) is billed to its exit, not to when its report gets
+/// through: from rule version 6 the agent's finish says when the runner exited
+/// (`FinishJobAt`, DESIGN §45 "The exit instant"). The release before billed the whole
+/// partition after the exit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_that_exits_while_its_agent_is_cut_off_is_billed_to_its_exit() {
+    let sc = Scene::new("allot-exit-").await;
+    let (c, client, out) = (&sc.c, &sc.client, &sc.out);
+    let to = allot_statemachine::version::RULES_MAX;
+    client
+        .run(SHARD, Command::ActivateVersion { version: to })
+        .await
+        .unwrap();
+    let args = sc.args(&["--heartbeat-interval", "500ms"]);
+    let partition = Partition::around(c.endpoints()).await;
+    let via = partition.addrs();
+    let mut a = agent(&via, 1, &sc.path().join("agent"), &args, &[]);
+    wait_node(client, &mut a, 1).await;
+    client.submit_job(ORG, spec(7, 3_600_000)).await.unwrap();
+    until("job 7 running", Duration::from_secs(20), || async {
+        (job(client, 7).await.state == JobState::Running).then_some(())
+    })
+    .await;
+    // It runs a while, then the agent is cut off and the runner finishes at once.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    partition.cut();
+    std::fs::write(out.join("go-7-1"), "").unwrap();
+    until("the runner exited", Duration::from_secs(10), || async {
+        events(out)
+            .iter()
+            .any(|e| e.0 == "exit" && e.1 == 7)
+            .then_some(())
+    })
+    .await;
+    // Its final heartbeat and its report are retried through the cut for 5 s.
+    let cut_for = Duration::from_secs(5);
+    tokio::time::sleep(cut_for).await;
+    partition.heal();
+    let done = until("the job to succeed", Duration::from_secs(30), || async {
+        let j = job(client, 7).await;
+        (j.state == JobState::Succeeded).then_some(j)
+    })
+    .await;
+    assert_eq!(done.attempt, 1);
+    let (start, end) = span(&events(out), 7, 1);
+    let lived = ((end - start) / 1_000_000) as u64;
+    let b = client
+        .balance(ORG, Account::Project(PROJECT), 0)
+        .await
+        .unwrap();
+    println!(
+        "exit instant: billed {} GPU-ms for {lived} GPU-ms the runner lived, cut off for {} ms after it",
+        b.consumed_micro,
+        cut_for.as_millis()
+    );
+    // Never less than the runner used (less the dispatch before its first heartbeat),
+    // and not the partition after it: within a heartbeat interval of its life.
+    assert!(
+        b.consumed_micro + DISPATCH_AND_REPORT_MS as u64 >= lived,
+        "billed less than run: {b:?}, lived {lived} ms"
+    );
+    assert!(
+        b.consumed_micro <= lived + 500,
+        "billed the partition after the exit: {b:?}, lived {lived} ms\n{}",
+        a.log_text()
+    );
+    assert_eq!(b.held_micro, 0, "{b:?}");
+    a.assert_running();
+}
+
 /// A token on the agent's command line (readable by every local user in
 /// `/proc/<pid>/cmdline`) is refused before the agent does anything: it names the file
 /// flag to use instead and exits 2.

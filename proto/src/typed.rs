@@ -16,8 +16,8 @@ use allot_statemachine::{
     Account, Actor, BucketId, BucketKind, BucketPolicy, BudgetMode, BudgetPeriod, BudgetScope,
     BudgetSpec, Command, CommandError, DrawReport, GpuType, Grant, Heartbeat, HeartbeatReply,
     HoldId, HoldSpec, JobHeartbeat, JobId, JobSpec, NodeId, NodeSpec, OrgId, Outcome, Plan,
-    PrincipalId, ProjectId, Quota, Reply, Request, RequestId, SettleReason, Settlement, Tier,
-    TokenDigest, UserId,
+    PrincipalId, ProjectId, Quota, Reply, Request, RequestId, RunnerExit, SettleReason, Settlement,
+    Tier, TokenDigest, UserId,
 };
 use std::collections::BTreeMap;
 
@@ -691,10 +691,21 @@ typed_command!(pb::JobHeartbeatRequest, |r| Ok((
     r.org.map(OrgId)
 )));
 typed_command!(pb::FinishJobRequest, |r| Ok((
-    Command::FinishJob {
-        job: JobId(r.job),
-        attempt: r.attempt,
-        success: r.success,
+    match &r.exit {
+        None => Command::FinishJob {
+            job: JobId(r.job),
+            attempt: r.attempt,
+            success: r.success,
+        },
+        Some(e) => Command::FinishJobAt {
+            job: JobId(r.job),
+            attempt: r.attempt,
+            success: r.success,
+            exit: RunnerExit {
+                heartbeat_seq: e.heartbeat_seq,
+                after_ms: e.after_ms,
+            },
+        },
     },
     r.org.map(OrgId)
 )));
@@ -1341,6 +1352,23 @@ pub fn command_to(r: &Request) -> Option<pb::Command> {
             job: job.0,
             attempt: *attempt,
             success: *success,
+            exit: None,
+        }),
+        Command::FinishJobAt {
+            job,
+            attempt,
+            success,
+            exit,
+        } => C::FinishJob(pb::FinishJobRequest {
+            call,
+            org: ns,
+            job: job.0,
+            attempt: *attempt,
+            success: *success,
+            exit: Some(pb::RunnerExit {
+                heartbeat_seq: exit.heartbeat_seq,
+                after_ms: exit.after_ms,
+            }),
         }),
         Command::SetQuota { org, quota } => C::SetQuota(pb::SetQuotaRequest {
             call,

@@ -327,6 +327,20 @@ fn command() -> impl Strategy<Value = (Command, Option<OrgId>)> {
                 success: s
             }
         )),
+        (o, o, any::<u32>(), any::<bool>(), any::<[u64; 2]>()).prop_map(
+            move |(org, j, a, s, [seq, after])| with(
+                org,
+                Command::FinishJobAt {
+                    job: JobId(j),
+                    attempt: a,
+                    success: s,
+                    exit: RunnerExit {
+                        heartbeat_seq: seq,
+                        after_ms: after
+                    }
+                }
+            )
+        ),
         (o, proptest::option::of(quota())).prop_map(move |(org, quota)| with(
             org,
             Command::SetQuota {

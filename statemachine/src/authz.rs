@@ -42,6 +42,7 @@ pub(crate) fn tenant_refusal(command: &Command) -> Option<CommandError> {
         Command::Heartbeat(_)
             | Command::JobHeartbeat(_)
             | Command::FinishJob { .. }
+            | Command::FinishJobAt { .. }
             | Command::JobFenced { .. }
             | Command::NodeHeartbeat { .. }
             | Command::Tick
@@ -158,9 +159,10 @@ pub(crate) fn authorize(
         },
         Actor::Anonymous | Actor::Bearer(_) => Err(CommandError::Unauthenticated),
         Actor::Agent(node) => match command {
-            Command::JobHeartbeat(_) | Command::FinishJob { .. } | Command::JobFenced { .. } => {
-                Ok(())
-            }
+            Command::JobHeartbeat(_)
+            | Command::FinishJob { .. }
+            | Command::FinishJobAt { .. }
+            | Command::JobFenced { .. } => Ok(()),
             Command::NodeHeartbeat { node: n } if *n == node => Ok(()),
             _ => Err(CommandError::Unauthorized),
         },

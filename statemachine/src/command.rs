@@ -388,6 +388,28 @@ pub enum Command {
         spec: JobSpec,
         key: crate::ids::DedupKey,
     },
+    /// `FinishJob` with when the runner exited, as its agent measured it on its own
+    /// monotonic clock (rule version 6): `exit.after_ms` after the agent sent heartbeat
+    /// `exit.heartbeat_seq` of the attempt, the newest one it saw accepted. An ending
+    /// that bills to now bills no later than the logical time the meter recorded for its
+    /// newest heartbeat plus `after_ms`, so a runner that exits while its agent is cut
+    /// off from the cluster is not billed until the report gets through (DESIGN §45,
+    /// "The exit instant"). Otherwise applied as `FinishJob`. Agent only.
+    FinishJobAt {
+        job: JobId,
+        attempt: u32,
+        success: bool,
+        exit: RunnerExit,
+    },
+}
+
+/// When a runner exited, as its agent measured it (`Command::FinishJobAt`): `after_ms`
+/// after the agent sent the attempt's heartbeat `heartbeat_seq` — the newest heartbeat
+/// of the attempt the agent saw the cluster accept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunnerExit {
+    pub heartbeat_seq: u64,
+    pub after_ms: u64,
 }
 
 /// One refused call at a node's edge.
@@ -547,6 +569,7 @@ impl Command {
         use crate::version::RULES_BASELINE;
         match self {
             Command::SubmitJobDedup { .. } => 3,
+            Command::FinishJobAt { .. } => crate::scheduler::RUNNER_EXIT_BILLS_FROM,
             Command::CreateOrg { .. }
             | Command::CreateProject { .. }
             | Command::CreateUser { .. }
@@ -610,7 +633,7 @@ impl Command {
             Command::SubmitJobDedup { .. } => "submit_job_dedup",
             Command::CancelJob { .. } => "cancel_job",
             Command::JobHeartbeat(_) => "job_heartbeat",
-            Command::FinishJob { .. } => "finish_job",
+            Command::FinishJob { .. } | Command::FinishJobAt { .. } => "finish_job",
             Command::SetQuota { .. } => "set_quota",
             Command::ConfigureScheduler(_) => "configure_scheduler",
             Command::Bootstrap { .. } => "bootstrap",
@@ -663,6 +686,7 @@ impl Command {
                 | Command::CancelJob { .. }
                 | Command::JobHeartbeat(_)
                 | Command::FinishJob { .. }
+                | Command::FinishJobAt { .. }
                 | Command::JobFenced { .. }
                 | Command::SetQuota { .. }
                 | Command::SetShareWeight { .. }

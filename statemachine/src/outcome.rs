@@ -308,6 +308,9 @@ pub enum JobProblem {
     // Appended (the encoding is positional).
     /// A dedup key empty or longer than `limits::DEDUP_KEY_BYTES_MAX`.
     DedupKey,
+    /// A runner's exit report (`Command::FinishJobAt`) naming heartbeat 0, or an exit
+    /// later after it than the longest job may run.
+    RunnerExit,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -508,6 +511,8 @@ mod tests {
                 JobProblem::NoGpuTypes,
                 JobProblem::MaxDuration,
                 JobProblem::MemoryFloor,
+                JobProblem::DedupKey,
+                JobProblem::RunnerExit,
             ]
             .map(CommandError::InvalidJob),
         );

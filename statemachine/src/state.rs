@@ -844,6 +844,20 @@ fn dispatch_scheduler(
             cfg,
             actor,
             ((need(ns)?, *job), *attempt, *success),
+            None,
+        ),
+        Command::FinishJobAt {
+            job,
+            attempt,
+            success,
+            exit,
+        } => sched.finish(
+            ctx,
+            ledger,
+            cfg,
+            actor,
+            ((need(ns)?, *job), *attempt, *success),
+            Some(*exit),
         ),
         Command::JobFenced { job, attempt } => {
             sched.fenced(ctx, ledger, cfg, actor, ((need(ns)?, *job), *attempt))
@@ -994,6 +1008,7 @@ fn refs_of(
         ),
         Command::CancelJob { job }
         | Command::FinishJob { job, .. }
+        | Command::FinishJobAt { job, .. }
         | Command::JobFenced { job, .. } => hold_refs(HoldId(job.0)),
         Command::JobHeartbeat(hb) => hold_refs(HoldId(hb.job.0)),
         Command::SetQuota { org, .. } => (Some(Account::Org(*org)), None),

@@ -585,18 +585,34 @@ impl Harness {
     }
 
     pub fn finish_job(&mut self, job: u64, success: bool) -> Outcome {
+        self.finish_job_with(job, success, None)
+    }
+
+    /// The job's agent reports its attempt's exit: `FinishJob`, or with `exit`
+    /// (when the runner exited) `FinishJobAt`.
+    pub fn finish_job_with(
+        &mut self,
+        job: u64,
+        success: bool,
+        exit: Option<crate::command::RunnerExit>,
+    ) -> Outcome {
         let j = self.job(job);
         let (node, org) = (j.placement.as_ref().map_or(NodeId(0), |p| p.node), j.org);
-        let attempt = j.attempt;
-        self.run_in(
-            Actor::Agent(node),
-            org,
-            Command::FinishJob {
-                job: JobId(job),
+        let (job, attempt) = (JobId(job), j.attempt);
+        let command = match exit {
+            None => Command::FinishJob {
+                job,
                 attempt,
                 success,
             },
-        )
+            Some(exit) => Command::FinishJobAt {
+                job,
+                attempt,
+                success,
+                exit,
+            },
+        };
+        self.run_in(Actor::Agent(node), org, command)
     }
 }
 
@@ -641,6 +657,7 @@ pub fn infer_org(state: &State, command: &Command) -> Option<OrgId> {
         Command::Heartbeat(hb) => hold(hb.hold),
         Command::CancelJob { job: j }
         | Command::FinishJob { job: j, .. }
+        | Command::FinishJobAt { job: j, .. }
         | Command::JobFenced { job: j, .. } => job(*j),
         Command::JobHeartbeat(hb) => job(hb.job),
         Command::SetBudget { scope, .. }
@@ -703,6 +720,7 @@ pub fn fixture_org(command: &Command) -> Option<OrgId> {
         | Command::Heartbeat(_)
         | Command::CancelJob { .. }
         | Command::FinishJob { .. }
+        | Command::FinishJobAt { .. }
         | Command::JobFenced { .. }
         | Command::JobHeartbeat(_) => ORG,
         _ => return None,

@@ -143,6 +143,12 @@ pub fn validate_command(command: &Command, rules: u32) -> Result<(), CommandErro
             }
             Ok(())
         }
+        Command::FinishJobAt { exit, .. } => {
+            if exit.heartbeat_seq == 0 || exit.after_ms > crate::version::job_duration_max(rules) {
+                return Err(CommandError::InvalidJob(JobProblem::RunnerExit));
+            }
+            Ok(())
+        }
         Command::SetShareWeight { weight, .. } => {
             if weight.is_some_and(|w| w == 0 || w > SHARE_WEIGHT_MAX) {
                 return Err(CommandError::InvalidShareWeight);

@@ -80,6 +80,13 @@
 //!   `IssueGrant` after the archive issued the credit twice). A version of its own,
 //!   not part of 4: commits that already implemented version 4 wrote format 7 under
 //!   it, and every replica must start recording at one point of the log.
+//! - **6** — `Command::FinishJobAt`: an agent's finish report may say when the runner
+//!   exited (after its newest accepted heartbeat, on the agent's monotonic clock), and
+//!   an ending that bills to now bills no later than that instant
+//!   (`crate::scheduler::RUNNER_EXIT_BILLS_FROM`; before, a runner that exited while
+//!   its agent was cut off was billed until the report got through). A new kind of
+//!   command, so refused until the version is active; the state's format is
+//!   unchanged (8).
 
 use serde::{Deserialize, Serialize};
 
@@ -88,7 +95,7 @@ pub const RULES_BASELINE: u32 = 1;
 /// The newest rule version this build implements. A node may be told to support less
 /// (`allot-node --max-rules-version`, to rehearse an upgrade or to hold one back), never
 /// more.
-pub const RULES_MAX: u32 = 5;
+pub const RULES_MAX: u32 = 6;
 /// A job's longest `max_duration_ms` from rule version 2 on.
 pub const JOB_DURATION_MS_MAX_V2: u64 = 90 * 86_400_000;
 

@@ -1907,6 +1907,129 @@ fn an_ending_on_a_lapsed_node_bills_to_the_lease_from_rule_version_4() {
     }
 }
 
+/// A runner that exits while its agent is cut off from the cluster (a partition
+/// shorter than the node's lease, so the node never lapses) was billed until its
+/// `FinishJob` got through. From rule version 6 the agent's report may say when the
+/// runner exited — `after_ms` after the newest heartbeat it saw accepted — and the
+/// ending bills to that heartbeat's logical time plus `after_ms`, never past now.
+#[test]
+fn a_finish_that_says_when_the_runner_exited_bills_to_the_exit_from_rule_version_6() {
+    let exit = |seq, after_ms| RunnerExit {
+        heartbeat_seq: seq,
+        after_ms,
+    };
+    for rules in [5, 6] {
+        let mut h = world_default_leases();
+        h.ok(Command::ActivateVersion { version: rules });
+        h.fleet(&[(1, a100(), 8, 80)]);
+        submit(&mut h, Harness::job_spec(10, Tier::PAID, vec![a100()], 1));
+        h.nodes_alive();
+        h.job_heartbeat(10, 1, 0).unwrap();
+        let started = h.now;
+        h.advance(20_000);
+        h.nodes_alive();
+        h.job_heartbeat(10, 2, 0).unwrap();
+        let last_beat = h.now;
+        // The runner exits 3 s after heartbeat 2; the report lands 40 s later (the
+        // node's lease, 60 s, has not run out).
+        h.advance(43_000);
+        let price = meter_price(&h, 10);
+        let before_finish = (h.state.ledger.clone(), h.state.scheduler.clone());
+        let outcome = h.finish_job_with(10, true, Some(exit(2, 3_000)));
+        if rules == 5 {
+            // A kind of command the shard does not know yet: refused, nothing changes;
+            // the agent then reports with `FinishJob`, billed to its arrival.
+            assert_eq!(
+                outcome,
+                Err(CommandError::UnsupportedRulesVersion {
+                    active: 5,
+                    newest: allot_statemachine::version::RULES_MAX,
+                })
+            );
+            assert!((h.state.ledger.clone(), h.state.scheduler.clone()) == before_finish);
+            let Ok(Reply::JobFinished(Some(s))) = h.finish_job(10, true) else {
+                panic!()
+            };
+            assert_eq!(
+                s.captured_micro,
+                ledger::cost_micro(h.now - started, price, 1)
+            );
+        } else {
+            let Ok(Reply::JobFinished(Some(s))) = outcome else {
+                panic!("{outcome:?}")
+            };
+            assert_eq!(
+                s.captured_micro,
+                ledger::cost_micro(last_beat + 3_000 - started, price, 1)
+            );
+            assert_eq!(h.job(10).state, JobState::Succeeded);
+        }
+    }
+}
+
+/// The exit a report names bounds a bill from above only as far as the meter can vouch
+/// for it: counted from the newest heartbeat the meter saw (a later heartbeat than the
+/// report counts from, whose answer the agent missed, bills more, never less); a report
+/// counting from a heartbeat the meter has not seen, or naming an exit after now, bills
+/// to now; and a malformed one is refused with nothing changed.
+#[test]
+fn a_runner_exit_bounds_the_bill_only_from_a_heartbeat_the_meter_saw() {
+    let exit = |seq, after_ms| RunnerExit {
+        heartbeat_seq: seq,
+        after_ms,
+    };
+    // (captured, billed to heartbeat 2's time + 4 s, billed to now)
+    let run = |report: RunnerExit| {
+        let mut h = world_default_leases();
+        h.ok(Command::ActivateVersion { version: 6 });
+        h.fleet(&[(1, a100(), 8, 80)]);
+        submit(&mut h, Harness::job_spec(10, Tier::PAID, vec![a100()], 1));
+        h.nodes_alive();
+        h.job_heartbeat(10, 1, 0).unwrap();
+        let started = h.now;
+        h.advance(20_000);
+        h.nodes_alive();
+        h.job_heartbeat(10, 2, 0).unwrap();
+        let last_beat = h.now;
+        h.advance(10_000);
+        let price = meter_price(&h, 10);
+        let Ok(Reply::JobFinished(Some(s))) = h.finish_job_with(10, false, Some(report)) else {
+            panic!()
+        };
+        let billed = |to: u64| ledger::cost_micro(to - started, price, 1);
+        (s.captured_micro, billed(last_beat + 4_000), billed(h.now))
+    };
+    // Counted from heartbeat 2, the meter's newest: to its time plus 4 s.
+    let (captured, to_exit, to_now) = run(exit(2, 4_000));
+    assert_eq!(captured, to_exit);
+    assert!(captured < to_now);
+    // Counted from heartbeat 1, but the meter's newest is 2: from heartbeat 2's time.
+    assert_eq!(run(exit(1, 4_000)).0, to_exit);
+    // A heartbeat the meter never saw: to now.
+    assert_eq!(run(exit(3, 4_000)).0, to_now);
+    // An exit after now: to now.
+    assert_eq!(run(exit(2, 60_000)).0, to_now);
+
+    let mut h = world_default_leases();
+    h.ok(Command::ActivateVersion { version: 6 });
+    h.fleet(&[(1, a100(), 8, 80)]);
+    submit(&mut h, Harness::job_spec(10, Tier::PAID, vec![a100()], 1));
+    h.nodes_alive();
+    h.job_heartbeat(10, 1, 0).unwrap();
+    let before = (h.state.ledger.clone(), h.state.scheduler.clone());
+    for bad in [
+        exit(0, 1_000),
+        exit(1, allot_statemachine::version::JOB_DURATION_MS_MAX_V2 + 1),
+    ] {
+        assert_eq!(
+            h.finish_job_with(10, true, Some(bad)),
+            Err(CommandError::InvalidJob(JobProblem::RunnerExit))
+        );
+    }
+    assert!((h.state.ledger.clone(), h.state.scheduler.clone()) == before);
+    assert_eq!(h.job(10).state, JobState::Running);
+}
+
 /// Found by review (2026-11-27): a preempted job's attempt is billed back to its
 /// checkpoint and its hold stays open for the next attempt; captures reversed from a
 /// day already over went back to the hold, counted in today's usage, and the next

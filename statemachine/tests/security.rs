@@ -578,10 +578,28 @@ fn an_agent_token_cannot_finish_another_nodes_job() {
         h.run_as(bearer(AGENT2), finish.clone()),
         Err(CommandError::UnknownJob)
     );
-    // A tenant cannot report a finish either; node 1's agent can.
+    // A tenant cannot report a finish either; node 1's agent can. So for a finish that
+    // says when the runner exited (rule version 6), which node 2's agent does not see
+    // either.
+    let finish_at = Command::FinishJobAt {
+        job: JobId(7),
+        attempt,
+        success: true,
+        exit: RunnerExit {
+            heartbeat_seq: 1,
+            after_ms: 0,
+        },
+    };
+    h.ok(Command::ActivateVersion { version: 6 });
+    for f in [&finish, &finish_at] {
+        assert_eq!(
+            h.run_as(bearer(ORG1), f.clone()),
+            Err(CommandError::Unauthorized)
+        );
+    }
     assert_eq!(
-        h.run_as(bearer(ORG1), finish.clone()),
-        Err(CommandError::Unauthorized)
+        h.run_as(bearer(AGENT2), finish_at),
+        Err(CommandError::UnknownJob)
     );
     assert!(h.run_as(bearer(AGENT1), finish).is_ok());
     // Agents cannot settle or meter arbitrary holds, nor heartbeat another node.

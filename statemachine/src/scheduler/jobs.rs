@@ -4,7 +4,7 @@
 
 use super::{Ending, Job, JobState, Placement, Reason, Scheduler, SchedulerConfig, Timer};
 use crate::audit::{EventBody, PendingEvent};
-use crate::command::{Heartbeat, HoldSpec, JobHeartbeat, JobSpec, SettleReason};
+use crate::command::{Heartbeat, HoldSpec, JobHeartbeat, JobSpec, RunnerExit, SettleReason};
 use crate::ids::{Account, Actor, HoldId, JobKey, NodeId, OrgId};
 use crate::ledger::{cost_micro, tier_price, Ctx, Ledger, MeterStart};
 use crate::limits::*;
@@ -32,6 +32,10 @@ pub const ENDINGS_ON_A_LAPSED_NODE_BILL_TO_THE_LEASE_FROM: u32 = 4;
 /// The rule version from which an agent's report on a job not placed on its node is
 /// answered `UnknownJob` whatever became of the job (`Scheduler::job_for`).
 pub const AGENTS_SEE_ONLY_THEIR_JOBS_FROM: u32 = 4;
+
+/// The rule version that introduced `Command::FinishJobAt`: a finish that says when
+/// the runner exited bills no later than that instant (`Scheduler::exit_instant`).
+pub const RUNNER_EXIT_BILLS_FROM: u32 = 6;
 
 impl Scheduler {
     pub(crate) fn job_event(
@@ -460,6 +464,20 @@ impl Scheduler {
         id: JobKey,
         ending: Ending,
     ) -> Option<Settlement> {
+        self.end_by(ctx, ledger, cfg, id, ending, None)
+    }
+
+    /// [`Scheduler::end`], an ending that bills to now billing no later than `exited`
+    /// either (when the runner exited, by its agent's report).
+    fn end_by(
+        &mut self,
+        ctx: &mut Ctx,
+        ledger: &mut Ledger,
+        cfg: &SchedulerConfig,
+        id: JobKey,
+        ending: Ending,
+        exited: Option<u64>,
+    ) -> Option<Settlement> {
         let Ending { settle, to, reason } = ending;
         let j = self.jobs.get(&id)?;
         let (state, attempt) = (j.state, j.attempt);
@@ -469,11 +487,15 @@ impl Scheduler {
         }
         // From rule version 4, an ending on a node whose lease has run out bills no later
         // than the lease's end: its agent has stopped the runner by then (the fence).
-        let bill_until = (ledger.rules.0 >= ENDINGS_ON_A_LAPSED_NODE_BILL_TO_THE_LEASE_FROM)
+        let lease_end = (ledger.rules.0 >= ENDINGS_ON_A_LAPSED_NODE_BILL_TO_THE_LEASE_FROM)
             .then(|| j.placement.as_ref().and_then(|p| self.nodes.get(&p.node)))
             .flatten()
             .map(|n| n.lease_until_ms)
             .filter(|until| *until < ctx.now);
+        let bill_until = match (lease_end, exited) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let settlement = ledger
             .settle_until(ctx, id.0, hold_of(id), attempt, settle, bill_until)
             .ok();
@@ -633,7 +655,8 @@ impl Scheduler {
         Ok(Reply::JobHeartbeat(reply))
     }
 
-    /// The agent's report `(job, attempt, success)`.
+    /// The agent's report `(job, attempt, success)`, and when the runner exited if it
+    /// says (`Command::FinishJobAt`).
     pub(crate) fn finish(
         &mut self,
         ctx: &mut Ctx,
@@ -641,9 +664,11 @@ impl Scheduler {
         cfg: &SchedulerConfig,
         actor: Actor,
         (id, attempt, success): (JobKey, u32, bool),
+        exit: Option<RunnerExit>,
     ) -> Result<Reply, CommandError> {
         let j = self.job_for_attempt(actor, id, Some(attempt), ledger.rules.0)?;
         Self::check_attempt(j, attempt)?;
+        let exited = exit.and_then(|e| Self::exit_instant(ledger, id, attempt, e));
         if j.state == JobState::Preempting && !success {
             // The agent stopped the job for preemption (after checkpointing).
             self.requeue(
@@ -665,13 +690,32 @@ impl Scheduler {
         } else {
             (SettleReason::Failed, JobState::Failed, Reason::Failed)
         };
-        Ok(Reply::JobFinished(self.end(
+        Ok(Reply::JobFinished(self.end_by(
             ctx,
             ledger,
             cfg,
             id,
             Ending { settle, to, reason },
+            exited,
         )))
+    }
+
+    /// The logical instant by which a runner had exited, from its agent's report: the
+    /// time the attempt's meter recorded for its newest accepted heartbeat plus
+    /// `exit.after_ms`, when that heartbeat is the one the report counts from or a later
+    /// one (the agent may not have seen a later heartbeat's answer). The cluster applies
+    /// a heartbeat after its agent sent it, so the instant is never before the real
+    /// exit: a report can shorten a bill to the runner's life, never below it. `None`
+    /// (bill to now, as `FinishJob`) before rule version [`RUNNER_EXIT_BILLS_FROM`], for
+    /// a meter that has seen no heartbeat of the attempt, or for a report counting from
+    /// a heartbeat the meter has not seen.
+    fn exit_instant(ledger: &Ledger, id: JobKey, attempt: u32, exit: RunnerExit) -> Option<u64> {
+        if ledger.rules.0 < RUNNER_EXIT_BILLS_FROM {
+            return None;
+        }
+        let m = ledger.hold(id.0, hold_of(id))?.meter.as_ref()?;
+        (m.attempt == attempt && !m.closed && m.last_seq > 0 && m.last_seq >= exit.heartbeat_seq)
+            .then(|| m.last_heartbeat_ms.saturating_add(exit.after_ms))
     }
 
     /// The agent stopped the attempt itself (it could not renew its lease): a job being

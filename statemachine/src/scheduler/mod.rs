@@ -18,7 +18,10 @@ mod jobs;
 mod pass;
 mod reservations;
 mod timers;
-pub use jobs::{AGENTS_SEE_ONLY_THEIR_JOBS_FROM, ENDINGS_ON_A_LAPSED_NODE_BILL_TO_THE_LEASE_FROM};
+pub use jobs::{
+    AGENTS_SEE_ONLY_THEIR_JOBS_FROM, ENDINGS_ON_A_LAPSED_NODE_BILL_TO_THE_LEASE_FROM,
+    RUNNER_EXIT_BILLS_FROM,
+};
 pub use timers::{FENCE_INSTANTS_FROM, GRACE_WAITS_FOR_THE_NODE_FROM};
 pub mod usage;
 
