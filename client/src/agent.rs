@@ -33,7 +33,11 @@
 //!   below one it has seen: an earlier agent process ran this attempt) makes the agent
 //!   jump its seq ahead until one is accepted.
 //! - **The runner exits on its own**: one last heartbeat (the final checkpoint), then
-//!   `FinishJob { success: exit status == 0 }`.
+//!   `FinishJob { success: exit status == 0 }` — as `FinishJobAt`, which also says how
+//!   long after the newest accepted heartbeat's send the attempt's last process was gone,
+//!   so a report delayed by a partition does not bill the partition (rule version 6; a
+//!   shard below it refuses that command unrecorded, and the report goes again as
+//!   `FinishJob` under the same request id).
 //! - **Preempting**: SIGTERM to the runner's process group; heartbeats continue during
 //!   the grace period (a checkpoint written on SIGTERM is reported, and the preempted
 //!   attempt is billed up to it); after [`AgentConfig::grace`] SIGKILL. Once it has

@@ -817,7 +817,15 @@ fn dispatch_scheduler(
     );
     let now = ctx.now;
     match command {
-        Command::RegisterNode(spec) => sched.register_node(ctx, ledger, cfg, spec),
+        Command::RegisterNode(spec) => {
+            let reply = sched.register_node(ctx, ledger, cfg, spec)?;
+            // A registration renews the node's lease as a heartbeat does (from rule
+            // version 6 it also ends the preemptions that waited for the node).
+            if rules >= crate::scheduler::REGISTRATION_ENDS_WAITING_GRACES_FROM {
+                sched.end_waiting_graces(ctx, ledger, cfg, spec.node);
+            }
+            Ok(reply)
+        }
         Command::NodeHeartbeat { node } => {
             let reply = sched.node_heartbeat(now, cfg.node_lease_ms, *node, ctx.effects, rules)?;
             if rules >= crate::scheduler::GRACE_WAITS_FOR_THE_NODE_FROM {

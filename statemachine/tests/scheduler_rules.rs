@@ -1717,6 +1717,41 @@ fn a_preemption_on_a_silent_node_waits_for_the_nodes_fate_from_rule_version_4() 
     }
 }
 
+/// A registration of a known node by the same agent process (same incarnation) renews
+/// the node's lease as a heartbeat does, but did not end the preemptions waiting for
+/// that renewal: the victim kept its GPUs, and the preemptor waited, until the next
+/// heartbeat. From rule version 6 it ends them as a heartbeat does.
+#[test]
+fn a_registration_ends_the_preemptions_waiting_for_the_node_from_rule_version_6() {
+    for rules in [5, 6] {
+        let mut h = world();
+        h.ok(Command::ActivateVersion { version: rules });
+        preempt_a_second_after_the_last_renewal(&mut h);
+        let cfg = h.state.config.scheduler.clone();
+        h.advance(cfg.grace_ms + 1);
+        h.tick();
+        assert_eq!(h.job(10).state, JobState::Preempting);
+        // The node's agent registers it again (the same shape and incarnation).
+        h.fleet(&[(1, a100(), 4, 80)]);
+        let renewed = h.state.scheduler.nodes[&NodeId(1)].lease_until_ms;
+        assert_eq!(renewed, h.now + cfg.node_lease_ms, "the lease is renewed");
+        let (victim, preemptor) = if rules == 5 {
+            (JobState::Preempting, JobState::Queued)
+        } else {
+            (JobState::Queued, JobState::Placed)
+        };
+        assert_eq!(
+            (h.job(10).state, h.job(20).state),
+            (victim, preemptor),
+            "version {rules}"
+        );
+        // Under version 5 the next heartbeat ends it.
+        h.nodes_alive();
+        assert_eq!(h.job(10).state, JobState::Queued);
+        assert_eq!(h.job(20).state, JobState::Placed);
+    }
+}
+
 /// Found by review (tenth session, 2026-11-27; fixed in the twelfth): rule version 4's
 /// grace check rebuilt both instants it compares from the settings of the moment — the
 /// preemption's start as the grace timer's end minus `grace_ms`, the node's last renewal

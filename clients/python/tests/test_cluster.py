@@ -82,7 +82,15 @@ def test_grant_balance_job_lifecycle_and_audit(endpoints):
     again = agent.job_heartbeat(org=org, job=77, attempt=1, seq=1, shard=shard)
     assert not again.accepted
 
-    settlement = agent.finish_job(org=org, job=77, attempt=1, success=True, shard=shard)
+    # Saying when the runner exited needs rule version 6, which this cluster has not
+    # activated: refused, nothing recorded, and the same request id then reports it plainly.
+    rid = new_request_id()
+    with pytest.raises(Refused) as e:
+        agent.finish_job(org=org, job=77, attempt=1, success=True, shard=shard, request_id=rid,
+                         exit_after=(1, 250))
+    assert e.value.reason == "UNSUPPORTED_RULES_VERSION"
+    assert job_state_name(admin.get_job(org, 77).state) == "RUNNING"
+    settlement = agent.finish_job(org=org, job=77, attempt=1, success=True, shard=shard, request_id=rid)
     assert settlement is not None
     assert settlement.reason == pb.SETTLE_REASON_SUCCEEDED
     assert settlement.captured_micro + settlement.refunded_micro + settlement.forfeited_micro == submitted.hold_micro

@@ -16,6 +16,11 @@ pub const GRACE_WAITS_FOR_THE_NODE_FROM: u32 = 4;
 /// (`Fence`), not rebuilt from the settings of the moment.
 pub const FENCE_INSTANTS_FROM: u32 = 5;
 
+/// The rule version from which a `RegisterNode` of a known node (which renews its lease)
+/// ends the preemptions that waited for the node's renewal, as a `NodeHeartbeat` does
+/// from [`GRACE_WAITS_FOR_THE_NODE_FROM`]; before it they waited for the next heartbeat.
+pub const REGISTRATION_ENDS_WAITING_GRACES_FROM: u32 = 6;
+
 impl Scheduler {
     /// A job whose node lost it (the lease ran out, or the agent stopped it when it could
     /// not renew the lease): requeued as a new attempt, billed to its last heartbeat, or

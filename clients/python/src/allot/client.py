@@ -24,7 +24,7 @@ It behaves like the Rust client (``allot-client``):
 import random
 import secrets
 import time
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
@@ -421,12 +421,33 @@ class Client:
         return reply.heartbeat
 
     def finish_job(
-        self, org: int, job: int, attempt: int, success: bool, shard: int, request_id: Optional[int] = None
+        self,
+        org: int,
+        job: int,
+        attempt: int,
+        success: bool,
+        shard: int,
+        request_id: Optional[int] = None,
+        exit_after: Optional[Tuple[int, int]] = None,
     ) -> Optional[pb.Settlement]:
+        """Reports an attempt's end. ``exit_after=(heartbeat_seq, after_ms)`` says the
+        runner exited ``after_ms`` after this agent sent heartbeat ``heartbeat_seq``, the
+        newest it saw accepted: the job is billed to that instant rather than to the
+        report's arrival (rule version 6; a shard below it refuses the call with
+        ``UNSUPPORTED_RULES_VERSION`` and records nothing — send it again without
+        ``exit_after``, under the same ``request_id``)."""
+        exit_ = None
+        if exit_after is not None:
+            exit_ = pb.RunnerExit(heartbeat_seq=exit_after[0], after_ms=exit_after[1])
         reply = self._command(
             "FinishJob",
             pb.FinishJobRequest(
-                call=self._call_header(request_id, shard), org=org, job=job, attempt=attempt, success=success
+                call=self._call_header(request_id, shard),
+                org=org,
+                job=job,
+                attempt=attempt,
+                success=success,
+                exit=exit_,
             ),
         )
         s = reply.settled
