@@ -504,7 +504,9 @@ struct Exit {
     success: bool,
     how: String,
     /// When the last of the attempt's processes was gone (its GPUs free), or a moment
-    /// after: what the finish report counts the exit from.
+    /// after (without a cgroup or a uid of its own: once its output is closed, or
+    /// `LOG_FLUSH_TIMEOUT` after the group's SIGKILL): what the finish report counts
+    /// the exit from.
     at: Instant,
 }
 
@@ -1025,9 +1027,6 @@ impl Runner {
             if let Some((lease, pool)) = uid {
                 pool.release(lease).await;
             }
-            // Every process of the attempt is gone now (as far as it is contained):
-            // that is the exit its bill runs to.
-            exit.at = Instant::now();
             forget_runner(&dir, pgid);
             // The log is whole before the exit is told (every writer is gone
             // once the cgroup is empty; without one, a process that left the
@@ -1039,6 +1038,10 @@ impl Runner {
                         Ok(_) => {}
                         Err(_) => warn!(pgid, "the runner's output is still open after it exited: a process it started holds it"),
                     }
+            // The exit its bill runs to: every process of the attempt is gone now (its
+            // cgroup empty, its uid swept) or, without either, every holder of its
+            // output closed it (or the bounded wait for that ended).
+            exit.at = Instant::now();
             let _ = tx.send(exit);
         });
         Ok((
@@ -1466,6 +1469,7 @@ async fn report(shared: &Shared, (org, job): JobKey, attempt: u32, mut what: Rep
     let id = shared.client.next_request_id();
     let started = Instant::now();
     let success = matches!(what, Report::Finished { success: true, .. });
+    let mut fell_back = false;
     loop {
         let cmd = match what {
             Report::Finished {
@@ -1521,16 +1525,27 @@ async fn report(shared: &Shared, (org, job): JobKey, attempt: u32, mut what: Rep
                 );
                 return;
             }
-            Err(Error::Rejected(CommandError::UnsupportedRulesVersion { .. }))
-                if matches!(what, Report::Finished { exit: Some(_), .. }) =>
-            {
+            Err(Error::Rejected(
+                e @ (CommandError::UnsupportedRulesVersion { .. }
+                | CommandError::InvalidJob(allot_statemachine::JobProblem::RunnerExit)),
+            )) if matches!(what, Report::Finished { exit: Some(_), .. }) => {
                 debug!(
                     job = job.0,
-                    attempt, "the shard does not take exit instants yet: reporting without"
+                    attempt, "the exit instant was refused ({e}): reporting without it"
                 );
                 if let Report::Finished { exit, .. } = &mut what {
                     *exit = None;
                 }
+                fell_back = true;
+            }
+            Err(Error::Rejected(CommandError::RequestIdReused)) if fell_back => {
+                // A lagging replica refused a retry of the report with its exit instant,
+                // which the shard had already recorded (its answer lost): done.
+                info!(
+                    job = job.0,
+                    attempt, "the finish had already been recorded with its exit instant"
+                );
+                return;
             }
             Err(Error::Rejected(e)) => {
                 warn!(

@@ -810,8 +810,10 @@ async fn a_runner_that_exits_while_its_agent_is_cut_off_is_billed_to_its_exit() 
             .then_some(())
     })
     .await;
-    // Its final heartbeat and its report are retried through the cut for 5 s.
-    let cut_for = Duration::from_secs(5);
+    // Its final heartbeat and its report are retried through the cut, which lasts longer
+    // than the agent client's 5 s call timeout (a heartbeat that got through at the heal
+    // would be the meter's newest, and the bill would run to it).
+    let cut_for = Duration::from_secs(8);
     tokio::time::sleep(cut_for).await;
     partition.heal();
     let done = until("the job to succeed", Duration::from_secs(30), || async {

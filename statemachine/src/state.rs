@@ -818,10 +818,17 @@ fn dispatch_scheduler(
     let now = ctx.now;
     match command {
         Command::RegisterNode(spec) => {
+            // The node's own agent process registering it again renews its lease as a
+            // heartbeat does, and from rule version 6 it also ends the preemptions that
+            // waited for that renewal. An operator's registration (incarnation 0) proves
+            // nothing about the agent, so it does not.
+            let same_process = spec.incarnation != 0
+                && sched
+                    .nodes
+                    .get(&spec.node)
+                    .is_some_and(|n| n.incarnation == spec.incarnation);
             let reply = sched.register_node(ctx, ledger, cfg, spec)?;
-            // A registration renews the node's lease as a heartbeat does (from rule
-            // version 6 it also ends the preemptions that waited for the node).
-            if rules >= crate::scheduler::REGISTRATION_ENDS_WAITING_GRACES_FROM {
+            if same_process && rules >= crate::scheduler::REGISTRATION_ENDS_WAITING_GRACES_FROM {
                 sched.end_waiting_graces(ctx, ledger, cfg, spec.node);
             }
             Ok(reply)

@@ -85,10 +85,15 @@
 //!   an ending that bills to now bills no later than that instant
 //!   (`crate::scheduler::RUNNER_EXIT_BILLS_FROM`; before, a runner that exited while
 //!   its agent was cut off was billed until the report got through). A new kind of
-//!   command, so refused until the version is active. A `RegisterNode` of a known node,
-//!   which renews its lease, ends the preemptions waiting for that renewal as a
-//!   `NodeHeartbeat` does (`crate::scheduler::REGISTRATION_ENDS_WAITING_GRACES_FROM`;
-//!   before, they waited for the next heartbeat). The state's format is unchanged (8).
+//!   command, so refused until the version is active. A `RegisterNode` of a known node
+//!   by its own agent process, which renews its lease, ends the preemptions waiting for
+//!   that renewal as a `NodeHeartbeat` does
+//!   (`crate::scheduler::REGISTRATION_ENDS_WAITING_GRACES_FROM`; before, they waited for
+//!   the next heartbeat); an operator's (incarnation 0) of a node an agent process has
+//!   claimed changes its labels only — it renewed the lease, which made a silent node
+//!   look alive to the grace rule
+//!   (`crate::scheduler::OPERATOR_REGISTRATIONS_RENEW_NOTHING_FROM`). The state's format
+//!   is unchanged (8).
 
 use serde::{Deserialize, Serialize};
 

@@ -1649,7 +1649,29 @@ fn a_new_agent_incarnation_fences_the_old_ones_reports() {
 /// its lease for the last time, falls silent, and a second later an enterprise job
 /// preempts job 10 on it. The instant of that last renewal.
 fn preempt_a_second_after_the_last_renewal(h: &mut Harness) -> u64 {
-    h.fleet(&[(1, a100(), 4, 80)]);
+    preempt_a_second_after_the_last_renewal_on(h, 0)
+}
+
+/// Node 1 (4 GPUs) registered by an operator, then by the agent process `incarnation`
+/// (none for 0).
+fn register_node_1(h: &mut Harness, incarnation: u64) {
+    h.ok(Command::RegisterNode(NodeSpec {
+        node: NodeId(1),
+        gpu_type: a100(),
+        gpu_count: 4,
+        gpu_mem_gb: 80,
+        labels: vec![],
+        incarnation,
+    }));
+}
+
+/// [`preempt_a_second_after_the_last_renewal`] on a node the agent process
+/// `incarnation` has registered (0: only the operator has).
+fn preempt_a_second_after_the_last_renewal_on(h: &mut Harness, incarnation: u64) -> u64 {
+    register_node_1(h, 0);
+    if incarnation != 0 {
+        register_node_1(h, incarnation);
+    }
     submit(h, Harness::job_spec(10, Tier::FREE, vec![a100()], 2));
     submit(h, Harness::job_spec(11, Tier::FREE, vec![a100()], 2));
     h.advance(5 * 60_000);
@@ -1717,22 +1739,22 @@ fn a_preemption_on_a_silent_node_waits_for_the_nodes_fate_from_rule_version_4() 
     }
 }
 
-/// A registration of a known node by the same agent process (same incarnation) renews
-/// the node's lease as a heartbeat does, but did not end the preemptions waiting for
-/// that renewal: the victim kept its GPUs, and the preemptor waited, until the next
+/// A registration of a known node by its own agent process (the incarnation it holds)
+/// renews the node's lease as a heartbeat does, but did not end the preemptions waiting
+/// for that renewal: the victim kept its GPUs, and the preemptor waited, until the next
 /// heartbeat. From rule version 6 it ends them as a heartbeat does.
 #[test]
-fn a_registration_ends_the_preemptions_waiting_for_the_node_from_rule_version_6() {
+fn an_agents_registration_ends_the_preemptions_waiting_for_the_node_from_rule_version_6() {
     for rules in [5, 6] {
         let mut h = world();
         h.ok(Command::ActivateVersion { version: rules });
-        preempt_a_second_after_the_last_renewal(&mut h);
+        preempt_a_second_after_the_last_renewal_on(&mut h, 7);
         let cfg = h.state.config.scheduler.clone();
         h.advance(cfg.grace_ms + 1);
         h.tick();
         assert_eq!(h.job(10).state, JobState::Preempting);
-        // The node's agent registers it again (the same shape and incarnation).
-        h.fleet(&[(1, a100(), 4, 80)]);
+        // The node's agent process registers it again.
+        register_node_1(&mut h, 7);
         let renewed = h.state.scheduler.nodes[&NodeId(1)].lease_until_ms;
         assert_eq!(renewed, h.now + cfg.node_lease_ms, "the lease is renewed");
         let (victim, preemptor) = if rules == 5 {
@@ -1749,6 +1771,54 @@ fn a_registration_ends_the_preemptions_waiting_for_the_node_from_rule_version_6(
         h.nodes_alive();
         assert_eq!(h.job(10).state, JobState::Queued);
         assert_eq!(h.job(20).state, JobState::Placed);
+    }
+}
+
+/// Found by review (thirteenth session): an operator's registration of a node
+/// (`allotctl node register`, incarnation 0, e.g. to change its labels) renewed the
+/// node's lease and noted a renewal. On a node whose agent is cut off, with a preemption
+/// in its grace, that made the node look renewed: at the grace's end the victim was
+/// requeued and its GPUs given to the preemptor while its runner still ran (until the
+/// agent's fence). From rule version 6 such a registration of a node an agent process
+/// has claimed changes its labels only.
+#[test]
+fn an_operators_registration_does_not_renew_a_silent_node_from_rule_version_6() {
+    for rules in [5, 6] {
+        let mut h = world();
+        h.ok(Command::ActivateVersion { version: rules });
+        preempt_a_second_after_the_last_renewal_on(&mut h, 7);
+        let cfg = h.state.config.scheduler.clone();
+        let lease = h.state.scheduler.nodes[&NodeId(1)].lease_until_ms;
+        // Mid-grace, the operator relabels the silent node.
+        h.advance(cfg.grace_ms / 2);
+        h.ok(Command::RegisterNode(NodeSpec {
+            node: NodeId(1),
+            gpu_type: a100(),
+            gpu_count: 4,
+            gpu_mem_gb: 80,
+            labels: vec![("zone".into(), "b".into())],
+            incarnation: 0,
+        }));
+        let n = &h.state.scheduler.nodes[&NodeId(1)];
+        assert_eq!(n.labels, vec![("zone".to_string(), "b".to_string())]);
+        h.advance(cfg.grace_ms);
+        h.tick();
+        if rules == 5 {
+            assert!(h.state.scheduler.nodes[&NodeId(1)].lease_until_ms > lease);
+            assert_eq!(
+                h.job(10).state,
+                JobState::Queued,
+                "version 5: requeued, though the node's agent never heard of it"
+            );
+        } else {
+            assert_eq!(h.state.scheduler.nodes[&NodeId(1)].lease_until_ms, lease);
+            assert_eq!(h.job(10).state, JobState::Preempting);
+            assert_eq!(h.job(20).state, JobState::Queued);
+            // The agent comes back: its heartbeat ends the grace.
+            h.nodes_alive();
+            assert_eq!(h.job(10).state, JobState::Queued);
+            assert_eq!(h.job(20).state, JobState::Placed);
+        }
     }
 }
 

@@ -103,6 +103,20 @@ impl Scheduler {
                     n.incarnation = spec.incarnation;
                 }
             }
+            if spec.incarnation == 0
+                && current != 0
+                && ledger.rules.0 >= super::OPERATOR_REGISTRATIONS_RENEW_NOTHING_FROM
+            {
+                // An operator's registration of a node an agent process has claimed
+                // (new labels): the node's lease and state are its agent's to renew. A
+                // renewal here made a silent node — its agent cut off, its runners still
+                // running until the agent's fence — look alive: a preemption's grace
+                // ended by the clock and the victim's GPUs went to the preemptor.
+                if let Some(n) = self.nodes.get_mut(&spec.node) {
+                    n.labels = spec.labels.clone();
+                }
+                return Ok(Reply::NodeUpdated);
+            }
             let effects = &mut *ctx.effects;
             let Some(n) = self.nodes.get(&spec.node) else {
                 return Err(CommandError::UnknownNode);

@@ -16,10 +16,16 @@ pub const GRACE_WAITS_FOR_THE_NODE_FROM: u32 = 4;
 /// (`Fence`), not rebuilt from the settings of the moment.
 pub const FENCE_INSTANTS_FROM: u32 = 5;
 
-/// The rule version from which a `RegisterNode` of a known node (which renews its lease)
-/// ends the preemptions that waited for the node's renewal, as a `NodeHeartbeat` does
-/// from [`GRACE_WAITS_FOR_THE_NODE_FROM`]; before it they waited for the next heartbeat.
+/// The rule version from which a `RegisterNode` of a known node by its own agent process
+/// (the incarnation it holds; which renews its lease) ends the preemptions that waited
+/// for the node's renewal, as a `NodeHeartbeat` does from
+/// [`GRACE_WAITS_FOR_THE_NODE_FROM`]; before it they waited for the next heartbeat.
 pub const REGISTRATION_ENDS_WAITING_GRACES_FROM: u32 = 6;
+
+/// The rule version from which an operator's `RegisterNode` (incarnation 0) of a node an
+/// agent process has claimed changes only its labels: it no longer renews the node's
+/// lease, notes a renewal or brings it back from `Down` — the agent's heartbeats do.
+pub const OPERATOR_REGISTRATIONS_RENEW_NOTHING_FROM: u32 = 6;
 
 impl Scheduler {
     /// A job whose node lost it (the lease ran out, or the agent stopped it when it could
