@@ -239,6 +239,29 @@ pub struct AgentConfig {
     /// Each attempt runs as a uid of its own from this range (`--runner-uid-range`; the
     /// `uids` module), instead of `runner_user`. Needs an agent running as root.
     pub runner_uids: Option<UidRange>,
+    /// The most processes and threads a runner uid may have at once
+    /// (`--runner-procs-max`, the runner's `RLIMIT_NPROC`), when runners run as another
+    /// user: `None` derives it from the machine ([`procs_max_for`]), `Some(0)` sets none.
+    /// With `--runner-uid-range` it bounds each attempt; with `--runner-user` all of the
+    /// node's runners together.
+    pub runner_procs_max: Option<u64>,
+}
+
+/// The least `--runner-procs-max` derives: an ML job's data loaders and threads.
+pub const RUNNER_PROCS_MIN_AUTO: u64 = 1_024;
+
+/// The default `--runner-procs-max`, from the kernel's `pid_max`: half of the machine's
+/// pids for the runners, shared by the attempts a node can run at once (one per GPU,
+/// each its own uid) or by all of them under one `--runner-user`; at least
+/// [`RUNNER_PROCS_MIN_AUTO`]. So a fork bomb in one attempt leaves pids for the others,
+/// the agent and the host.
+pub fn procs_max_for(pid_max: u64, gpus: u32, uid_per_attempt: bool) -> u64 {
+    let share = if uid_per_attempt {
+        pid_max / (2 * u64::from(gpus.max(1)))
+    } else {
+        pid_max / 2
+    };
+    share.max(RUNNER_PROCS_MIN_AUTO)
 }
 
 /// A user runners run as: job code cannot read the agent's token files or environment,
@@ -329,6 +352,7 @@ impl AgentConfig {
             cgroup: CgroupMode::Auto,
             log_max: 256 << 20,
             runner_uids: None,
+            runner_procs_max: None,
         }
     }
 
@@ -933,17 +957,33 @@ impl Runner {
             }
         }
         let ids = as_user.as_ref().map(|(uid, gid, ..)| (*uid, *gid));
+        // Resolved at start (`run`): a bound whenever the runner is another user.
+        let nproc: Option<libc::rlim_t> = shared
+            .cfg
+            .runner_procs_max
+            .filter(|n| *n > 0 && ids.is_some());
         // An attempt's own uid gains nothing by exec: a setuid file another attempt
         // left cannot make it that attempt's uid.
         let no_new_privs = uid_lease.is_some();
         let agent_pid = std::process::id();
-        // SAFETY: only async-signal-safe calls (open, write, close, setgroups,
-        // setgid, setuid, prctl, getppid, raise) between fork and exec.
+        // SAFETY: only async-signal-safe calls (open, write, close, setrlimit,
+        // setgroups, setgid, setuid, prctl, getppid, raise) between fork and exec.
         unsafe {
             cmd.pre_exec(move || {
                 // Into the attempt's cgroup first, while still privileged.
                 if let Some(p) = &procs {
                     cgroup::join(p)?;
+                }
+                // The uid's processes and threads are bounded: set while still root,
+                // which may set any bound (the runner may only lower it).
+                if let Some(n) = nproc {
+                    let lim = libc::rlimit {
+                        rlim_cur: n,
+                        rlim_max: n,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NPROC, &lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
                 }
                 if let Some((uid, gid)) = ids {
                     if libc::setgroups(0, std::ptr::null()) != 0
@@ -2301,9 +2341,33 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     };
     let cgroups = cgroup::Cgroups::open(&config.cgroup, &work_dir).map_err(Error::Config)?;
     let incarnation = next_incarnation(&work_dir)?;
+    let runner_procs_max = if config.runner_user.is_some() || config.runner_uids.is_some() {
+        let n = config.runner_procs_max.unwrap_or_else(|| {
+            let pid_max = std::fs::read_to_string("/proc/sys/kernel/pid_max")
+                .ok()
+                .and_then(|s| s.trim().parse().ok())
+                .unwrap_or(32_768);
+            procs_max_for(pid_max, config.gpus, config.runner_uids.is_some())
+        });
+        if n > 0 {
+            info!(
+                max = n,
+                per = if config.runner_uids.is_some() {
+                    "attempt"
+                } else {
+                    "node"
+                },
+                "runner processes and threads bounded (RLIMIT_NPROC of the runner uid)"
+            );
+        }
+        Some(n)
+    } else {
+        Some(0)
+    };
     let config = AgentConfig {
         work_dir,
         incarnation,
+        runner_procs_max,
         ..config
     };
     tokio::pin!(shutdown);
@@ -2501,6 +2565,19 @@ mod tests {
         assert_eq!(ms(at(1_001)), 2);
         assert_eq!(ms(at(2_500_000)), 2_500);
         assert_eq!(super::runner_exit(4, at(5_000), sent).after_ms, 0);
+    }
+
+    /// `--runner-procs-max auto`: half of `pid_max`, one share per GPU when each attempt
+    /// has a uid of its own, never below the floor.
+    #[test]
+    fn the_derived_bound_on_runner_processes_shares_half_the_pids() {
+        use super::{procs_max_for, RUNNER_PROCS_MIN_AUTO};
+        assert_eq!(procs_max_for(4_194_304, 8, true), 262_144);
+        assert_eq!(procs_max_for(4_194_304, 8, false), 2_097_152);
+        assert_eq!(procs_max_for(32_768, 1, true), 16_384);
+        assert_eq!(procs_max_for(32_768, 8, true), 2_048);
+        assert_eq!(procs_max_for(32_768, 64, true), RUNNER_PROCS_MIN_AUTO);
+        assert_eq!(procs_max_for(32_768, 0, true), 16_384);
     }
 
     /// A runner cannot find another attempt's progress file by its org, job and

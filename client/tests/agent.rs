@@ -752,6 +752,7 @@ if [ -O "$HOME" ] && [ "$TMPDIR" = "$HOME" ]; then echo yes; else echo no; fi > 
 echo "$HOME" > "$out/homepath-$j"
 if grep -q '^NoNewPrivs:[[:space:]]*1' /proc/self/status; then echo yes; else echo no; fi > "$out/nnp-$j"
 id -u > "$out/uid-$j"
+grep '^Max processes' /proc/self/limits | tr -s ' ' | cut -d' ' -f3,4 > "$out/nproc-$j"
 case "$j" in
 701)
   setsid sh -c 'echo $$ > "$0/escaped.tmp" && mv "$0/escaped.tmp" "$0/escaped"; exec sleep 600' "$out" &
@@ -762,7 +763,11 @@ case "$j" in
   if kill -KILL "$(cat "$out/pid")" 2>/dev/null; then echo yes; else echo no; fi > "$out/direct"
   if kill -KILL "$(cat "$out/escaped")" 2>/dev/null; then echo yes; else echo no; fi > "$out/direct-escaped"
   kill -KILL -1 2>/dev/null
-  echo done > "$out/all" ;;
+  echo done > "$out/all"
+  # A fork bomb, in a subshell (a shell that cannot fork exits).
+  ( i=0; while [ $i -lt 64 ]; do sleep 30 & i=$((i+1)); done ) 2>/dev/null
+  n=0; for p in /proc/[0-9]*; do if [ -O "$p" ]; then n=$((n+1)); fi; done
+  echo $n > "$out/procs.tmp" && mv "$out/procs.tmp" "$out/procs" ;;
 esac
 "#,
     )
@@ -776,6 +781,8 @@ esac
     let args = [
         "--runner-uid-range",
         &range,
+        "--runner-procs-max",
+        "24",
         "--cgroup",
         "off",
         "--grace",
@@ -827,6 +834,15 @@ esac
     );
     assert_eq!(read("direct-escaped"), "no");
     assert_eq!(read("all"), "done", "kill -1 ran");
+    // Each attempt's uid may have at most 24 processes and threads: the attacker's fork
+    // bomb stops there (without the bound, all 64 sleeps and its shell: 65).
+    assert_eq!(read("nproc-701"), "24 24", "RLIMIT_NPROC, soft and hard");
+    assert_eq!(read("nproc-702"), "24 24");
+    let procs: u32 = read("procs").parse().expect("a count");
+    assert!(
+        (12..=24).contains(&procs),
+        "the fork bomb's processes: {procs}"
+    );
     assert!(alive(&victim), "the victim survives the attacker's kill -1");
     assert!(alive(&escaped));
     assert_eq!(job(&client, 701).await.state, JobState::Running);

@@ -26,6 +26,19 @@ fn range(s: &str) -> Result<(Duration, Duration), String> {
     agent::parse_duration_range(s).map_err(|e| e.to_string())
 }
 
+/// `--runner-procs-max`: `auto` (`None`) or a number.
+#[derive(Clone, Copy, Debug)]
+struct ProcsMax(Option<u64>);
+
+fn procs_max(s: &str) -> Result<ProcsMax, String> {
+    if s == "auto" {
+        return Ok(ProcsMax(None));
+    }
+    s.parse()
+        .map(|n| ProcsMax(Some(n)))
+        .map_err(|_| format!("{s:?} is neither a number nor auto"))
+}
+
 fn size(s: &str) -> Result<u64, String> {
     agent::parse_size(s).map_err(|e| e.to_string())
 }
@@ -129,6 +142,19 @@ struct Args {
         conflicts_with = "runner_user"
     )]
     runner_uid_range: Option<agent::UidRange>,
+    /// The most processes and threads a runner uid may have at once (its RLIMIT_NPROC),
+    /// when runners run as another user (--runner-uid-range: each attempt;
+    /// --runner-user: all of the node's runners together): a number, 0 for no bound,
+    /// or `auto` — half the kernel's pid_max shared by the node's GPUs (one share each
+    /// with --runner-uid-range), at least 1024.
+    #[arg(
+        long,
+        env = "ALLOT_RUNNER_PROCS_MAX",
+        default_value = "auto",
+        value_name = "N|auto",
+        value_parser = procs_max
+    )]
+    runner_procs_max: ProcsMax,
     /// Runner logs (job-<org>-<job>.<attempt>.log in the work dir) older than this are
     /// deleted, at start and hourly.
     #[arg(long, default_value = "7d", value_parser = duration)]
@@ -307,6 +333,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .map(allot_client::agent::RunnerUser::named)
         .transpose()?;
     config.runner_uids = args.runner_uid_range;
+    config.runner_procs_max = args.runner_procs_max.0;
     config.shard = args.shard;
     config.gpu_type = GpuType::new(&args.gpu_type);
     config.gpus = args.gpus;
