@@ -1342,34 +1342,20 @@ pub fn command_to(r: &Request) -> Option<pb::Command> {
             call,
             ..job_heartbeat_to(r.org, h)
         }),
-        Command::FinishJob {
-            job,
-            attempt,
-            success,
-        } => C::FinishJob(pb::FinishJobRequest {
-            call,
-            org: ns,
-            job: job.0,
-            attempt: *attempt,
-            success: *success,
-            exit: None,
-        }),
-        Command::FinishJobAt {
-            job,
-            attempt,
-            success,
-            exit,
-        } => C::FinishJob(pb::FinishJobRequest {
-            call,
-            org: ns,
-            job: job.0,
-            attempt: *attempt,
-            success: *success,
-            exit: Some(pb::RunnerExit {
-                heartbeat_seq: exit.heartbeat_seq,
-                after_ms: exit.after_ms,
-            }),
-        }),
+        c @ (Command::FinishJob { .. } | Command::FinishJobAt { .. }) => {
+            let (job, attempt, success, exit) = c.finish_report()?;
+            C::FinishJob(pb::FinishJobRequest {
+                call,
+                org: ns,
+                job: job.0,
+                attempt,
+                success,
+                exit: exit.map(|e| pb::RunnerExit {
+                    heartbeat_seq: e.heartbeat_seq,
+                    after_ms: e.after_ms,
+                }),
+            })
+        }
         Command::SetQuota { org, quota } => C::SetQuota(pb::SetQuotaRequest {
             call,
             org: org.0,

@@ -543,6 +543,25 @@ impl Command {
         }
     }
 
+    /// An agent's finish report (`FinishJob`, `FinishJobAt`): the job, the attempt,
+    /// whether it succeeded, and when its runner exited if the report says.
+    pub fn finish_report(&self) -> Option<(JobId, u32, bool, Option<RunnerExit>)> {
+        match self {
+            Command::FinishJob {
+                job,
+                attempt,
+                success,
+            } => Some((*job, *attempt, *success, None)),
+            Command::FinishJobAt {
+                job,
+                attempt,
+                success,
+                exit,
+            } => Some((*job, *attempt, *success, Some(*exit))),
+            _ => None,
+        }
+    }
+
     /// The command as apply runs it at logical time `now`: a relative expiry becomes
     /// the instant it names (`IssueGrantIn` → `IssueGrant`); every other command is
     /// itself. Borrowed unless it changed.

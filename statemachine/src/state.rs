@@ -849,31 +849,19 @@ fn dispatch_scheduler(
         }
         Command::CancelJob { job } => sched.cancel(ctx, ledger, cfg, actor, (need(ns)?, *job)),
         Command::JobHeartbeat(hb) => sched.heartbeat(ctx, ledger, cfg, actor, need(ns)?, hb),
-        Command::FinishJob {
-            job,
-            attempt,
-            success,
-        } => sched.finish(
-            ctx,
-            ledger,
-            cfg,
-            actor,
-            ((need(ns)?, *job), *attempt, *success),
-            None,
-        ),
-        Command::FinishJobAt {
-            job,
-            attempt,
-            success,
-            exit,
-        } => sched.finish(
-            ctx,
-            ledger,
-            cfg,
-            actor,
-            ((need(ns)?, *job), *attempt, *success),
-            Some(*exit),
-        ),
+        Command::FinishJob { .. } | Command::FinishJobAt { .. } => {
+            let Some((job, attempt, success, exit)) = command.finish_report() else {
+                return Err(CommandError::Unauthorized);
+            };
+            sched.finish(
+                ctx,
+                ledger,
+                cfg,
+                actor,
+                ((need(ns)?, job), attempt, success),
+                exit,
+            )
+        }
         Command::JobFenced { job, attempt } => {
             sched.fenced(ctx, ledger, cfg, actor, ((need(ns)?, *job), *attempt))
         }

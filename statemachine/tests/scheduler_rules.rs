@@ -1739,6 +1739,22 @@ fn a_preemption_on_a_silent_node_waits_for_the_nodes_fate_from_rule_version_4() 
     }
 }
 
+/// [`preempt_a_second_after_the_last_renewal_on`] a node of agent process 7, under rule
+/// version `rules`.
+fn preempted_on_an_agents_node(rules: u32) -> Harness {
+    let mut h = world();
+    h.ok(Command::ActivateVersion { version: rules });
+    preempt_a_second_after_the_last_renewal_on(&mut h, 7);
+    h
+}
+
+/// The node's agent heartbeats: job 10's waiting grace ends, job 20 takes its GPUs.
+fn a_heartbeat_ends_the_grace(h: &mut Harness) {
+    h.nodes_alive();
+    assert_eq!(h.job(10).state, JobState::Queued);
+    assert_eq!(h.job(20).state, JobState::Placed);
+}
+
 /// A registration of a known node by its own agent process (the incarnation it holds)
 /// renews the node's lease as a heartbeat does, but did not end the preemptions waiting
 /// for that renewal: the victim kept its GPUs, and the preemptor waited, until the next
@@ -1746,9 +1762,7 @@ fn a_preemption_on_a_silent_node_waits_for_the_nodes_fate_from_rule_version_4() 
 #[test]
 fn an_agents_registration_ends_the_preemptions_waiting_for_the_node_from_rule_version_6() {
     for rules in [5, 6] {
-        let mut h = world();
-        h.ok(Command::ActivateVersion { version: rules });
-        preempt_a_second_after_the_last_renewal_on(&mut h, 7);
+        let mut h = preempted_on_an_agents_node(rules);
         let cfg = h.state.config.scheduler.clone();
         h.advance(cfg.grace_ms + 1);
         h.tick();
@@ -1768,9 +1782,7 @@ fn an_agents_registration_ends_the_preemptions_waiting_for_the_node_from_rule_ve
             "version {rules}"
         );
         // Under version 5 the next heartbeat ends it.
-        h.nodes_alive();
-        assert_eq!(h.job(10).state, JobState::Queued);
-        assert_eq!(h.job(20).state, JobState::Placed);
+        a_heartbeat_ends_the_grace(&mut h);
     }
 }
 
@@ -1784,9 +1796,7 @@ fn an_agents_registration_ends_the_preemptions_waiting_for_the_node_from_rule_ve
 #[test]
 fn an_operators_registration_does_not_renew_a_silent_node_from_rule_version_6() {
     for rules in [5, 6] {
-        let mut h = world();
-        h.ok(Command::ActivateVersion { version: rules });
-        preempt_a_second_after_the_last_renewal_on(&mut h, 7);
+        let mut h = preempted_on_an_agents_node(rules);
         let cfg = h.state.config.scheduler.clone();
         let lease = h.state.scheduler.nodes[&NodeId(1)].lease_until_ms;
         // Mid-grace, the operator relabels the silent node.
@@ -1815,9 +1825,7 @@ fn an_operators_registration_does_not_renew_a_silent_node_from_rule_version_6() 
             assert_eq!(h.job(10).state, JobState::Preempting);
             assert_eq!(h.job(20).state, JobState::Queued);
             // The agent comes back: its heartbeat ends the grace.
-            h.nodes_alive();
-            assert_eq!(h.job(10).state, JobState::Queued);
-            assert_eq!(h.job(20).state, JobState::Placed);
+            a_heartbeat_ends_the_grace(&mut h);
         }
     }
 }
@@ -2017,24 +2025,34 @@ fn an_ending_on_a_lapsed_node_bills_to_the_lease_from_rule_version_4() {
 /// `FinishJob` got through. From rule version 6 the agent's report may say when the
 /// runner exited — `after_ms` after the newest heartbeat it saw accepted — and the
 /// ending bills to that heartbeat's logical time plus `after_ms`, never past now.
+fn exit(heartbeat_seq: u64, after_ms: u64) -> RunnerExit {
+    RunnerExit {
+        heartbeat_seq,
+        after_ms,
+    }
+}
+
+/// Job 10 running on node 1 under rule version `rules`, with two heartbeats 20 s apart:
+/// the harness, the attempt's start and heartbeat 2's time.
+fn running_with_two_heartbeats(rules: u32) -> (Harness, u64, u64) {
+    let mut h = world_default_leases();
+    h.ok(Command::ActivateVersion { version: rules });
+    h.fleet(&[(1, a100(), 8, 80)]);
+    submit(&mut h, Harness::job_spec(10, Tier::PAID, vec![a100()], 1));
+    h.nodes_alive();
+    h.job_heartbeat(10, 1, 0).unwrap();
+    let started = h.now;
+    h.advance(20_000);
+    h.nodes_alive();
+    h.job_heartbeat(10, 2, 0).unwrap();
+    let last_beat = h.now;
+    (h, started, last_beat)
+}
+
 #[test]
 fn a_finish_that_says_when_the_runner_exited_bills_to_the_exit_from_rule_version_6() {
-    let exit = |seq, after_ms| RunnerExit {
-        heartbeat_seq: seq,
-        after_ms,
-    };
     for rules in [5, 6] {
-        let mut h = world_default_leases();
-        h.ok(Command::ActivateVersion { version: rules });
-        h.fleet(&[(1, a100(), 8, 80)]);
-        submit(&mut h, Harness::job_spec(10, Tier::PAID, vec![a100()], 1));
-        h.nodes_alive();
-        h.job_heartbeat(10, 1, 0).unwrap();
-        let started = h.now;
-        h.advance(20_000);
-        h.nodes_alive();
-        h.job_heartbeat(10, 2, 0).unwrap();
-        let last_beat = h.now;
+        let (mut h, started, last_beat) = running_with_two_heartbeats(rules);
         // The runner exits 3 s after heartbeat 2; the report lands 40 s later (the
         // node's lease, 60 s, has not run out).
         h.advance(43_000);
@@ -2079,23 +2097,9 @@ fn a_finish_that_says_when_the_runner_exited_bills_to_the_exit_from_rule_version
 /// to now; and a malformed one is refused with nothing changed.
 #[test]
 fn a_runner_exit_bounds_the_bill_only_from_a_heartbeat_the_meter_saw() {
-    let exit = |seq, after_ms| RunnerExit {
-        heartbeat_seq: seq,
-        after_ms,
-    };
     // (captured, billed to heartbeat 2's time + 4 s, billed to now)
     let run = |report: RunnerExit| {
-        let mut h = world_default_leases();
-        h.ok(Command::ActivateVersion { version: 6 });
-        h.fleet(&[(1, a100(), 8, 80)]);
-        submit(&mut h, Harness::job_spec(10, Tier::PAID, vec![a100()], 1));
-        h.nodes_alive();
-        h.job_heartbeat(10, 1, 0).unwrap();
-        let started = h.now;
-        h.advance(20_000);
-        h.nodes_alive();
-        h.job_heartbeat(10, 2, 0).unwrap();
-        let last_beat = h.now;
+        let (mut h, started, last_beat) = running_with_two_heartbeats(6);
         h.advance(10_000);
         let price = meter_price(&h, 10);
         let Ok(Reply::JobFinished(Some(s))) = h.finish_job_with(10, false, Some(report)) else {
@@ -2115,12 +2119,7 @@ fn a_runner_exit_bounds_the_bill_only_from_a_heartbeat_the_meter_saw() {
     // An exit after now: to now.
     assert_eq!(run(exit(2, 60_000)).0, to_now);
 
-    let mut h = world_default_leases();
-    h.ok(Command::ActivateVersion { version: 6 });
-    h.fleet(&[(1, a100(), 8, 80)]);
-    submit(&mut h, Harness::job_spec(10, Tier::PAID, vec![a100()], 1));
-    h.nodes_alive();
-    h.job_heartbeat(10, 1, 0).unwrap();
+    let (mut h, _, _) = running_with_two_heartbeats(6);
     let before = (h.state.ledger.clone(), h.state.scheduler.clone());
     for bad in [
         exit(0, 1_000),
