@@ -247,19 +247,69 @@ pub struct AgentConfig {
     pub runner_procs_max: Option<u64>,
 }
 
+/// The bound on a runner uid's processes and threads (`--runner-procs-max`; 0: none):
+/// `auto` is [`procs_max_for`] the machine's tasks (the lesser of `pid_max` and
+/// `threads-max`), never above the agent's own hard `RLIMIT_NPROC` (which runners
+/// inherited before, and which an agent without `CAP_SYS_RESOURCE` cannot raise). An
+/// explicit bound above that limit raises the agent's own, or is refused at start: a
+/// runner's `setrlimit` would fail, and with it every attempt.
+fn runner_procs_max(config: &AgentConfig) -> Result<u64> {
+    let read = |f: &str| -> Option<u64> {
+        std::fs::read_to_string(f)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+    };
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NPROC, &mut lim) } != 0 {
+        return Err(Error::Config(format!(
+            "--runner-procs-max: cannot read the agent's RLIMIT_NPROC: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    let hard: u64 = lim.rlim_max;
+    match config.runner_procs_max {
+        None => {
+            let tasks = read("/proc/sys/kernel/pid_max")
+                .unwrap_or(32_768)
+                .min(read("/proc/sys/kernel/threads-max").unwrap_or(u64::MAX));
+            Ok(procs_max_for(tasks, config.gpus, config.runner_uids.is_some()).min(hard))
+        }
+        Some(n) if n > hard => {
+            let raised = libc::rlimit {
+                rlim_cur: lim.rlim_cur,
+                rlim_max: n,
+            };
+            // SAFETY: setrlimit reads the struct it is given.
+            if unsafe { libc::setrlimit(libc::RLIMIT_NPROC, &raised) } != 0 {
+                return Err(Error::Config(format!(
+                    "--runner-procs-max {n} is above the agent's own limit of processes \
+                     ({hard}), which it may not raise: {}",
+                    std::io::Error::last_os_error()
+                )));
+            }
+            Ok(n)
+        }
+        Some(n) => Ok(n),
+    }
+}
+
 /// The least `--runner-procs-max` derives: an ML job's data loaders and threads.
 pub const RUNNER_PROCS_MIN_AUTO: u64 = 1_024;
 
-/// The default `--runner-procs-max`, from the kernel's `pid_max`: half of the machine's
-/// pids for the runners, shared by the attempts a node can run at once (one per GPU,
+/// The default `--runner-procs-max`, from the machine's tasks (the lesser of the
+/// kernel's `pid_max` and `threads-max`): half of them for the runners, shared by the attempts a node can run at once (one per GPU,
 /// each its own uid) or by all of them under one `--runner-user`; at least
 /// [`RUNNER_PROCS_MIN_AUTO`]. So a fork bomb in one attempt leaves pids for the others,
 /// the agent and the host.
-pub fn procs_max_for(pid_max: u64, gpus: u32, uid_per_attempt: bool) -> u64 {
+pub fn procs_max_for(tasks: u64, gpus: u32, uid_per_attempt: bool) -> u64 {
     let share = if uid_per_attempt {
-        pid_max / (2 * u64::from(gpus.max(1)))
+        tasks / (2 * u64::from(gpus.max(1)))
     } else {
-        pid_max / 2
+        tasks / 2
     };
     share.max(RUNNER_PROCS_MIN_AUTO)
 }
@@ -1064,8 +1114,8 @@ impl Runner {
                 c.kill_and_remove().await;
             }
             // And every process of the attempt's uid, wherever it is.
-            if let Some((lease, pool)) = uid {
-                pool.release(lease).await;
+            if let Some((lease, pool)) = &uid {
+                pool.sweep_ended(lease).await;
             }
             forget_runner(&dir, pgid);
             // The log is whole before the exit is told (every writer is gone
@@ -1082,6 +1132,12 @@ impl Runner {
             // cgroup empty, its uid swept) or, without either, every holder of its
             // output closed it (or the bounded wait for that ended).
             exit.at = Instant::now();
+            // Its home goes and its uid is freed before the exit is told (a next attempt
+            // placed on the freed GPUs may need a uid), but after the instant: removing
+            // a large home is not GPU time.
+            if let Some((lease, pool)) = uid {
+                pool.remove_home_and_free(lease).await;
+            }
             let _ = tx.send(exit);
         });
         Ok((
@@ -2342,14 +2398,8 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     let cgroups = cgroup::Cgroups::open(&config.cgroup, &work_dir).map_err(Error::Config)?;
     let incarnation = next_incarnation(&work_dir)?;
     let runner_procs_max = if config.runner_user.is_some() || config.runner_uids.is_some() {
-        let n = config.runner_procs_max.unwrap_or_else(|| {
-            let pid_max = std::fs::read_to_string("/proc/sys/kernel/pid_max")
-                .ok()
-                .and_then(|s| s.trim().parse().ok())
-                .unwrap_or(32_768);
-            procs_max_for(pid_max, config.gpus, config.runner_uids.is_some())
-        });
-        if n > 0 {
+        let n = runner_procs_max(&config)?;
+        if n > 0 && matches!(config.mode, Mode::Run { .. }) {
             info!(
                 max = n,
                 per = if config.runner_uids.is_some() {

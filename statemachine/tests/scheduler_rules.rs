@@ -2020,11 +2020,6 @@ fn an_ending_on_a_lapsed_node_bills_to_the_lease_from_rule_version_4() {
     }
 }
 
-/// A runner that exits while its agent is cut off from the cluster (a partition
-/// shorter than the node's lease, so the node never lapses) was billed until its
-/// `FinishJob` got through. From rule version 6 the agent's report may say when the
-/// runner exited — `after_ms` after the newest heartbeat it saw accepted — and the
-/// ending bills to that heartbeat's logical time plus `after_ms`, never past now.
 fn exit(heartbeat_seq: u64, after_ms: u64) -> RunnerExit {
     RunnerExit {
         heartbeat_seq,
@@ -2049,6 +2044,11 @@ fn running_with_two_heartbeats(rules: u32) -> (Harness, u64, u64) {
     (h, started, last_beat)
 }
 
+/// A runner that exits while its agent is cut off from the cluster (a partition
+/// shorter than the node's lease, so the node never lapses) was billed until its
+/// `FinishJob` got through. From rule version 6 the agent's report may say when the
+/// runner exited — `after_ms` after the newest heartbeat it saw accepted — and the
+/// ending bills to that heartbeat's logical time plus `after_ms`, never past now.
 #[test]
 fn a_finish_that_says_when_the_runner_exited_bills_to_the_exit_from_rule_version_6() {
     for rules in [5, 6] {

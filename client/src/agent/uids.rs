@@ -573,27 +573,40 @@ impl UidPool {
     /// is killed, its home removed, and the uid freed — kept out of the pool if its
     /// processes would not die.
     pub async fn release(self: &Arc<Self>, lease: UidLease) {
+        self.sweep_ended(&lease).await;
+        self.remove_home_and_free(lease).await;
+    }
+
+    /// The first half of [`UidPool::release`]: every process of the ended attempt's uid
+    /// is killed (as far as it will die; `take` sweeps it again before reuse).
+    pub async fn sweep_ended(&self, lease: &UidLease) {
+        let uid = lease.uid;
+        let done = tokio::task::spawn_blocking(move || match sweep(uid) {
+            Ok(Swept::Clean) => {}
+            Ok(Swept::Stuck) => error!(
+                uid,
+                "processes of an ended attempt's uid survive SIGKILL: swept again before reuse"
+            ),
+            Err(e) => error!(uid, "cannot sweep an ended attempt's uid: {e}"),
+        })
+        .await;
+        if let Err(e) = done {
+            error!("sweeping a runner uid failed: {e}");
+        }
+    }
+
+    /// The second half of [`UidPool::release`]: the attempt's home is removed and the
+    /// uid freed (freed even if not yet swept clean: `take` sweeps it again and skips it
+    /// while processes of it live); not freed if its home cannot be removed (its next
+    /// holder would get the previous holder's files).
+    pub async fn remove_home_and_free(self: &Arc<Self>, lease: UidLease) {
         let pool = Arc::clone(self);
-        let done = tokio::task::spawn_blocking(move || {
-            let swept = sweep(lease.uid);
-            match swept {
-                Ok(Swept::Clean) => {}
-                Ok(Swept::Stuck) => error!(
-                    uid = lease.uid,
-                    "processes of an ended attempt's uid survive SIGKILL: swept again before reuse"
-                ),
-                Err(e) => error!(uid = lease.uid, "cannot sweep an ended attempt's uid: {e}"),
-            }
-            match remove_tree(&lease.home) {
-                // Freed even if not yet swept clean: `take` sweeps it again and skips
-                // it while processes of it live.
-                Ok(()) => pool.free(lease.uid),
-                // Not freed: its next holder would get the previous holder's files.
-                Err(e) => error!(
-                    uid = lease.uid,
-                    "cannot remove the attempt's home, so the uid is held back until the agent restarts: {e}"
-                ),
-            }
+        let done = tokio::task::spawn_blocking(move || match remove_tree(&lease.home) {
+            Ok(()) => pool.free(lease.uid),
+            Err(e) => error!(
+                uid = lease.uid,
+                "cannot remove the attempt's home, so the uid is held back until the agent restarts: {e}"
+            ),
         })
         .await;
         if let Err(e) = done {

@@ -145,8 +145,10 @@ struct Args {
     /// The most processes and threads a runner uid may have at once (its RLIMIT_NPROC),
     /// when runners run as another user (--runner-uid-range: each attempt;
     /// --runner-user: all of the node's runners together): a number, 0 for no bound,
-    /// or `auto` — half the kernel's pid_max shared by the node's GPUs (one share each
-    /// with --runner-uid-range), at least 1024.
+    /// or `auto` — half the machine's tasks (the lesser of pid_max and threads-max)
+    /// shared by the node's GPUs (one share each with --runner-uid-range), at least
+    /// 1024, at most the agent's own hard limit. A number above the agent's own limit
+    /// needs an agent that may raise it (CAP_SYS_RESOURCE); else the agent exits 2.
     #[arg(
         long,
         env = "ALLOT_RUNNER_PROCS_MAX",

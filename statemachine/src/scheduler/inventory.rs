@@ -112,8 +112,10 @@ impl Scheduler {
                 // renewal here made a silent node — its agent cut off, its runners still
                 // running until the agent's fence — look alive: a preemption's grace
                 // ended by the clock and the victim's GPUs went to the preemptor.
+                let mut labels = spec.labels.clone();
+                labels.sort();
                 if let Some(n) = self.nodes.get_mut(&spec.node) {
-                    n.labels = spec.labels.clone();
+                    n.labels = labels;
                 }
                 return Ok(Reply::NodeUpdated);
             }

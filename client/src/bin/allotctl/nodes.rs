@@ -11,8 +11,9 @@ use clap::{Args, Subcommand};
 
 #[derive(Subcommand, Debug)]
 pub enum NodeCmd {
-    /// Registers a GPU node in a shard's pool (re-registering the same shape renews its
-    /// lease; the node's agent keeps it alive with heartbeats).
+    /// Registers a GPU node in a shard's pool (re-registering the same shape updates its
+    /// labels, and renews its lease only while no agent process has registered it —
+    /// from rule version 6; the node's agent keeps it alive with heartbeats).
     Register(RegisterArgs),
     /// Drains a node (no new placements; running jobs finish), or with --undo returns it
     /// to service.
