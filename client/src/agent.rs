@@ -2231,7 +2231,8 @@ async fn register_again(
         None => {
             error!(
                 "no admin token to register the node again (--register-token-file): \
-                 the node takes no work until an operator registers it"
+                 the node takes no work until this agent can register it (restart it \
+                 with --register-token-file)"
             );
             false
         }
