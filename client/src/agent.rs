@@ -32,8 +32,8 @@
 //!   strictly increasing per attempt. A heartbeat the shard does not accept (a seq at or
 //!   below one it has seen: an earlier agent process ran this attempt) makes the agent
 //!   jump its seq ahead until one is accepted.
-//! - **The runner exits on its own**: one last heartbeat (the final checkpoint), then
-//!   `FinishJob { success: exit status == 0 }` — as `FinishJobAt`, which also says how
+//! - **The runner exits on its own**: `FinishJob { success: exit status == 0 }` at once
+//!   (no heartbeat after the exit) — as `FinishJobAt`, which also says how
 //!   long after the newest accepted heartbeat's send the attempt's last process was gone,
 //!   so a report delayed by a partition does not bill the partition (rule version 6; a
 //!   shard below it refuses that command unrecorded, and the report goes again as
@@ -1856,13 +1856,20 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
         // Recomputed every turn: node renewals move it (the tick brings a turn at least
         // every heartbeat interval).
         let (term_at, fence_kill_at) = shared.lease.attempt_schedule(&shared.cfg, job_renewed);
+        // Biased: an exit is handled before another heartbeat goes out for a runner that
+        // is gone (one accepted after the exit would carry the bill to its application).
         tokio::select! {
+            biased;
             exited = &mut exit => {
                 let exited = exited.unwrap_or_else(|_| Exit::now(false, "lost".into()));
-                // The final progress: a checkpoint written while stopping counts (a fenced
-                // attempt's cluster is unreachable: its report goes out when it answers).
+                // A preempted attempt's final progress: a checkpoint written while
+                // stopping counts (it is billed to it and resumes from it). A runner that
+                // ended otherwise is reported at once: a heartbeat after its exit,
+                // retried through a partition, would be the meter's newest and carry the
+                // bill to the heal. A fenced attempt's cluster is unreachable: its
+                // report goes out when it answers.
                 let sent = Instant::now();
-                let last = if fencing {
+                let last = if fencing || !preempting {
                     Beat::Unanswered
                 } else {
                     heartbeat(shared, a, &mut seq, runner.progress()).await
