@@ -1839,8 +1839,11 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
     };
     info!(job, attempt, gpus = %gpu_list(&a.gpu_indices), "job started");
     let mut seq = 0u64;
-    // The newest heartbeat the cluster accepted: its seq and when it was sent.
+    // The newest heartbeat the cluster accepted: its seq and when it was sent. The job's
+    // own lease counts from it (from the start, until one).
     let mut accepted: Option<(u64, Instant)> = None;
+    let started = Instant::now();
+    let job_renewed = |accepted: Option<(u64, Instant)>| accepted.map_or(started, |(_, sent)| sent);
     let mut tick = tokio::time::interval(shared.cfg.heartbeat_interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut preempting = false;
@@ -1848,14 +1851,14 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
     let mut fencing = false;
     // When the runner gets SIGKILL (preemption grace or fence deadline).
     let mut kill_at: Option<Instant> = None;
-    // The job's own lease counts from its last accepted heartbeat (its start, until one).
-    let mut job_renewed = Instant::now();
     // A change of the lease lengths (a shortened lease moves the schedule earlier).
     let mut lengths = shared.lease.changed.subscribe();
     let end = loop {
         // Recomputed every turn: node renewals move it (the tick brings a turn at least
         // every heartbeat interval).
-        let (term_at, fence_kill_at) = shared.lease.attempt_schedule(&shared.cfg, job_renewed);
+        let (term_at, fence_kill_at) = shared
+            .lease
+            .attempt_schedule(&shared.cfg, job_renewed(accepted));
         // Biased: an exit is handled before another heartbeat goes out for a runner that
         // is gone (one accepted after the exit would carry the bill to its application).
         tokio::select! {
@@ -1898,14 +1901,11 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
                 // A heartbeat to an unreachable cluster waits out the client's timeout:
                 // never past the moment the runner must be stopped (as of now: the
                 // lengths may have changed since this turn began).
-                let (term_at, _) = shared.lease.attempt_schedule(&shared.cfg, job_renewed);
+                let (term_at, _) = shared.lease.attempt_schedule(&shared.cfg, job_renewed(accepted));
                 let sent = Instant::now();
                 let beat = heartbeat(shared, a, &mut seq, runner.progress());
                 match tokio::time::timeout_at(term_at.max(sent), beat).await {
-                    Ok(Beat::Accepted) => {
-                        job_renewed = job_renewed.max(sent);
-                        accepted = Some((seq, sent));
-                    }
+                    Ok(Beat::Accepted) => accepted = Some((seq, sent)),
                     Ok(Beat::Unanswered) | Err(_) => {}
                     Ok(Beat::Stop(why)) => {
                         warn!(job, attempt, "killing the runner: {why}");

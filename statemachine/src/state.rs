@@ -817,22 +817,7 @@ fn dispatch_scheduler(
     );
     let now = ctx.now;
     match command {
-        Command::RegisterNode(spec) => {
-            // The node's own agent process registering it again renews its lease as a
-            // heartbeat does, and from rule version 6 it also ends the preemptions that
-            // waited for that renewal. An operator's registration (incarnation 0) proves
-            // nothing about the agent, so it does not.
-            let same_process = spec.incarnation != 0
-                && sched
-                    .nodes
-                    .get(&spec.node)
-                    .is_some_and(|n| n.incarnation == spec.incarnation);
-            let reply = sched.register_node(ctx, ledger, cfg, spec)?;
-            if same_process && rules >= crate::scheduler::REGISTRATION_ENDS_WAITING_GRACES_FROM {
-                sched.end_waiting_graces(ctx, ledger, cfg, spec.node);
-            }
-            Ok(reply)
-        }
+        Command::RegisterNode(spec) => sched.register_node(ctx, ledger, cfg, spec),
         Command::NodeHeartbeat { node } => {
             let reply = sched.node_heartbeat(now, cfg.node_lease_ms, *node, ctx.effects, rules)?;
             if rules >= crate::scheduler::GRACE_WAITS_FOR_THE_NODE_FROM {

@@ -132,6 +132,15 @@ impl Scheduler {
             }
             self.renew_node_lease(spec.node, now + lease_ms);
             self.note_renewal(spec.node, now, ledger.rules.0);
+            // The node's own agent process registering it again is a renewal as its
+            // heartbeat is: from rule version 6 it also ends the preemptions that waited
+            // for one. (An operator's registration proves nothing about the agent.)
+            if spec.incarnation != 0
+                && spec.incarnation == current
+                && ledger.rules.0 >= super::REGISTRATION_ENDS_WAITING_GRACES_FROM
+            {
+                self.end_waiting_graces(ctx, ledger, cfg, spec.node);
+            }
             return Ok(Reply::NodeUpdated);
         }
         if self.nodes.len() >= NODES_MAX {

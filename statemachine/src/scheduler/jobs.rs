@@ -492,10 +492,7 @@ impl Scheduler {
             .flatten()
             .map(|n| n.lease_until_ms)
             .filter(|until| *until < ctx.now);
-        let bill_until = match (lease_end, exited) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        let bill_until = lease_end.into_iter().chain(exited).min();
         let settlement = ledger
             .settle_until(ctx, id.0, hold_of(id), attempt, settle, bill_until)
             .ok();
