@@ -311,6 +311,19 @@ fn second_message() -> Refusal {
 const FRAME_UNITS: usize = 16;
 
 impl Budget {
+    /// Holds `bytes` of the budget (whole KiB, at most all of it) until the permit is
+    /// dropped; waits until `until` for them. A refusal is counted (`node_busy`).
+    pub async fn hold(
+        &self,
+        bytes: usize,
+        until: tokio::time::Instant,
+    ) -> Result<OwnedSemaphorePermit, ()> {
+        let units = bytes.div_ceil(UNIT).clamp(1, self.total_units);
+        self.take(units, until)
+            .await
+            .map_err(|(_, reason)| self.refused(reason))
+    }
+
     async fn take(
         &self,
         units: usize,
@@ -353,7 +366,7 @@ async fn read_until(
     Ok(())
 }
 
-fn busy(class: &str) -> Status {
+pub(crate) fn busy(class: &str) -> Status {
     let mut s = crate::edge::with_reason(
         Status::resource_exhausted(format!(
             "node busy: its {class} calls in progress hold their whole byte budget; retry"
@@ -515,6 +528,13 @@ impl Connections {
 pub struct Counted<IO> {
     io: IO,
     open: Arc<AtomicUsize>,
+}
+
+impl<IO> Counted<IO> {
+    /// The connection itself (to peek at its first bytes).
+    pub fn get_ref(&self) -> &IO {
+        &self.io
+    }
 }
 
 impl<IO> Drop for Counted<IO> {

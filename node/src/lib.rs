@@ -18,6 +18,7 @@ pub mod decoded;
 pub mod disk;
 pub mod edge;
 pub mod limits;
+pub mod link;
 pub mod local_cluster;
 pub mod metrics;
 pub mod network;

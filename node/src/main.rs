@@ -191,6 +191,12 @@ struct RunArgs {
     /// before their messages are read, also without TLS.
     #[arg(long, env = "ALLOT_PEER_SECRET_FILE")]
     peer_secret_file: Option<PathBuf>,
+    /// Raft traffic between nodes over the peer link (`on`: framed TCP on this same port,
+    /// falling back to gRPC for a peer of an older release) or gRPC only (`off`). A node
+    /// serving TLS uses gRPC over mutual TLS either way.
+    #[arg(long, env = "ALLOT_PEER_LINK", default_value = "on",
+          value_parser = clap::builder::PossibleValuesParser::new(["on", "off"]))]
+    peer_link: String,
     /// Async worker threads (0: one per CPU). Several nodes sharing a small machine
     /// contend less with fewer.
     #[arg(long, env = "ALLOT_WORKER_THREADS", default_value_t = 0)]
@@ -413,6 +419,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         test_without_handoff: a.test_without_handoff,
         rules_max: a.max_rules_version,
         min_free_disk: a.min_free_disk_mib.saturating_mul(1 << 20),
+        peer_link: a.peer_link == "on",
         peer_secret: match &a.peer_secret_file {
             Some(f) => Some(
                 std::fs::read_to_string(f)

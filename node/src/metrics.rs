@@ -34,6 +34,10 @@ pub struct Metrics {
     /// The leader's side of the same: from sending an AppendEntries to its answer
     /// (transport both ways and the follower's time), per shard.
     pub peer_append: HistogramVec,
+    /// Raft calls this node sent to its peers, by transport (`link`, `grpc`).
+    pub peer_rpcs: IntCounterVec,
+    /// Peer-link connections this node served, by result (`accepted`, `unauthenticated`).
+    pub peer_link_connections: IntCounterVec,
     /// Entries carried by each AppendEntries this node answered, per shard; the `le="0"`
     /// bucket counts the ones that carried only a commit index or a heartbeat.
     pub follower_append_entries: HistogramVec,
@@ -178,6 +182,20 @@ impl Metrics {
             Opts::new("credits_micro", "Credit totals per shard (micro-credits)"),
             &["shard", "kind"],
         ));
+        let peer_rpcs = must(IntCounterVec::new(
+            Opts::new(
+                "peer_rpcs_total",
+                "Raft calls sent to peers, by transport (link: the peer link; grpc)",
+            ),
+            &["transport"],
+        ));
+        let peer_link_connections = must(IntCounterVec::new(
+            Opts::new(
+                "peer_link_connections_total",
+                "Peer-link connections served, by result (accepted, unauthenticated)",
+            ),
+            &["result"],
+        ));
         let auth_denials = must(IntCounterVec::new(
             Opts::new(
                 "auth_denials_total",
@@ -250,6 +268,8 @@ impl Metrics {
             Box::new(stage.clone()),
             Box::new(follower_append.clone()),
             Box::new(peer_append.clone()),
+            Box::new(peer_rpcs.clone()),
+            Box::new(peer_link_connections.clone()),
             Box::new(follower_append_entries.clone()),
             Box::new(wal_sync.clone()),
             Box::new(raft.clone()),
@@ -276,6 +296,8 @@ impl Metrics {
             stage,
             follower_append,
             peer_append,
+            peer_rpcs,
+            peer_link_connections,
             follower_append_entries,
             wal_sync,
             raft,

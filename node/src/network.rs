@@ -9,6 +9,7 @@
 //! way before it is returned to openraft.
 
 use crate::limits::{APPEND_BYTES_MAX, APPEND_ENTRIES_MAX, RAFT_MESSAGE_MAX, SNAPSHOT_CHUNK_BYTES};
+use crate::link::LinkError;
 use crate::peer::{self, PeerCredential};
 use crate::types::{LogEntry, LogId, NodeId, ShardId, SnapshotMeta, TypeConfig, Vote};
 use allot_proto::raft_client::RaftClient;
@@ -44,6 +45,8 @@ pub struct Channels {
     tls: Option<ClientTlsConfig>,
     /// What this node presents to its peers (the peer secret, when configured).
     pub credential: PeerCredential,
+    /// The peer links (`crate::link`), when this node dials them (plaintext, not off).
+    links: Option<crate::link::Links>,
 }
 
 impl Channels {
@@ -51,13 +54,21 @@ impl Channels {
         routes: HashMap<String, String>,
         tls: Option<ClientTlsConfig>,
         credential: PeerCredential,
+        link: bool,
     ) -> Channels {
         Channels {
             map: Mutex::default(),
+            links: (link && tls.is_none()).then(crate::link::Links::default),
             routes,
             tls,
             credential,
         }
+    }
+
+    /// The peer link to `addr` (dialled at its route), if this node uses links.
+    pub fn link(&self, addr: &str) -> Option<Arc<crate::link::Link>> {
+        let links = self.links.as_ref()?;
+        Some(links.get(addr, self.route(addr), &self.credential))
     }
 
     /// The address actually dialled for a peer advertised at `addr`.
@@ -178,6 +189,8 @@ pub struct Network {
     pub channels: Arc<Channels>,
     /// The shard's `allot_peer_append_seconds`: each AppendEntries' round trip.
     pub append_rtt: prometheus::Histogram,
+    /// `allot_peer_rpcs_total{transport}`: the peer calls this node sent, by transport.
+    pub sent: prometheus::IntCounterVec,
 }
 
 pub struct Peer {
@@ -191,6 +204,11 @@ pub struct Peer {
     /// later reports a conflict at or below it is lying or broken).
     acked: Option<(Vote, LogId)>,
     append_rtt: prometheus::Histogram,
+    /// The peer link, when this node uses links (gRPC otherwise, and for a peer that
+    /// does not speak it).
+    link: Option<Arc<crate::link::Link>>,
+    sent_link: prometheus::IntCounter,
+    sent_grpc: prometheus::IntCounter,
 }
 
 impl RaftNetworkFactory<TypeConfig> for Network {
@@ -206,6 +224,9 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             channels: self.channels.clone(),
             acked: None,
             append_rtt: self.append_rtt.clone(),
+            link: self.channels.link(&node.addr),
+            sent_link: self.sent.with_label_values(&["link"]),
+            sent_grpc: self.sent.with_label_values(&["grpc"]),
         }
     }
 }
@@ -222,11 +243,7 @@ fn network<E: std::error::Error>(e: &str) -> RPCError<NodeId, openraft::BasicNod
     RPCError::Network(NetworkError::new(&TransportError(e.to_string())))
 }
 
-enum Rpc {
-    Append,
-    Vote,
-    Snapshot,
-}
+use crate::link::Kind as Rpc;
 
 /// A failed call to a peer, before it is typed for the openraft method that made it.
 enum CallError {
@@ -235,6 +252,16 @@ enum CallError {
 }
 
 impl CallError {
+    /// A peer's (or the transport's) error status, as either transport reports it.
+    fn status(target: NodeId, status: tonic::Status) -> CallError {
+        match status.code() {
+            tonic::Code::Unavailable | tonic::Code::Unknown => {
+                CallError::Unreachable(status.message().to_string())
+            }
+            _ => CallError::Network(format!("{target}: {}", status.message())),
+        }
+    }
+
     fn rpc<E: std::error::Error>(self) -> RPCError<NodeId, openraft::BasicNode, E> {
         match self {
             CallError::Unreachable(m) => unreachable(&m),
@@ -256,6 +283,22 @@ impl Peer {
         Resp: DeserializeOwned,
         E: std::error::Error + DeserializeOwned,
     {
+        let payload = codec::encode(req);
+        if let Some(link) = &self.link {
+            let reply = link.call(rpc, self.shard, &payload, timeout).await;
+            if !matches!(reply, Err(LinkError::Unsupported)) {
+                self.sent_link.inc();
+            }
+            match reply {
+                Ok(reply) => {
+                    return codec::decode(&reply).map_err(|e| CallError::Network(e.to_string()));
+                }
+                // An older release: this call (and the peer's for a while) goes by gRPC.
+                Err(LinkError::Unsupported) => {}
+                Err(LinkError::Unreachable(m)) => return Err(CallError::Unreachable(m)),
+                Err(LinkError::Status(s)) => return Err(CallError::status(self.target, s)),
+            }
+        }
         let Some(client) = self.client.as_mut() else {
             return Err(CallError::Unreachable(format!(
                 "bad peer address {}",
@@ -264,9 +307,10 @@ impl Peer {
         };
         let mut request = self.channels.peer_request(RaftMessage {
             shard: self.shard,
-            payload: codec::encode(req),
+            payload,
         });
         request.set_timeout(timeout);
+        self.sent_grpc.inc();
         let reply = match rpc {
             Rpc::Append => client.append(request).await,
             Rpc::Vote => client.vote(request).await,
@@ -274,14 +318,7 @@ impl Peer {
         };
         let reply = match reply {
             Ok(r) => r.into_inner(),
-            Err(status) => {
-                return Err(match status.code() {
-                    tonic::Code::Unavailable | tonic::Code::Unknown => {
-                        CallError::Unreachable(status.message().to_string())
-                    }
-                    _ => CallError::Network(format!("{}: {}", self.target, status.message())),
-                })
-            }
+            Err(status) => return Err(CallError::status(self.target, status)),
         };
         codec::decode(&reply.payload).map_err(|e| CallError::Network(e.to_string()))
     }

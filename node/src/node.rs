@@ -85,6 +85,8 @@ pub struct NodeConfig {
     pub tls: Option<crate::tls::TlsFiles>,
     /// The secret peers present to each other (`--peer-secret-file`), if any.
     pub peer_secret: Option<String>,
+    /// Serve and dial the peer link (`crate::link`; `--peer-link`). Without TLS only.
+    pub peer_link: bool,
     /// The newest rule version this node supports (`--max-rules-version`; at most
     /// `allot_statemachine::version::RULES_MAX`).
     pub rules_max: u32,
@@ -128,6 +130,8 @@ pub struct Node {
     pub tls: Option<crate::tls::Tls>,
     /// How peers authenticate to this node.
     pub peer_auth: crate::peer::PeerAuth,
+    /// Whether this node serves (and dials) the peer link: `--peer-link on` without TLS.
+    pub peer_link: bool,
     /// Raft messages being decoded and handled now (`RAFT_MESSAGES_IN_FLIGHT_MAX`).
     raft_in_flight: Arc<tokio::sync::Semaphore>,
     /// Rate of warnings about refused peer messages.
@@ -186,6 +190,7 @@ impl Node {
             config.peer_routes.iter().cloned().collect(),
             tls.as_ref().map(|t| t.client.clone()),
             crate::peer::PeerCredential::new(config.peer_secret.as_deref())?,
+            config.peer_link,
         ));
         let peer_auth = crate::peer::PeerAuth::new(tls.is_some(), config.peer_secret.as_deref());
         if !peer_auth.configured() {
@@ -260,6 +265,7 @@ impl Node {
                     me: config.id,
                     channels: channels.clone(),
                     append_rtt: metrics.peer_append.with_label_values(&[&id.to_string()]),
+                    sent: metrics.peer_rpcs.clone(),
                 },
                 log,
                 sm,
@@ -296,6 +302,7 @@ impl Node {
                 hold: Arc::default(),
             });
         }
+        let peer_link = config.peer_link && tls.is_none();
         let node = Arc::new(Node {
             id: config.id,
             advertise: config.advertise.clone(),
@@ -310,6 +317,7 @@ impl Node {
             audit_scans: Default::default(),
             tls,
             peer_auth,
+            peer_link,
             raft_in_flight: Arc::new(tokio::sync::Semaphore::new(
                 crate::limits::RAFT_MESSAGES_IN_FLIGHT_MAX,
             )),

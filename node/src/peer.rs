@@ -59,6 +59,11 @@ impl PeerCredential {
         Ok(PeerCredential { secret })
     }
 
+    /// The secret's bytes (empty without one): what a peer-link hello carries.
+    pub fn secret_bytes(&self) -> &[u8] {
+        self.secret.as_ref().map_or(&[], |s| s.as_bytes())
+    }
+
     pub fn attach(&self, meta: &mut MetadataMap) {
         if let Some(s) = &self.secret {
             meta.insert(PEER_SECRET, s.clone());
@@ -92,6 +97,21 @@ impl PeerAuth {
     /// presented. Without any configured, nobody is known to be a peer.
     pub fn is_peer<T>(&self, req: &tonic::Request<T>) -> bool {
         self.configured() && self.credentials_ok(req.metadata(), has_peer_cert(req))
+    }
+
+    /// Whether a peer-link hello carrying `secret` is a peer's (`crate::link`): the same
+    /// rule as the interceptor's, on a connection without a certificate — the link is
+    /// never served under TLS, so a node that requires certificates refuses it. Open when
+    /// no peer authentication is set up.
+    pub fn admits_link(&self, secret: &[u8]) -> bool {
+        if !self.configured() {
+            return true;
+        }
+        let mut meta = MetadataMap::new();
+        if let Ok(v) = MetadataValue::try_from(secret) {
+            meta.insert(PEER_SECRET, v);
+        }
+        self.credentials_ok(&meta, false)
     }
 
     fn credentials_ok(&self, meta: &MetadataMap, peer_cert: bool) -> bool {

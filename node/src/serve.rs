@@ -1,7 +1,7 @@
 //! Running a node: the gRPC listener (typed API, admin, Raft, health, reflection) and the
 //! Prometheus listener, until a shutdown signal.
 
-use crate::admission::{Budget, Connections};
+use crate::admission::{Budget, Connections, Counted};
 use crate::limits::{
     CLIENT_BYTES_IN_FLIGHT_MAX, CLIENT_MESSAGE_MAX, CONCURRENT_STREAMS_PER_CONNECTION_MAX,
     CONNECTION_WINDOW_BYTES, HEADER_LIST_BYTES_MAX, RAFT_BYTES_IN_FLIGHT_MAX, RAFT_MESSAGE_MAX,
@@ -91,6 +91,27 @@ pub async fn serve(
     // Message bytes being read or handled: one budget for client calls, one for Raft.
     let client = Budget::new("admission", CLIENT_BYTES_IN_FLIGHT_MAX).counted(refusals.clone());
     let peers = Budget::new("admission:raft", RAFT_BYTES_IN_FLIGHT_MAX).counted(refusals);
+    // With the peer link, each connection's first bytes say whether it is a link or a
+    // gRPC connection (`crate::link`); links end when the node stops serving.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let shutdown = async move {
+        shutdown.await;
+        let _ = stop.send(true);
+    };
+    let incoming: std::pin::Pin<Box<dyn futures::Stream<Item = _> + Send>> = if node.peer_link {
+        Box::pin(split_links(
+            incoming,
+            crate::link::Served {
+                services: services.clone(),
+                auth: node.peer_auth.clone(),
+                budget: peers.clone(),
+                stop: stopped,
+                connections: node.metrics.peer_link_connections.clone(),
+            },
+        ))
+    } else {
+        Box::pin(incoming)
+    };
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = &node.tls {
         builder = builder.tls_config(tls.server.clone())?;
@@ -152,6 +173,50 @@ pub async fn serve(
     node.shutdown().await;
     served?;
     Ok(())
+}
+
+/// Serves the peer links among `incoming`'s connections and yields the others (for the
+/// gRPC server). Each connection is classified on its own task, so one that is slow to
+/// send its first bytes holds up nobody; it is dropped after `FIRST_BYTES_TIMEOUT`.
+fn split_links(
+    incoming: impl futures::Stream<Item = std::io::Result<Counted<tokio::net::TcpStream>>>
+        + Send
+        + 'static,
+    served: crate::link::Served,
+) -> impl futures::Stream<Item = std::io::Result<Counted<tokio::net::TcpStream>>> + Send {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let mut stop = served.stop.clone();
+    tokio::spawn(async move {
+        let mut incoming = std::pin::pin!(incoming);
+        loop {
+            let next = tokio::select! {
+                n = futures::StreamExt::next(&mut incoming) => n,
+                _ = stop.wait_for(|s| *s) => None,
+                _ = tx.closed() => None,
+            };
+            let Some(accepted) = next else { return };
+            let io = match accepted {
+                Ok(io) => io,
+                Err(e) => {
+                    if tx.send(Err(e)).await.is_err() {
+                        return;
+                    }
+                    continue;
+                }
+            };
+            let (tx, served) = (tx.clone(), served.clone());
+            tokio::spawn(async move {
+                match crate::link::is_link(io.get_ref()).await {
+                    Some(true) => crate::link::serve(io, served).await,
+                    Some(false) => {
+                        let _ = tx.send(Ok(io)).await;
+                    }
+                    None => {}
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
 /// Refreshes the per-shard gauges from the shards and renders the registry.

@@ -1168,7 +1168,7 @@ async fn a_learner_joins_is_promoted_and_the_removed_voter_does_not_disrupt() {
 
 // ---------------------------------------------------------------- upgrades (§48)
 
-const OLD_RELEASE: [&str; 2] = ["--max-rules-version", "1"];
+const OLD_RELEASE: [&str; 4] = ["--max-rules-version", "1", "--peer-link", "off"];
 /// Snapshots every 200 entries in the upgrade test, so that each release's snapshots
 /// are written, stored and read again on restart during it.
 const SNAPSHOT_OFTEN: [&str; 2] = ["--snapshot-every", "200"];
@@ -2144,4 +2144,95 @@ async fn a_node_low_on_disk_refuses_tenants_writes_and_keeps_the_rest() {
     assert!(matches!(read, Ok(Answer::Balance(Some(_)))), "{read:?}");
     assert!(!c.status(1).await.unwrap().disk_low);
     assert_replicas_agree(&c, &client, 1).await;
+}
+
+/// Raft calls node `id` sent over `transport` (`link` or `grpc`).
+async fn peer_rpcs(c: &LocalCluster, id: u64, transport: &str) -> u64 {
+    let series = format!("allot_peer_rpcs_total{{transport=\"{transport}\"}}");
+    metric(&c.node(id).metrics_addr, &series).await as u64
+}
+
+/// Raft traffic between nodes of this release goes over the peer link (`crate::link`);
+/// a node without the link (`--peer-link off`, as a release before it is) is reached
+/// over gRPC by the others, and it reaches them over gRPC. The replicas agree, and every
+/// acknowledged write is on all of them. With that node down, the two others replicate
+/// every write by link.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_speak_the_link_and_fall_back_to_grpc_for_a_node_without_it() {
+    let shards = 3;
+    let (_dir, mut c) = cluster("link", 3, shards);
+    c.nodes[2].extra_args = ["--peer-link", "off"].map(String::from).to_vec();
+    up(&mut c).await;
+    let client = allot_node::local_cluster::client(c.endpoints());
+    setup_shards(&client, shards).await;
+    let acked: Acked = Arc::default();
+    let write_for = |secs: u64, first_stream: u64| {
+        let (client, acked) = (client.clone(), acked.clone());
+        async move {
+            let stop = Arc::new(AtomicBool::new(false));
+            let workers: Vec<_> = (0..shards)
+                .map(|s| {
+                    let stream = first_stream + s as u64;
+                    spawn_worker(client.clone(), s, stream, stop.clone(), acked.clone())
+                })
+                .collect();
+            tokio::time::sleep(Duration::from_secs(secs)).await;
+            stop.store(true, Ordering::Relaxed);
+            for w in workers {
+                w.await.expect("worker");
+            }
+        }
+    };
+    write_for(2, 700).await;
+    assert!(acked.lock().unwrap().len() >= 30, "the workers wrote");
+    assert_replicas_agree(&c, &client, shards).await;
+    let written = acked.lock().unwrap().clone();
+    assert_acked_survived(&client, &written, shards).await;
+
+    let mut leaders = std::collections::BTreeSet::new();
+    for s in 0..shards {
+        leaders.insert(c.leader_of(s).await.expect("leader"));
+    }
+    let (link3, grpc3) = (
+        peer_rpcs(&c, 3, "link").await,
+        peer_rpcs(&c, 3, "grpc").await,
+    );
+    println!("leaders {leaders:?}; node 3 (no link): link {link3}, grpc {grpc3}");
+    assert_eq!(link3, 0, "a node with the link off never dials it");
+    // A leader sends AppendEntries to both followers.
+    for id in [1u64, 2] {
+        let (link, grpc) = (
+            peer_rpcs(&c, id, "link").await,
+            peer_rpcs(&c, id, "grpc").await,
+        );
+        println!("node {id}: link {link}, grpc {grpc}");
+        if leaders.contains(&id) {
+            assert!(
+                link > 0,
+                "node {id} leads: it reaches node {} by link",
+                3 - id
+            );
+            assert!(grpc > 0, "node {id} leads: it reaches node 3 by gRPC");
+        }
+    }
+    if leaders.contains(&3) {
+        assert!(grpc3 > 0, "node 3 leads: it sends by gRPC");
+    }
+
+    // Node 3 down: a commit needs the other follower's acknowledgement, by link.
+    c.kill(3);
+    c.wait_leaders(Duration::from_secs(30))
+        .await
+        .expect("leaders");
+    let link_before = peer_rpcs(&c, 1, "link").await + peer_rpcs(&c, 2, "link").await;
+    let acked_before = acked.lock().unwrap().len();
+    write_for(2, 800).await;
+    let written = (acked.lock().unwrap().len() - acked_before) as u64;
+    let link_sent = peer_rpcs(&c, 1, "link").await + peer_rpcs(&c, 2, "link").await - link_before;
+    println!("node 3 down: {written} writes, {link_sent} link calls");
+    assert!(written >= 30, "the two nodes commit: {written}");
+    assert!(
+        link_sent >= written,
+        "each write's entry went to the other node by link: {link_sent} calls, {written} writes"
+    );
 }

@@ -1158,6 +1158,161 @@ async fn defect_4_a_forged_vote_of_the_largest_term_is_refused() {
     h.every_shard_commits(Duration::from_secs(5), 100).await;
 }
 
+/// The peer link (`allot_node::link`) is the Raft service by another road, and an
+/// attacker who reaches the port gets no more from it: a hello without the peer secret
+/// is refused before anything else is read; a frame longer than the bound closes the
+/// connection before its body is read; a hello that never ends is dropped; an unknown
+/// request kind is refused; a forged vote meets the same guard as over gRPC; and
+/// near-limit AppendEntries from many callers at once cost bounded memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_peer_link_needs_the_secret_bounds_its_frames_and_checks_what_it_carries() {
+    use allot_node::link::{Kind, Link, LinkError, FRAME_MAX, HELLO_TIMEOUT, MAGIC};
+    use allot_node::peer::PeerCredential;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut h = secured(1).await;
+    let target = h.addr(1);
+    let secret = h.secret();
+    let idle = h.rss_now();
+    let hello = |presented: &str| {
+        let mut b = MAGIC.to_vec();
+        b.extend_from_slice(&(presented.len() as u16).to_le_bytes());
+        b.extend_from_slice(presented.as_bytes());
+        b
+    };
+    // Reads until the node closes the connection (bounded wait).
+    async fn closed(s: &mut tokio::net::TcpStream, within: Duration) -> Vec<u8> {
+        let mut rest = Vec::new();
+        tokio::time::timeout(within, s.read_to_end(&mut rest))
+            .await
+            .expect("the node closes the connection")
+            .expect("read");
+        rest
+    }
+
+    // 1. No secret, or the wrong one: refused in the hello, then closed.
+    for presented in ["", "not-the-cluster-secret-0000000"] {
+        let mut s = tokio::net::TcpStream::connect(&target).await.unwrap();
+        s.write_all(&hello(presented)).await.unwrap();
+        // A request sent at once after the hello is never read.
+        s.write_all(&[0xff; 64]).await.unwrap();
+        let mut ack = [0u8; 9];
+        s.read_exact(&mut ack).await.unwrap();
+        assert_eq!(
+            (&ack[..8], ack[8]),
+            (&MAGIC[..], 1),
+            "refused: {presented:?}"
+        );
+        assert!(closed(&mut s, Duration::from_secs(5)).await.is_empty());
+    }
+    assert_eq!(
+        h.metric(
+            1,
+            "allot_peer_link_connections_total{result=\"unauthenticated\"}"
+        )
+        .await,
+        2.0
+    );
+    let vote = |term: u64| {
+        codec::encode(&openraft::raft::VoteRequest::<u64> {
+            vote: Vote::new(term, 99),
+            last_log_id: None,
+        })
+    };
+    let wrong = Link::new(
+        target.clone(),
+        PeerCredential::new(Some("not-the-cluster-secret-0000000")).unwrap(),
+    );
+    match wrong
+        .call(Kind::Vote, 0, &vote(5), Duration::from_secs(5))
+        .await
+    {
+        Err(LinkError::Status(s)) => assert_eq!(s.code(), Code::PermissionDenied, "{s:?}"),
+        other => panic!("a link without the secret: {other:?}"),
+    }
+
+    // 2. With the secret, the gRPC service's guards: a forged vote of the largest term.
+    let link = Link::new(target.clone(), PeerCredential::new(Some(&secret)).unwrap());
+    for term in [u64::MAX, TERM_MAX + 1] {
+        match link
+            .call(Kind::Vote, 0, &vote(term), Duration::from_secs(5))
+            .await
+        {
+            Err(LinkError::Status(s)) => assert_eq!(s.code(), Code::InvalidArgument, "{s:?}"),
+            other => panic!("a forged vote of term {term}: {other:?}"),
+        }
+    }
+
+    // 3. A frame longer than the bound: closed before its body is read.
+    let mut s = tokio::net::TcpStream::connect(&target).await.unwrap();
+    s.write_all(&hello(&secret)).await.unwrap();
+    let mut ack = [0u8; 9];
+    s.read_exact(&mut ack).await.unwrap();
+    assert_eq!(ack[8], 0, "the secret is accepted");
+    s.write_all(&((FRAME_MAX + 1) as u32).to_le_bytes())
+        .await
+        .unwrap();
+    assert!(closed(&mut s, Duration::from_secs(5)).await.is_empty());
+
+    // 4. An unknown request kind: refused, the connection stays usable.
+    let mut s = tokio::net::TcpStream::connect(&target).await.unwrap();
+    s.write_all(&hello(&secret)).await.unwrap();
+    s.read_exact(&mut ack).await.unwrap();
+    let mut frame = Vec::new();
+    frame.extend_from_slice(&(17u32 + 3).to_le_bytes());
+    frame.extend_from_slice(&42u64.to_le_bytes());
+    frame.push(9);
+    frame.extend_from_slice(&0u32.to_le_bytes());
+    frame.extend_from_slice(&1000u32.to_le_bytes());
+    frame.extend_from_slice(b"abc");
+    s.write_all(&frame).await.unwrap();
+    let mut reply = [0u8; 4 + 9];
+    s.read_exact(&mut reply).await.unwrap();
+    assert_eq!(u64::from_le_bytes(reply[4..12].try_into().unwrap()), 42);
+    assert_eq!(reply[12], Code::Unimplemented as u8);
+
+    // 5. A hello that never ends is dropped.
+    let mut s = tokio::net::TcpStream::connect(&target).await.unwrap();
+    s.write_all(MAGIC).await.unwrap();
+    let began = Instant::now();
+    closed(&mut s, HELLO_TIMEOUT + Duration::from_secs(3)).await;
+    assert!(began.elapsed() >= HELLO_TIMEOUT - Duration::from_millis(100));
+
+    // 6. Sixteen near-limit AppendEntries at once on one link, each refused while it is
+    // decoded (more entries than one AppendEntries may carry), in bounded memory.
+    let per_entry = codec::encoded_len(&blank_entries(1 << 20, 1, 1)) as usize;
+    let n = (RAFT_MESSAGE_MAX - 4096) / per_entry;
+    let near = codec::encode(&AppendWire {
+        vote: Vote::new_committed(1, 2),
+        prev_log_id: None,
+        leader_commit: None,
+        entries: blank_entries(0, n, 1),
+    });
+    let link = std::sync::Arc::new(link);
+    let near = std::sync::Arc::new(near);
+    let calls: Vec<_> = (0..16)
+        .map(|_| {
+            let (link, near) = (link.clone(), near.clone());
+            tokio::spawn(async move {
+                link.call(Kind::Append, 0, &near, Duration::from_secs(20))
+                    .await
+            })
+        })
+        .collect();
+    for c in calls {
+        match c.await.unwrap() {
+            Err(LinkError::Status(s)) => assert!(
+                matches!(s.code(), Code::InvalidArgument | Code::ResourceExhausted),
+                "{s:?}"
+            ),
+            other => panic!("a near-limit AppendEntries: {other:?}"),
+        }
+    }
+    h.every_shard_commits(Duration::from_secs(5), 120).await;
+    let grew = h.assert_memory_within(&idle, 256);
+    eprintln!("peer link: peak RSS growth {grew} MiB (budget 256)");
+    h.assert_all_running();
+}
+
 fn forged_meta(term: u64, index: u64) -> SnapshotMeta {
     let last = LogId::new(openraft::CommittedLeaderId::new(term, 99), index);
     let nodes = std::collections::BTreeMap::from([(2u64, openraft::BasicNode::new("x:1"))]);

@@ -1,0 +1,670 @@
+//! The peer link: openraft's three RPCs (AppendEntries, Vote, snapshot chunks) between
+//! nodes over one plain TCP connection per peer, multiplexed by request id, on the
+//! node's own gRPC port.
+//!
+//! **Why.** A unary gRPC call costs, on this 2-core machine, ~140 µs of CPU and a ~120 µs
+//! round trip on loopback: the channel's buffer task, an HTTP/2 stream with its headers
+//! and both ends' connection tasks, the server's per-call task and tower layers. The same
+//! message framed on a TCP connection costs ~65 µs and ~80 µs (`node/examples/rtt.rs`;
+//! DESIGN §61). A commit takes two to four peer calls, so this is most of what a
+//! one-client commit spends outside the disk and the state machine.
+//!
+//! **Same port.** A connection whose first eight bytes are [`MAGIC`] is a link; any
+//! other is handed to the gRPC server as before (an HTTP/2 client's preface starts
+//! `PRI `, a TLS handshake with `0x16`). A release without the link reads the magic as a
+//! broken HTTP/2 preface and closes the connection: the dialling node then uses gRPC for
+//! that peer and tries the link again [`RETRY_LINK_AFTER`] later. So a cluster of mixed
+//! releases replicates during a rolling upgrade, and routes (`--peer-route`, the fault
+//! harness's proxies) carry the link as they carry gRPC.
+//!
+//! **Not under TLS.** A node that serves TLS neither serves nor dials the link (its peer
+//! traffic stays gRPC over mutual TLS): telling a link from HTTP/2 after the handshake
+//! needs the TLS listener to be allot's own instead of tonic's (ALPN), which this release
+//! does not do. `--peer-link off` turns the link off on a plaintext node as well.
+//!
+//! **Authentication and bounds**, as for the gRPC service (`crate::peer`): the first
+//! frame is a hello carrying the peer secret, checked by [`PeerAuth::admits_link`]
+//! before any other frame is read; every request frame's length is bounded by
+//! [`RAFT_MESSAGE_MAX`] before its body is read, its bytes are taken from the same
+//! in-flight budget as the gRPC Raft service's before they are read, and a body must
+//! arrive within [`BODY_READ_MAX`]. The message is then handled by the gRPC service's
+//! own methods ([`crate::server::Services`]), guards included: the link changes how a
+//! message travels, never what is checked.
+//!
+//! **Wire** (little-endian):
+//! - dialler: `MAGIC`, then the hello: `u16` secret length, the secret (≤ [`HELLO_SECRET_MAX`]);
+//! - listener: `MAGIC`, then one byte: 0 accepted, or a refusal (the connection closes);
+//! - request: `u32` length of what follows, `u64` id, `u8` kind (1 append, 2 vote,
+//!   3 snapshot chunk), `u32` shard, `u32` timeout ms, the payload (the message the gRPC
+//!   call carries in `RaftMessage.payload`);
+//! - reply: `u32` length of what follows, `u64` id, `u8` status (0 ok, else a gRPC status
+//!   code), then the reply's payload, or the status message (UTF-8).
+
+use crate::admission::Budget;
+use crate::limits::{ADMISSION_WAIT_MAX, BODY_READ_MAX, RAFT_MESSAGE_MAX};
+use crate::peer::{PeerAuth, PeerCredential};
+use crate::server::Services;
+use allot_proto::raft_server::Raft as RaftService;
+use allot_proto::RaftMessage;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::oneshot;
+
+/// The first bytes of a link connection, both ways; the last is the link's version.
+pub const MAGIC: &[u8; 8] = b"ALLOTPL\x01";
+/// Longest peer secret a hello may carry.
+pub const HELLO_SECRET_MAX: usize = 1024;
+/// A request frame's fixed part after its length: id, kind, shard, timeout.
+const REQUEST_HEAD: usize = 8 + 1 + 4 + 4;
+/// A reply frame's fixed part after its length: id, status.
+const REPLY_HEAD: usize = 8 + 1;
+/// Longest frame either way (after the length field).
+pub const FRAME_MAX: usize = RAFT_MESSAGE_MAX + REQUEST_HEAD;
+/// How long the hello exchange (and the connection's set-up) may take.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a connection may take to send its first bytes before it is dropped.
+pub const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(10);
+/// After a peer did not speak the link (an older release), gRPC is used this long.
+pub const RETRY_LINK_AFTER: Duration = Duration::from_secs(30);
+/// Longest a request may run on the receiving node, whatever timeout it carries (the
+/// snapshot install's bound).
+const HANDLE_MAX: Duration = crate::peer::SNAPSHOT_INSTALL_TIMEOUT;
+/// How long a TCP connect may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+/// Requests one link connection may have in handling at once; beyond it the connection
+/// is not read until one is answered (the sender's writes wait: back-pressure).
+pub const REQUESTS_IN_FLIGHT_MAX: usize = 256;
+/// How long a reply's write may take; a peer that does not read its replies for this
+/// long loses the connection.
+const REPLY_WRITE_MAX: Duration = Duration::from_secs(10);
+
+/// Which of the Raft service's methods a request calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Append = 1,
+    Vote = 2,
+    Snapshot = 3,
+}
+
+impl Kind {
+    fn from_u8(b: u8) -> Option<Kind> {
+        match b {
+            1 => Some(Kind::Append),
+            2 => Some(Kind::Vote),
+            3 => Some(Kind::Snapshot),
+            _ => None,
+        }
+    }
+}
+
+/// Hello refusal: the peer secret is missing or wrong.
+const REFUSED_UNAUTHENTICATED: u8 = 1;
+
+/// Why a call over the link did not produce the peer's answer.
+#[derive(Debug)]
+pub enum LinkError {
+    /// The peer does not speak the link (an older release): use gRPC.
+    Unsupported,
+    /// No connection could be made or it broke: the peer is unreachable.
+    Unreachable(String),
+    /// The peer answered with an error status (as the gRPC service would have).
+    Status(tonic::Status),
+}
+
+// ---------------------------------------------------------------- framing
+
+fn request_frame(id: u64, kind: Kind, shard: u32, timeout: Duration, payload: &[u8]) -> Vec<u8> {
+    let ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
+    let len = (REQUEST_HEAD + payload.len()) as u32;
+    let mut f = Vec::with_capacity(4 + REQUEST_HEAD + payload.len());
+    f.extend_from_slice(&len.to_le_bytes());
+    f.extend_from_slice(&id.to_le_bytes());
+    f.push(kind as u8);
+    f.extend_from_slice(&shard.to_le_bytes());
+    f.extend_from_slice(&ms.to_le_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+fn reply_frame(id: u64, reply: &Result<tonic::Response<RaftMessage>, tonic::Status>) -> Vec<u8> {
+    let (status, body): (u8, &[u8]) = match reply {
+        Ok(r) => (0, &r.get_ref().payload),
+        Err(s) => (
+            (s.code() as i32).clamp(1, 255) as u8,
+            s.message().as_bytes(),
+        ),
+    };
+    // A status message is cut to what a frame holds (a payload never exceeds it: the
+    // service's replies are bounded as the gRPC service's are).
+    let body = &body[..body.len().min(FRAME_MAX - REPLY_HEAD)];
+    let len = (REPLY_HEAD + body.len()) as u32;
+    let mut f = Vec::with_capacity(4 + REPLY_HEAD + body.len());
+    f.extend_from_slice(&len.to_le_bytes());
+    f.extend_from_slice(&id.to_le_bytes());
+    f.push(status);
+    f.extend_from_slice(body);
+    f
+}
+
+/// Reads a frame's length and checks it against `min`..=[`FRAME_MAX`].
+async fn read_len<R: AsyncRead + Unpin>(r: &mut R, min: usize) -> std::io::Result<usize> {
+    let len = r.read_u32_le().await? as usize;
+    if !(min..=FRAME_MAX).contains(&len) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("a link frame of {len} bytes (allowed {min}..={FRAME_MAX})"),
+        ));
+    }
+    Ok(len)
+}
+
+// ---------------------------------------------------------------- dialling side
+
+type Waiters = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Vec<u8>, tonic::Status>>>>>;
+
+/// One open link connection.
+struct Conn {
+    writer: Arc<tokio::sync::Mutex<Box<dyn AsyncWrite + Send + Unpin>>>,
+    waiters: Waiters,
+    /// Cleared when the connection broke (its reader ended): the next call reconnects.
+    alive: Arc<AtomicBool>,
+}
+
+#[derive(Default)]
+struct LinkState {
+    conn: Option<Arc<Conn>>,
+    /// gRPC is used until then: the peer did not speak the link.
+    unsupported_until: Option<Instant>,
+}
+
+/// The link to one peer (dialled at its routed address), connected on first use.
+pub struct Link {
+    dial: String,
+    credential: PeerCredential,
+    next_id: AtomicU64,
+    /// Held while connecting, so a burst of calls makes one connection.
+    state: tokio::sync::Mutex<LinkState>,
+}
+
+impl Link {
+    pub fn new(dial: String, credential: PeerCredential) -> Link {
+        Link {
+            dial,
+            credential,
+            next_id: AtomicU64::new(1),
+            state: tokio::sync::Mutex::new(LinkState::default()),
+        }
+    }
+
+    async fn conn(&self) -> Result<Arc<Conn>, LinkError> {
+        let mut state = self.state.lock().await;
+        if let Some(c) = &state.conn {
+            if c.alive.load(Ordering::Acquire) {
+                return Ok(c.clone());
+            }
+        }
+        state.conn = None;
+        if state.unsupported_until.is_some_and(|t| Instant::now() < t) {
+            return Err(LinkError::Unsupported);
+        }
+        match tokio::time::timeout(HELLO_TIMEOUT, self.connect()).await {
+            Ok(Ok(c)) => {
+                state.unsupported_until = None;
+                state.conn = Some(c.clone());
+                Ok(c)
+            }
+            Ok(Err(Dial::Unsupported)) => {
+                tracing::info!(
+                    peer = %self.dial,
+                    "the peer does not speak the peer link (an older release?): using gRPC"
+                );
+                state.unsupported_until = Some(Instant::now() + RETRY_LINK_AFTER);
+                Err(LinkError::Unsupported)
+            }
+            Ok(Err(Dial::Refused(m))) => {
+                Err(LinkError::Status(tonic::Status::permission_denied(m)))
+            }
+            Ok(Err(Dial::Unreachable(m))) => Err(LinkError::Unreachable(m)),
+            Err(_) => Err(LinkError::Unreachable(format!(
+                "{}: no peer link within {HELLO_TIMEOUT:?}",
+                self.dial
+            ))),
+        }
+    }
+
+    async fn connect(&self) -> Result<Arc<Conn>, Dial> {
+        let stream =
+            tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(&self.dial))
+                .await
+                .map_err(|_| Dial::Unreachable(format!("{}: connect timed out", self.dial)))?
+                .map_err(|e| Dial::Unreachable(format!("{}: {e}", self.dial)))?;
+        stream
+            .set_nodelay(true)
+            .map_err(|e| Dial::Unreachable(e.to_string()))?;
+        let (mut r, mut w) = stream.into_split();
+        let secret = self.credential.secret_bytes();
+        let mut hello = Vec::with_capacity(MAGIC.len() + 2 + secret.len());
+        hello.extend_from_slice(MAGIC);
+        hello.extend_from_slice(&(secret.len() as u16).to_le_bytes());
+        hello.extend_from_slice(secret);
+        w.write_all(&hello)
+            .await
+            .map_err(|e| Dial::Unreachable(format!("{}: {e}", self.dial)))?;
+        let mut ack = [0u8; 9];
+        // An older release closes the connection (after a GOAWAY frame, which is not
+        // the magic): either way, not a link.
+        if r.read_exact(&mut ack).await.is_err() || &ack[..8] != MAGIC {
+            return Err(Dial::Unsupported);
+        }
+        if ack[8] != 0 {
+            return Err(Dial::Refused(format!(
+                "{}: the peer refused this node's link (the peer secret is missing or wrong)",
+                self.dial
+            )));
+        }
+        let waiters: Waiters = Arc::default();
+        let alive = Arc::new(AtomicBool::new(true));
+        tokio::spawn(read_replies(
+            tokio::io::BufReader::new(r),
+            waiters.clone(),
+            alive.clone(),
+        ));
+        Ok(Arc::new(Conn {
+            writer: Arc::new(tokio::sync::Mutex::new(Box::new(w))),
+            waiters,
+            alive,
+        }))
+    }
+
+    /// Sends one request and waits for its reply's payload, at most `timeout` in all
+    /// (connecting included).
+    pub async fn call(
+        &self,
+        kind: Kind,
+        shard: u32,
+        payload: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<u8>, LinkError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let conn = match tokio::time::timeout_at(deadline, self.conn()).await {
+            Ok(conn) => conn?,
+            Err(_) => {
+                return Err(LinkError::Unreachable(format!(
+                    "{}: no peer link within {timeout:?}",
+                    self.dial
+                )))
+            }
+        };
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        conn.waiters
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, tx);
+        // Unregisters the waiter however the call ends (a timeout drops this future).
+        struct Forget<'a>(&'a Waiters, u64);
+        impl Drop for Forget<'_> {
+            fn drop(&mut self) {
+                self.0
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&self.1);
+            }
+        }
+        let _forget = Forget(&conn.waiters, id);
+        let frame = request_frame(id, kind, shard, timeout, payload);
+        let mut writing = false;
+        let outcome = tokio::time::timeout_at(deadline, async {
+            {
+                let mut w = conn.writer.lock().await;
+                writing = true;
+                if let Err(e) = w.write_all(&frame).await {
+                    conn.alive.store(false, Ordering::Release);
+                    return Err(LinkError::Unreachable(format!("{}: {e}", self.dial)));
+                }
+                writing = false;
+            }
+            match rx.await {
+                Ok(Ok(payload)) => Ok(payload),
+                Ok(Err(status)) => Err(LinkError::Status(status)),
+                Err(_) => Err(LinkError::Unreachable(format!(
+                    "{}: the peer link closed",
+                    self.dial
+                ))),
+            }
+        })
+        .await;
+        match outcome {
+            Ok(r) => r,
+            Err(_) => {
+                if writing {
+                    // The frame was cut part-way: the stream is out of frame. The next
+                    // call connects again; the peer closes this one when it sees it.
+                    conn.alive.store(false, Ordering::Release);
+                    let _ = conn.writer.try_lock().map(|mut w| {
+                        let _ = futures::FutureExt::now_or_never(w.shutdown());
+                    });
+                }
+                Err(LinkError::Status(tonic::Status::deadline_exceeded(
+                    format!("{}: no answer within {timeout:?}", self.dial),
+                )))
+            }
+        }
+    }
+}
+
+enum Dial {
+    Unsupported,
+    Refused(String),
+    Unreachable(String),
+}
+
+/// The dialling side's reader: hands each reply to its waiter; on any error marks the
+/// connection dead and fails every waiter (their senders are dropped).
+async fn read_replies<R: AsyncRead + Unpin>(mut r: R, waiters: Waiters, alive: Arc<AtomicBool>) {
+    let result: std::io::Result<()> = async {
+        loop {
+            let len = read_len(&mut r, REPLY_HEAD).await?;
+            let id = r.read_u64_le().await?;
+            let status = r.read_u8().await?;
+            let mut body = vec![0u8; len - REPLY_HEAD];
+            r.read_exact(&mut body).await?;
+            let reply = if status == 0 {
+                Ok(body)
+            } else {
+                Err(tonic::Status::new(
+                    tonic::Code::from_i32(status as i32),
+                    String::from_utf8_lossy(&body).into_owned(),
+                ))
+            };
+            let waiter = waiters
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&id);
+            if let Some(w) = waiter {
+                let _ = w.send(reply);
+            }
+        }
+    }
+    .await;
+    if let Err(e) = result {
+        tracing::debug!(error = %e, "peer link closed");
+    }
+    alive.store(false, Ordering::Release);
+    waiters.lock().unwrap_or_else(|p| p.into_inner()).clear();
+}
+
+/// Links by advertised peer address.
+#[derive(Default)]
+pub struct Links {
+    map: Mutex<HashMap<String, Arc<Link>>>,
+}
+
+impl Links {
+    pub fn get(&self, addr: &str, dial: &str, credential: &PeerCredential) -> Arc<Link> {
+        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        map.entry(addr.to_string())
+            .or_insert_with(|| Arc::new(Link::new(dial.to_string(), credential.clone())))
+            .clone()
+    }
+}
+
+// ---------------------------------------------------------------- listening side
+
+/// Whether the first bytes of a connection make it a link: `Some(true)` once all of
+/// [`MAGIC`] is seen, `Some(false)` as soon as a byte differs, `None` while undecided.
+pub fn classify(prefix: &[u8]) -> Option<bool> {
+    let n = prefix.len().min(MAGIC.len());
+    if prefix[..n] != MAGIC[..n] {
+        return Some(false);
+    }
+    (n == MAGIC.len()).then_some(true)
+}
+
+/// Peeks at a new connection's first bytes (without consuming them) until it is known
+/// whether it is a link. `None`: nothing decisive arrived in time, or the peer closed.
+pub async fn is_link(stream: &tokio::net::TcpStream) -> Option<bool> {
+    let mut buf = [0u8; 8];
+    let decide = async {
+        loop {
+            let n = stream.peek(&mut buf).await.ok()?;
+            if n == 0 {
+                return None;
+            }
+            if let Some(d) = classify(&buf[..n]) {
+                return Some(d);
+            }
+            // Part of the magic arrived: wait for the rest (rare: it is sent at once).
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    };
+    tokio::time::timeout(FIRST_BYTES_TIMEOUT, decide)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// What a link connection's server side needs.
+#[derive(Clone)]
+pub struct Served {
+    pub services: Services,
+    pub auth: PeerAuth,
+    /// The Raft service's in-flight byte budget (shared with the gRPC Raft service).
+    pub budget: Budget,
+    /// Ends the connection when the node stops serving.
+    pub stop: tokio::sync::watch::Receiver<bool>,
+    /// `allot_peer_link_connections_total{result}`.
+    pub connections: prometheus::IntCounterVec,
+}
+
+/// Serves one link connection (its magic not yet read) until it closes, breaks a rule
+/// or the node stops.
+pub async fn serve<S>(stream: S, served: Served)
+where
+    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let mut stop = served.stop.clone();
+    let broken = Arc::new(tokio::sync::Notify::new());
+    tokio::select! {
+        r = serve_conn(stream, served.clone(), broken.clone()) => {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "peer link connection ended");
+            }
+        }
+        _ = broken.notified() => {
+            tracing::debug!("peer link connection ended: a reply could not be written");
+        }
+        _ = stop.wait_for(|s| *s) => {}
+    }
+}
+
+async fn serve_conn<S>(
+    stream: S,
+    served: Served,
+    broken: Arc<tokio::sync::Notify>,
+) -> std::io::Result<()>
+where
+    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let (r, mut w) = tokio::io::split(stream);
+    let mut r = tokio::io::BufReader::new(r);
+    let secret = tokio::time::timeout(HELLO_TIMEOUT, async {
+        let mut magic = [0u8; 8];
+        r.read_exact(&mut magic).await?;
+        let len = r.read_u16_le().await? as usize;
+        if magic != *MAGIC || len > HELLO_SECRET_MAX {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "a malformed link hello",
+            ));
+        }
+        let mut secret = vec![0u8; len];
+        r.read_exact(&mut secret).await?;
+        Ok(secret)
+    })
+    .await
+    .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no link hello in time"))??;
+    let mut ack = [0u8; 9];
+    ack[..8].copy_from_slice(MAGIC);
+    if !served.auth.admits_link(&secret) {
+        served
+            .connections
+            .with_label_values(&["unauthenticated"])
+            .inc();
+        ack[8] = REFUSED_UNAUTHENTICATED;
+        w.write_all(&ack).await?;
+        return Ok(());
+    }
+    served.connections.with_label_values(&["accepted"]).inc();
+    w.write_all(&ack).await?;
+    let w: Arc<tokio::sync::Mutex<_>> = Arc::new(tokio::sync::Mutex::new(w));
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(REQUESTS_IN_FLIGHT_MAX));
+    loop {
+        let slot = in_flight
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| std::io::Error::other("closed"))?;
+        let len = read_len(&mut r, REQUEST_HEAD).await?;
+        // The frame's bytes are budgeted before they are read, as the gRPC service's are.
+        let until = tokio::time::Instant::now() + ADMISSION_WAIT_MAX;
+        let permit = served.budget.hold(len, until).await;
+        let body = tokio::time::timeout(BODY_READ_MAX, async {
+            let id = r.read_u64_le().await?;
+            let kind = r.read_u8().await?;
+            let shard = r.read_u32_le().await?;
+            let ms = r.read_u32_le().await?;
+            if permit.is_err() {
+                // Busy: the body is skipped (the stream stays in frame), the call refused.
+                let skip = (len - REQUEST_HEAD) as u64;
+                tokio::io::copy(&mut (&mut r).take(skip), &mut tokio::io::sink()).await?;
+                return Ok::<_, std::io::Error>((id, kind, shard, ms, None));
+            }
+            let mut payload = vec![0u8; len - REQUEST_HEAD];
+            r.read_exact(&mut payload).await?;
+            Ok((id, kind, shard, ms, Some(payload)))
+        })
+        .await
+        .map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("a link frame's body did not arrive within {BODY_READ_MAX:?}"),
+            )
+        })??;
+        let (id, kind, shard, ms, payload) = body;
+        let services = served.services.clone();
+        let (w, broken) = (w.clone(), broken.clone());
+        tokio::spawn(async move {
+            let _slot = slot;
+            let reply = match (payload, Kind::from_u8(kind)) {
+                (None, _) => Err(crate::admission::busy("admission:raft")),
+                (Some(_), None) => Err(tonic::Status::unimplemented(format!(
+                    "peer link: unknown request kind {kind}"
+                ))),
+                (Some(payload), Some(kind)) => {
+                    let limit = Duration::from_millis(ms as u64).min(HANDLE_MAX);
+                    let msg = tonic::Request::new(RaftMessage { shard, payload });
+                    let handled = async {
+                        match kind {
+                            Kind::Append => services.append(msg).await,
+                            Kind::Vote => services.vote(msg).await,
+                            Kind::Snapshot => services.snapshot(msg).await,
+                        }
+                    };
+                    tokio::time::timeout(limit, handled)
+                        .await
+                        .unwrap_or_else(|_| {
+                            Err(tonic::Status::deadline_exceeded(format!(
+                                "not handled within the request's {limit:?}"
+                            )))
+                        })
+                }
+            };
+            drop(permit);
+            let frame = reply_frame(id, &reply);
+            let written = tokio::time::timeout(REPLY_WRITE_MAX, async {
+                w.lock().await.write_all(&frame).await
+            })
+            .await;
+            // A write that failed or stalled: the connection ends (a broken one is also
+            // seen by the reader).
+            if !matches!(written, Ok(Ok(()))) {
+                broken.notify_one();
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_magic_is_neither_an_http2_preface_nor_a_tls_handshake() {
+        assert_eq!(classify(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"), Some(false));
+        assert_eq!(classify(&[0x16, 0x03, 0x01]), Some(false));
+        assert_eq!(classify(b"GET / HTTP/1.1"), Some(false));
+        assert_eq!(classify(b"ALLOT"), None);
+        assert_eq!(classify(b"ALLOTPL\x02"), Some(false));
+        assert_eq!(classify(MAGIC), Some(true));
+        assert_eq!(classify(b""), None);
+    }
+
+    #[tokio::test]
+    async fn a_reply_frame_reads_back_as_its_payload_or_its_status() {
+        let ok: Result<tonic::Response<RaftMessage>, tonic::Status> =
+            Ok(tonic::Response::new(RaftMessage {
+                shard: 3,
+                payload: vec![1, 2, 3],
+            }));
+        let err: Result<tonic::Response<RaftMessage>, tonic::Status> =
+            Err(tonic::Status::failed_precondition("no"));
+        let mut bytes = reply_frame(7, &ok);
+        bytes.extend(reply_frame(8, &err));
+        let waiters: Waiters = Arc::default();
+        let (t7, r7) = oneshot::channel();
+        let (t8, r8) = oneshot::channel();
+        waiters.lock().unwrap().insert(7, t7);
+        waiters.lock().unwrap().insert(8, t8);
+        let alive = Arc::new(AtomicBool::new(true));
+        read_replies(&bytes[..], waiters.clone(), alive.clone()).await;
+        assert_eq!(r7.await.unwrap().unwrap(), vec![1, 2, 3]);
+        let s = r8.await.unwrap().unwrap_err();
+        assert_eq!(
+            (s.code(), s.message()),
+            (tonic::Code::FailedPrecondition, "no")
+        );
+        // The stream ended: the connection is marked dead.
+        assert!(!alive.load(Ordering::Acquire));
+    }
+
+    #[tokio::test]
+    async fn an_oversized_reply_frame_ends_the_connection_before_it_is_read() {
+        let mut bytes = ((FRAME_MAX + 1) as u32).to_le_bytes().to_vec();
+        bytes.extend_from_slice(&[0u8; 64]);
+        let waiters: Waiters = Arc::default();
+        let (t, r) = oneshot::channel();
+        waiters.lock().unwrap().insert(0, t);
+        let alive = Arc::new(AtomicBool::new(true));
+        read_replies(&bytes[..], waiters, alive.clone()).await;
+        assert!(r.await.is_err(), "the waiter is failed, not answered");
+        assert!(!alive.load(Ordering::Acquire));
+    }
+
+    #[test]
+    fn a_request_frame_holds_its_header_and_payload() {
+        let f = request_frame(9, Kind::Vote, 2, Duration::from_millis(1500), b"abc");
+        assert_eq!(
+            u32::from_le_bytes(f[..4].try_into().unwrap()) as usize,
+            f.len() - 4
+        );
+        assert_eq!(u64::from_le_bytes(f[4..12].try_into().unwrap()), 9);
+        assert_eq!(f[12], Kind::Vote as u8);
+        assert_eq!(u32::from_le_bytes(f[13..17].try_into().unwrap()), 2);
+        assert_eq!(u32::from_le_bytes(f[17..21].try_into().unwrap()), 1500);
+        assert_eq!(&f[21..], b"abc");
+    }
+}
