@@ -41,13 +41,13 @@
 //!   code), then the reply's payload, or the status message (UTF-8).
 
 use crate::admission::Budget;
-use crate::limits::{ADMISSION_WAIT_MAX, BODY_READ_MAX, RAFT_MESSAGE_MAX};
+use crate::limits::{BODY_READ_MAX, RAFT_MESSAGE_MAX};
 use crate::peer::{PeerAuth, PeerCredential};
 use crate::server::Services;
 use allot_proto::raft_server::Raft as RaftService;
 use allot_proto::RaftMessage;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -161,32 +161,132 @@ async fn read_len<R: AsyncRead + Unpin>(r: &mut R, min: usize) -> std::io::Resul
     Ok(len)
 }
 
+// ---------------------------------------------------------------- writing frames
+
+/// One side's writing half, shared by the tasks that send on the connection. A frame is
+/// either written whole or ends the connection: a writer dropped part-way (its caller's
+/// timeout, or openraft's around it) leaves the half `dirty`, and the next writer shuts
+/// the connection down instead of writing after the partial frame — where the receiver
+/// would read the next frame's bytes as the rest of the cut one.
+pub struct FrameWriter {
+    half: tokio::sync::Mutex<Half>,
+}
+
+struct Half {
+    w: Option<Box<dyn AsyncWrite + Send + Unpin>>,
+    /// A frame's write began and has not finished.
+    dirty: bool,
+}
+
+fn closed_error() -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::BrokenPipe, "the peer link is closed")
+}
+
+impl FrameWriter {
+    pub fn new(w: impl AsyncWrite + Send + Unpin + 'static) -> FrameWriter {
+        FrameWriter {
+            half: tokio::sync::Mutex::new(Half {
+                w: Some(Box::new(w)),
+                dirty: false,
+            }),
+        }
+    }
+
+    /// Writes `frame` whole, or fails and closes the connection.
+    pub async fn send(&self, frame: &[u8]) -> std::io::Result<()> {
+        let mut half = self.half.lock().await;
+        let Half { w, dirty } = &mut *half;
+        if *dirty {
+            Self::close_half(w).await;
+            return Err(closed_error());
+        }
+        let Some(writer) = w.as_mut() else {
+            return Err(closed_error());
+        };
+        *dirty = true;
+        let written = writer.write_all(frame).await;
+        if written.is_err() {
+            Self::close_half(w).await;
+        }
+        *dirty = false;
+        written
+    }
+
+    /// Shuts the connection's writing half down (the peer sees the end) and writes
+    /// nothing more. Waits at most 1 s for a writer in progress.
+    pub async fn close(&self) {
+        if let Ok(mut half) = tokio::time::timeout(Duration::from_secs(1), self.half.lock()).await {
+            Self::close_half(&mut half.w).await;
+        }
+    }
+
+    async fn close_half(w: &mut Option<Box<dyn AsyncWrite + Send + Unpin>>) {
+        if let Some(mut writer) = w.take() {
+            let _ = tokio::time::timeout(Duration::from_millis(100), writer.shutdown()).await;
+        }
+    }
+}
+
 // ---------------------------------------------------------------- dialling side
 
-type Waiters = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Vec<u8>, tonic::Status>>>>>;
+/// Calls waiting for their replies on one connection, by request id. Once the
+/// connection's reader ended it is `closed`: no call waits on it any more.
+#[derive(Default)]
+struct WaitMap {
+    closed: bool,
+    map: HashMap<u64, oneshot::Sender<Result<Vec<u8>, tonic::Status>>>,
+}
+
+type Waiters = Arc<Mutex<WaitMap>>;
+/// Where a call's reply arrives: its payload, or the peer's error status.
+#[cfg(test)]
+type ReplyRx = oneshot::Receiver<Result<Vec<u8>, tonic::Status>>;
+
+fn waiters_of(w: &Waiters) -> std::sync::MutexGuard<'_, WaitMap> {
+    w.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// One open link connection.
 struct Conn {
-    writer: Arc<tokio::sync::Mutex<Box<dyn AsyncWrite + Send + Unpin>>>,
+    writer: FrameWriter,
     waiters: Waiters,
-    /// Cleared when the connection broke (its reader ended): the next call reconnects.
-    alive: Arc<AtomicBool>,
+}
+
+impl Conn {
+    fn alive(&self) -> bool {
+        !waiters_of(&self.waiters).closed
+    }
+}
+
+/// What a connection attempt came to.
+#[derive(Clone)]
+enum Dialled {
+    Up(Arc<Conn>),
+    Unsupported,
+    Refused(String),
+    Unreachable(String),
 }
 
 #[derive(Default)]
 struct LinkState {
     conn: Option<Arc<Conn>>,
+    /// The attempt in progress, which every caller waits on (each to its own deadline).
+    connecting: Option<tokio::sync::watch::Receiver<Option<Dialled>>>,
     /// gRPC is used until then: the peer did not speak the link.
     unsupported_until: Option<Instant>,
+    /// The peer refused this node's hello (the secret): no new attempt until then.
+    refused_until: Option<(Instant, String)>,
 }
+
+/// After a refused hello, how long calls are refused before the next attempt.
+const RETRY_REFUSED_AFTER: Duration = Duration::from_secs(1);
 
 /// The link to one peer (dialled at its routed address), connected on first use.
 pub struct Link {
     dial: String,
     credential: PeerCredential,
     next_id: AtomicU64,
-    /// Held while connecting, so a burst of calls makes one connection.
-    state: tokio::sync::Mutex<LinkState>,
+    state: Arc<Mutex<LinkState>>,
 }
 
 impl Link {
@@ -195,88 +295,97 @@ impl Link {
             dial,
             credential,
             next_id: AtomicU64::new(1),
-            state: tokio::sync::Mutex::new(LinkState::default()),
+            state: Arc::default(),
         }
     }
 
+    /// The open connection, or the outcome of an attempt that this call starts or joins.
+    /// The attempt runs on its own task, bounded by its own timeouts: a caller that gives
+    /// up (a heartbeat's short deadline) does not cancel it for the others.
     async fn conn(&self) -> Result<Arc<Conn>, LinkError> {
-        let mut state = self.state.lock().await;
-        if let Some(c) = &state.conn {
-            if c.alive.load(Ordering::Acquire) {
+        let mut pending = {
+            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(c) = state.conn.as_ref().filter(|c| c.alive()) {
                 return Ok(c.clone());
             }
-        }
-        state.conn = None;
-        if state.unsupported_until.is_some_and(|t| Instant::now() < t) {
-            return Err(LinkError::Unsupported);
-        }
-        match tokio::time::timeout(HELLO_TIMEOUT, self.connect()).await {
-            Ok(Ok(c)) => {
-                state.unsupported_until = None;
-                state.conn = Some(c.clone());
-                Ok(c)
+            state.conn = None;
+            let now = Instant::now();
+            if state.unsupported_until.is_some_and(|t| now < t) {
+                return Err(LinkError::Unsupported);
             }
-            Ok(Err(Dial::Unsupported)) => {
-                tracing::info!(
-                    peer = %self.dial,
-                    "the peer does not speak the peer link (an older release?): using gRPC"
-                );
-                state.unsupported_until = Some(Instant::now() + RETRY_LINK_AFTER);
-                Err(LinkError::Unsupported)
+            if let Some((until, why)) = &state.refused_until {
+                if now < *until {
+                    return Err(LinkError::Status(tonic::Status::permission_denied(
+                        why.clone(),
+                    )));
+                }
             }
-            Ok(Err(Dial::Refused(m))) => {
+            match &state.connecting {
+                Some(rx) => rx.clone(),
+                None => {
+                    let (tx, rx) = tokio::sync::watch::channel(None);
+                    state.connecting = Some(rx.clone());
+                    let (dial, credential, state) = (
+                        self.dial.clone(),
+                        self.credential.clone(),
+                        self.state.clone(),
+                    );
+                    tokio::spawn(async move {
+                        let outcome = tokio::time::timeout(
+                            CONNECT_TIMEOUT + HELLO_TIMEOUT,
+                            connect(&dial, &credential),
+                        )
+                        .await
+                        .unwrap_or_else(|_| {
+                            Dialled::Unreachable(format!("{dial}: no peer link within the timeout"))
+                        });
+                        {
+                            let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
+                            s.connecting = None;
+                            match &outcome {
+                                Dialled::Up(c) => {
+                                    s.conn = Some(c.clone());
+                                    s.unsupported_until = None;
+                                    s.refused_until = None;
+                                }
+                                Dialled::Unsupported => {
+                                    tracing::info!(
+                                        peer = %dial,
+                                        "the peer does not speak the peer link (an older \
+                                         release?): using gRPC"
+                                    );
+                                    s.unsupported_until = Some(Instant::now() + RETRY_LINK_AFTER);
+                                }
+                                Dialled::Refused(m) => {
+                                    s.refused_until =
+                                        Some((Instant::now() + RETRY_REFUSED_AFTER, m.clone()));
+                                }
+                                Dialled::Unreachable(_) => {}
+                            }
+                        }
+                        let _ = tx.send(Some(outcome));
+                    });
+                    rx
+                }
+            }
+        };
+        let outcome = pending
+            .wait_for(Option::is_some)
+            .await
+            .map_err(|_| LinkError::Unreachable(format!("{}: connecting failed", self.dial)))?
+            .clone();
+        match outcome {
+            Some(Dialled::Up(c)) => Ok(c),
+            Some(Dialled::Unsupported) => Err(LinkError::Unsupported),
+            Some(Dialled::Refused(m)) => {
                 Err(LinkError::Status(tonic::Status::permission_denied(m)))
             }
-            Ok(Err(Dial::Unreachable(m))) => Err(LinkError::Unreachable(m)),
-            Err(_) => Err(LinkError::Unreachable(format!(
-                "{}: no peer link within {HELLO_TIMEOUT:?}",
+            Some(Dialled::Unreachable(m)) => Err(LinkError::Unreachable(m)),
+            None => Err(LinkError::Unreachable(format!(
+                "{}: connecting failed",
                 self.dial
             ))),
         }
-    }
-
-    async fn connect(&self) -> Result<Arc<Conn>, Dial> {
-        let stream =
-            tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(&self.dial))
-                .await
-                .map_err(|_| Dial::Unreachable(format!("{}: connect timed out", self.dial)))?
-                .map_err(|e| Dial::Unreachable(format!("{}: {e}", self.dial)))?;
-        stream
-            .set_nodelay(true)
-            .map_err(|e| Dial::Unreachable(e.to_string()))?;
-        let (mut r, mut w) = stream.into_split();
-        let secret = self.credential.secret_bytes();
-        let mut hello = Vec::with_capacity(MAGIC.len() + 2 + secret.len());
-        hello.extend_from_slice(MAGIC);
-        hello.extend_from_slice(&(secret.len() as u16).to_le_bytes());
-        hello.extend_from_slice(secret);
-        w.write_all(&hello)
-            .await
-            .map_err(|e| Dial::Unreachable(format!("{}: {e}", self.dial)))?;
-        let mut ack = [0u8; 9];
-        // An older release closes the connection (after a GOAWAY frame, which is not
-        // the magic): either way, not a link.
-        if r.read_exact(&mut ack).await.is_err() || &ack[..8] != MAGIC {
-            return Err(Dial::Unsupported);
-        }
-        if ack[8] != 0 {
-            return Err(Dial::Refused(format!(
-                "{}: the peer refused this node's link (the peer secret is missing or wrong)",
-                self.dial
-            )));
-        }
-        let waiters: Waiters = Arc::default();
-        let alive = Arc::new(AtomicBool::new(true));
-        tokio::spawn(read_replies(
-            tokio::io::BufReader::new(r),
-            waiters.clone(),
-            alive.clone(),
-        ));
-        Ok(Arc::new(Conn {
-            writer: Arc::new(tokio::sync::Mutex::new(Box::new(w))),
-            waiters,
-            alive,
-        }))
     }
 
     /// Sends one request and waits for its reply's payload, at most `timeout` in all
@@ -300,32 +409,28 @@ impl Link {
         };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
-        conn.waiters
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, tx);
+        {
+            let mut w = waiters_of(&conn.waiters);
+            if w.closed {
+                return Err(LinkError::Unreachable(format!(
+                    "{}: the peer link closed",
+                    self.dial
+                )));
+            }
+            w.map.insert(id, tx);
+        }
         // Unregisters the waiter however the call ends (a timeout drops this future).
         struct Forget<'a>(&'a Waiters, u64);
         impl Drop for Forget<'_> {
             fn drop(&mut self) {
-                self.0
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .remove(&self.1);
+                waiters_of(self.0).map.remove(&self.1);
             }
         }
         let _forget = Forget(&conn.waiters, id);
         let frame = request_frame(id, kind, shard, timeout, payload);
-        let mut writing = false;
         let outcome = tokio::time::timeout_at(deadline, async {
-            {
-                let mut w = conn.writer.lock().await;
-                writing = true;
-                if let Err(e) = w.write_all(&frame).await {
-                    conn.alive.store(false, Ordering::Release);
-                    return Err(LinkError::Unreachable(format!("{}: {e}", self.dial)));
-                }
-                writing = false;
+            if let Err(e) = conn.writer.send(&frame).await {
+                return Err(LinkError::Unreachable(format!("{}: {e}", self.dial)));
             }
             match rx.await {
                 Ok(Ok(payload)) => Ok(payload),
@@ -337,34 +442,89 @@ impl Link {
             }
         })
         .await;
-        match outcome {
-            Ok(r) => r,
-            Err(_) => {
-                if writing {
-                    // The frame was cut part-way: the stream is out of frame. The next
-                    // call connects again; the peer closes this one when it sees it.
-                    conn.alive.store(false, Ordering::Release);
-                    let _ = conn.writer.try_lock().map(|mut w| {
-                        let _ = futures::FutureExt::now_or_never(w.shutdown());
-                    });
-                }
-                Err(LinkError::Status(tonic::Status::deadline_exceeded(
-                    format!("{}: no answer within {timeout:?}", self.dial),
-                )))
-            }
-        }
+        outcome.unwrap_or_else(|_| {
+            Err(LinkError::Status(tonic::Status::deadline_exceeded(
+                format!("{}: no answer within {timeout:?}", self.dial),
+            )))
+        })
     }
 }
 
-enum Dial {
-    Unsupported,
-    Refused(String),
-    Unreachable(String),
+/// TCP keepalive on a dialled link: a peer host that vanished without a reset is seen
+/// within ~15 s (as the gRPC channel's HTTP/2 keepalive of 5 s + 5 s saw it), and data
+/// unacknowledged for 10 s ends the connection.
+#[cfg(target_os = "linux")]
+fn keep_alive(stream: &tokio::net::TcpStream) {
+    use std::os::fd::AsRawFd;
+    let fd = stream.as_raw_fd();
+    let set = |level: libc::c_int, name: libc::c_int, value: libc::c_int| {
+        // SAFETY: a valid socket descriptor and a pointer to a c_int of the given size.
+        unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                name,
+                &value as *const libc::c_int as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        }
+    };
+    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 5);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 5);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 2);
+    set(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, 10_000);
 }
 
-/// The dialling side's reader: hands each reply to its waiter; on any error marks the
-/// connection dead and fails every waiter (their senders are dropped).
-async fn read_replies<R: AsyncRead + Unpin>(mut r: R, waiters: Waiters, alive: Arc<AtomicBool>) {
+#[cfg(not(target_os = "linux"))]
+fn keep_alive(_: &tokio::net::TcpStream) {}
+
+async fn connect(dial: &str, credential: &PeerCredential) -> Dialled {
+    let stream =
+        match tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(dial)).await {
+            Err(_) => return Dialled::Unreachable(format!("{dial}: connect timed out")),
+            Ok(Err(e)) => return Dialled::Unreachable(format!("{dial}: {e}")),
+            Ok(Ok(s)) => s,
+        };
+    if let Err(e) = stream.set_nodelay(true) {
+        return Dialled::Unreachable(e.to_string());
+    }
+    keep_alive(&stream);
+    let (mut r, mut w) = stream.into_split();
+    let secret = credential.secret_bytes();
+    let mut hello = Vec::with_capacity(MAGIC.len() + 2 + secret.len());
+    hello.extend_from_slice(MAGIC);
+    hello.extend_from_slice(&(secret.len() as u16).to_le_bytes());
+    hello.extend_from_slice(secret);
+    if let Err(e) = w.write_all(&hello).await {
+        return Dialled::Unreachable(format!("{dial}: {e}"));
+    }
+    let mut ack = [0u8; 9];
+    if let Err(e) = r.read_exact(&mut ack).await {
+        // A node at its connection bound, or stopping: not a verdict on its release.
+        return Dialled::Unreachable(format!("{dial}: the peer closed the link's hello: {e}"));
+    }
+    // An older release answers the magic with its HTTP/2 SETTINGS frame (9 bytes of
+    // header at least), then closes the connection.
+    if &ack[..8] != MAGIC {
+        return Dialled::Unsupported;
+    }
+    if ack[8] != 0 {
+        return Dialled::Refused(format!(
+            "{dial}: the peer refused this node's link (the peer secret is missing or wrong)"
+        ));
+    }
+    let waiters: Waiters = Arc::default();
+    tokio::spawn(read_replies(tokio::io::BufReader::new(r), waiters.clone()));
+    Dialled::Up(Arc::new(Conn {
+        writer: FrameWriter::new(w),
+        waiters,
+    }))
+}
+
+/// The dialling side's reader: hands each reply to its waiter; on any error closes the
+/// wait map and fails every waiter (their senders are dropped).
+async fn read_replies<R: AsyncRead + Unpin>(mut r: R, waiters: Waiters) {
     let result: std::io::Result<()> = async {
         loop {
             let len = read_len(&mut r, REPLY_HEAD).await?;
@@ -380,10 +540,7 @@ async fn read_replies<R: AsyncRead + Unpin>(mut r: R, waiters: Waiters, alive: A
                     String::from_utf8_lossy(&body).into_owned(),
                 ))
             };
-            let waiter = waiters
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&id);
+            let waiter = waiters_of(&waiters).map.remove(&id);
             if let Some(w) = waiter {
                 let _ = w.send(reply);
             }
@@ -393,8 +550,9 @@ async fn read_replies<R: AsyncRead + Unpin>(mut r: R, waiters: Waiters, alive: A
     if let Err(e) = result {
         tracing::debug!(error = %e, "peer link closed");
     }
-    alive.store(false, Ordering::Release);
-    waiters.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    let mut w = waiters_of(&waiters);
+    w.closed = true;
+    w.map.clear();
 }
 
 /// Links by advertised peer address.
@@ -426,9 +584,14 @@ pub fn classify(prefix: &[u8]) -> Option<bool> {
 
 /// Peeks at a new connection's first bytes (without consuming them) until it is known
 /// whether it is a link. `None`: nothing decisive arrived in time, or the peer closed.
+/// A connection that sent part of the magic is looked at again with a growing pause
+/// (1 ms to 100 ms) and given up on after [`HELLO_TIMEOUT`]: a connection that stops
+/// half-way costs a few dozen wake-ups, not one a millisecond.
 pub async fn is_link(stream: &tokio::net::TcpStream) -> Option<bool> {
     let mut buf = [0u8; 8];
     let decide = async {
+        let mut pause = Duration::from_millis(1);
+        let mut partial_since: Option<tokio::time::Instant> = None;
         loop {
             let n = stream.peek(&mut buf).await.ok()?;
             if n == 0 {
@@ -437,8 +600,12 @@ pub async fn is_link(stream: &tokio::net::TcpStream) -> Option<bool> {
             if let Some(d) = classify(&buf[..n]) {
                 return Some(d);
             }
-            // Part of the magic arrived: wait for the rest (rare: it is sent at once).
-            tokio::time::sleep(Duration::from_millis(1)).await;
+            let since = *partial_since.get_or_insert_with(tokio::time::Instant::now);
+            if since.elapsed() >= HELLO_TIMEOUT {
+                return None;
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(100));
         }
     };
     tokio::time::timeout(FIRST_BYTES_TIMEOUT, decide)
@@ -461,15 +628,19 @@ pub struct Served {
 }
 
 /// Serves one link connection (its magic not yet read) until it closes, breaks a rule
-/// or the node stops.
+/// or the node stops. Its requests in handling end with it, and its writing half is
+/// shut down, so the dialler sees the end at once.
 pub async fn serve<S>(stream: S, served: Served)
 where
     S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
     let mut stop = served.stop.clone();
+    let (r, w) = tokio::io::split(stream);
+    let writer = Arc::new(FrameWriter::new(w));
     let broken = Arc::new(tokio::sync::Notify::new());
+    let mut handling = tokio::task::JoinSet::new();
     tokio::select! {
-        r = serve_conn(stream, served.clone(), broken.clone()) => {
+        r = serve_conn(r, &writer, served.clone(), broken.clone(), &mut handling) => {
             if let Err(e) = r {
                 tracing::debug!(error = %e, "peer link connection ended");
             }
@@ -479,17 +650,20 @@ where
         }
         _ = stop.wait_for(|s| *s) => {}
     }
+    handling.abort_all();
+    writer.close().await;
 }
 
-async fn serve_conn<S>(
-    stream: S,
+async fn serve_conn<R>(
+    r: R,
+    writer: &Arc<FrameWriter>,
     served: Served,
     broken: Arc<tokio::sync::Notify>,
+    handling: &mut tokio::task::JoinSet<()>,
 ) -> std::io::Result<()>
 where
-    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    R: AsyncRead + Send + Unpin + 'static,
 {
-    let (r, mut w) = tokio::io::split(stream);
     let mut r = tokio::io::BufReader::new(r);
     let secret = tokio::time::timeout(HELLO_TIMEOUT, async {
         let mut magic = [0u8; 8];
@@ -515,23 +689,25 @@ where
             .with_label_values(&["unauthenticated"])
             .inc();
         ack[8] = REFUSED_UNAUTHENTICATED;
-        w.write_all(&ack).await?;
+        writer.send(&ack).await?;
         return Ok(());
     }
     served.connections.with_label_values(&["accepted"]).inc();
-    w.write_all(&ack).await?;
-    let w: Arc<tokio::sync::Mutex<_>> = Arc::new(tokio::sync::Mutex::new(w));
+    writer.send(&ack).await?;
     let in_flight = Arc::new(tokio::sync::Semaphore::new(REQUESTS_IN_FLIGHT_MAX));
     loop {
+        while handling.try_join_next().is_some() {}
         let slot = in_flight
             .clone()
             .acquire_owned()
             .await
             .map_err(|_| std::io::Error::other("closed"))?;
         let len = read_len(&mut r, REQUEST_HEAD).await?;
-        // The frame's bytes are budgeted before they are read, as the gRPC service's are.
-        let until = tokio::time::Instant::now() + ADMISSION_WAIT_MAX;
-        let permit = served.budget.hold(len, until).await;
+        // The frame's bytes are budgeted before they are read, as the gRPC service's
+        // are; but the reader does not wait for them (the connection's other frames —
+        // every shard's heartbeats and votes — would wait behind it): a frame the budget
+        // cannot take now is refused busy, and the sender retries.
+        let permit = served.budget.hold(len, tokio::time::Instant::now()).await;
         let body = tokio::time::timeout(BODY_READ_MAX, async {
             let id = r.read_u64_le().await?;
             let kind = r.read_u8().await?;
@@ -556,8 +732,8 @@ where
         })??;
         let (id, kind, shard, ms, payload) = body;
         let services = served.services.clone();
-        let (w, broken) = (w.clone(), broken.clone());
-        tokio::spawn(async move {
+        let (writer, broken) = (writer.clone(), broken.clone());
+        handling.spawn(async move {
             let _slot = slot;
             let reply = match (payload, Kind::from_u8(kind)) {
                 (None, _) => Err(crate::admission::busy("admission:raft")),
@@ -585,12 +761,9 @@ where
             };
             drop(permit);
             let frame = reply_frame(id, &reply);
-            let written = tokio::time::timeout(REPLY_WRITE_MAX, async {
-                w.lock().await.write_all(&frame).await
-            })
-            .await;
-            // A write that failed or stalled: the connection ends (a broken one is also
-            // seen by the reader).
+            // A reply that failed or stalled ends the connection; one cut part-way
+            // leaves the writer dirty, so no other reply follows it on the wire.
+            let written = tokio::time::timeout(REPLY_WRITE_MAX, writer.send(&frame)).await;
             if !matches!(written, Ok(Ok(()))) {
                 broken.notify_one();
             }
@@ -613,6 +786,19 @@ mod tests {
         assert_eq!(classify(b""), None);
     }
 
+    fn waiting(ids: &[u64]) -> (Waiters, Vec<ReplyRx>) {
+        let waiters: Waiters = Arc::default();
+        let rxs = ids
+            .iter()
+            .map(|id| {
+                let (t, r) = oneshot::channel();
+                waiters_of(&waiters).map.insert(*id, t);
+                r
+            })
+            .collect();
+        (waiters, rxs)
+    }
+
     #[tokio::test]
     async fn a_reply_frame_reads_back_as_its_payload_or_its_status() {
         let ok: Result<tonic::Response<RaftMessage>, tonic::Status> =
@@ -624,34 +810,63 @@ mod tests {
             Err(tonic::Status::failed_precondition("no"));
         let mut bytes = reply_frame(7, &ok);
         bytes.extend(reply_frame(8, &err));
-        let waiters: Waiters = Arc::default();
-        let (t7, r7) = oneshot::channel();
-        let (t8, r8) = oneshot::channel();
-        waiters.lock().unwrap().insert(7, t7);
-        waiters.lock().unwrap().insert(8, t8);
-        let alive = Arc::new(AtomicBool::new(true));
-        read_replies(&bytes[..], waiters.clone(), alive.clone()).await;
+        let (waiters, mut rxs) = waiting(&[7, 8]);
+        read_replies(&bytes[..], waiters.clone()).await;
+        let r8 = rxs.pop().unwrap();
+        let r7 = rxs.pop().unwrap();
         assert_eq!(r7.await.unwrap().unwrap(), vec![1, 2, 3]);
         let s = r8.await.unwrap().unwrap_err();
         assert_eq!(
             (s.code(), s.message()),
             (tonic::Code::FailedPrecondition, "no")
         );
-        // The stream ended: the connection is marked dead.
-        assert!(!alive.load(Ordering::Acquire));
+        // The stream ended: no call waits on this connection any more.
+        assert!(waiters_of(&waiters).closed);
     }
 
     #[tokio::test]
     async fn an_oversized_reply_frame_ends_the_connection_before_it_is_read() {
         let mut bytes = ((FRAME_MAX + 1) as u32).to_le_bytes().to_vec();
         bytes.extend_from_slice(&[0u8; 64]);
-        let waiters: Waiters = Arc::default();
-        let (t, r) = oneshot::channel();
-        waiters.lock().unwrap().insert(0, t);
-        let alive = Arc::new(AtomicBool::new(true));
-        read_replies(&bytes[..], waiters, alive.clone()).await;
-        assert!(r.await.is_err(), "the waiter is failed, not answered");
-        assert!(!alive.load(Ordering::Acquire));
+        let (waiters, mut rxs) = waiting(&[0]);
+        read_replies(&bytes[..], waiters.clone()).await;
+        assert!(
+            rxs.pop().unwrap().await.is_err(),
+            "the waiter is failed, not answered"
+        );
+        assert!(waiters_of(&waiters).closed);
+    }
+
+    /// A frame whose writer is dropped part-way (a caller's timeout) is never followed
+    /// by another frame's bytes: the next writer closes the connection instead, and the
+    /// receiver reads the cut frame and then the end, never a spliced frame.
+    #[tokio::test]
+    async fn a_frame_cut_by_a_timeout_is_followed_by_the_end_not_by_the_next_frame() {
+        let (near, mut far) = tokio::io::duplex(16);
+        let writer = FrameWriter::new(near);
+        let first = request_frame(1, Kind::Append, 0, Duration::from_secs(1), &[1u8; 64]);
+        let cut = tokio::time::timeout(Duration::from_millis(50), writer.send(&first)).await;
+        assert!(
+            cut.is_err(),
+            "the write blocks: nobody reads the far end yet"
+        );
+        let second = request_frame(2, Kind::Vote, 0, Duration::from_secs(1), &[2u8; 8]);
+        let within = Duration::from_secs(2);
+        let refused = tokio::time::timeout(within, writer.send(&second)).await;
+        assert!(
+            matches!(refused, Ok(Err(_))),
+            "the next frame is refused at once, not written after the cut one"
+        );
+        let mut got = Vec::new();
+        let ended = tokio::time::timeout(within, far.read_to_end(&mut got)).await;
+        assert!(ended.is_ok(), "the connection ends");
+        assert_eq!(
+            got,
+            first[..16],
+            "the cut frame's first bytes, then the end"
+        );
+        // Once closed, it stays closed.
+        assert!(writer.send(&second).await.is_err());
     }
 
     #[test]

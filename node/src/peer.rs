@@ -31,6 +31,9 @@ use tonic::metadata::{MetadataMap, MetadataValue};
 pub const PEER_SECRET: &str = "allot-peer-secret";
 /// Shortest peer secret accepted (128 bits of base64).
 pub const PEER_SECRET_LEN_MIN: usize = 22;
+/// Longest peer secret accepted: what a peer-link hello carries
+/// (`crate::link::HELLO_SECRET_MAX`).
+pub const PEER_SECRET_LEN_MAX: usize = crate::link::HELLO_SECRET_MAX;
 /// How long a follower may take to install a snapshot once its last chunk arrived
 /// (decode and store the whole state).
 pub const SNAPSHOT_INSTALL_TIMEOUT: Duration = Duration::from_secs(300);
@@ -47,10 +50,13 @@ impl PeerCredential {
             None => None,
             Some(s) => {
                 let s = s.trim();
-                if s.len() < PEER_SECRET_LEN_MIN || !s.bytes().all(|b| b.is_ascii_graphic()) {
+                if s.len() < PEER_SECRET_LEN_MIN
+                    || s.len() > PEER_SECRET_LEN_MAX
+                    || !s.bytes().all(|b| b.is_ascii_graphic())
+                {
                     anyhow::bail!(
-                        "the peer secret must be at least {PEER_SECRET_LEN_MIN} printable \
-                         characters"
+                        "the peer secret must be {PEER_SECRET_LEN_MIN} to {PEER_SECRET_LEN_MAX} \
+                         printable characters"
                     );
                 }
                 Some(MetadataValue::try_from(s)?)

@@ -206,7 +206,12 @@ fn split_links(
             };
             let (tx, served) = (tx.clone(), served.clone());
             tokio::spawn(async move {
-                match crate::link::is_link(io.get_ref()).await {
+                let mut stop = served.stop.clone();
+                let kind = tokio::select! {
+                    k = crate::link::is_link(io.get_ref()) => k,
+                    _ = stop.wait_for(|s| *s) => None,
+                };
+                match kind {
                     Some(true) => crate::link::serve(io, served).await,
                     Some(false) => {
                         let _ = tx.send(Ok(io)).await;
