@@ -286,15 +286,16 @@ impl Peer {
         let payload = codec::encode(req);
         if let Some(link) = &self.link {
             let reply = link.call(rpc, self.shard, &payload, timeout).await;
-            if !matches!(reply, Err(LinkError::Unsupported)) {
+            if !matches!(reply, Err(LinkError::Unsupported | LinkError::NotReady)) {
                 self.sent_link.inc();
             }
             match reply {
                 Ok(reply) => {
                     return codec::decode(&reply).map_err(|e| CallError::Network(e.to_string()));
                 }
-                // An older release: this call (and the peer's for a while) goes by gRPC.
-                Err(LinkError::Unsupported) => {}
+                // An older release (this call and the peer's for a while), or no link
+                // connection up yet (this call): by gRPC.
+                Err(LinkError::Unsupported | LinkError::NotReady) => {}
                 Err(LinkError::Unreachable(m)) => return Err(CallError::Unreachable(m)),
                 Err(LinkError::Status(s)) => return Err(CallError::status(self.target, s)),
             }

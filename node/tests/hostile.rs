@@ -1227,6 +1227,11 @@ async fn the_peer_link_needs_the_secret_bounds_its_frames_and_checks_what_it_car
         target.clone(),
         PeerCredential::new(Some("not-the-cluster-secret-0000000")).unwrap(),
     );
+    // Refused in its hello; then its calls are refused (not sent) until it tries again.
+    match wrong.connect(Duration::from_secs(5)).await {
+        Err(LinkError::Status(s)) => assert_eq!(s.code(), Code::PermissionDenied, "{s:?}"),
+        other => panic!("a link without the secret: {other:?}"),
+    }
     match wrong
         .call(Kind::Vote, 0, &vote(5), Duration::from_secs(5))
         .await
@@ -1234,9 +1239,20 @@ async fn the_peer_link_needs_the_secret_bounds_its_frames_and_checks_what_it_car
         Err(LinkError::Status(s)) => assert_eq!(s.code(), Code::PermissionDenied, "{s:?}"),
         other => panic!("a link without the secret: {other:?}"),
     }
+    assert_eq!(
+        h.metric(
+            1,
+            "allot_peer_link_connections_total{result=\"unauthenticated\"}"
+        )
+        .await,
+        3.0
+    );
 
     // 2. With the secret, the gRPC service's guards: a forged vote of the largest term.
     let link = Link::new(target.clone(), PeerCredential::new(Some(&secret)).unwrap());
+    link.connect(Duration::from_secs(5))
+        .await
+        .expect("the link connects");
     for term in [u64::MAX, TERM_MAX + 1] {
         match link
             .call(Kind::Vote, 0, &vote(term), Duration::from_secs(5))
