@@ -799,8 +799,19 @@ async fn a_runner_that_exits_while_its_agent_is_cut_off_is_billed_to_its_exit() 
         (job(client, 7).await.state == JobState::Running).then_some(())
     })
     .await;
-    // It runs a while, then the agent is cut off and the runner finishes at once.
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    // It runs a while, then the agent is cut off and the runner finishes at once. The
+    // cut comes right after a heartbeat was answered, not at an arbitrary phase of the
+    // cycle: a heartbeat applied whose answer the cut lost makes the meter's newest one
+    // the agent never saw accepted, and the bill one interval longer (DESIGN §45, "What
+    // it does not cover").
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let answered = |log: &str| log.matches("heartbeat job=7 attempt=1 seq=").count();
+    let before = answered(&a.log_text());
+    until("a heartbeat answered", Duration::from_secs(5), || {
+        let now = answered(&a.log_text());
+        async move { (now > before).then_some(()) }
+    })
+    .await;
     partition.cut();
     std::fs::write(out.join("go-7-1"), "").unwrap();
     until("the runner exited", Duration::from_secs(10), || async {
