@@ -39,14 +39,48 @@ fn report(name: &str, mut v: Vec<f64>, cpu: f64) {
 }
 
 const N: usize = 20000;
+const WARM_UP: u64 = 1000;
 
-fn grpc() {
-    let srv = rt();
-    let cli = rt();
+/// Times `N` calls of `one` after `WARM_UP` untimed ones, and reports them.
+async fn measure(name: &str, mut one: impl AsyncFnMut(u64)) {
+    let mut v = Vec::with_capacity(N);
+    let mut c0 = 0.0;
+    for i in 0..(N as u64 + WARM_UP) {
+        if i == WARM_UP {
+            c0 = cpu();
+        }
+        let t = Instant::now();
+        one(i).await;
+        if i >= WARM_UP {
+            v.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    report(name, v, cpu() - c0);
+}
+
+/// A tonic channel to `addr`, connected.
+async fn channel(addr: std::net::SocketAddr) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .tcp_nodelay(true)
+        .connect()
+        .await
+        .unwrap()
+}
+
+/// A loopback listener on the server's runtime.
+fn listen(srv: &tokio::runtime::Runtime) -> (tokio::net::TcpListener, std::net::SocketAddr) {
     let listener = srv
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
         .unwrap();
     let addr = listener.local_addr().unwrap();
+    (listener, addr)
+}
+
+fn grpc() {
+    let srv = rt();
+    let cli = rt();
+    let (listener, addr) = listen(&srv);
     srv.spawn(async move {
         let (rep, svc) = tonic_health::server::health_reporter();
         rep.set_service_status("x", tonic_health::ServingStatus::Serving)
@@ -59,33 +93,16 @@ fn grpc() {
             .unwrap();
     });
     cli.block_on(async move {
-        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-            .unwrap()
-            .tcp_nodelay(true)
-            .connect()
-            .await
-            .unwrap();
-        let mut c = tonic_health::pb::health_client::HealthClient::new(ch);
+        let mut c = tonic_health::pb::health_client::HealthClient::new(channel(addr).await);
         let svc = "x".repeat(200);
-        for _ in 0..1000 {
+        measure("grpc", async |_| {
             let _ = c
                 .check(tonic_health::pb::HealthCheckRequest {
                     service: svc.clone(),
                 })
                 .await;
-        }
-        let mut v = Vec::with_capacity(N);
-        let c0 = cpu();
-        for _ in 0..N {
-            let t = Instant::now();
-            let _ = c
-                .check(tonic_health::pb::HealthCheckRequest {
-                    service: svc.clone(),
-                })
-                .await;
-            v.push(t.elapsed().as_secs_f64() * 1e6);
-        }
-        report("grpc", v, cpu() - c0);
+        })
+        .await;
     });
 }
 
@@ -102,10 +119,7 @@ async fn write_frame(w: &Mutex<OwnedWriteHalf>, id: u64, body: &[u8]) {
 fn raw() {
     let srv = rt();
     let cli = rt();
-    let listener = srv
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let addr = listener.local_addr().unwrap();
+    let (listener, addr) = listen(&srv);
     srv.spawn(async move {
         loop {
             let (s, _) = listener.accept().await.unwrap();
@@ -155,22 +169,13 @@ fn raw() {
             }
         });
         let body = vec![7u8; 200];
-        let mut v = Vec::with_capacity(N);
-        let mut c0 = 0.0;
-        for i in 0..(N + 1000) as u64 {
-            if i == 1000 {
-                c0 = cpu();
-            }
-            let t = Instant::now();
+        measure("raw ", async |i| {
             let (tx, rx) = oneshot::channel();
             waiters.lock().unwrap().insert(i, tx);
             write_frame(&w, i, &body).await;
             rx.await.unwrap();
-            if i >= 1000 {
-                v.push(t.elapsed().as_secs_f64() * 1e6);
-            }
-        }
-        report("raw ", v, cpu() - c0);
+        })
+        .await;
     });
 }
 
@@ -235,10 +240,7 @@ impl tower_service::Service<http::Request<tonic::body::Body>> for LinkSvc {
 fn stream() {
     let srv = rt();
     let cli = rt();
-    let listener = srv
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let addr = listener.local_addr().unwrap();
+    let (listener, addr) = listen(&srv);
     srv.spawn(async move {
         let inc = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
         tonic::transport::Server::builder()
@@ -248,13 +250,7 @@ fn stream() {
             .unwrap();
     });
     cli.block_on(async move {
-        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-            .unwrap()
-            .tcp_nodelay(true)
-            .connect()
-            .await
-            .unwrap();
-        let mut g = tonic::client::Grpc::new(ch);
+        let mut g = tonic::client::Grpc::new(channel(addr).await);
         g.ready().await.unwrap();
         let (tx, rx) = tokio::sync::mpsc::channel::<allot_proto::RaftMessage>(64);
         let resp = g
@@ -276,24 +272,19 @@ fn stream() {
                 }
             }
         });
-        let mut v = Vec::with_capacity(N);
-        let mut c0 = 0.0;
-        for i in 0..(N + 1000) as u64 {
-            if i == 1000 {
-                c0 = cpu();
-            }
-            let t = Instant::now();
+        measure("strm", async |i| {
             let (otx, orx) = oneshot::channel();
             waiters.lock().unwrap().insert(i, otx);
             let mut body = vec![7u8; 200];
             body[..8].copy_from_slice(&i.to_le_bytes());
-            tx.send(allot_proto::RaftMessage { shard: 0, payload: body }).await.unwrap();
+            let msg = allot_proto::RaftMessage {
+                shard: 0,
+                payload: body,
+            };
+            tx.send(msg).await.unwrap();
             orx.await.unwrap();
-            if i >= 1000 {
-                v.push(t.elapsed().as_secs_f64() * 1e6);
-            }
-        }
-        report("strm", v, cpu() - c0);
+        })
+        .await;
     });
 }
 
