@@ -108,6 +108,17 @@ fn grpc() {
 
 type Waiters = Arc<std::sync::Mutex<HashMap<u64, oneshot::Sender<Vec<u8>>>>>;
 
+/// One frame (`u32` length, `u64` id, the body); `None` at the end of the stream.
+async fn read_frame(r: &mut (impl tokio::io::AsyncRead + Unpin)) -> Option<(u64, Vec<u8>)> {
+    let mut h = [0u8; 12];
+    r.read_exact(&mut h).await.ok()?;
+    let len = u32::from_le_bytes(h[..4].try_into().unwrap()) as usize;
+    let id = u64::from_le_bytes(h[4..].try_into().unwrap());
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body).await.ok()?;
+    Some((id, body))
+}
+
 async fn write_frame(w: &Mutex<OwnedWriteHalf>, id: u64, body: &[u8]) {
     let mut buf = Vec::with_capacity(12 + body.len());
     buf.extend_from_slice(&(body.len() as u32).to_le_bytes());
@@ -129,14 +140,9 @@ fn raw() {
                 let w = Arc::new(Mutex::new(w));
                 let mut r = tokio::io::BufReader::new(&mut r);
                 loop {
-                    let mut h = [0u8; 12];
-                    if r.read_exact(&mut h).await.is_err() {
+                    let Some((id, body)) = read_frame(&mut r).await else {
                         return;
-                    }
-                    let len = u32::from_le_bytes(h[..4].try_into().unwrap()) as usize;
-                    let id = u64::from_le_bytes(h[4..].try_into().unwrap());
-                    let mut body = vec![0u8; len];
-                    r.read_exact(&mut body).await.unwrap();
+                    };
                     let w = w.clone();
                     tokio::spawn(async move {
                         write_frame(&w, id, &body[..20]).await;
@@ -155,14 +161,9 @@ fn raw() {
         tokio::spawn(async move {
             let mut r = tokio::io::BufReader::new(&mut r);
             loop {
-                let mut h = [0u8; 12];
-                if r.read_exact(&mut h).await.is_err() {
+                let Some((id, body)) = read_frame(&mut r).await else {
                     return;
-                }
-                let len = u32::from_le_bytes(h[..4].try_into().unwrap()) as usize;
-                let id = u64::from_le_bytes(h[4..].try_into().unwrap());
-                let mut body = vec![0u8; len];
-                r.read_exact(&mut body).await.unwrap();
+                };
                 if let Some(tx) = wt.lock().unwrap().remove(&id) {
                     let _ = tx.send(body);
                 }

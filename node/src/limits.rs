@@ -56,6 +56,24 @@ pub const SNAPSHOT_BYTES_MAX: u64 = allot_statemachine::codec::DECODE_BYTES_MAX;
 /// openraft sees it (openraft computes `term + 1` and `index + 1` without checking).
 pub const TERM_MAX: u64 = 1 << 62;
 pub const INDEX_MAX: u64 = 1 << 62;
+/// The peer link (`crate::link`, DESIGN §61), before anything else a connection sends
+/// is read: its first bytes (the link's magic, or anything else for gRPC) within this
+/// long, a part of the magic within `LINK_HELLO_TIMEOUT`.
+pub const LINK_FIRST_BYTES_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// The link's hello (magic and peer secret) and its answer within this long.
+pub const LINK_HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+/// Longest peer secret a link hello may carry: what gRPC's header bound lets a peer send,
+/// so no secret that worked over gRPC is refused by the link.
+pub const LINK_HELLO_SECRET_MAX: usize = HEADER_LIST_BYTES_MAX as usize;
+/// Longest link frame either way after its length field: one Raft message and the
+/// request header (id, kind, shard, timeout: 17 bytes). Checked before the body is read.
+pub const LINK_FRAME_MAX: usize = RAFT_MESSAGE_MAX + 17;
+/// Requests one link connection may have in handling at once; beyond it the connection
+/// is not read until one is answered (back-pressure on the sender).
+pub const LINK_REQUESTS_IN_FLIGHT_MAX: usize = 256;
+/// A frame's rest, once its write began, is written within this long, or the connection
+/// ends (a peer that stopped reading).
+pub const LINK_REPLY_WRITE_MAX: std::time::Duration = std::time::Duration::from_secs(10);
 /// Raft messages a node decodes and handles at once (all shards); more wait. Bounds the
 /// memory of a burst of large peer messages to this many `RAFT_MESSAGE_MAX`.
 pub const RAFT_MESSAGES_IN_FLIGHT_MAX: usize = 16;

@@ -41,7 +41,12 @@
 //!   code), then the reply's payload, or the status message (UTF-8).
 
 use crate::admission::Budget;
-use crate::limits::{BODY_READ_MAX, RAFT_MESSAGE_MAX};
+use crate::limits::{
+    BODY_READ_MAX, LINK_FIRST_BYTES_TIMEOUT as FIRST_BYTES_TIMEOUT, LINK_FRAME_MAX as FRAME_MAX,
+    LINK_HELLO_SECRET_MAX as HELLO_SECRET_MAX, LINK_HELLO_TIMEOUT as HELLO_TIMEOUT,
+    LINK_REPLY_WRITE_MAX as REPLY_WRITE_MAX, LINK_REQUESTS_IN_FLIGHT_MAX as REQUESTS_IN_FLIGHT_MAX,
+    RAFT_MESSAGE_MAX,
+};
 use crate::peer::{PeerAuth, PeerCredential};
 use crate::server::Services;
 use allot_proto::raft_server::Raft as RaftService;
@@ -55,19 +60,10 @@ use tokio::sync::oneshot;
 
 /// The first bytes of a link connection, both ways; the last is the link's version.
 pub const MAGIC: &[u8; 8] = b"ALLOTPL\x01";
-/// Longest peer secret a hello may carry: what the gRPC path's header bound lets a
-/// peer send (16 KiB), so no secret that worked before the link is refused by it.
-pub const HELLO_SECRET_MAX: usize = crate::limits::HEADER_LIST_BYTES_MAX as usize;
 /// A request frame's fixed part after its length: id, kind, shard, timeout.
 const REQUEST_HEAD: usize = 8 + 1 + 4 + 4;
 /// A reply frame's fixed part after its length: id, status.
 const REPLY_HEAD: usize = 8 + 1;
-/// Longest frame either way (after the length field).
-pub const FRAME_MAX: usize = RAFT_MESSAGE_MAX + REQUEST_HEAD;
-/// How long the hello exchange (and the connection's set-up) may take.
-pub const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
-/// How long a connection may take to send its first bytes before it is dropped.
-pub const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(10);
 /// After a peer did not speak the link (an older release), gRPC is used this long.
 pub const RETRY_LINK_AFTER: Duration = Duration::from_secs(30);
 /// Longest a request may run on the receiving node, whatever timeout it carries (the
@@ -75,12 +71,8 @@ pub const RETRY_LINK_AFTER: Duration = Duration::from_secs(30);
 const HANDLE_MAX: Duration = crate::peer::SNAPSHOT_INSTALL_TIMEOUT;
 /// How long a TCP connect may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
-/// Requests one link connection may have in handling at once; beyond it the connection
-/// is not read until one is answered (the sender's writes wait: back-pressure).
-pub const REQUESTS_IN_FLIGHT_MAX: usize = 256;
-/// How long a reply's write may take; a peer that does not read its replies for this
-/// long loses the connection.
-const REPLY_WRITE_MAX: Duration = Duration::from_secs(10);
+// The frame bound of `crate::limits` is a Raft message and this header.
+const _: () = assert!(FRAME_MAX == RAFT_MESSAGE_MAX + REQUEST_HEAD);
 
 /// Which of the Raft service's methods a request calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

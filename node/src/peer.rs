@@ -32,8 +32,8 @@ pub const PEER_SECRET: &str = "allot-peer-secret";
 /// Shortest peer secret accepted (128 bits of base64).
 pub const PEER_SECRET_LEN_MIN: usize = 22;
 /// Longest peer secret accepted: what a peer-link hello carries
-/// (`crate::link::HELLO_SECRET_MAX`).
-pub const PEER_SECRET_LEN_MAX: usize = crate::link::HELLO_SECRET_MAX;
+/// (`LINK_HELLO_SECRET_MAX`).
+pub const PEER_SECRET_LEN_MAX: usize = crate::limits::LINK_HELLO_SECRET_MAX;
 /// How long a follower may take to install a snapshot once its last chunk arrived
 /// (decode and store the whole state).
 pub const SNAPSHOT_INSTALL_TIMEOUT: Duration = Duration::from_secs(300);

@@ -1166,7 +1166,8 @@ async fn defect_4_a_forged_vote_of_the_largest_term_is_refused() {
 /// near-limit AppendEntries from many callers at once cost bounded memory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_peer_link_needs_the_secret_bounds_its_frames_and_checks_what_it_carries() {
-    use allot_node::link::{Kind, Link, LinkError, FRAME_MAX, HELLO_TIMEOUT, MAGIC};
+    use allot_node::limits::{LINK_FRAME_MAX as FRAME_MAX, LINK_HELLO_TIMEOUT as HELLO_TIMEOUT};
+    use allot_node::link::{Kind, Link, LinkError, MAGIC};
     use allot_node::peer::PeerCredential;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut h = secured(1).await;
