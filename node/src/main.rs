@@ -138,6 +138,12 @@ struct RunArgs {
     /// below --heartbeat-ms.
     #[arg(long, env = "ALLOT_COMMIT_LINGER_US", default_value_t = 5_000)]
     commit_linger_us: u64,
+    /// A leader replicates what it appends without waiting for its own log flush (`on`),
+    /// counting itself towards the quorum once the flush is done; `off`: the flush first.
+    /// Either way an entry is committed only once a majority has it on disk.
+    #[arg(long, env = "ALLOT_LEADER_FLUSH_OVERLAP", default_value = "on",
+          value_parser = clap::builder::PossibleValuesParser::new(["on", "off"]))]
+    leader_flush_overlap: String,
     /// Most requests per log entry.
     #[arg(long, env = "ALLOT_BATCH_MAX", default_value_t = 2048)]
     batch_max: usize,
@@ -249,6 +255,9 @@ struct RunArgs {
     /// node must stop, not continue).
     #[arg(long, env = "ALLOT_TEST_FSYNC_FAIL_FILE", hide = true)]
     test_fsync_fail_file: Option<PathBuf>,
+    /// TEST ONLY: while this file exists, no WAL fsync starts (a stalled disk).
+    #[arg(long, env = "ALLOT_TEST_FSYNC_HOLD_FILE", hide = true)]
+    test_fsync_hold_file: Option<PathBuf>,
     /// TEST ONLY: while this file exists, a snapshot build that has encoded its state
     /// waits before storing it (to stop a node in the middle of a build).
     #[arg(long, env = "ALLOT_TEST_SNAPSHOT_HOLD_FILE", hide = true)]
@@ -397,6 +406,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
             snapshot_min_log_bytes: a.snapshot_min_log_bytes,
             keep_behind_snapshot: a.keep_behind_snapshot,
             commit_linger_us: a.commit_linger_us,
+            leader_flush_overlap: a.leader_flush_overlap == "on",
         },
         proposer: ProposerConfig {
             max_batch: a
@@ -414,6 +424,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         peer_routes,
         insecure_dev_mode: a.insecure_dev_mode,
         test_fsync_fail_file: a.test_fsync_fail_file.clone(),
+        test_fsync_hold_file: a.test_fsync_hold_file.clone(),
         test_snapshot_hold_file: a.test_snapshot_hold_file.clone(),
         test_audit_fill_hold_file: a.test_audit_fill_hold_file.clone(),
         test_without_handoff: a.test_without_handoff,

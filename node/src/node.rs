@@ -33,6 +33,11 @@ pub struct RaftTimings {
     /// follower to carry it before one is sent for it alone (0: at once, openraft's
     /// behaviour). Below `heartbeat_ms` (docs/DESIGN.md §54).
     pub commit_linger_us: u64,
+    /// A leader sends what it appends to its followers without waiting for its own log
+    /// flush, and counts itself towards the quorum once the flush is reported (openraft
+    /// patch `Config::leader_flush_overlap`; docs/DESIGN.md §62). false: openraft's
+    /// behaviour, the flush first.
+    pub leader_flush_overlap: bool,
 }
 
 impl Default for RaftTimings {
@@ -46,6 +51,7 @@ impl Default for RaftTimings {
             snapshot_min_log_bytes: 16 << 20,
             keep_behind_snapshot: 1024,
             commit_linger_us: 5_000,
+            leader_flush_overlap: true,
         }
     }
 }
@@ -75,6 +81,8 @@ pub struct NodeConfig {
     /// Test hook: while this file exists, snapshot builds wait between encoding and
     /// storing (`--test-snapshot-hold-file`).
     pub test_snapshot_hold_file: Option<PathBuf>,
+    /// TEST ONLY: while this file exists, no WAL fsync starts (a stalled disk).
+    pub test_fsync_hold_file: Option<PathBuf>,
     /// While this file exists, the audit fill task copies no rows from peers
     /// (`--test-audit-fill-hold-file`).
     pub test_audit_fill_hold_file: Option<PathBuf>,
@@ -205,7 +213,10 @@ impl Node {
         let syncer = store::log::Syncer::start_observed(
             db.clone(),
             move |d, _| wal.observe(d.as_secs_f64()),
-            config.test_fsync_fail_file.clone(),
+            store::log::SyncFaults {
+                fail_if: config.test_fsync_fail_file.clone(),
+                hold_if: config.test_fsync_hold_file.clone(),
+            },
         );
         // Every shard opened: from here this binary's log and audit format may be
         // written (snapshots mark their own format as they are stored).
@@ -253,6 +264,7 @@ impl Node {
                 max_in_snapshot_log_to_keep: config.raft.keep_behind_snapshot,
                 max_payload_entries: 64,
                 commit_linger_us: config.raft.commit_linger_us,
+                leader_flush_overlap: config.raft.leader_flush_overlap,
                 ..Default::default()
             }
             .validate()

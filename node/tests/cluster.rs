@@ -2236,3 +2236,79 @@ async fn peers_speak_the_link_and_fall_back_to_grpc_for_a_node_without_it() {
         "each write's entry went to the other node by link: {link_sent} calls, {written} writes"
     );
 }
+
+/// A commit does not wait for the leader's own fsync (docs/DESIGN.md §62): with the
+/// leader's WAL fsync stalled, a write is acknowledged on the followers' fsyncs while the
+/// leader has made none, and once its disk resumes the replicas agree. With
+/// `--leader-flush-overlap off` (openraft's own order, the previous release's) the same
+/// write waits for the leader's disk. Election timeouts are 8–10 s here and each wait
+/// below is shorter, so no new leader can take the write over from the stalled one (which,
+/// before the overlap, also stopped sending heartbeats while it waited).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_does_not_wait_for_the_leaders_own_fsync() {
+    for overlap in ["on", "off"] {
+        let (dir, mut c) = cluster(&format!("overlap-{overlap}"), 3, 1);
+        let hold = |id: u64| dir.path().join(format!("fsync-hold-{id}"));
+        for n in &mut c.nodes {
+            n.extra_args = vec![
+                "--leader-flush-overlap".into(),
+                overlap.into(),
+                "--election-min-ms".into(),
+                "8000".into(),
+                "--election-max-ms".into(),
+                "10000".into(),
+                "--test-fsync-hold-file".into(),
+                hold(n.id).display().to_string(),
+            ];
+        }
+        up(&mut c).await;
+        let client = allot_node::local_cluster::client(c.endpoints());
+        setup_shards(&client, 1).await;
+        let leader = c.leader_of(0).await.expect("leader");
+        let syncs = "allot_wal_sync_seconds_count";
+        std::fs::write(hold(leader), b"").expect("hold the leader's fsync");
+        let before = metric(&c.node(leader).metrics_addr, syncs).await;
+        let mut cycle = HoldCycle::new(900, 3_000_000);
+        let write = cycle.request();
+        let call = client.execute(0, std::slice::from_ref(&write));
+        let answer = if overlap == "on" {
+            let (outs, _) = tokio::time::timeout(Duration::from_secs(5), call)
+                .await
+                .expect("acknowledged with the leader's fsync stalled")
+                .expect("write");
+            let after = metric(&c.node(leader).metrics_addr, syncs).await;
+            assert_eq!(
+                after, before,
+                "the leader made no fsync: the write committed on the followers' disks"
+            );
+            std::fs::remove_file(hold(leader)).expect("resume");
+            outs
+        } else {
+            let mut call = Box::pin(call);
+            assert!(
+                tokio::time::timeout(Duration::from_secs(1), &mut call)
+                    .await
+                    .is_err(),
+                "without the overlap a commit waits for the leader's own fsync"
+            );
+            std::fs::remove_file(hold(leader)).expect("resume");
+            let (outs, _) = tokio::time::timeout(Duration::from_secs(10), call)
+                .await
+                .expect("acknowledged once the leader's disk resumed")
+                .expect("write");
+            outs
+        };
+        assert!(answer.iter().all(|o| o.is_ok()), "{answer:?}");
+        assert_eq!(
+            c.leader_of(0).await.expect("leader"),
+            leader,
+            "no election took the write over"
+        );
+        assert_replicas_agree(&c, &client, 1).await;
+        let written = [(0, write, answer[0].clone())];
+        assert_acked_survived(&client, &written, 1).await;
+        // The leader's own copy is durable once its disk resumed: it still leads or
+        // holds the entry as a follower, and all three agree (above).
+        assert!(metric(&c.node(leader).metrics_addr, syncs).await > before);
+    }
+}

@@ -47,6 +47,17 @@ fn bounded(shard: ShardId, lower: [u8; 12], upper: Option<[u8; 12]>) -> ReadOpti
     o
 }
 
+/// Fault injection for tests, by files a test creates and removes.
+#[derive(Clone, Debug, Default)]
+pub struct SyncFaults {
+    /// `--test-fsync-fail-file`: while this file exists, every sync reports failure (as a
+    /// failing disk would), which openraft treats as fatal for the shard.
+    pub fail_if: Option<std::path::PathBuf>,
+    /// `--test-fsync-hold-file`: while this file exists, no sync starts (as a disk that
+    /// stalls would): the appends queued behind it stay unflushed until it is removed.
+    pub hold_if: Option<std::path::PathBuf>,
+}
+
 /// Group commit: callbacks queued behind one `flush_wal(true)`.
 pub struct Syncer {
     tx: mpsc::Sender<Flush>,
@@ -63,17 +74,16 @@ impl Syncer {
     /// Starts the sync thread; `observe` receives each fsync's duration and the number
     /// of appends it made durable.
     pub fn start(db: Arc<DB>) -> Arc<Syncer> {
-        Syncer::start_observed(db, |_, _| {}, None)
+        Syncer::start_observed(db, |_, _| {}, SyncFaults::default())
     }
 
-    /// `fail_if`: fault injection for tests (`--test-fsync-fail-file`): while that file
-    /// exists, every sync reports failure (as a failing disk would), which openraft
-    /// treats as fatal for the shard.
+    /// `faults`: fault injection for tests (`SyncFaults`).
     pub fn start_observed(
         db: Arc<DB>,
         observe: impl Fn(std::time::Duration, usize) + Send + 'static,
-        fail_if: Option<std::path::PathBuf>,
+        faults: SyncFaults,
     ) -> Arc<Syncer> {
+        let SyncFaults { fail_if, hold_if } = faults;
         let (tx, rx) = mpsc::channel::<Flush>();
         // A weak handle: the thread must not keep the database open. RocksDB aborts the
         // process at exit ("pthread lock: Invalid argument") if a DB is still open when
@@ -84,6 +94,11 @@ impl Syncer {
             .spawn(move || {
                 while let Ok(first) = rx.recv() {
                     let mut pending = vec![first];
+                    if let Some(hold) = &hold_if {
+                        while hold.exists() {
+                            std::thread::sleep(std::time::Duration::from_millis(5));
+                        }
+                    }
                     pending.extend(rx.try_iter());
                     let t = std::time::Instant::now();
                     let injected = fail_if.as_ref().is_some_and(|p| p.exists());

@@ -134,6 +134,18 @@ pub struct Config {
     #[clap(long, default_value = "0")]
     pub commit_linger_us: u64,
 
+    /// allot patch: a leader sends the entries it appends to its followers without waiting
+    /// for its own log flush, and counts itself towards the quorum when the flush is
+    /// reported (Raft dissertation §10.2.1: the leader's write to its disk in parallel
+    /// with replication). false (upstream's behaviour): RaftCore waits for the flush.
+    #[clap(long,
+           default_value = "false",
+           action = clap::ArgAction::Set,
+           num_args = 0..=1,
+           default_missing_value = "true"
+    )]
+    pub leader_flush_overlap: bool,
+
     /// The timeout for sending then installing the last snapshot segment,
     /// in millisecond. It is also used as the timeout for sending a non-last segment, if
     /// `send_snapshot_timeout` is 0.

@@ -1,5 +1,8 @@
+use std::io;
+
 use crate::core::sm;
 use crate::raft::VoteResponse;
+use crate::raft_state::LogIOId;
 use crate::replication;
 use crate::MessageSummary;
 use crate::RaftTypeConfig;
@@ -41,6 +44,18 @@ where C: RaftTypeConfig
 
     /// Result of executing a command sent from state machine worker.
     StateMachine { command_result: sm::CommandResult<C> },
+
+    /// allot patch: a leader's own append, sent to its followers before it was flushed
+    /// (`Config::leader_flush_overlap`), was flushed (or failed): the leader's progress
+    /// may now count it.
+    LocalLogFlushed {
+        /// The leader's vote when it appended: ignored once it no longer leads with it.
+        vote: Vote<C::NodeId>,
+        /// The last entry of the append.
+        last_log_id: crate::LogId<C::NodeId>,
+        /// The log store's report.
+        result: Result<LogIOId<C::NodeId>, io::Error>,
+    },
 
     /// A tick event to wake up RaftCore to check timeout etc.
     Tick {
@@ -84,6 +99,9 @@ where C: RaftTypeConfig
             }
             Self::StateMachine { command_result } => {
                 format!("StateMachine command done: {:?}", command_result)
+            }
+            Self::LocalLogFlushed { vote, last_log_id, result } => {
+                format!("LocalLogFlushed: vote: {}, last_log_id: {}, ok: {}", vote, last_log_id, result.is_ok())
             }
             Self::Tick { i } => {
                 format!("Tick {}", i)

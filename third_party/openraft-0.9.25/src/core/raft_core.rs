@@ -1,3 +1,4 @@
+use std::io;
 use std::borrow::Borrow;
 use std::collections::BTreeMap;
 use std::fmt::Debug;
@@ -730,6 +731,44 @@ where
         Ok(())
     }
 
+    /// allot patch: a leader's append that does not wait for its flush. The write is
+    /// submitted here, in order with every other log and vote write of this RaftCore (so
+    /// the vote this leader was elected with is durable before any entry it sends: see the
+    /// comment in `LeaderHandler::leader_append_entries`); the flush's report comes back
+    /// as `Notify::LocalLogFlushed`, handled in `handle_notify`.
+    pub(crate) async fn append_to_log_overlapped<I>(
+        &mut self,
+        entries: I,
+        vote: Vote<C::NodeId>,
+        last_log_id: LogId<C::NodeId>,
+    ) -> Result<(), StorageError<C::NodeId>>
+    where
+        I: IntoIterator<Item = C::Entry> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let (tx, rx) = C::AsyncRuntime::oneshot();
+        let log_io_id = LogIOId::new(vote.clone(), Some(last_log_id.clone()));
+        let callback = LogFlushed::new(log_io_id, tx);
+        self.log_store.append(entries, callback).await?;
+
+        let tx_notify = self.tx_notify.clone();
+        // False positive lint warning(`non-binding `let` on a future`): https://github.com/rust-lang/rust-clippy/issues/9932
+        #[allow(clippy::let_underscore_future)]
+        let _ = C::spawn(async move {
+            let result = match rx.await {
+                Ok(r) => r,
+                Err(e) => Err(io::Error::other(e.to_string())),
+            };
+            // RaftCore gone: nothing to report to.
+            let _ = tx_notify.send(Notify::LocalLogFlushed {
+                vote,
+                last_log_id,
+                result,
+            });
+        });
+        Ok(())
+    }
+
     #[tracing::instrument(level = "debug", skip_all)]
     pub(crate) async fn apply_to_state_machine(
         &mut self,
@@ -1278,6 +1317,23 @@ where
                 }
             }
 
+            Notify::LocalLogFlushed {
+                vote,
+                last_log_id,
+                result,
+            } => {
+                if let Err(e) = result {
+                    return Err(Fatal::from(StorageError::from(StorageIOError::write_logs(AnyError::error(e)))));
+                }
+                // Only the leadership that appended counts it: after a change of vote these
+                // entries may have been truncated, and a new leadership's progress is its own.
+                if self.does_vote_match(&vote, "LocalLogFlushed") {
+                    if let Ok(mut lh) = self.engine.leader_handler() {
+                        lh.replication_handler().update_local_progress(Some(last_log_id));
+                    }
+                }
+            }
+
             Notify::Tick { i } => {
                 // check every timer
 
@@ -1637,12 +1693,21 @@ where
                 let last_log_id = entries.last().unwrap().get_log_id().clone();
                 tracing::debug!("AppendInputEntries: {}", DisplaySlice::<_>(&entries),);
 
-                self.append_to_log(entries, vote, last_log_id.clone()).await?;
+                // allot patch (`Config::leader_flush_overlap`): a leader appending with its own
+                // vote does not wait for the flush; it counts the entries as its own progress
+                // when `Notify::LocalLogFlushed` reports the flush, and meanwhile the
+                // `Replicate` commands that follow send them to the followers.
+                let leading = self.engine.leader.as_ref().map(|l| &l.vote) == Some(&vote);
+                if self.config.leader_flush_overlap && leading {
+                    self.append_to_log_overlapped(entries, vote, last_log_id).await?;
+                } else {
+                    self.append_to_log(entries, vote, last_log_id.clone()).await?;
 
-                // The leader may have changed.
-                // But reporting to a different leader is not a problem.
-                if let Ok(mut lh) = self.engine.leader_handler() {
-                    lh.replication_handler().update_local_progress(Some(last_log_id));
+                    // The leader may have changed.
+                    // But reporting to a different leader is not a problem.
+                    if let Ok(mut lh) = self.engine.leader_handler() {
+                        lh.replication_handler().update_local_progress(Some(last_log_id));
+                    }
                 }
             }
             Command::SaveVote { vote } => {
