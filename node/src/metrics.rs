@@ -24,9 +24,12 @@ pub struct Metrics {
     pub latency: HistogramVec,
     /// Where a proposal's time goes: `queue` (waiting for a batch and a pipeline slot),
     /// `commit` (handed to openraft until answered), and `commit` split on the leader's
-    /// own timeline: `append` (until RaftCore wrote it to the log), `local_flush` (until
-    /// the leader's fsync), `replicate` (until it was committed — a follower's
-    /// acknowledgement — and handed to apply), `apply` (until the caller was answered).
+    /// own timeline: `append` (until RaftCore wrote it to the log), `replicate` (from that
+    /// write until it was committed — a quorum's fsyncs and acknowledgements — and handed
+    /// to apply), `apply` (until the caller was answered). Beside them, `local_flush`:
+    /// each append's wait from its write to its WAL fsync on this node, observed by the
+    /// sync thread when it happens (leaders' and followers' appends; a leader's runs in
+    /// parallel with `replicate`, docs/DESIGN.md §62).
     pub stage: HistogramVec,
     /// How long this node took to answer the leader's AppendEntries, per shard (decode,
     /// append, fsync, reply): the follower's part of the `replicate` stage.

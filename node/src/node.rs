@@ -229,6 +229,10 @@ impl Node {
                 config.raft.snapshot_min_log_bytes,
             ));
             let timeline = Arc::new(store::Timeline::new());
+            let local_flush = metrics
+                .stage
+                .with_label_values(&[id.to_string().as_str(), "local_flush"]);
+            timeline.observe_flushes(move |d| local_flush.observe(d.as_secs_f64()));
             let preloaded = store::sm::Preloaded::default();
             let sm = StateMachineStore::open(db.clone(), id, allot_statemachine::Config::default())
                 .map_err(|e| anyhow::anyhow!("opening shard {id}: {e}"))?;

@@ -151,9 +151,12 @@ pub struct ProposerTask {
 }
 
 /// A committed proposal's time split into the stages of the leader's timeline (see
-/// [`Timeline`]): `append`, `local_flush`, `replicate`, `apply`; a stage whose instants
-/// were not recorded (the slot was reused) is left out. `replicate` is zero when
-/// followers acknowledged before the leader's own fsync finished.
+/// [`Timeline`]): `append` (until RaftCore wrote the entry), `replicate` (from that write
+/// until the entry was committed — a quorum's fsyncs and acknowledgements, the leader's
+/// own fsync among them only when it waits for it, `--leader-flush-overlap off` — and
+/// handed to apply) and `apply`; a stage whose instants were not recorded (the slot was
+/// reused) is left out. The leader's `local_flush` runs beside `replicate`, not before
+/// it, and is observed by the sync thread (`Timeline::observe_flushes`).
 fn commit_stages(
     proposed: Instant,
     answered: Instant,
@@ -164,8 +167,7 @@ fn commit_stages(
     };
     let marks = [
         ("append", Some(proposed), t.appended),
-        ("local_flush", t.appended, t.flushed),
-        ("replicate", t.flushed, t.applying),
+        ("replicate", t.appended, t.applying),
         ("apply", t.applying, Some(answered)),
     ];
     marks

@@ -2312,3 +2312,67 @@ async fn a_commit_does_not_wait_for_the_leaders_own_fsync() {
         assert!(metric(&c.node(leader).metrics_addr, syncs).await > before);
     }
 }
+
+/// With one replica the leader's own flush is the quorum (docs/DESIGN.md §62): a leader
+/// that replicates without waiting for its flush still commits only once it has flushed.
+/// The node is restarted first, so the leader is the one `Engine::startup` restores (the
+/// path whose progress the review found counted an unwritten entry; that case needs a
+/// lost write, which a process kill does not make — openraft's
+/// `startup_test::test_startup_as_leader_counts_only_the_stored_log_as_its_progress`
+/// covers it). While its fsync is stalled, entries it appends after the restart are not
+/// applied; once the disk resumes they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_replica_commits_only_after_its_own_fsync_after_a_restart() {
+    let (dir, mut c) = cluster("restart-blank", 1, 1);
+    let hold = dir.path().join("fsync-hold");
+    c.nodes[0].extra_args = vec!["--test-fsync-hold-file".into(), hold.display().to_string()];
+    up(&mut c).await;
+    let client = allot_node::local_cluster::client(c.endpoints());
+    setup_shards(&client, 1).await;
+    let addr = c.node(1).metrics_addr.clone();
+    let field = |f: &'static str| {
+        let addr = addr.clone();
+        async move { metric(&addr, &format!("allot_raft{{field=\"{f}\",shard=\"0\"}}")).await }
+    };
+    let stored = field("last_log_index").await;
+    assert_eq!(
+        field("applied_index").await,
+        stored,
+        "all applied before the restart"
+    );
+    c.kill(1);
+    std::fs::write(&hold, b"").expect("stall the fsync");
+    c.start(1).expect("restart");
+    c.wait_leaders(Duration::from_secs(30))
+        .await
+        .expect("restored as the leader");
+    // The restored leader appends entries of its own (it proposes without clients).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while field("last_log_index").await <= stored {
+        assert!(
+            Instant::now() < deadline,
+            "the restarted leader appended nothing"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(field("is_leader").await, 1.0, "restored as the leader");
+    // Not committed while its only copy is unflushed.
+    let watch_until = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < watch_until {
+        assert_eq!(
+            field("applied_index").await,
+            stored,
+            "an entry committed before it was on any disk"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    std::fs::remove_file(&hold).expect("resume");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while field("applied_index").await <= stored {
+        assert!(
+            Instant::now() < deadline,
+            "nothing committed once the disk resumed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

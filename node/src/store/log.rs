@@ -92,6 +92,10 @@ impl Syncer {
         std::thread::Builder::new()
             .name("allot-wal-sync".into())
             .spawn(move || {
+                // After one failed fsync nothing written since is trusted (Linux reports a
+                // writeback error once and may have dropped the pages): every later flush
+                // fails too, so no append is reported durable past a hole, in any shard.
+                let mut failed: Option<String> = None;
                 while let Ok(first) = rx.recv() {
                     let mut pending = vec![first];
                     if let Some(hold) = &hold_if {
@@ -102,11 +106,11 @@ impl Syncer {
                     pending.extend(rx.try_iter());
                     let t = std::time::Instant::now();
                     let injected = fail_if.as_ref().is_some_and(|p| p.exists());
-                    let result: Result<(), String> = match db.upgrade() {
+                    let result = sync_once(&mut failed, || match db.upgrade() {
                         _ if injected => Err("fsync failed (injected test fault)".into()),
                         Some(db) => db.flush_wal(true).map_err(|e| e.to_string()),
                         None => Err("database closed".into()),
-                    };
+                    });
                     observe(t.elapsed(), pending.len());
                     for f in pending {
                         if let (Ok(()), Some((timeline, first, last))) = (&result, &f.marks) {
@@ -120,6 +124,22 @@ impl Syncer {
             .expect("spawning the WAL sync thread");
         Arc::new(Syncer { tx })
     }
+}
+
+/// One group-commit fsync, unless one has failed before: then none is tried and the
+/// first failure is reported again. `failed` keeps that first failure.
+fn sync_once(
+    failed: &mut Option<String>,
+    fsync: impl FnOnce() -> Result<(), String>,
+) -> Result<(), String> {
+    if let Some(e) = failed {
+        return Err(format!("an earlier WAL fsync failed: {e}"));
+    }
+    let result = fsync();
+    if let Err(e) = &result {
+        *failed = Some(e.clone());
+    }
+    result
 }
 
 /// The log of a shard is never purged past its stored snapshot.
@@ -480,5 +500,30 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         self.put_meta(META_PURGE_PENDING, &pending, true)?;
         f.pending = Some(pending);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod sync_tests {
+    use super::sync_once;
+
+    /// After a failed fsync no later one is tried or reported durable, though the disk
+    /// answers again: an append written before the failure may be lost (Linux reports a
+    /// writeback error once), so a later success must not cover it.
+    #[test]
+    fn after_one_failed_fsync_every_later_flush_fails() {
+        let mut failed = None;
+        assert_eq!(sync_once(&mut failed, || Ok(())), Ok(()));
+        assert_eq!(
+            sync_once(&mut failed, || Err("EIO".into())),
+            Err("EIO".into())
+        );
+        let mut tried = false;
+        let later = sync_once(&mut failed, || {
+            tried = true;
+            Ok(())
+        });
+        assert!(!tried, "no fsync is tried after one failed");
+        assert_eq!(later, Err("an earlier WAL fsync failed: EIO".into()));
     }
 }

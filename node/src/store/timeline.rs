@@ -1,9 +1,12 @@
 //! When each recent entry of a shard's log reached each local stage: appended to the
 //! log, made durable by the WAL fsync, handed to the state machine. The proposer reads
 //! its own entry's instants when the entry is answered and splits the commit time into
-//! stages (`allot_proposal_stage_seconds`: `append`, `local_flush`, `replicate`,
-//! `apply`), so a slow commit says whether the leader's RaftCore, its fsync, the
-//! followers' acknowledgement or the apply was slow (docs/DESIGN.md §29).
+//! stages (`allot_proposal_stage_seconds`: `append`, `replicate`, `apply`), so a slow
+//! commit says whether the leader's RaftCore, the commit (a quorum's fsyncs and
+//! acknowledgements) or the apply was slow (docs/DESIGN.md §29). The `local_flush`
+//! stage — from an append to its WAL fsync on this node — is observed by the sync thread
+//! when the flush happens (`observe_flushes`): a leader no longer waits for its own
+//! flush (§62), so at an answer it may not have happened yet.
 //!
 //! A fixed ring of slots indexed by log index, lock-free: writers are RaftCore (append),
 //! the WAL sync thread (flush) and the state-machine worker (apply); the reader is the
@@ -37,7 +40,11 @@ struct Slot {
 pub struct Timeline {
     epoch: Instant,
     slots: Box<[Slot]>,
+    /// Told each append's time from its write to its flush (`observe_flushes`).
+    flush_observer: std::sync::OnceLock<FlushObserver>,
 }
+
+type FlushObserver = Box<dyn Fn(Duration) + Send + Sync>;
 
 /// The local instants of one entry; `None` for a stage not reached (or not recorded).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -63,7 +70,14 @@ impl Timeline {
                     ..Slot::default()
                 })
                 .collect(),
+            flush_observer: std::sync::OnceLock::new(),
         }
+    }
+
+    /// `observe` is told, at each flush, how long the flushed append waited from its
+    /// write (the newest entry of the append; its entries share one write). Set once.
+    pub fn observe_flushes(&self, observe: impl Fn(Duration) + Send + Sync + 'static) {
+        let _ = self.flush_observer.set(Box::new(observe));
     }
 
     fn slot(&self, index: u64) -> &Slot {
@@ -103,6 +117,11 @@ impl Timeline {
             let s = self.slot(i);
             if s.index.load(Ordering::Acquire) == i {
                 s.flushed.store(now, Ordering::Relaxed);
+            }
+        }
+        if let (Some(observe), Some(stages)) = (self.flush_observer.get(), self.get(last)) {
+            if let (Some(appended), Some(flushed)) = (stages.appended, self.instant(now)) {
+                observe(flushed.saturating_duration_since(appended));
             }
         }
     }
@@ -150,6 +169,26 @@ mod tests {
         let (a, f, p) = (s.appended.unwrap(), s.flushed.unwrap(), s.applying.unwrap());
         assert!(a <= f && f <= p);
         assert!(t.get(7).unwrap().flushed.is_none(), "7 was not flushed");
+    }
+
+    #[test]
+    fn each_flush_is_observed_when_it_happens_with_its_wait_since_the_write() {
+        let t = Timeline::new();
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let s2 = seen.clone();
+        t.observe_flushes(move |d| s2.lock().unwrap().push(d));
+        t.appended(1, 4);
+        std::thread::sleep(Duration::from_millis(3));
+        t.flushed(1, 4);
+        let seen = seen.lock().unwrap().clone();
+        assert_eq!(
+            seen.len(),
+            1,
+            "one observation per flushed append: {seen:?}"
+        );
+        assert!(seen[0] >= Duration::from_millis(3), "{seen:?}");
+        let s = t.get(4).unwrap();
+        assert_eq!(seen[0], s.flushed.unwrap() - s.appended.unwrap());
     }
 
     #[test]

@@ -1,4 +1,3 @@
-use std::io;
 use std::borrow::Borrow;
 use std::collections::BTreeMap;
 use std::fmt::Debug;
@@ -734,8 +733,9 @@ where
     /// allot patch: a leader's append that does not wait for its flush. The write is
     /// submitted here, in order with every other log and vote write of this RaftCore (so
     /// the vote this leader was elected with is durable before any entry it sends: see the
-    /// comment in `LeaderHandler::leader_append_entries`); the flush's report comes back
-    /// as `Notify::LocalLogFlushed`, handled in `handle_notify`.
+    /// comment in `LeaderHandler::leader_append_entries`); the log store reports the flush
+    /// straight to RaftCore's notification channel, in the order it flushes, as
+    /// `Notify::LocalLogFlushed`, handled in `handle_notify`.
     pub(crate) async fn append_to_log_overlapped<I>(
         &mut self,
         entries: I,
@@ -746,27 +746,8 @@ where
         I: IntoIterator<Item = C::Entry> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
-        let (tx, rx) = C::AsyncRuntime::oneshot();
-        let log_io_id = LogIOId::new(vote.clone(), Some(last_log_id.clone()));
-        let callback = LogFlushed::new(log_io_id, tx);
-        self.log_store.append(entries, callback).await?;
-
-        let tx_notify = self.tx_notify.clone();
-        // False positive lint warning(`non-binding `let` on a future`): https://github.com/rust-lang/rust-clippy/issues/9932
-        #[allow(clippy::let_underscore_future)]
-        let _ = C::spawn(async move {
-            let result = match rx.await {
-                Ok(r) => r,
-                Err(e) => Err(io::Error::other(e.to_string())),
-            };
-            // RaftCore gone: nothing to report to.
-            let _ = tx_notify.send(Notify::LocalLogFlushed {
-                vote,
-                last_log_id,
-                result,
-            });
-        });
-        Ok(())
+        let callback = LogFlushed::notifying(vote, last_log_id, self.tx_notify.clone());
+        self.log_store.append(entries, callback).await
     }
 
     #[tracing::instrument(level = "debug", skip_all)]

@@ -156,12 +156,19 @@ where C: RaftTypeConfig
 
         // Previously it is a leader. restore it as leader at once
         if self.state.is_leader(&self.config.id) {
+            // allot patch: the log as stored, before `update_internal_server_state` may
+            // append a blank entry of this leader's term. Only the stored entries are
+            // this leader's progress now; the blank one counts when its append's flush is
+            // reported (with `Config::leader_flush_overlap`, after the `Commit` and
+            // `Replicate` commands that may follow it here).
+            let stored = self.state.last_log_id().cloned();
+
             self.vote_handler().update_internal_server_state();
 
             let mut rh = self.replication_handler();
 
             // Restore the progress about the local log
-            rh.update_local_progress(rh.state.last_log_id().cloned());
+            rh.update_local_progress(stored);
 
             rh.initiate_replication(SendNone::False);
 

@@ -2,21 +2,40 @@
 
 use std::io;
 
+use tokio::sync::mpsc;
 use tokio::sync::oneshot;
 
 use crate::async_runtime::AsyncOneshotSendExt;
+use crate::core::notify::Notify;
 use crate::raft_state::io_state::log_io_id::LogIOId;
 use crate::type_config::alias::OneshotSenderOf;
 use crate::LogId;
 use crate::RaftTypeConfig;
 use crate::StorageIOError;
+use crate::Vote;
 
 /// A oneshot callback for completion of log io operation.
 pub struct LogFlushed<C>
 where C: RaftTypeConfig
 {
     log_io_id: LogIOId<C::NodeId>,
-    tx: OneshotSenderOf<C, Result<LogIOId<C::NodeId>, io::Error>>,
+    tx: FlushedTx<C>,
+}
+
+/// allot patch: where a flush is reported.
+enum FlushedTx<C>
+where C: RaftTypeConfig
+{
+    /// To the caller awaiting it (upstream's only way).
+    Oneshot(OneshotSenderOf<C, Result<LogIOId<C::NodeId>, io::Error>>),
+    /// Straight to RaftCore's notification channel, as `Notify::LocalLogFlushed` (a
+    /// leader that did not wait for its flush, `Config::leader_flush_overlap`). The
+    /// channel keeps the order in which the log store reports its flushes.
+    Notify {
+        tx: mpsc::UnboundedSender<Notify<C>>,
+        vote: Vote<C::NodeId>,
+        last_log_id: LogId<C::NodeId>,
+    },
 }
 
 impl<C> LogFlushed<C>
@@ -26,22 +45,46 @@ where C: RaftTypeConfig
         log_io_id: LogIOId<C::NodeId>,
         tx: OneshotSenderOf<C, Result<LogIOId<C::NodeId>, io::Error>>,
     ) -> Self {
-        Self { log_io_id, tx }
+        Self {
+            log_io_id,
+            tx: FlushedTx::Oneshot(tx),
+        }
+    }
+
+    /// allot patch: a callback that reports to RaftCore's notification channel.
+    pub(crate) fn notifying(
+        vote: Vote<C::NodeId>,
+        last_log_id: LogId<C::NodeId>,
+        tx: mpsc::UnboundedSender<Notify<C>>,
+    ) -> Self {
+        Self {
+            log_io_id: LogIOId::new(vote.clone(), Some(last_log_id.clone())),
+            tx: FlushedTx::Notify { tx, vote, last_log_id },
+        }
     }
 
     /// Report log io completion event.
     ///
     /// It will be called when the log is successfully appended to the storage or an error occurs.
     pub fn log_io_completed(self, result: Result<(), io::Error>) {
-        let res = if let Err(e) = result {
+        if let Err(e) = &result {
             tracing::error!("LogFlush error: {}, while flushing upto {}", e, self.log_io_id);
-            self.tx.send(Err(e))
-        } else {
-            self.tx.send(Ok(self.log_io_id))
-        };
-
-        if let Err(e) = res {
-            tracing::error!("failed to send log io completion event: {:?}", e);
+        }
+        match self.tx {
+            FlushedTx::Oneshot(tx) => {
+                let res = tx.send(result.map(|()| self.log_io_id));
+                if let Err(e) = res {
+                    tracing::error!("failed to send log io completion event: {:?}", e);
+                }
+            }
+            FlushedTx::Notify { tx, vote, last_log_id } => {
+                // RaftCore gone (shutting down): nothing to report to.
+                let _ = tx.send(Notify::LocalLogFlushed {
+                    vote,
+                    last_log_id,
+                    result: result.map(|()| self.log_io_id),
+                });
+            }
         }
     }
 }

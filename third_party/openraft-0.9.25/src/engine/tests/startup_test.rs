@@ -10,6 +10,8 @@ use crate::engine::LogIdList;
 use crate::entry::RaftEntry;
 use crate::progress::entry::ProgressEntry;
 use crate::progress::Inflight;
+use crate::progress::Progress;
+use crate::raft_state::LogStateReader;
 use crate::testing::log_id;
 use crate::utime::UTime;
 use crate::EffectiveMembership;
@@ -77,6 +79,30 @@ fn test_startup_as_leader_without_logs() -> anyhow::Result<()> {
         ],
         eng.output.take_commands()
     );
+
+    Ok(())
+}
+
+/// allot patch: a leader restored without an entry of its term appends a blank one; its
+/// own progress is the log as stored, not the blank, which counts only once its append's
+/// flush is reported (with `Config::leader_flush_overlap` that report may come after the
+/// commands that follow).
+#[test]
+fn test_startup_as_leader_counts_only_the_stored_log_as_its_progress() -> anyhow::Result<()> {
+    let mut eng = eng();
+    eng.state
+        .membership_state
+        .set_effective(Arc::new(EffectiveMembership::new(Some(log_id(2, 1, 3)), m23())));
+    eng.state.log_ids = LogIdList::new([log_id(1, 1, 2), log_id(1, 1, 4)]);
+    eng.state.vote = UTime::new(TokioInstant::now(), Vote::new_committed(2, 2));
+
+    eng.startup();
+
+    assert_eq!(ServerState::Leader, eng.state.server_state);
+    assert_eq!(eng.state.last_log_id(), Some(&log_id(2, 2, 5)), "the blank entry of term 2");
+    let own = eng.leader.as_ref().unwrap().progress.get(&2).matching.clone();
+    assert_eq!(own, Some(log_id(1, 1, 4)), "only the stored log counts");
+    assert_eq!(eng.state.committed(), None, "nothing committed by the blank");
 
     Ok(())
 }
