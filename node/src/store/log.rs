@@ -50,8 +50,9 @@ fn bounded(shard: ShardId, lower: [u8; 12], upper: Option<[u8; 12]>) -> ReadOpti
 /// Fault injection for tests, by files a test creates and removes.
 #[derive(Clone, Debug, Default)]
 pub struct SyncFaults {
-    /// `--test-fsync-fail-file`: while this file exists, every sync reports failure (as a
-    /// failing disk would), which openraft treats as fatal for the shard.
+    /// `--test-fsync-fail-file`: once this file exists, a sync reports failure (as a
+    /// failing disk would), and so does every later one (`sync_once`); openraft treats it
+    /// as fatal for the shard.
     pub fail_if: Option<std::path::PathBuf>,
     /// `--test-fsync-hold-file`: while this file exists, no sync starts (as a disk that
     /// stalls would): the appends queued behind it stay unflushed until it is removed.
@@ -127,7 +128,10 @@ impl Syncer {
 }
 
 /// One group-commit fsync, unless one has failed before: then none is tried and the
-/// first failure is reported again. `failed` keeps that first failure.
+/// first failure is reported again. `failed` keeps that first failure. (RocksDB with its
+/// default `paranoid_checks` also stops writing after a failed WAL sync — a background
+/// error — so the node's synced writes outside this thread fail too; this keeps the rule
+/// here whatever that option says, and for the injected test fault.)
 fn sync_once(
     failed: &mut Option<String>,
     fsync: impl FnOnce() -> Result<(), String>,

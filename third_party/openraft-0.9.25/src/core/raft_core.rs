@@ -91,6 +91,10 @@ use crate::storage::RaftStateMachine;
 use crate::type_config::alias::InstantOf;
 use crate::type_config::alias::ResponderOf;
 use crate::type_config::TypeConfigExt;
+
+/// allot patch: the most appends a leader keeps unflushed while it replicates them
+/// (`Config::leader_flush_overlap`); past it an append waits for its own flush.
+pub(crate) const LEADER_UNFLUSHED_APPENDS_MAX: u64 = 64;
 use crate::AsyncRuntime;
 use crate::ChangeMembers;
 use crate::Instant;
@@ -199,6 +203,12 @@ where
 
     /// A Receiver to receive callback from other components.
     pub(crate) rx_notify: mpsc::UnboundedReceiver<Notify<C>>,
+
+    /// allot patch: appends this RaftCore made without waiting for their flush
+    /// (`Config::leader_flush_overlap`) whose `Notify::LocalLogFlushed` has not arrived.
+    /// At `LEADER_UNFLUSHED_APPENDS_MAX` the next append waits for its flush inline, so a
+    /// stalled disk stops a leader as it did upstream instead of letting appends pile up.
+    pub(crate) leader_unflushed_appends: u64,
 
     pub(crate) tx_metrics: watch::Sender<RaftMetrics<C::NodeId, C::Node>>,
     pub(crate) tx_data_metrics: watch::Sender<RaftDataMetrics<C::NodeId>>,
@@ -1303,6 +1313,7 @@ where
                 last_log_id,
                 result,
             } => {
+                self.leader_unflushed_appends = self.leader_unflushed_appends.saturating_sub(1);
                 if let Err(e) = result {
                     return Err(Fatal::from(StorageError::from(StorageIOError::write_logs(AnyError::error(e)))));
                 }
@@ -1679,7 +1690,9 @@ where
                 // when `Notify::LocalLogFlushed` reports the flush, and meanwhile the
                 // `Replicate` commands that follow send them to the followers.
                 let leading = self.engine.leader.as_ref().map(|l| &l.vote) == Some(&vote);
-                if self.config.leader_flush_overlap && leading {
+                let room = self.leader_unflushed_appends < LEADER_UNFLUSHED_APPENDS_MAX;
+                if self.config.leader_flush_overlap && leading && room {
+                    self.leader_unflushed_appends += 1;
                     self.append_to_log_overlapped(entries, vote, last_log_id).await?;
                 } else {
                     self.append_to_log(entries, vote, last_log_id.clone()).await?;

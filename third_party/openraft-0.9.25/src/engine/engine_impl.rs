@@ -15,7 +15,6 @@ use crate::engine::handler::following_handler::FollowingHandler;
 use crate::engine::handler::leader_handler::LeaderHandler;
 use crate::engine::handler::log_handler::LogHandler;
 use crate::engine::handler::replication_handler::ReplicationHandler;
-use crate::engine::handler::replication_handler::SendNone;
 use crate::engine::handler::server_state_handler::ServerStateHandler;
 use crate::engine::handler::snapshot_handler::SnapshotHandler;
 use crate::engine::handler::vote_handler::VoteHandler;
@@ -154,25 +153,22 @@ where C: RaftTypeConfig
             self.state.membership_state.effective().is_voter(&self.config.id)
         );
 
-        // Previously it is a leader. restore it as leader at once
+        // allot patch: a node whose stored vote made it the leader does not resume that
+        // leadership; a voter campaigns in a new term, a non-voter starts as a learner.
+        // Upstream restored it as leader at once, in the same term, and assigned the
+        // next log ids after its stored log. With `Config::leader_flush_overlap` a leader
+        // sends entries before they are on its own disk, so a leader that lost its
+        // unflushed tail (a power loss) could give an id a follower already holds to a
+        // different entry, and the follower would keep its own (log ids match). A new
+        // term cannot collide with the old one's ids, and the election rule keeps a
+        // candidate that lacks a committed entry from winning. Done whatever the flag
+        // says now, since it may have been on before the restart.
         if self.state.is_leader(&self.config.id) {
-            // allot patch: the log as stored, before `update_internal_server_state` may
-            // append a blank entry of this leader's term. Only the stored entries are
-            // this leader's progress now; the blank one counts when its append's flush is
-            // reported (with `Config::leader_flush_overlap`, after the `Commit` and
-            // `Replicate` commands that may follow it here).
-            let stored = self.state.last_log_id().cloned();
-
-            self.vote_handler().update_internal_server_state();
-
-            let mut rh = self.replication_handler();
-
-            // Restore the progress about the local log
-            rh.update_local_progress(stored);
-
-            rh.initiate_replication(SendNone::False);
-
-            return;
+            if self.state.membership_state.effective().is_voter(&self.config.id) {
+                tracing::info!("startup: the stored vote made this node the leader; campaigning in a new term");
+                self.elect();
+                return;
+            }
         }
 
         let server_state = if self.state.membership_state.effective().is_voter(&self.config.id) {

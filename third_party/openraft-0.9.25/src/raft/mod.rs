@@ -293,6 +293,7 @@ where C: RaftTypeConfig
 
             tx_notify,
             rx_notify,
+            leader_unflushed_appends: 0,
 
             tx_metrics,
             tx_data_metrics,

@@ -19,7 +19,8 @@ pub struct LogFlushed<C>
 where C: RaftTypeConfig
 {
     log_io_id: LogIOId<C::NodeId>,
-    tx: FlushedTx<C>,
+    /// `None` once reported.
+    tx: Option<FlushedTx<C>>,
 }
 
 /// allot patch: where a flush is reported.
@@ -47,7 +48,7 @@ where C: RaftTypeConfig
     ) -> Self {
         Self {
             log_io_id,
-            tx: FlushedTx::Oneshot(tx),
+            tx: Some(FlushedTx::Oneshot(tx)),
         }
     }
 
@@ -59,20 +60,28 @@ where C: RaftTypeConfig
     ) -> Self {
         Self {
             log_io_id: LogIOId::new(vote.clone(), Some(last_log_id.clone())),
-            tx: FlushedTx::Notify { tx, vote, last_log_id },
+            tx: Some(FlushedTx::Notify { tx, vote, last_log_id }),
         }
     }
 
     /// Report log io completion event.
     ///
     /// It will be called when the log is successfully appended to the storage or an error occurs.
-    pub fn log_io_completed(self, result: Result<(), io::Error>) {
+    pub fn log_io_completed(mut self, result: Result<(), io::Error>) {
+        self.report(result)
+    }
+
+    fn report(&mut self, result: Result<(), io::Error>) {
+        let Some(tx) = self.tx.take() else {
+            return;
+        };
         if let Err(e) = &result {
             tracing::error!("LogFlush error: {}, while flushing upto {}", e, self.log_io_id);
         }
-        match self.tx {
+        let log_io_id = self.log_io_id.clone();
+        match tx {
             FlushedTx::Oneshot(tx) => {
-                let res = tx.send(result.map(|()| self.log_io_id));
+                let res = tx.send(result.map(|()| log_io_id));
                 if let Err(e) = res {
                     tracing::error!("failed to send log io completion event: {:?}", e);
                 }
@@ -82,9 +91,22 @@ where C: RaftTypeConfig
                 let _ = tx.send(Notify::LocalLogFlushed {
                     vote,
                     last_log_id,
-                    result: result.map(|()| self.log_io_id),
+                    result: result.map(|()| log_io_id),
                 });
             }
+        }
+    }
+}
+
+/// allot patch: a notifying callback dropped without a report (the log store lost it, e.g.
+/// its sync thread died) reports a failure, which is fatal: RaftCore must not wait
+/// forever for a flush nobody will report. (A dropped oneshot is seen by its receiver.)
+impl<C> Drop for LogFlushed<C>
+where C: RaftTypeConfig
+{
+    fn drop(&mut self) {
+        if matches!(self.tx, Some(FlushedTx::Notify { .. })) {
+            self.report(Err(io::Error::other("the log store dropped a flush callback unreported")));
         }
     }
 }
