@@ -40,6 +40,7 @@ use crate::raft::VoteRequest;
 use crate::raft::VoteResponse;
 use crate::raft_state::LogStateReader;
 use crate::raft_state::RaftState;
+use crate::utime::UTime;
 use crate::summary::MessageSummary;
 use crate::type_config::alias::ResponderOf;
 use crate::type_config::alias::SnapshotDataOf;
@@ -154,19 +155,38 @@ where C: RaftTypeConfig
         );
 
         // allot patch: a node whose stored vote made it the leader does not resume that
-        // leadership; a voter campaigns in a new term, a non-voter starts as a learner.
-        // Upstream restored it as leader at once, in the same term, and assigned the
-        // next log ids after its stored log. With `Config::leader_flush_overlap` a leader
-        // sends entries before they are on its own disk, so a leader that lost its
-        // unflushed tail (a power loss) could give an id a follower already holds to a
-        // different entry, and the follower would keep its own (log ids match). A new
-        // term cannot collide with the old one's ids, and the election rule keeps a
-        // candidate that lacks a committed entry from winning. Done whatever the flag
-        // says now, since it may have been on before the restart.
+        // leadership. Upstream restored it as leader at once, in the same term, and
+        // assigned the next log ids after its stored log. With
+        // `Config::leader_flush_overlap` a leader sends entries before they are on its own
+        // disk, so a leader that lost its unflushed tail (a power loss) could give an id a
+        // follower already holds to a different entry, and the follower would keep its own
+        // (log ids match). Its next leadership must be of a new term, won by election: a
+        // new term's ids cannot collide with the old one's, and the election rule keeps a
+        // candidate that lacks a committed entry from winning. Done whatever the flag says
+        // now, since it may have been on before the restart.
+        // - The only voter campaigns at once (nobody else can lead).
+        // - With several voters it waits like a follower of its own old leadership: its
+        //   vote is held here (not on disk) as its uncommitted vote for itself in that
+        //   term — a candidate's between elections — timed so that it campaigns no sooner
+        //   than a follower whose leader went silent (leader lease + election timeout),
+        //   and follows any leader that speaks first. Campaigning at start-up would
+        //   disrupt the leader the others may have just elected.
+        // - A non-voter starts as a learner (below).
         if self.state.is_leader(&self.config.id) {
-            if self.state.membership_state.effective().is_voter(&self.config.id) {
-                tracing::info!("startup: the stored vote made this node the leader; campaigning in a new term");
-                self.elect();
+            let membership = self.state.membership_state.effective();
+            if membership.is_voter(&self.config.id) {
+                if membership.voter_ids().count() == 1 {
+                    tracing::info!("startup: the stored vote made this only voter the leader; campaigning in a new term");
+                    self.elect();
+                    return;
+                }
+                let term = self.state.vote_ref().leader_id().term;
+                let not_before = C::now() + self.config.timer_config.leader_lease;
+                self.state.vote = UTime::new(not_before, Vote::new(term, self.config.id.clone()));
+                self.server_state_handler().update_server_state_if_changed();
+                tracing::info!(
+                    "startup: the stored vote made this node the leader; not resuming it, campaigning in a new term if no leader speaks first"
+                );
                 return;
             }
         }

@@ -7,14 +7,10 @@ use crate::engine::testing::UTConfig;
 use crate::engine::Command;
 use crate::engine::Engine;
 use crate::engine::LogIdList;
-use crate::entry::RaftEntry;
-use crate::progress::entry::ProgressEntry;
-use crate::progress::Inflight;
 use crate::raft::VoteRequest;
 use crate::testing::log_id;
 use crate::utime::UTime;
 use crate::EffectiveMembership;
-use crate::Entry;
 use crate::Membership;
 use crate::ServerState;
 use crate::TokioInstant;
@@ -41,9 +37,11 @@ fn eng() -> Engine<UTConfig> {
     eng
 }
 
-/// allot patch: a node whose stored vote made it the leader campaigns in a new term at
-/// startup instead of resuming the leadership (upstream restored it as leader at once and
-/// appended a blank entry of the old term). It is a Leader but not yet append any logs.
+/// allot patch: a node whose stored vote made it the leader (of several voters) does not
+/// resume that leadership at startup (upstream restored it as leader at once and appended
+/// a blank entry of the old term): it holds its vote as an uncommitted vote for itself in
+/// that term, appends and sends nothing, and campaigns no sooner than a follower would.
+/// It is a Leader but not yet append any logs.
 #[test]
 fn test_startup_as_leader_without_logs() -> anyhow::Result<()> {
     let mut eng = eng();
@@ -54,30 +52,27 @@ fn test_startup_as_leader_without_logs() -> anyhow::Result<()> {
     // Committed vote makes it a leader at startup.
     eng.state.vote = UTime::new(TokioInstant::now(), Vote::new_committed(1, 2));
 
+    let before = TokioInstant::now();
     eng.startup();
 
     assert_eq!(ServerState::Candidate, eng.state.server_state);
     assert!(eng.leader.is_none());
-    assert_eq!(eng.state.vote_ref(), &Vote::new(2, 2));
-    assert_eq!(
-        vec![
-            //
-            Command::SaveVote { vote: Vote::new(2, 2) },
-            Command::SendVote {
-                vote_req: VoteRequest::new(Vote::new(2, 2), None)
-            },
-        ],
-        eng.output.take_commands()
+    assert!(eng.candidate_ref().is_none(), "no election yet");
+    assert_eq!(eng.state.vote_ref(), &Vote::new(1, 2));
+    let lease = eng.config.timer_config.leader_lease;
+    assert!(
+        eng.state.vote_last_modified() >= Some(before + lease),
+        "its first campaign waits a leader lease more than the election timeout"
     );
+    assert_eq!(eng.output.take_commands(), vec![]);
 
     Ok(())
 }
 
-/// allot patch: a leader that proposed logs and restarted campaigns in a new term: it never
-/// hands out log ids of its old term again (upstream reused the old term's noop log id and
-/// assigned the next ids after its stored log — which, with
-/// `Config::leader_flush_overlap`, may lack entries followers already hold under the same
-/// ids).
+/// allot patch: a leader that proposed logs and restarted never hands out log ids of its
+/// old term again (upstream reused the old term's noop log id and assigned the next ids
+/// after its stored log — which, with `Config::leader_flush_overlap`, may lack entries
+/// followers already hold under the same ids).
 #[test]
 fn test_startup_as_leader_with_proposed_logs() -> anyhow::Result<()> {
     let mut eng = eng();
@@ -94,6 +89,11 @@ fn test_startup_as_leader_with_proposed_logs() -> anyhow::Result<()> {
 
     assert_eq!(ServerState::Candidate, eng.state.server_state);
     assert!(eng.leader.is_none());
+    assert_eq!(eng.state.vote_ref(), &Vote::new(1, 2));
+    assert_eq!(eng.output.take_commands(), vec![]);
+
+    // Its election, when it comes, is of a new term.
+    eng.elect();
     assert_eq!(
         vec![
             //
@@ -108,8 +108,9 @@ fn test_startup_as_leader_with_proposed_logs() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// allot patch: the same for a single voter (with learners): it campaigns too, rather than
-/// resuming at once with its stored log, whatever learners received past it.
+/// allot patch: the only voter (here with a learner) campaigns in a new term at once,
+/// rather than resuming the old one with its stored log, whatever the learner received
+/// past it.
 #[test]
 fn test_startup_as_the_only_voter_campaigns_in_a_new_term() -> anyhow::Result<()> {
     let mut eng = eng();
@@ -124,11 +125,15 @@ fn test_startup_as_the_only_voter_campaigns_in_a_new_term() -> anyhow::Result<()
 
     assert_eq!(ServerState::Candidate, eng.state.server_state);
     assert_eq!(eng.state.vote_ref(), &Vote::new(2, 2));
-    let cmds = eng.output.take_commands();
-    assert!(
-        !cmds.iter().any(|c| matches!(c, Command::AppendInputEntries { .. } | Command::Replicate { .. })),
-        "nothing appended or sent in the old term: {:?}",
-        cmds
+    assert_eq!(
+        vec![
+            //
+            Command::SaveVote { vote: Vote::new(2, 2) },
+            Command::SendVote {
+                vote_req: VoteRequest::new(Vote::new(2, 2), Some(log_id(1, 2, 4)))
+            },
+        ],
+        eng.output.take_commands()
     );
 
     Ok(())
