@@ -91,10 +91,6 @@ use crate::storage::RaftStateMachine;
 use crate::type_config::alias::InstantOf;
 use crate::type_config::alias::ResponderOf;
 use crate::type_config::TypeConfigExt;
-
-/// allot patch: the most appends a leader keeps unflushed while it replicates them
-/// (`Config::leader_flush_overlap`); past it an append waits for its own flush.
-pub(crate) const LEADER_UNFLUSHED_APPENDS_MAX: u64 = 64;
 use crate::AsyncRuntime;
 use crate::ChangeMembers;
 use crate::Instant;
@@ -108,6 +104,10 @@ use crate::RaftTypeConfig;
 use crate::StorageError;
 use crate::StorageIOError;
 use crate::Vote;
+
+/// allot patch: the most appends a leader keeps unflushed while it replicates them
+/// (`Config::leader_flush_overlap`); past it an append waits for its own flush.
+pub(crate) const LEADER_UNFLUSHED_APPENDS_MAX: u64 = 64;
 
 /// A temp struct to hold the data for a node that is being applied.
 #[derive(Debug)]

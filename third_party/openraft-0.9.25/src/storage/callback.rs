@@ -152,3 +152,43 @@ where C: RaftTypeConfig
         }
     }
 }
+
+#[cfg(test)]
+mod allot_tests {
+    use tokio::sync::mpsc;
+
+    use super::LogFlushed;
+    use crate::core::notify::Notify;
+    use crate::engine::testing::UTConfig;
+    use crate::testing::log_id;
+    use crate::Vote;
+
+    /// allot patch: a notifying callback reports exactly once — its report, or a failure
+    /// if the log store drops it unreported (RaftCore must not wait for a report nobody
+    /// will send).
+    #[test]
+    fn a_notifying_callback_reports_once_or_fails_when_dropped() {
+        let (tx, mut rx) = mpsc::unbounded_channel::<Notify<UTConfig>>();
+        let vote = Vote::new_committed(1, 2);
+
+        LogFlushed::<UTConfig>::notifying(vote.clone(), log_id(1, 2, 3), tx.clone()).log_io_completed(Ok(()));
+        match rx.try_recv() {
+            Ok(Notify::LocalLogFlushed { last_log_id, result, .. }) => {
+                assert_eq!(last_log_id, log_id(1, 2, 3));
+                assert!(result.is_ok());
+            }
+            _ => panic!("a reported flush is notified"),
+        }
+        assert!(rx.try_recv().is_err(), "reported once, nothing from its drop");
+
+        drop(LogFlushed::<UTConfig>::notifying(vote, log_id(1, 2, 4), tx));
+        match rx.try_recv() {
+            Ok(Notify::LocalLogFlushed { last_log_id, result, .. }) => {
+                assert_eq!(last_log_id, log_id(1, 2, 4));
+                assert!(result.is_err(), "a dropped callback reports a failure");
+            }
+            _ => panic!("a dropped callback is notified"),
+        }
+        assert!(rx.try_recv().is_err());
+    }
+}
