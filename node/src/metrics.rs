@@ -67,6 +67,13 @@ pub struct Metrics {
     pub demand_queued_gpu_hours: GaugeVec,
     pub demand_wait_seconds: GaugeVec,
     pub demand_gpus_needed: GaugeVec,
+    /// What a shard's replica holds in memory, per table (`table`): the rows that grow
+    /// with traffic and their bounds (DESIGN §43), so memory growth can be read off
+    /// line by line (DESIGN §63).
+    pub state_rows: GaugeVec,
+    /// RocksDB's own memory per column family and kind (`memtables`, `table_readers`,
+    /// `block_cache`), from its properties at scrape time.
+    pub rocksdb_memory_bytes: GaugeVec,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -255,8 +262,24 @@ impl Metrics {
             ),
             &["shard", "gpu_type", "tier"],
         ));
+        let state_rows = must(GaugeVec::new(
+            Opts::new(
+                "state_rows",
+                "Rows a shard's replica holds in memory, per table",
+            ),
+            &["shard", "table"],
+        ));
+        let rocksdb_memory_bytes = must(GaugeVec::new(
+            Opts::new(
+                "rocksdb_memory_bytes",
+                "RocksDB memory per column family and kind (memtables, table_readers, block_cache)",
+            ),
+            &["cf", "kind"],
+        ));
         for c in [
             Box::new(snapshot.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(state_rows.clone()),
+            Box::new(rocksdb_memory_bytes.clone()),
             Box::new(audit_rows_copied.clone()),
             Box::new(snapshot_bytes.clone()),
             Box::new(auth_denials.clone()),
@@ -315,6 +338,8 @@ impl Metrics {
             demand_queued_gpu_hours,
             demand_wait_seconds,
             demand_gpus_needed,
+            state_rows,
+            rocksdb_memory_bytes,
         }
     }
 

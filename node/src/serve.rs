@@ -274,8 +274,52 @@ pub fn refresh_and_encode(node: &Node) -> String {
             m.credits.with_label_values(&[&shard, kind]).set(v as f64);
         }
         set_demand(m, &shard, &g.state);
+        for (table, rows) in state_rows(&g.state) {
+            m.state_rows
+                .with_label_values(&[&shard, table])
+                .set(rows as f64);
+        }
     }
+    set_rocksdb_memory(m, &node.db);
     m.encode()
+}
+
+/// The tables of a shard's state that grow with traffic or with tenants, and their rows
+/// (`allot_state_rows`): what memory growth is made of, read per table (DESIGN §63).
+pub fn state_rows(s: &allot_statemachine::State) -> [(&'static str, usize); 10] {
+    let l = &s.ledger;
+    [
+        ("idempotency_records", s.idempotency.len()),
+        ("holds", l.holds.len()),
+        ("holds_settled", l.holds.settled.len()),
+        ("jobs", s.scheduler.jobs.len()),
+        ("gpu_nodes", s.scheduler.nodes.len()),
+        ("orgs", l.orgs.len()),
+        ("projects", l.projects.len()),
+        ("users", l.users.len()),
+        ("buckets", l.buckets.len()),
+        ("principals", s.security.principals.len()),
+    ]
+}
+
+/// RocksDB's memory per column family (`allot_rocksdb_memory_bytes`): memtables
+/// (active, immutable and pinned), the table readers' indexes and filters, and the
+/// block cache (each column family has its own, RocksDB's default).
+fn set_rocksdb_memory(m: &crate::metrics::Metrics, db: &rocksdb::DB) {
+    for cf in crate::store::COLUMN_FAMILIES {
+        let Some(h) = db.cf_handle(cf) else { continue };
+        for (kind, property) in [
+            ("memtables", "rocksdb.size-all-mem-tables"),
+            ("table_readers", "rocksdb.estimate-table-readers-mem"),
+            ("block_cache", "rocksdb.block-cache-usage"),
+        ] {
+            if let Ok(Some(v)) = db.property_int_value_cf(&h, property) {
+                m.rocksdb_memory_bytes
+                    .with_label_values(&[cf, kind])
+                    .set(v as f64);
+            }
+        }
+    }
 }
 
 /// The demand gauges of one shard from its replica's state (one walk of the queued
@@ -345,6 +389,47 @@ mod tests {
             ..Harness::job_spec(job, Tier::PAID, vec![a100()], gpus)
         };
         h.ok(Command::SubmitJob(spec));
+    }
+
+    #[test]
+    fn the_state_rows_count_what_the_traffic_left() {
+        let mut h = Harness::world();
+        h.grant(
+            1,
+            Account::Project(PROJECT),
+            BucketKind::Paid,
+            credits(1_000),
+            None,
+        );
+        h.fleet(&[(1, a100(), 8, 80), (2, a100(), 8, 80)]);
+        let rows = |h: &Harness| -> std::collections::BTreeMap<&str, usize> {
+            super::state_rows(&h.state).into_iter().collect()
+        };
+        let before = rows(&h);
+        // Ten requests of the benchmark's hold cycles: three holds settled (create,
+        // capture, release), a fourth created.
+        let mut cycle = workload::HoldCycle::new(7, 3_000_000);
+        let outs = h.apply((0..10).map(|_| cycle.request()).collect());
+        assert!(outs.iter().all(|o| o.is_ok()), "{outs:?}");
+        let after = rows(&h);
+        let grew = |table: &str| after[table] - before[table];
+        assert_eq!(grew("idempotency_records"), 10);
+        assert_eq!(grew("holds"), 4);
+        assert_eq!(grew("holds_settled"), 3);
+        assert_eq!(grew("jobs"), 0);
+        assert_eq!(after["gpu_nodes"], 2);
+        assert_eq!(after["orgs"], h.state.ledger.orgs.len());
+        // And the gauge carries them, per shard and table.
+        let m = Metrics::new();
+        for (table, n) in super::state_rows(&h.state) {
+            m.state_rows.with_label_values(&["3", table]).set(n as f64);
+        }
+        let text = m.encode();
+        let line = format!(
+            r#"allot_state_rows{{shard="3",table="idempotency_records"}} {}"#,
+            after["idempotency_records"]
+        );
+        assert!(text.contains(&line), "no {line} in {text}");
     }
 
     #[test]

@@ -243,6 +243,27 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
             "no {stage} stage in {metrics}"
         );
     }
+    // What memory is made of: the state's tables per shard, RocksDB's own per column
+    // family (DESIGN §63).
+    assert!(
+        value(
+            &metrics,
+            "allot_state_rows{shard=\"0\",table=\"idempotency_records\"} "
+        ) >= 3.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        value(&metrics, "allot_state_rows{shard=\"0\",table=\"jobs\"} "),
+        1.0,
+        "{metrics}"
+    );
+    assert!(
+        value(
+            &metrics,
+            "allot_rocksdb_memory_bytes{cf=\"log\",kind=\"memtables\"} "
+        ) > 0.0,
+        "{metrics}"
+    );
     let follower = c.nodes.iter().find(|n| n.id != leader).expect("a follower");
     let fm = http_get(&follower.metrics_addr, "/metrics").await;
     assert!(

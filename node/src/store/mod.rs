@@ -38,6 +38,8 @@ pub const CF_LOG: &str = "log";
 pub const CF_META: &str = "meta";
 pub const CF_SNAP: &str = "snap";
 pub const CF_AUDIT: &str = "audit";
+/// Every column family the node opens (besides RocksDB's `default`).
+pub const COLUMN_FAMILIES: [&str; 4] = [CF_LOG, CF_META, CF_SNAP, CF_AUDIT];
 
 /// Opens (creating if needed) the node's database.
 pub fn open_db(dir: &Path) -> Result<Arc<DB>, rocksdb::Error> {
@@ -53,7 +55,7 @@ pub fn open_db(dir: &Path) -> Result<Arc<DB>, rocksdb::Error> {
     // WAL fsync queued behind it would wait for. (On this project's VM the fsync tail
     // turned out to be CPU scheduling, not the disk: docs/DESIGN.md §29.)
     opts.set_bytes_per_sync(1 << 20);
-    let cfs = [CF_LOG, CF_META, CF_SNAP, CF_AUDIT]
+    let cfs = COLUMN_FAMILIES
         .into_iter()
         .map(|name| ColumnFamilyDescriptor::new(name, Options::default()));
     Ok(Arc::new(DB::open_cf_descriptors(&opts, dir, cfs)?))

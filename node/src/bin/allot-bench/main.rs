@@ -178,6 +178,8 @@ struct Window {
     cpu_s: f64,
     /// Resident memory of each server process at the window's end.
     rss: Vec<u64>,
+    /// What each allot node's memory is made of at the window's end (empty for etcd).
+    memory: Vec<NodeMemory>,
 }
 
 impl Window {
@@ -212,28 +214,77 @@ struct Scraped {
 /// The series of `metric` whose labels contain `filter`, scraped from every node
 /// ([`add_histogram`]).
 async fn server_buckets(metrics: &[String], metric: &str, filter: &str) -> Scraped {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut sum: std::collections::BTreeMap<u64, f64> = Default::default();
     let mut sum_s = 0.0;
     for addr in metrics {
-        let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
+        let Some(body) = exposition(addr).await else {
             continue;
         };
-        if s.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-            .await
-            .is_err()
-        {
-            continue;
-        }
-        let mut body = String::new();
-        if s.read_to_string(&mut body).await.is_err() {
-            continue;
-        }
         add_histogram(&body, metric, filter, &mut sum, &mut sum_s);
     }
     Scraped {
         buckets: sum.into_iter().map(|(k, v)| (k as f64 / 1e6, v)).collect(),
         sum_s,
+    }
+}
+
+/// One node's metrics exposition, or `None` if it cannot be read.
+async fn exposition(addr: &str) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+    s.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).await.ok()?;
+    Some(body)
+}
+
+/// What a node's memory is made of at a window's end (DESIGN §63): the rows of its
+/// replicas' tables summed over its shards (`allot_state_rows`, by table) and RocksDB's
+/// memory summed over its column families (`allot_rocksdb_memory_bytes`, by kind).
+#[derive(Clone, Debug, Default, PartialEq)]
+struct NodeMemory {
+    rows: std::collections::BTreeMap<String, f64>,
+    rocksdb_bytes: std::collections::BTreeMap<String, f64>,
+}
+
+impl NodeMemory {
+    fn parse(body: &str) -> NodeMemory {
+        let mut m = NodeMemory::default();
+        let label = |labels: &str, name: &str| -> Option<String> {
+            let start = labels.find(&format!("{name}=\""))? + name.len() + 2;
+            let len = labels[start..].find('"')?;
+            Some(labels[start..start + len].to_string())
+        };
+        for line in body.lines() {
+            let (into, key) = if let Some(rest) = line.strip_prefix("allot_state_rows{") {
+                (&mut m.rows, label(rest, "table"))
+            } else if let Some(rest) = line.strip_prefix("allot_rocksdb_memory_bytes{") {
+                (&mut m.rocksdb_bytes, label(rest, "kind"))
+            } else {
+                continue;
+            };
+            let value = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+            if let (Some(key), Some(value)) = (key, value) {
+                *into.entry(key).or_default() += value;
+            }
+        }
+        m
+    }
+
+    fn json(&self) -> String {
+        let map = |m: &std::collections::BTreeMap<String, f64>| {
+            m.iter()
+                .map(|(k, v)| format!("\"{k}\":{v:.0}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        format!(
+            "{{\"rows\":{{{}}},\"rocksdb_bytes\":{{{}}}}}",
+            map(&self.rows),
+            map(&self.rocksdb_bytes)
+        )
     }
 }
 
@@ -363,6 +414,7 @@ async fn drive(
     target: &Target,
     spec: &Spec<'_>,
     pids: &[u32],
+    metrics: &[String],
     json: bool,
 ) -> anyhow::Result<(Window, Vec<Window>)> {
     let stop = Arc::new(AtomicBool::new(false));
@@ -433,7 +485,7 @@ async fn drive(
             Ok::<_, anyhow::Error>(stats)
         }));
     }
-    let mut marks = vec![(0.0, procfs::cpu_total(pids), Vec::new())];
+    let mut marks = vec![(0.0, procfs::cpu_total(pids), Vec::new(), Vec::new())];
     // The server processes: every pid but the last, which is the benchmark itself.
     let servers = &pids[..pids.len() - 1];
     let mut last = 0u64;
@@ -456,11 +508,17 @@ async fn drive(
                 .iter()
                 .map(|&p| procfs::rss_bytes(p).unwrap_or(0))
                 .collect();
-            marks.push((
-                started.elapsed().as_secs_f64(),
-                procfs::cpu_total(pids),
-                rss,
-            ));
+            let at = started.elapsed().as_secs_f64();
+            let cpu = procfs::cpu_total(pids);
+            let mut memory = Vec::new();
+            for addr in metrics {
+                memory.push(
+                    exposition(addr)
+                        .await
+                        .map_or_else(NodeMemory::default, |b| NodeMemory::parse(&b)),
+                );
+            }
+            marks.push((at, cpu, rss, memory));
             if spec.window < spec.seconds && !json {
                 eprintln!();
             }
@@ -494,14 +552,15 @@ async fn drive(
             hist.merge(&h[i]);
             commands += c[i];
         }
-        let (t0, c0, _) = &marks[i];
-        let (t1, c1, rss) = &marks[(i + 1).min(marks.len() - 1)];
+        let (t0, c0, _, _) = &marks[i];
+        let (t1, c1, rss, memory) = &marks[(i + 1).min(marks.len() - 1)];
         out.push(Window {
             hist,
             commands,
             seconds: t1 - t0,
             cpu_s: c1 - c0,
             rss: rss.clone(),
+            memory: memory.clone(),
         });
     }
     let mut total = Window {
@@ -510,6 +569,7 @@ async fn drive(
         seconds: marks.last().map_or(0.0, |m| m.0),
         cpu_s: marks.last().map_or(0.0, |m| m.1) - marks[0].1,
         rss: marks.last().map(|m| m.2.clone()).unwrap_or_default(),
+        memory: marks.last().map(|m| m.3.clone()).unwrap_or_default(),
     };
     for w in &out {
         total.hist.merge(&w.hist);
@@ -604,7 +664,7 @@ async fn run(
         ]
     };
     let before = scrape().await;
-    let (total, windows) = drive(target, &spec, pids, o.json).await?;
+    let (total, windows) = drive(target, &spec, pids, metrics, o.json).await?;
     let after = scrape().await;
     let (b, a) = (|i: usize| &before[i].buckets, |i: usize| &after[i].buckets);
     let server = matches!(target, Target::Allot { .. }).then(|| Server {
@@ -859,7 +919,7 @@ async fn allot_runs(
 /// A row's figures as JSON fields (without braces).
 fn json_window(w: &Window) -> String {
     format!(
-        "\"commands\":{},\"seconds\":{:.2},\"commands_per_s\":{:.0},\"p50_ms\":{:.3},\"p99_ms\":{:.3},\"max_ms\":{:.3},\"cpu_seconds\":{:.2},\"cpu_us_per_command\":{:.1},\"rss_bytes\":[{}]",
+        "\"commands\":{},\"seconds\":{:.2},\"commands_per_s\":{:.0},\"p50_ms\":{:.3},\"p99_ms\":{:.3},\"max_ms\":{:.3},\"cpu_seconds\":{:.2},\"cpu_us_per_command\":{:.1},\"rss_bytes\":[{}],\"memory\":[{}]",
         w.commands,
         w.seconds,
         w.rate(),
@@ -868,7 +928,12 @@ fn json_window(w: &Window) -> String {
         w.hist.max_ms(),
         w.cpu_s,
         w.cpu_us(),
-        w.rss.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
+        w.rss.iter().map(u64::to_string).collect::<Vec<_>>().join(","),
+        w.memory
+            .iter()
+            .map(NodeMemory::json)
+            .collect::<Vec<_>>()
+            .join(",")
     )
 }
 
@@ -1094,7 +1159,7 @@ fn report(o: &Opts, results: &[RunResult], etcd_version: Option<&str>) {
             r.label, r.clients, r.per_call
         );
         println!(
-            "{:>8} {:>12} {:>9} {:>9} {:>9} {:>10}  RSS per node (MB)",
+            "{:>8} {:>12} {:>9} {:>9} {:>9} {:>10}  RSS per node (MB); node 1: idempotency records, settled holds, RocksDB memory (MB)",
             "from s", "commands/s", "p50 ms", "p99 ms", "max ms", "CPU µs/cmd"
         );
         let mut from = 0.0;
@@ -1111,8 +1176,18 @@ fn report(o: &Opts, results: &[RunResult], etcd_version: Option<&str>) {
                     .iter()
                     .map(|b| format!("{:.0}", *b as f64 / 1e6))
                     .collect::<Vec<_>>()
-                    .join(" ")
+                    .join(" "),
             );
+            if let Some(m) = w.memory.first() {
+                let row = |t: &str| m.rows.get(t).copied().unwrap_or(0.0);
+                println!(
+                    "{:>8} records {:.0} · settled holds {:.0} · RocksDB {:.0} MB",
+                    "",
+                    row("idempotency_records"),
+                    row("holds_settled"),
+                    m.rocksdb_bytes.values().sum::<f64>() / 1e6
+                );
+            }
             from += w.seconds;
         }
     }
@@ -1145,6 +1220,28 @@ fn report(o: &Opts, results: &[RunResult], etcd_version: Option<&str>) {
 #[cfg(test)]
 mod tests {
     use super::parse;
+
+    #[test]
+    fn a_nodes_memory_is_summed_over_its_shards_and_column_families() {
+        let body = "# HELP allot_state_rows Rows\n\
+            allot_state_rows{shard=\"0\",table=\"idempotency_records\"} 1200\n\
+            allot_state_rows{shard=\"1\",table=\"idempotency_records\"} 34\n\
+            allot_state_rows{shard=\"1\",table=\"holds_settled\"} 5\n\
+            allot_rocksdb_memory_bytes{cf=\"log\",kind=\"memtables\"} 1000000\n\
+            allot_rocksdb_memory_bytes{cf=\"audit\",kind=\"memtables\"} 500000\n\
+            allot_rocksdb_memory_bytes{cf=\"log\",kind=\"block_cache\"} 7\n\
+            allot_state_rows_other{shard=\"0\",table=\"idempotency_records\"} 99\n";
+        let m = super::NodeMemory::parse(body);
+        assert_eq!(m.rows["idempotency_records"], 1234.0);
+        assert_eq!(m.rows["holds_settled"], 5.0);
+        assert_eq!(m.rows.len(), 2);
+        assert_eq!(m.rocksdb_bytes["memtables"], 1_500_000.0);
+        assert_eq!(m.rocksdb_bytes["block_cache"], 7.0);
+        assert_eq!(
+            m.json(),
+            r#"{"rows":{"holds_settled":5,"idempotency_records":1234},"rocksdb_bytes":{"block_cache":7,"memtables":1500000}}"#
+        );
+    }
 
     #[test]
     fn a_stage_mean_is_its_sum_over_its_count_between_scrapes() {
