@@ -46,6 +46,9 @@ pub struct Metrics {
     pub follower_append_entries: HistogramVec,
     /// Duration of each WAL fsync (one covers the waiting appends of every shard).
     pub wal_sync: prometheus::Histogram,
+    /// How long the oldest append the WAL sync thread is making durable has waited
+    /// (0 while it is idle); it keeps growing while an fsync does not return.
+    pub wal_sync_waiting: prometheus::Gauge,
     pub raft: GaugeVec,
     pub queue_depth: GaugeVec,
     pub gpus: GaugeVec,
@@ -262,6 +265,10 @@ impl Metrics {
             ),
             &["shard", "gpu_type", "tier"],
         ));
+        let wal_sync_waiting = must(prometheus::Gauge::new(
+            "wal_sync_waiting_seconds",
+            "How long the oldest append being made durable has waited for its fsync (0: idle)",
+        ));
         let state_rows = must(GaugeVec::new(
             Opts::new(
                 "state_rows",
@@ -279,6 +286,7 @@ impl Metrics {
         for c in [
             Box::new(snapshot.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(state_rows.clone()),
+            Box::new(wal_sync_waiting.clone()),
             Box::new(rocksdb_memory_bytes.clone()),
             Box::new(audit_rows_copied.clone()),
             Box::new(snapshot_bytes.clone()),
@@ -340,6 +348,7 @@ impl Metrics {
             demand_gpus_needed,
             state_rows,
             rocksdb_memory_bytes,
+            wal_sync_waiting,
         }
     }
 

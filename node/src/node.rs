@@ -124,6 +124,8 @@ pub struct Node {
     pub advertise: String,
     pub shards: Vec<Shard>,
     pub db: Arc<rocksdb::DB>,
+    /// The WAL's group-commit thread, shared by every shard (`store::log::Syncer`).
+    pub syncer: Arc<store::log::Syncer>,
     pub clock: Arc<ClusterClock>,
     pub channels: Arc<Channels>,
     pub metrics: Arc<Metrics>,
@@ -324,6 +326,7 @@ impl Node {
             advertise: config.advertise.clone(),
             shards,
             db,
+            syncer,
             clock,
             channels,
             metrics,

@@ -281,6 +281,7 @@ pub fn refresh_and_encode(node: &Node) -> String {
         }
     }
     set_rocksdb_memory(m, &node.db);
+    m.wal_sync_waiting.set(node.syncer.waiting().as_secs_f64());
     m.encode()
 }
 

@@ -2291,7 +2291,34 @@ async fn a_commit_does_not_wait_for_the_leaders_own_fsync() {
                 after, before,
                 "the leader made no fsync: the write committed on the followers' disks"
             );
+            // The stalled disk shows (DESIGN §63): the held append's wait grows while its
+            // fsync does not return...
+            let waiting = "allot_wal_sync_waiting_seconds";
+            let deadline = Instant::now() + Duration::from_secs(5);
+            loop {
+                let w = metric(&c.node(leader).metrics_addr, waiting).await;
+                if w >= 1.2 {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "the held append's wait: {w} s");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
             std::fs::remove_file(hold(leader)).expect("resume");
+            // ...and is back to zero once it returned, the slow fsync logged.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            loop {
+                let w = metric(&c.node(leader).metrics_addr, waiting).await;
+                if w == 0.0 {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "still waiting {w} s after the resume"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let log = c.log_tail(leader, 20_000);
+            assert!(log.contains("slow WAL fsync"), "{log}");
             outs
         } else {
             let mut call = Box::pin(call);

@@ -15,8 +15,10 @@ use openraft::{LogState, RaftLogReader};
 use rocksdb::{IteratorMode, ReadOptions, WriteBatch, WriteOptions, DB};
 use std::fmt::Debug;
 use std::ops::{Bound, RangeBounds};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 const META_VOTE: &[u8] = b"vote";
 const META_COMMITTED: &[u8] = b"committed";
@@ -62,14 +64,23 @@ pub struct SyncFaults {
 /// Group commit: callbacks queued behind one `flush_wal(true)`.
 pub struct Syncer {
     tx: mpsc::Sender<Flush>,
+    /// When the oldest append the sync thread is making durable was written, in µs after
+    /// `epoch` (at least 1), or 0 while the thread waits for work.
+    busy_since_us: Arc<AtomicU64>,
+    epoch: Instant,
 }
 
-/// One append waiting for the fsync: openraft's callback, and the entries to mark
-/// durable in the shard's timeline.
+/// One append waiting for the fsync: openraft's callback, the entries to mark durable
+/// in the shard's timeline, and when it was written.
 struct Flush {
     callback: LogFlushed<TypeConfig>,
     marks: Option<(Arc<Timeline>, u64, u64)>,
+    written: Instant,
 }
+
+/// An fsync slower than this is logged (a failing or overloaded disk; etcd warns from
+/// 1 s too).
+pub const SLOW_SYNC: Duration = Duration::from_secs(1);
 
 impl Syncer {
     /// Starts the sync thread; `observe` receives each fsync's duration and the number
@@ -86,6 +97,9 @@ impl Syncer {
     ) -> Arc<Syncer> {
         let SyncFaults { fail_if, hold_if } = faults;
         let (tx, rx) = mpsc::channel::<Flush>();
+        let epoch = Instant::now();
+        let busy_since_us = Arc::new(AtomicU64::new(0));
+        let busy = busy_since_us.clone();
         // A weak handle: the thread must not keep the database open. RocksDB aborts the
         // process at exit ("pthread lock: Invalid argument") if a DB is still open when
         // its static state is torn down, so the DB closes when its last user drops it.
@@ -98,21 +112,31 @@ impl Syncer {
                 // fails too, so no append is reported durable past a hole, in any shard.
                 let mut failed: Option<String> = None;
                 while let Ok(first) = rx.recv() {
+                    let since = first.written.saturating_duration_since(epoch);
+                    busy.store((since.as_micros() as u64).max(1), Ordering::Relaxed);
                     let mut pending = vec![first];
+                    // A held sync counts as a stalled fsync: it is timed, and logged if slow.
+                    let t = Instant::now();
                     if let Some(hold) = &hold_if {
                         while hold.exists() {
-                            std::thread::sleep(std::time::Duration::from_millis(5));
+                            std::thread::sleep(Duration::from_millis(5));
                         }
                     }
                     pending.extend(rx.try_iter());
-                    let t = std::time::Instant::now();
                     let injected = fail_if.as_ref().is_some_and(|p| p.exists());
                     let result = sync_once(&mut failed, || match db.upgrade() {
                         _ if injected => Err("fsync failed (injected test fault)".into()),
                         Some(db) => db.flush_wal(true).map_err(|e| e.to_string()),
                         None => Err("database closed".into()),
                     });
-                    observe(t.elapsed(), pending.len());
+                    let took = t.elapsed();
+                    observe(took, pending.len());
+                    if took >= SLOW_SYNC {
+                        tracing::warn!(
+                            "slow WAL fsync: {took:?} for {} appends (a failing or overloaded disk?)",
+                            pending.len()
+                        );
+                    }
                     for f in pending {
                         if let (Ok(()), Some((timeline, first, last))) = (&result, &f.marks) {
                             timeline.flushed(*first, *last);
@@ -120,10 +144,28 @@ impl Syncer {
                         f.callback
                             .log_io_completed(result.clone().map_err(std::io::Error::other));
                     }
+                    busy.store(0, Ordering::Relaxed);
                 }
             })
             .expect("spawning the WAL sync thread");
-        Arc::new(Syncer { tx })
+        Arc::new(Syncer {
+            tx,
+            busy_since_us,
+            epoch,
+        })
+    }
+
+    /// How long the oldest append the sync thread is now making durable has waited since
+    /// it was written (zero while the thread is idle). It grows for as long as an fsync
+    /// does not return: what `allot_wal_sync_waiting_seconds` shows of a stalled disk.
+    pub fn waiting(&self) -> Duration {
+        match self.busy_since_us.load(Ordering::Relaxed) {
+            0 => Duration::ZERO,
+            us => self
+                .epoch
+                .elapsed()
+                .saturating_sub(Duration::from_micros(us)),
+        }
     }
 }
 
@@ -476,7 +518,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         };
         self.syncer
             .tx
-            .send(Flush { callback, marks })
+            .send(Flush {
+                callback,
+                marks,
+                written: Instant::now(),
+            })
             .map_err(|e| io_write(std::io::Error::other(e.to_string())))
     }
 

@@ -1319,10 +1319,15 @@ where
                 }
                 // Only the leadership that appended counts it: after a change of vote these
                 // entries may have been truncated, and a new leadership's progress is its own.
-                if self.does_vote_match(&vote, "LocalLogFlushed") {
+                // A report for an older leadership is expected after every change of vote
+                // (the flushes in flight then): dropped quietly, not warned about per append.
+                let leading = self.engine.leader.as_ref().map(|l| &l.vote) == Some(&vote);
+                if leading {
                     if let Ok(mut lh) = self.engine.leader_handler() {
                         lh.replication_handler().update_local_progress(Some(last_log_id));
                     }
+                } else {
+                    tracing::debug!("a local flush of vote {} reported after the vote changed", vote);
                 }
             }
 
