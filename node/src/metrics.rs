@@ -71,7 +71,8 @@ pub struct Metrics {
     pub demand_wait_seconds: GaugeVec,
     pub demand_gpus_needed: GaugeVec,
     /// What a shard's replica holds in memory, per table (`table`): the rows that grow
-    /// with traffic and their bounds (DESIGN §43), so memory growth can be read off
+    /// with traffic or tenants, bounded as DESIGN §44 and `statemachine/src/limits.rs`
+    /// say, so memory growth can be read off
     /// line by line (DESIGN §63).
     pub state_rows: GaugeVec,
     /// RocksDB's own memory per column family and kind (`memtables`, `table_readers`,

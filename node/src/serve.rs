@@ -287,13 +287,23 @@ pub fn refresh_and_encode(node: &Node) -> String {
 
 /// The tables of a shard's state that grow with traffic or with tenants, and their rows
 /// (`allot_state_rows`): what memory growth is made of, read per table (DESIGN §63).
-pub fn state_rows(s: &allot_statemachine::State) -> [(&'static str, usize); 10] {
+/// Each count is O(1). The rows that a shard-wide bound caps are named as the bound
+/// counts them (`holds_open` against `HOLDS_OPEN_MAX`, `jobs_finished` against
+/// `JOBS_FINISHED_MAX`, …); `holds` and `jobs` are every row the maps hold.
+pub fn state_rows(s: &allot_statemachine::State) -> [(&'static str, usize); 13] {
     let l = &s.ledger;
+    let sched = &s.scheduler;
     [
         ("idempotency_records", s.idempotency.len()),
         ("holds", l.holds.len()),
+        ("holds_open", l.holds.open),
         ("holds_settled", l.holds.settled.len()),
-        ("jobs", s.scheduler.jobs.len()),
+        ("jobs", sched.jobs.len()),
+        (
+            "jobs_active",
+            sched.jobs.len() - sched.finished.len().min(sched.jobs.len()),
+        ),
+        ("jobs_finished", sched.finished.len()),
         ("gpu_nodes", s.scheduler.nodes.len()),
         ("orgs", l.orgs.len()),
         ("projects", l.projects.len()),
@@ -305,7 +315,9 @@ pub fn state_rows(s: &allot_statemachine::State) -> [(&'static str, usize); 10] 
 
 /// RocksDB's memory per column family (`allot_rocksdb_memory_bytes`): memtables
 /// (active, immutable and pinned), the table readers' indexes and filters, and the
-/// block cache (each column family has its own, RocksDB's default).
+/// block cache. Each column family has its own block cache (RocksDB's default, as
+/// `store::open_db` leaves it); a cache shared between them would be reported once
+/// per column family, and a sum over them would count it several times.
 fn set_rocksdb_memory(m: &crate::metrics::Metrics, db: &rocksdb::DB) {
     for cf in crate::store::COLUMN_FAMILIES {
         let Some(h) = db.cf_handle(cf) else { continue };
@@ -416,8 +428,10 @@ mod tests {
         let grew = |table: &str| after[table] - before[table];
         assert_eq!(grew("idempotency_records"), 10);
         assert_eq!(grew("holds"), 4);
+        assert_eq!(grew("holds_open"), 1);
         assert_eq!(grew("holds_settled"), 3);
         assert_eq!(grew("jobs"), 0);
+        assert_eq!(after["jobs_active"], 0);
         assert_eq!(after["gpu_nodes"], 2);
         assert_eq!(after["orgs"], h.state.ledger.orgs.len());
         // And the gauge carries them, per shard and table.

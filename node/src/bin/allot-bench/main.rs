@@ -178,8 +178,9 @@ struct Window {
     cpu_s: f64,
     /// Resident memory of each server process at the window's end.
     rss: Vec<u64>,
-    /// What each allot node's memory is made of at the window's end (empty for etcd).
-    memory: Vec<NodeMemory>,
+    /// What each allot node's memory is made of at the window's end, `None` for a node
+    /// whose metrics could not be read (empty for etcd, and for a run of one window).
+    memory: Vec<Option<NodeMemory>>,
 }
 
 impl Window {
@@ -228,16 +229,23 @@ async fn server_buckets(metrics: &[String], metric: &str, filter: &str) -> Scrap
     }
 }
 
-/// One node's metrics exposition, or `None` if it cannot be read.
+/// One node's metrics exposition, or `None` if it cannot be read within 2 s (a paused
+/// or starved node must not hold the run up).
 async fn exposition(addr: &str) -> Option<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-    s.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+    let read = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        s.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+            .await
+            .ok()?;
+        let mut body = String::new();
+        s.read_to_string(&mut body).await.ok()?;
+        Some(body)
+    };
+    tokio::time::timeout(Duration::from_secs(2), read)
         .await
-        .ok()?;
-    let mut body = String::new();
-    s.read_to_string(&mut body).await.ok()?;
-    Some(body)
+        .ok()
+        .flatten()
 }
 
 /// What a node's memory is made of at a window's end (DESIGN §63): the rows of its
@@ -252,8 +260,15 @@ struct NodeMemory {
 impl NodeMemory {
     fn parse(body: &str) -> NodeMemory {
         let mut m = NodeMemory::default();
+        // `labels` is what follows the metric's `{`: a label starts it or follows a comma.
         let label = |labels: &str, name: &str| -> Option<String> {
-            let start = labels.find(&format!("{name}=\""))? + name.len() + 2;
+            let key = format!("{name}=\"");
+            let at = if labels.starts_with(&key) {
+                0
+            } else {
+                labels.find(&format!(",{key}"))? + 1
+            };
+            let start = at + key.len();
             let len = labels[start..].find('"')?;
             Some(labels[start..start + len].to_string())
         };
@@ -511,12 +526,12 @@ async fn drive(
             let at = started.elapsed().as_secs_f64();
             let cpu = procfs::cpu_total(pids);
             let mut memory = Vec::new();
-            for addr in metrics {
-                memory.push(
-                    exposition(addr)
-                        .await
-                        .map_or_else(NodeMemory::default, |b| NodeMemory::parse(&b)),
-                );
+            // Only runs of several windows (the sustained run) follow memory: a
+            // closed-loop run is one window and its figures stay as they were.
+            if spec.window < spec.seconds {
+                for addr in metrics {
+                    memory.push(exposition(addr).await.map(|b| NodeMemory::parse(&b)));
+                }
             }
             marks.push((at, cpu, rss, memory));
             if spec.window < spec.seconds && !json {
@@ -931,7 +946,7 @@ fn json_window(w: &Window) -> String {
         w.rss.iter().map(u64::to_string).collect::<Vec<_>>().join(","),
         w.memory
             .iter()
-            .map(NodeMemory::json)
+            .map(|m| m.as_ref().map_or_else(|| "null".to_string(), NodeMemory::json))
             .collect::<Vec<_>>()
             .join(",")
     )
@@ -1178,15 +1193,19 @@ fn report(o: &Opts, results: &[RunResult], etcd_version: Option<&str>) {
                     .collect::<Vec<_>>()
                     .join(" "),
             );
-            if let Some(m) = w.memory.first() {
-                let row = |t: &str| m.rows.get(t).copied().unwrap_or(0.0);
-                println!(
-                    "{:>8} records {:.0} · settled holds {:.0} · RocksDB {:.0} MB",
-                    "",
-                    row("idempotency_records"),
-                    row("holds_settled"),
-                    m.rocksdb_bytes.values().sum::<f64>() / 1e6
-                );
+            match w.memory.first() {
+                Some(Some(m)) => {
+                    let row = |t: &str| m.rows.get(t).copied().unwrap_or(0.0);
+                    println!(
+                        "{:>8} records {:.0} · settled holds {:.0} · RocksDB {:.0} MB",
+                        "",
+                        row("idempotency_records"),
+                        row("holds_settled"),
+                        m.rocksdb_bytes.values().sum::<f64>() / 1e6
+                    );
+                }
+                Some(None) => println!("{:>8} node 1's metrics could not be read", ""),
+                None => {}
             }
             from += w.seconds;
         }
@@ -1230,6 +1249,8 @@ mod tests {
             allot_rocksdb_memory_bytes{cf=\"log\",kind=\"memtables\"} 1000000\n\
             allot_rocksdb_memory_bytes{cf=\"audit\",kind=\"memtables\"} 500000\n\
             allot_rocksdb_memory_bytes{cf=\"log\",kind=\"block_cache\"} 7\n\
+            allot_rocksdb_memory_bytes{cf=\"log\",subkind=\"x\",kind=\"table_readers\"} 9\n\
+            allot_rocksdb_memory_bytes{cf=\"log\",subkind=\"memtables\"} 1\n\
             allot_state_rows_other{shard=\"0\",table=\"idempotency_records\"} 99\n";
         let m = super::NodeMemory::parse(body);
         assert_eq!(m.rows["idempotency_records"], 1234.0);
@@ -1237,9 +1258,12 @@ mod tests {
         assert_eq!(m.rows.len(), 2);
         assert_eq!(m.rocksdb_bytes["memtables"], 1_500_000.0);
         assert_eq!(m.rocksdb_bytes["block_cache"], 7.0);
+        // A label whose name ends like another's is not taken for it.
+        assert_eq!(m.rocksdb_bytes["table_readers"], 9.0);
+        assert_eq!(m.rocksdb_bytes.len(), 3);
         assert_eq!(
             m.json(),
-            r#"{"rows":{"holds_settled":5,"idempotency_records":1234},"rocksdb_bytes":{"block_cache":7,"memtables":1500000}}"#
+            r#"{"rows":{"holds_settled":5,"idempotency_records":1234},"rocksdb_bytes":{"block_cache":7,"memtables":1500000,"table_readers":9}}"#
         );
     }
 
