@@ -274,11 +274,7 @@ pub fn refresh_and_encode(node: &Node) -> String {
             m.credits.with_label_values(&[&shard, kind]).set(v as f64);
         }
         set_demand(m, &shard, &g.state);
-        for (table, rows) in state_rows(&g.state) {
-            m.state_rows
-                .with_label_values(&[&shard, table])
-                .set(rows as f64);
-        }
+        set_state_rows(m, &shard, &g.state);
     }
     set_rocksdb_memory(m, &node.db);
     m.wal_sync_waiting.set(node.syncer.waiting().as_secs_f64());
@@ -311,6 +307,15 @@ pub fn state_rows(s: &allot_statemachine::State) -> [(&'static str, usize); 13] 
         ("buckets", l.buckets.len()),
         ("principals", s.security.principals.len()),
     ]
+}
+
+/// `allot_state_rows` of one shard from its replica's state.
+fn set_state_rows(m: &crate::metrics::Metrics, shard: &str, state: &allot_statemachine::State) {
+    for (table, rows) in state_rows(state) {
+        m.state_rows
+            .with_label_values(&[shard, table])
+            .set(rows as f64);
+    }
 }
 
 /// RocksDB's memory per column family (`allot_rocksdb_memory_bytes`): memtables
@@ -391,7 +396,7 @@ pub async fn shutdown_signal() {
 
 #[cfg(test)]
 mod tests {
-    use super::set_demand;
+    use super::{set_demand, set_state_rows};
     use crate::metrics::Metrics;
     use allot_statemachine::testkit::*;
     use allot_statemachine::*;
@@ -404,8 +409,8 @@ mod tests {
         h.ok(Command::SubmitJob(spec));
     }
 
-    #[test]
-    fn the_state_rows_count_what_the_traffic_left() {
+    /// The world with 1,000 credits on its project.
+    fn funded() -> Harness {
         let mut h = Harness::world();
         h.grant(
             1,
@@ -414,6 +419,12 @@ mod tests {
             credits(1_000),
             None,
         );
+        h
+    }
+
+    #[test]
+    fn the_state_rows_count_what_the_traffic_left() {
+        let mut h = funded();
         h.fleet(&[(1, a100(), 8, 80), (2, a100(), 8, 80)]);
         let rows = |h: &Harness| -> std::collections::BTreeMap<&str, usize> {
             super::state_rows(&h.state).into_iter().collect()
@@ -436,9 +447,7 @@ mod tests {
         assert_eq!(after["orgs"], h.state.ledger.orgs.len());
         // And the gauge carries them, per shard and table.
         let m = Metrics::new();
-        for (table, n) in super::state_rows(&h.state) {
-            m.state_rows.with_label_values(&["3", table]).set(n as f64);
-        }
+        set_state_rows(&m, "3", &h.state);
         let text = m.encode();
         let line = format!(
             r#"allot_state_rows{{shard="3",table="idempotency_records"}} {}"#,
@@ -449,14 +458,7 @@ mod tests {
 
     #[test]
     fn the_demand_gauges_follow_the_replicas_state() {
-        let mut h = Harness::world();
-        h.grant(
-            1,
-            Account::Project(PROJECT),
-            BucketKind::Paid,
-            credits(1_000),
-            None,
-        );
+        let mut h = funded();
         h.fleet(&[(1, a100(), 8, 80)]);
         submit(&mut h, 10, 8);
         submit(&mut h, 11, 4);
