@@ -72,8 +72,7 @@ pub struct Metrics {
     pub demand_gpus_needed: GaugeVec,
     /// What a shard's replica holds in memory, per table (`table`): the rows that grow
     /// with traffic or tenants, bounded as DESIGN §44 and `statemachine/src/limits.rs`
-    /// say, so memory growth can be read off
-    /// line by line (DESIGN §63).
+    /// say, so memory growth can be read off line by line (DESIGN §63).
     pub state_rows: GaugeVec,
     /// RocksDB's own memory per column family and kind (`memtables`, `table_readers`,
     /// `block_cache`), from its properties at scrape time.

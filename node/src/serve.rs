@@ -295,10 +295,7 @@ pub fn state_rows(s: &allot_statemachine::State) -> [(&'static str, usize); 13] 
         ("holds_open", l.holds.open),
         ("holds_settled", l.holds.settled.len()),
         ("jobs", sched.jobs.len()),
-        (
-            "jobs_active",
-            sched.jobs.len() - sched.finished.len().min(sched.jobs.len()),
-        ),
+        ("jobs_active", sched.active_jobs()),
         ("jobs_finished", sched.finished.len()),
         ("gpu_nodes", s.scheduler.nodes.len()),
         ("orgs", l.orgs.len()),

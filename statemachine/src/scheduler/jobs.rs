@@ -38,6 +38,12 @@ pub const AGENTS_SEE_ONLY_THEIR_JOBS_FROM: u32 = 4;
 pub const RUNNER_EXIT_BILLS_FROM: u32 = 6;
 
 impl Scheduler {
+    /// Jobs not yet finished (queued, placed, running, preempting): what
+    /// `JOBS_ACTIVE_MAX` bounds. Every finished job is still in `jobs` until pruned.
+    pub fn active_jobs(&self) -> usize {
+        self.jobs.len() - self.finished.len()
+    }
+
     pub(crate) fn job_event(
         &self,
         effects: &mut Vec<PendingEvent>,
@@ -276,7 +282,7 @@ impl Scheduler {
         if waiting >= quota.queued_max {
             return Err(CommandError::QuotaExceeded(QuotaKind::QueuedJobs));
         }
-        if self.jobs.len() - self.finished.len() >= JOBS_ACTIVE_MAX {
+        if self.active_jobs() >= JOBS_ACTIVE_MAX {
             return Err(CommandError::LimitReached(Limit::JobsActive));
         }
         let hold_micro = cost_micro(spec.max_duration_ms, price_max, spec.gpus).max(1);
