@@ -11,6 +11,8 @@ fn bad_flags_are_a_usage_error() {
         &["--per-call", "0"],
         &["--rate", "10", "--vs-etcd"],
         &["--window", "5"],
+        &["--reads", "--per-call", "16"],
+        &["--reads", "--rate", "10"],
     ] {
         let out = Command::new(bench).args(bad).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{bad:?}");
@@ -73,4 +75,40 @@ fn a_node_that_exits_during_a_run_is_named_with_its_log() {
         failed_at.elapsed() < std::time::Duration::from_secs(20),
         "{err}"
     );
+}
+
+/// `--reads` sends reads that need no consensus: the run counts answered reads, and the
+/// nodes' `api.execute` histogram (every write goes through it) gains nothing.
+#[test]
+fn reads_are_answered_without_a_command() {
+    let bench = env!("CARGO_BIN_EXE_allot-bench");
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(bench)
+        .args(["--nodes", "1", "--shards", "1", "--seconds", "1"])
+        .args(["--concurrency", "2", "--reads", "--json", "--dir"])
+        .arg(dir.path().join("run"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("\"reads\":true"), "{text}");
+    let row = text
+        .split("{\"system\":\"allot\",\"run\":\"closed loop\"")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no closed-loop row: {text}"));
+    let field = |name: &str| {
+        row.split(&format!("\"{name}\":"))
+            .nth(1)
+            .and_then(|r| r.split([',', '}']).next())
+            .unwrap_or_else(|| panic!("no {name}: {row}"))
+            .to_string()
+    };
+    let reads: u64 = field("commands").parse().unwrap();
+    assert!(reads > 10, "{reads} reads answered in a second: {row}");
+    assert_eq!(field("server_p99_ms_le"), "null", "a write was sent: {row}");
 }

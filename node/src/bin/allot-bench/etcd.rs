@@ -1,5 +1,6 @@
 //! The baseline: a 3-member etcd on loopback (fsync on, etcd's defaults) and this
-//! benchmark's own load generator for it — `KV.Put` of a fixed-size value over gRPC,
+//! benchmark's own load generator for it — `KV.Put` of a fixed-size value over gRPC
+//! (or, with `--reads`, a serializable `KV.Range` of one key),
 //! with the few etcd messages it needs declared by hand (field numbers from etcd's
 //! `rpc.proto`; fields left out are skipped on decode).
 
@@ -30,6 +31,22 @@ pub struct ResponseHeader {
 
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct PutResponse {
+    #[prost(message, optional, tag = "1")]
+    pub header: Option<ResponseHeader>,
+}
+
+/// `KV.Range` of one key; `serializable` answers from the member's own state, without
+/// a round of consensus (etcd's cheapest read).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct RangeRequest {
+    #[prost(bytes = "bytes", tag = "1")]
+    pub key: bytes::Bytes,
+    #[prost(bool, tag = "7")]
+    pub serializable: bool,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct RangeResponse {
     #[prost(message, optional, tag = "1")]
     pub header: Option<ResponseHeader>,
 }
@@ -65,6 +82,16 @@ where
 /// One put; the reply's revision (> 0 once written).
 pub async fn put(ch: &Channel, key: bytes::Bytes, value: bytes::Bytes) -> anyhow::Result<i64> {
     let r: PutResponse = unary(ch, "/etcdserverpb.KV/Put", PutRequest { key, value }).await?;
+    Ok(r.header.map_or(0, |h| h.revision))
+}
+
+/// One serializable read of `key`; the revision the member answered at (> 0).
+pub async fn get(ch: &Channel, key: bytes::Bytes) -> anyhow::Result<i64> {
+    let req = RangeRequest {
+        key,
+        serializable: true,
+    };
+    let r: RangeResponse = unary(ch, "/etcdserverpb.KV/Range", req).await?;
     Ok(r.header.map_or(0, |h| h.revision))
 }
 

@@ -13,9 +13,15 @@
 //! `--rate R` runs one paced run of R commands/s instead (a sustained run), reported
 //! per `--window` seconds with every node's resident memory.
 //!
+//! `--reads` sends reads that need no consensus instead of writes, one per RPC: allot's
+//! `Query::Totals` answered by the shard's leader from its applied state (`stale_ok`),
+//! etcd's serializable `KV.Range` of one key. What a call costs without Raft is the
+//! floor under what a command costs with it (DESIGN §64).
+//!
 //!   allot-bench [--nodes 3] [--shards 4] [--seconds 10] [--concurrency 1,64,512]
 //!               [--per-call 1[,16]] [--vs-etcd [--etcd-bin etcd] [--value-bytes 256]]
-//!               [--rate R [--window S]] [--node-arg FLAG]... [--dir DIR] [--json]
+//!               [--rate R [--window S]] [--reads] [--node-arg FLAG]... [--dir DIR]
+//!               [--json]
 
 mod etcd;
 mod hist;
@@ -29,7 +35,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const USAGE: &str = "usage: allot-bench [--nodes 3] [--shards 4] [--seconds 10] [--concurrency 1,64,512] [--per-call 1[,16]] [--vs-etcd [--etcd-bin PATH] [--value-bytes 256]] [--rate COMMANDS_PER_S [--window SECONDS]] [--node-arg FLAG]... [--dir DIR] [--json]";
+const USAGE: &str = "usage: allot-bench [--nodes 3] [--shards 4] [--seconds 10] [--concurrency 1,64,512] [--per-call 1[,16]] [--vs-etcd [--etcd-bin PATH] [--value-bytes 256]] [--rate COMMANDS_PER_S [--window SECONDS]] [--reads] [--node-arg FLAG]... [--dir DIR] [--json]";
 
 struct Opts {
     nodes: u64,
@@ -45,6 +51,8 @@ struct Opts {
     value_bytes: usize,
     rate: Option<f64>,
     window: u64,
+    /// Reads without consensus instead of writes (`--reads`).
+    reads: bool,
 }
 
 fn list(v: &str) -> anyhow::Result<Vec<usize>> {
@@ -68,6 +76,7 @@ fn parse(args: impl IntoIterator<Item = String>) -> anyhow::Result<Opts> {
         value_bytes: 256,
         rate: None,
         window: 0,
+        reads: false,
     };
     let mut args = args.into_iter();
     while let Some(a) = args.next() {
@@ -86,6 +95,7 @@ fn parse(args: impl IntoIterator<Item = String>) -> anyhow::Result<Opts> {
             "--value-bytes" => o.value_bytes = val()?.parse()?,
             "--rate" => o.rate = Some(val()?.parse()?),
             "--window" => o.window = val()?.parse()?,
+            "--reads" => o.reads = true,
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -103,7 +113,11 @@ fn parse(args: impl IntoIterator<Item = String>) -> anyhow::Result<Opts> {
         };
     }
     if o.per_call.is_empty() {
-        o.per_call = if o.vs_etcd { vec![1, 16] } else { vec![1] };
+        o.per_call = if o.vs_etcd && !o.reads {
+            vec![1, 16]
+        } else {
+            vec![1]
+        };
     }
     if o.nodes == 0
         || o.shards == 0
@@ -123,6 +137,9 @@ fn parse(args: impl IntoIterator<Item = String>) -> anyhow::Result<Opts> {
         }
     } else if o.window != 0 {
         bail!("--window goes with --rate");
+    }
+    if o.reads && (o.rate.is_some() || o.per_call != [1]) {
+        bail!("--reads sends one read per RPC in closed-loop runs: no --rate, --per-call 1");
     }
     if o.window == 0 {
         o.window = o.seconds;
@@ -176,6 +193,9 @@ struct Window {
     seconds: f64,
     /// CPU seconds of every process of the system under test and of this process.
     cpu_s: f64,
+    /// The same per process: the servers in the order they were started, this process
+    /// last.
+    cpu_by_process: Vec<f64>,
     /// Resident memory of each server process at the window's end.
     rss: Vec<u64>,
     /// What each allot node's memory is made of at the window's end, `None` for a node
@@ -191,6 +211,13 @@ impl Window {
     /// CPU µs per committed command (or put).
     fn cpu_us(&self) -> f64 {
         self.cpu_s * 1e6 / self.commands.max(1) as f64
+    }
+
+    /// [`Window::cpu_us`] per process.
+    fn cpu_us_each(&self) -> impl Iterator<Item = f64> + '_ {
+        self.cpu_by_process
+            .iter()
+            .map(|s| s * 1e6 / self.commands.max(1) as f64)
     }
 }
 
@@ -420,6 +447,8 @@ struct Spec<'a> {
     seconds: u64,
     window: u64,
     stream_base: u64,
+    /// Reads without consensus instead of writes.
+    reads: bool,
 }
 
 /// One client's calls: one histogram and command count per window.
@@ -460,6 +489,7 @@ async fn drive(
             .pace
             .map(|r| Duration::from_secs_f64(spec.clients as f64 / r));
         let clients = spec.clients;
+        let reads = spec.reads;
         let stream = spec.stream_base + w as u64;
         let call = match target {
             Target::Allot { shards, .. } => Call::Allot {
@@ -490,7 +520,11 @@ async fn drive(
                     }
                 }
                 let t = Instant::now();
-                let done = call.once(per_call).await?;
+                let done = if reads {
+                    call.read().await?
+                } else {
+                    call.once(per_call).await?
+                };
                 let end = Instant::now();
                 let i = ((end - started).as_secs_f64() / window.as_secs_f64()) as usize;
                 let i = i.min(windows - 1);
@@ -500,7 +534,7 @@ async fn drive(
             Ok::<_, anyhow::Error>(stats)
         }));
     }
-    let mut marks = vec![(0.0, procfs::cpu_total(pids), Vec::new(), Vec::new())];
+    let mut marks = vec![(0.0, procfs::cpu_each(pids), Vec::new(), Vec::new())];
     // The server processes: every pid but the last, which is the benchmark itself.
     let servers = &pids[..pids.len() - 1];
     let mut last = 0u64;
@@ -524,7 +558,7 @@ async fn drive(
                 .map(|&p| procfs::rss_bytes(p).unwrap_or(0))
                 .collect();
             let at = started.elapsed().as_secs_f64();
-            let cpu = procfs::cpu_total(pids);
+            let cpu = procfs::cpu_each(pids);
             let mut memory = Vec::new();
             // Only runs of several windows (the sustained run) follow memory: a
             // closed-loop run is one window and its figures stay as they were.
@@ -554,7 +588,7 @@ async fn drive(
     // they have all come back.
     if let Some(m) = marks.last_mut() {
         m.0 = started.elapsed().as_secs_f64();
-        m.1 = procfs::cpu_total(pids);
+        m.1 = procfs::cpu_each(pids);
     }
     if !json {
         eprintln!();
@@ -569,20 +603,24 @@ async fn drive(
         }
         let (t0, c0, _, _) = &marks[i];
         let (t1, c1, rss, memory) = &marks[(i + 1).min(marks.len() - 1)];
+        let cpu = procfs::cpu_between(c0, c1);
         out.push(Window {
             hist,
             commands,
             seconds: t1 - t0,
-            cpu_s: c1 - c0,
+            cpu_s: cpu.iter().sum(),
+            cpu_by_process: cpu,
             rss: rss.clone(),
             memory: memory.clone(),
         });
     }
+    let total_cpu = procfs::cpu_between(&marks[0].1, &marks[marks.len() - 1].1);
     let mut total = Window {
         hist: Hist::default(),
         commands: 0,
         seconds: marks.last().map_or(0.0, |m| m.0),
-        cpu_s: marks.last().map_or(0.0, |m| m.1) - marks[0].1,
+        cpu_s: total_cpu.iter().sum(),
+        cpu_by_process: total_cpu,
         rss: marks.last().map(|m| m.2.clone()).unwrap_or_default(),
         memory: marks.last().map(|m| m.3.clone()).unwrap_or_default(),
     };
@@ -636,6 +674,26 @@ impl Call {
                 let key = format!("bench/{client:05}/{:04}", *n % 1024);
                 if etcd::put(ch, key.into(), value.clone()).await? <= 0 {
                     bail!("etcd answered a put without a revision");
+                }
+                Ok(1)
+            }
+        }
+    }
+
+    /// Sends one read that needs no consensus (`--reads`); 1 once answered.
+    async fn read(&mut self) -> anyhow::Result<u64> {
+        match self {
+            Call::Allot { client, shard, .. } => {
+                let q = allot_statemachine::query::Query::Totals;
+                match client.query_with(*shard, &q, true).await? {
+                    allot_statemachine::query::Answer::Totals(_) => Ok(1),
+                    other => bail!("a benchmark read was answered with {other:?}"),
+                }
+            }
+            Call::Etcd { ch, client, .. } => {
+                let key = format!("bench/{client:05}/0000");
+                if etcd::get(ch, key.into()).await? <= 0 {
+                    bail!("etcd answered a read without a revision");
                 }
                 Ok(1)
             }
@@ -733,6 +791,7 @@ async fn series(
             seconds: o.seconds,
             window: o.seconds,
             stream_base: *stream,
+            reads: o.reads,
         };
         results.push(run(target, metrics, pids, o, spec).await?);
         *stream += clients as u64;
@@ -749,6 +808,7 @@ async fn series(
             seconds: o.seconds,
             window: o.seconds,
             stream_base: *stream,
+            reads: o.reads,
         };
         *stream += peak.clients as u64;
         results.push(run(target, metrics, pids, o, spec).await?);
@@ -921,6 +981,7 @@ async fn allot_runs(
             seconds: o.seconds,
             window: o.window,
             stream_base: *stream,
+            reads: false,
         };
         results.push(run(target, metrics, pids, o, spec).await?);
     } else {
@@ -934,7 +995,7 @@ async fn allot_runs(
 /// A row's figures as JSON fields (without braces).
 fn json_window(w: &Window) -> String {
     format!(
-        "\"commands\":{},\"seconds\":{:.2},\"commands_per_s\":{:.0},\"p50_ms\":{:.3},\"p99_ms\":{:.3},\"max_ms\":{:.3},\"cpu_seconds\":{:.2},\"cpu_us_per_command\":{:.1},\"rss_bytes\":[{}],\"memory\":[{}]",
+        "\"commands\":{},\"seconds\":{:.2},\"commands_per_s\":{:.0},\"p50_ms\":{:.3},\"p99_ms\":{:.3},\"max_ms\":{:.3},\"cpu_seconds\":{:.2},\"cpu_us_per_command\":{:.1},\"cpu_us_per_command_by_process\":[{}],\"rss_bytes\":[{}],\"memory\":[{}]",
         w.commands,
         w.seconds,
         w.rate(),
@@ -943,6 +1004,10 @@ fn json_window(w: &Window) -> String {
         w.hist.max_ms(),
         w.cpu_s,
         w.cpu_us(),
+        w.cpu_us_each()
+            .map(|c| format!("{c:.1}"))
+            .collect::<Vec<_>>()
+            .join(","),
         w.rss.iter().map(u64::to_string).collect::<Vec<_>>().join(","),
         w.memory
             .iter()
@@ -1093,23 +1158,40 @@ fn report(o: &Opts, results: &[RunResult], etcd_version: Option<&str>) {
             );
         }
         println!(
-            "{{\"nodes\":{},\"shards\":{}{extra},\"results\":[{}]}}",
+            "{{\"nodes\":{},\"shards\":{},\"reads\":{}{extra},\"results\":[{}]}}",
             o.nodes,
             o.shards,
+            o.reads,
             rows.join(",")
         );
         return;
     }
     if let Some(v) = etcd_version {
-        println!(
-            "allot vs etcd {v}: 3 members each, fsync on, loopback, {}s per run; etcd: {}-byte puts to the leader; allot: {} nodes × {} shards, ledger commands (hold → capture → release)",
-            o.seconds, o.value_bytes, o.nodes, o.shards
+        if o.reads {
+            println!(
+                "allot vs etcd {v}: 3 members each, loopback, {}s per run; reads without consensus, one per RPC, answered by the leader: etcd serializable ranges of one key; allot: {} nodes × {} shards, stale-ok totals queries",
+                o.seconds, o.nodes, o.shards
+            );
+        } else {
+            println!(
+                "allot vs etcd {v}: 3 members each, fsync on, loopback, {}s per run; etcd: {}-byte puts to the leader; allot: {} nodes × {} shards, ledger commands (hold → capture → release)",
+                o.seconds, o.value_bytes, o.nodes, o.shards
+            );
+        }
+        let (etcd_what, allot_what) = if o.reads {
+            ("reads", "reads")
+        } else {
+            ("puts", "cmds")
+        };
+        print!(
+            "{:>8} {:>30}",
+            "clients",
+            format!("etcd {etcd_what}/s · p50 · p99 ms")
         );
-        print!("{:>8} {:>30}", "clients", "etcd puts/s · p50 · p99 ms");
         for pc in &o.per_call {
             print!(
                 " {:>44}",
-                format!("allot {pc}/RPC cmds/s · p50 · p99 ms (×etcd)")
+                format!("allot {pc}/RPC {allot_what}/s · p50 · p99 ms (×etcd)")
             );
         }
         println!();
@@ -1135,7 +1217,7 @@ fn report(o: &Opts, results: &[RunResult], etcd_version: Option<&str>) {
         "run",
         "per",
         "clients",
-        "commands/s",
+        if o.reads { "reads/s" } else { "commands/s" },
         "p50 ms",
         "p99 ms",
         "max ms",
@@ -1211,7 +1293,9 @@ fn report(o: &Opts, results: &[RunResult], etcd_version: Option<&str>) {
         }
     }
     let allot: Vec<&RunResult> = results.iter().filter(|r| r.server.is_some()).collect();
-    if allot.is_empty() {
+    // Reads propose nothing: the stages would show only the nodes' own background
+    // entries (clock ticks, denials).
+    if allot.is_empty() || o.reads {
         return;
     }
     println!(
@@ -1329,6 +1413,8 @@ mod tests {
             (o.concurrency.clone(), o.per_call.clone()),
             (vec![64], vec![16])
         );
+        let o = parse(args("--vs-etcd --reads")).unwrap();
+        assert_eq!((o.reads, o.per_call.clone()), (true, vec![1]));
         let o = parse(args("--rate 5000 --seconds 1800 --window 300")).unwrap();
         assert_eq!(
             (o.rate, o.window, o.concurrency.clone()),
@@ -1345,6 +1431,9 @@ mod tests {
             "--rate 10 --concurrency 1,2",
             "--window 5",
             "--value-bytes 0",
+            "--reads --rate 10",
+            "--reads --per-call 16",
+            "--reads --per-call 1,16",
         ] {
             assert!(parse(args(bad)).is_err(), "{bad}");
         }

@@ -43,9 +43,21 @@ pub fn running(pid: u32) -> bool {
     !matches!(state, None | Some("Z" | "X"))
 }
 
-/// CPU seconds of a set of processes (missing ones count 0).
-pub fn cpu_total(pids: &[u32]) -> f64 {
-    pids.iter().filter_map(|&p| cpu_seconds(p)).sum()
+/// CPU seconds of each of a set of processes, in order (a missing one counts 0).
+pub fn cpu_each(pids: &[u32]) -> Vec<f64> {
+    pids.iter()
+        .map(|&p| cpu_seconds(p).unwrap_or(0.0))
+        .collect()
+}
+
+/// What each process used between two readings of [`cpu_each`] (never below 0: a
+/// process that is gone at the second reading counts 0 there).
+pub fn cpu_between(before: &[f64], after: &[f64]) -> Vec<f64> {
+    before
+        .iter()
+        .zip(after)
+        .map(|(b, a)| (a - b).max(0.0))
+        .collect()
 }
 
 #[cfg(test)]
@@ -66,6 +78,10 @@ mod tests {
         assert!(after > before, "{before} → {after}");
         assert!(rss_bytes(me).expect("own status") > 1 << 20);
         assert_eq!(cpu_seconds(u32::MAX), None);
+        let each = cpu_each(&[me, u32::MAX]);
+        assert_eq!((each.len(), each[1]), (2, 0.0));
+        assert!(each[0] >= after);
+        assert_eq!(cpu_between(&[1.0, 5.0], &[1.5, 0.0]), vec![0.5, 0.0]);
     }
 
     #[test]
