@@ -13,6 +13,7 @@ fn bad_flags_are_a_usage_error() {
         &["--window", "5"],
         &["--reads", "--per-call", "16"],
         &["--reads", "--rate", "10"],
+        &["--leaders-on", "4"],
     ] {
         let out = Command::new(bench).args(bad).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{bad:?}");
@@ -111,4 +112,32 @@ fn reads_are_answered_without_a_command() {
     let reads: u64 = field("commands").parse().unwrap();
     assert!(reads > 10, "{reads} reads answered in a second: {row}");
     assert_eq!(field("server_p99_ms_le"), "null", "a write was sent: {row}");
+}
+
+/// `--leaders-on N` moves every shard's leadership to node N before the runs; the JSON
+/// names each shard's leader as the runs began (by default they are spread).
+#[test]
+fn leaders_can_be_placed_on_one_node() {
+    let bench = env!("CARGO_BIN_EXE_allot-bench");
+    for (extra, want) in [
+        (&[][..], "\"leaders\":[1,2]"),
+        (&["--leaders-on", "3"][..], "\"leaders\":[3,3]"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = Command::new(bench)
+            .args(["--nodes", "3", "--shards", "2", "--seconds", "1"])
+            .args(["--concurrency", "1", "--json", "--dir"])
+            .arg(dir.path().join("run"))
+            .args(extra)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{extra:?}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(text.contains(want), "{extra:?}: want {want} in {text}");
+    }
 }

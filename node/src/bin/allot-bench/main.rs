@@ -13,6 +13,9 @@
 //! `--rate R` runs one paced run of R commands/s instead (a sustained run), reported
 //! per `--window` seconds with every node's resident memory.
 //!
+//! `--leaders-on N` moves every shard's leadership to node N before the runs (the
+//! default spreads the leaders over the nodes).
+//!
 //! `--reads` sends reads that need no consensus instead of writes, one per RPC: allot's
 //! `Query::Totals` answered by the shard's leader from its applied state (`stale_ok`),
 //! etcd's serializable `KV.Range` of one key. What a call costs without Raft is the
@@ -20,8 +23,8 @@
 //!
 //!   allot-bench [--nodes 3] [--shards 4] [--seconds 10] [--concurrency 1,64,512]
 //!               [--per-call 1[,16]] [--vs-etcd [--etcd-bin etcd] [--value-bytes 256]]
-//!               [--rate R [--window S]] [--reads] [--node-arg FLAG]... [--dir DIR]
-//!               [--json]
+//!               [--rate R [--window S]] [--reads] [--leaders-on N] [--node-arg FLAG]...
+//!               [--dir DIR] [--json]
 
 mod etcd;
 mod hist;
@@ -35,7 +38,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const USAGE: &str = "usage: allot-bench [--nodes 3] [--shards 4] [--seconds 10] [--concurrency 1,64,512] [--per-call 1[,16]] [--vs-etcd [--etcd-bin PATH] [--value-bytes 256]] [--rate COMMANDS_PER_S [--window SECONDS]] [--reads] [--node-arg FLAG]... [--dir DIR] [--json]";
+const USAGE: &str = "usage: allot-bench [--nodes 3] [--shards 4] [--seconds 10] [--concurrency 1,64,512] [--per-call 1[,16]] [--vs-etcd [--etcd-bin PATH] [--value-bytes 256]] [--rate COMMANDS_PER_S [--window SECONDS]] [--reads] [--leaders-on NODE] [--node-arg FLAG]... [--dir DIR] [--json]";
 
 struct Opts {
     nodes: u64,
@@ -53,6 +56,8 @@ struct Opts {
     window: u64,
     /// Reads without consensus instead of writes (`--reads`).
     reads: bool,
+    /// The node every shard's leadership is moved to (`--leaders-on`).
+    leaders_on: Option<u64>,
 }
 
 fn list(v: &str) -> anyhow::Result<Vec<usize>> {
@@ -77,6 +82,7 @@ fn parse(args: impl IntoIterator<Item = String>) -> anyhow::Result<Opts> {
         rate: None,
         window: 0,
         reads: false,
+        leaders_on: None,
     };
     let mut args = args.into_iter();
     while let Some(a) = args.next() {
@@ -96,6 +102,7 @@ fn parse(args: impl IntoIterator<Item = String>) -> anyhow::Result<Opts> {
             "--rate" => o.rate = Some(val()?.parse()?),
             "--window" => o.window = val()?.parse()?,
             "--reads" => o.reads = true,
+            "--leaders-on" => o.leaders_on = Some(val()?.parse()?),
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -137,6 +144,9 @@ fn parse(args: impl IntoIterator<Item = String>) -> anyhow::Result<Opts> {
         }
     } else if o.window != 0 {
         bail!("--window goes with --rate");
+    }
+    if o.leaders_on.is_some_and(|n| n == 0 || n > o.nodes) {
+        bail!("--leaders-on names one of the --nodes (1 to {})", o.nodes);
     }
     if o.reads && (o.rate.is_some() || o.per_call != [1]) {
         bail!("--reads sends one read per RPC in closed-loop runs: no --rate, --per-call 1");
@@ -854,6 +864,23 @@ async fn start_allot(o: &Opts, dir: &std::path::Path) -> anyhow::Result<(LocalCl
             bail!("setup failed on shard {s}: {bad:?}");
         }
     }
+    if let Some(node) = o.leaders_on {
+        let admin = c.admin_client()?;
+        for s in 0..o.shards {
+            if c.leader_of(s).await? != node {
+                admin.transfer_leader(s, Some(node)).await?;
+            }
+        }
+        for s in 0..o.shards {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while c.leader_of(s).await.ok() != Some(node) {
+                if Instant::now() > deadline {
+                    bail!("shard {s}'s leadership did not move to node {node}");
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
     Ok((c, client))
 }
 
@@ -924,6 +951,11 @@ async fn bench(o: Opts) -> anyhow::Result<()> {
         etcd_ver = Some(version);
     }
     let (mut c, client) = start_allot(&o, &dir.join("allot")).await?;
+    // Which node led each shard when the runs began.
+    let mut leaders = Vec::new();
+    for s in 0..o.shards {
+        leaders.push(c.leader_of(s).await?);
+    }
     let metrics: Vec<String> = c.nodes.iter().map(|n| n.metrics_addr.clone()).collect();
     let mut pids: Vec<u32> = c.nodes.iter().filter_map(|n| c.pid(n.id)).collect();
     pids.push(me);
@@ -940,7 +972,7 @@ async fn bench(o: Opts) -> anyhow::Result<()> {
         None => e,
     })?;
     results.extend(results_allot);
-    report(&o, &results, etcd_ver.as_deref());
+    report(&o, &results, etcd_ver.as_deref(), &leaders);
     drop(c);
     Ok(())
 }
@@ -1121,7 +1153,7 @@ fn compare(o: &Opts, results: &[RunResult]) -> Vec<Compared> {
         .collect()
 }
 
-fn report(o: &Opts, results: &[RunResult], etcd_version: Option<&str>) {
+fn report(o: &Opts, results: &[RunResult], etcd_version: Option<&str>, leaders: &[u64]) {
     let compared = if etcd_version.is_some() {
         compare(o, results)
     } else {
@@ -1158,9 +1190,14 @@ fn report(o: &Opts, results: &[RunResult], etcd_version: Option<&str>) {
             );
         }
         println!(
-            "{{\"nodes\":{},\"shards\":{},\"reads\":{}{extra},\"results\":[{}]}}",
+            "{{\"nodes\":{},\"shards\":{},\"leaders\":[{}],\"reads\":{}{extra},\"results\":[{}]}}",
             o.nodes,
             o.shards,
+            leaders
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
             o.reads,
             rows.join(",")
         );
@@ -1413,6 +1450,8 @@ mod tests {
             (o.concurrency.clone(), o.per_call.clone()),
             (vec![64], vec![16])
         );
+        let o = parse(args("--nodes 5 --leaders-on 5")).unwrap();
+        assert_eq!(o.leaders_on, Some(5));
         let o = parse(args("--vs-etcd --reads")).unwrap();
         assert_eq!((o.reads, o.per_call.clone()), (true, vec![1]));
         let o = parse(args("--rate 5000 --seconds 1800 --window 300")).unwrap();
@@ -1434,6 +1473,9 @@ mod tests {
             "--reads --rate 10",
             "--reads --per-call 16",
             "--reads --per-call 1,16",
+            "--leaders-on 0",
+            "--leaders-on 4",
+            "--nodes 5 --leaders-on 6",
         ] {
             assert!(parse(args(bad)).is_err(), "{bad}");
         }
