@@ -78,25 +78,38 @@ fn a_node_that_exits_during_a_run_is_named_with_its_log() {
     );
 }
 
+/// Runs a one-second benchmark with `args` and `--json`; its JSON once it succeeded.
+fn run_json(args: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_allot-bench"))
+        .args(["--seconds", "1", "--json", "--dir"])
+        .arg(dir.path().join("run"))
+        .args(args)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{args:?}: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
 /// `--reads` sends reads that need no consensus: the run counts answered reads, and the
 /// nodes' `api.execute` histogram (every write goes through it) gains nothing.
 #[test]
 fn reads_are_answered_without_a_command() {
-    let bench = env!("CARGO_BIN_EXE_allot-bench");
-    let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(bench)
-        .args(["--nodes", "1", "--shards", "1", "--seconds", "1"])
-        .args(["--concurrency", "2", "--reads", "--json", "--dir"])
-        .arg(dir.path().join("run"))
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = run_json(&[
+        "--nodes",
+        "1",
+        "--shards",
+        "1",
+        "--concurrency",
+        "2",
+        "--reads",
+    ]);
     assert!(text.contains("\"reads\":true"), "{text}");
     let row = text
         .split("{\"system\":\"allot\",\"run\":\"closed loop\"")
@@ -118,26 +131,16 @@ fn reads_are_answered_without_a_command() {
 /// names each shard's leader as the runs began (by default they are spread).
 #[test]
 fn leaders_can_be_placed_on_one_node() {
-    let bench = env!("CARGO_BIN_EXE_allot-bench");
     for (extra, want) in [
         (&[][..], "\"leaders\":[1,2]"),
         (&["--leaders-on", "3"][..], "\"leaders\":[3,3]"),
     ] {
-        let dir = tempfile::tempdir().unwrap();
-        let out = Command::new(bench)
-            .args(["--nodes", "3", "--shards", "2", "--seconds", "1"])
-            .args(["--concurrency", "1", "--json", "--dir"])
-            .arg(dir.path().join("run"))
-            .args(extra)
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert_eq!(
-            out.status.code(),
-            Some(0),
-            "{extra:?}: {text}{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let args = [
+            &["--nodes", "3", "--shards", "2", "--concurrency", "1"][..],
+            extra,
+        ]
+        .concat();
+        let text = run_json(&args);
         assert!(text.contains(want), "{extra:?}: want {want} in {text}");
     }
 }
