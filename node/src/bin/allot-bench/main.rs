@@ -457,8 +457,6 @@ struct Spec<'a> {
     seconds: u64,
     window: u64,
     stream_base: u64,
-    /// Reads without consensus instead of writes.
-    reads: bool,
 }
 
 /// One client's calls: one histogram and command count per window.
@@ -469,8 +467,9 @@ async fn drive(
     spec: &Spec<'_>,
     pids: &[u32],
     metrics: &[String],
-    json: bool,
+    o: &Opts,
 ) -> anyhow::Result<(Window, Vec<Window>)> {
+    let json = o.json;
     let stop = Arc::new(AtomicBool::new(false));
     let windows = spec.seconds.div_ceil(spec.window) as usize;
     let started = Instant::now();
@@ -499,7 +498,7 @@ async fn drive(
             .pace
             .map(|r| Duration::from_secs_f64(spec.clients as f64 / r));
         let clients = spec.clients;
-        let reads = spec.reads;
+        let reads = o.reads;
         let stream = spec.stream_base + w as u64;
         let call = match target {
             Target::Allot { shards, .. } => Call::Allot {
@@ -747,7 +746,7 @@ async fn run(
         ]
     };
     let before = scrape().await;
-    let (total, windows) = drive(target, &spec, pids, metrics, o.json).await?;
+    let (total, windows) = drive(target, &spec, pids, metrics, o).await?;
     let after = scrape().await;
     let (b, a) = (|i: usize| &before[i].buckets, |i: usize| &after[i].buckets);
     let server = matches!(target, Target::Allot { .. }).then(|| Server {
@@ -801,7 +800,6 @@ async fn series(
             seconds: o.seconds,
             window: o.seconds,
             stream_base: *stream,
-            reads: o.reads,
         };
         results.push(run(target, metrics, pids, o, spec).await?);
         *stream += clients as u64;
@@ -818,7 +816,6 @@ async fn series(
             seconds: o.seconds,
             window: o.seconds,
             stream_base: *stream,
-            reads: o.reads,
         };
         *stream += peak.clients as u64;
         results.push(run(target, metrics, pids, o, spec).await?);
@@ -1013,7 +1010,6 @@ async fn allot_runs(
             seconds: o.seconds,
             window: o.window,
             stream_base: *stream,
-            reads: false,
         };
         results.push(run(target, metrics, pids, o, spec).await?);
     } else {
