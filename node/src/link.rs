@@ -17,10 +17,15 @@
 //! releases replicates during a rolling upgrade, and routes (`--peer-route`, the fault
 //! harness's proxies) carry the link as they carry gRPC.
 //!
-//! **Not under TLS.** A node that serves TLS neither serves nor dials the link (its peer
-//! traffic stays gRPC over mutual TLS): telling a link from HTTP/2 after the handshake
-//! needs the TLS listener to be allot's own instead of tonic's (ALPN), which this release
-//! does not do. `--peer-link off` turns the link off on a plaintext node as well.
+//! **Under TLS** the link runs inside a TLS session whose ALPN is
+//! [`crate::tls::ALPN_LINK`]: the dialler presents its node certificate, the listener
+//! (allot's own, `crate::serve`) tells a link from HTTP/2 by the negotiated protocol, and
+//! the hello that follows is the same. The listener admits it only with a client
+//! certificate of the cluster CA (and the peer secret, when one is configured), as the
+//! gRPC Raft service does. A TLS listener without the link (an older release, or
+//! `--peer-link off`) refuses the protocol in the handshake, and the dialler uses gRPC
+//! for that peer as it does for a plaintext node without it. `--peer-link off` turns the
+//! link off either way.
 //!
 //! **Authentication and bounds**, as for the gRPC service (`crate::peer`): the first
 //! frame is a hello carrying the peer secret, checked by [`PeerAuth::admits_link`]
@@ -57,6 +62,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::oneshot;
+use tokio_rustls::rustls;
 
 /// The first bytes of a link connection, both ways; the last is the link's version.
 pub const MAGIC: &[u8; 8] = b"ALLOTPL\x01";
@@ -192,11 +198,15 @@ impl Half {
             let Some((frame, out)) = pending.as_mut() else {
                 return Ok(());
             };
+            let writer = w.as_mut().ok_or_else(closed_error)?;
             if *out >= frame.len() {
+                // All of it is with the writer; a TLS session may still hold encrypted
+                // bytes that the socket did not take. The frame stays pending until they
+                // are out, so a writer dropped here leaves them to the finisher.
+                writer.flush().await?;
                 *pending = None;
                 return Ok(());
             }
-            let writer = w.as_mut().ok_or_else(closed_error)?;
             let n = writer.write(&frame[*out..]).await?;
             if n == 0 {
                 return Err(std::io::ErrorKind::WriteZero.into());
@@ -357,6 +367,8 @@ const RETRY_UNREACHABLE_MAX: Duration = Duration::from_secs(5);
 pub struct Link {
     dial: String,
     credential: PeerCredential,
+    /// Dial inside TLS with this configuration (the node serves TLS).
+    tls: Option<Arc<rustls::ClientConfig>>,
     next_id: AtomicU64,
     state: Arc<Mutex<LinkState>>,
 }
@@ -366,9 +378,16 @@ impl Link {
         Link {
             dial,
             credential,
+            tls: None,
             next_id: AtomicU64::new(1),
             state: Arc::default(),
         }
+    }
+
+    /// The same link dialled inside TLS (`crate::tls::link_client_config`).
+    pub fn over_tls(mut self, tls: Option<Arc<rustls::ClientConfig>>) -> Link {
+        self.tls = tls;
+        self
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, LinkState> {
@@ -403,6 +422,7 @@ impl Link {
         tokio::spawn(attempt(
             self.dial.clone(),
             self.credential.clone(),
+            self.tls.clone(),
             self.state.clone(),
             tx,
         ));
@@ -497,6 +517,7 @@ impl Link {
 async fn attempt(
     dial: String,
     credential: PeerCredential,
+    tls: Option<Arc<rustls::ClientConfig>>,
     state: Arc<Mutex<LinkState>>,
     tx: tokio::sync::watch::Sender<Option<Dialled>>,
 ) {
@@ -516,12 +537,12 @@ async fn attempt(
         }
     }
     let _slot = Slot(&state, &tx);
-    let outcome =
-        tokio::time::timeout(CONNECT_TIMEOUT + HELLO_TIMEOUT, connect(&dial, &credential))
-            .await
-            .unwrap_or_else(|_| {
-                Dialled::Unreachable(format!("{dial}: no peer link within the timeout"))
-            });
+    let outcome = tokio::time::timeout(
+        CONNECT_TIMEOUT + HELLO_TIMEOUT,
+        connect(&dial, &credential, tls),
+    )
+    .await
+    .unwrap_or_else(|_| Dialled::Unreachable(format!("{dial}: no peer link within the timeout")));
     {
         let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
         s.connecting = None;
@@ -584,7 +605,11 @@ fn keep_alive(stream: &tokio::net::TcpStream) {
 #[cfg(not(target_os = "linux"))]
 fn keep_alive(_: &tokio::net::TcpStream) {}
 
-async fn connect(dial: &str, credential: &PeerCredential) -> Dialled {
+async fn connect(
+    dial: &str,
+    credential: &PeerCredential,
+    tls: Option<Arc<rustls::ClientConfig>>,
+) -> Dialled {
     let stream =
         match tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(dial)).await {
             Err(_) => return Dialled::Unreachable(format!("{dial}: connect timed out")),
@@ -595,13 +620,60 @@ async fn connect(dial: &str, credential: &PeerCredential) -> Dialled {
         return Dialled::Unreachable(e.to_string());
     }
     keep_alive(&stream);
-    let (mut r, mut w) = stream.into_split();
+    let Some(tls) = tls else {
+        let (r, w) = stream.into_split();
+        return hello(dial, credential, r, w).await;
+    };
+    let name = match crate::tls::server_name(dial) {
+        Ok(n) => n,
+        Err(e) => return Dialled::Unreachable(format!("{e:#}")),
+    };
+    let session = match tokio_rustls::TlsConnector::from(tls)
+        .connect(name, stream)
+        .await
+    {
+        Ok(s) => s,
+        // A TLS listener that does not offer the link's ALPN: an older release, or a
+        // node with the link off.
+        Err(e) if refused_protocol(&e) => return Dialled::Unsupported,
+        Err(e) => return Dialled::Unreachable(format!("{dial}: TLS: {e}")),
+    };
+    if session.get_ref().1.alpn_protocol() != Some(crate::tls::ALPN_LINK) {
+        return Dialled::Unsupported;
+    }
+    let (r, w) = tokio::io::split(session);
+    hello(dial, credential, r, w).await
+}
+
+/// Whether a TLS handshake failed because the listener does not speak the link's ALPN.
+fn refused_protocol(e: &std::io::Error) -> bool {
+    e.get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        .is_some_and(|e| {
+            matches!(
+                e,
+                rustls::Error::AlertReceived(rustls::AlertDescription::NoApplicationProtocol)
+            )
+        })
+}
+
+/// The link's hello on a connected stream (plain or inside TLS), then its reader.
+async fn hello<R, W>(dial: &str, credential: &PeerCredential, mut r: R, mut w: W) -> Dialled
+where
+    R: AsyncRead + Send + Unpin + 'static,
+    W: AsyncWrite + Send + Unpin + 'static,
+{
     let secret = credential.secret_bytes();
     let mut hello = Vec::with_capacity(MAGIC.len() + 2 + secret.len());
     hello.extend_from_slice(MAGIC);
     hello.extend_from_slice(&(secret.len() as u16).to_le_bytes());
     hello.extend_from_slice(secret);
-    if let Err(e) = w.write_all(&hello).await {
+    if let Err(e) = async {
+        w.write_all(&hello).await?;
+        w.flush().await
+    }
+    .await
+    {
         return Dialled::Unreachable(format!("{dial}: {e}"));
     }
     let mut ack = [0u8; 9];
@@ -616,7 +688,8 @@ async fn connect(dial: &str, credential: &PeerCredential) -> Dialled {
     }
     if ack[8] != 0 {
         return Dialled::Refused(format!(
-            "{dial}: the peer refused this node's link (the peer secret is missing or wrong)"
+            "{dial}: the peer refused this node's link (the peer secret or certificate is \
+             missing or wrong)"
         ));
     }
     let waiters: Waiters = Arc::default();
@@ -661,16 +734,26 @@ async fn read_replies<R: AsyncRead + Unpin>(mut r: R, waiters: Waiters) {
 }
 
 /// Links by advertised peer address.
-#[derive(Default)]
 pub struct Links {
     map: Mutex<HashMap<String, Arc<Link>>>,
+    /// Every link is dialled inside TLS with this (the node serves TLS).
+    tls: Option<Arc<rustls::ClientConfig>>,
 }
 
 impl Links {
+    pub fn new(tls: Option<Arc<rustls::ClientConfig>>) -> Links {
+        Links {
+            map: Mutex::default(),
+            tls,
+        }
+    }
+
     pub fn get(&self, addr: &str, dial: &str, credential: &PeerCredential) -> Arc<Link> {
         let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
         map.entry(addr.to_string())
-            .or_insert_with(|| Arc::new(Link::new(dial.to_string(), credential.clone())))
+            .or_insert_with(|| {
+                Arc::new(Link::new(dial.to_string(), credential.clone()).over_tls(self.tls.clone()))
+            })
             .clone()
     }
 }
@@ -734,8 +817,9 @@ pub struct Served {
 
 /// Serves one link connection (its magic not yet read) until it closes, breaks a rule
 /// or the node stops. Its requests in handling end with it, and its writing half is
-/// shut down, so the dialler sees the end at once.
-pub async fn serve<S>(stream: S, served: Served)
+/// shut down, so the dialler sees the end at once. `peer_cert`: the connection is a TLS
+/// session whose client presented a certificate of the cluster CA.
+pub async fn serve<S>(stream: S, served: Served, peer_cert: bool)
 where
     S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
@@ -745,7 +829,7 @@ where
     let broken = Arc::new(tokio::sync::Notify::new());
     let mut handling = tokio::task::JoinSet::new();
     tokio::select! {
-        r = serve_conn(r, &writer, served.clone(), broken.clone(), &mut handling) => {
+        r = serve_conn(r, &writer, served.clone(), peer_cert, broken.clone(), &mut handling) => {
             if let Err(e) = r {
                 tracing::debug!(error = %e, "peer link connection ended");
             }
@@ -763,6 +847,7 @@ async fn serve_conn<R>(
     r: R,
     writer: &Arc<FrameWriter>,
     served: Served,
+    peer_cert: bool,
     broken: Arc<tokio::sync::Notify>,
     handling: &mut tokio::task::JoinSet<()>,
 ) -> std::io::Result<()>
@@ -788,7 +873,7 @@ where
     .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no link hello in time"))??;
     let mut ack = [0u8; 9];
     ack[..8].copy_from_slice(MAGIC);
-    if !served.auth.admits_link(&secret) {
+    if !served.auth.admits_link(&secret, peer_cert) {
         served
             .connections
             .with_label_values(&["unauthenticated"])

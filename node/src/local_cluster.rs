@@ -360,18 +360,28 @@ impl LocalCluster {
     /// A client of this cluster as its operator: the admin token (once secured) and
     /// the dev CA (with TLS).
     pub fn admin_client(&self) -> anyhow::Result<Client> {
+        let mut b = self.client_builder()?;
+        if let Some(t) = &self.admin_token {
+            b = b.token(t.clone());
+        }
+        Ok(b.build()?)
+    }
+
+    /// A client of this cluster as [`client`] makes it, trusting the dev CA (with TLS).
+    pub fn client(&self) -> anyhow::Result<Client> {
+        Ok(self.client_builder()?.build()?)
+    }
+
+    fn client_builder(&self) -> anyhow::Result<allot_client::ClientBuilder> {
         let mut b = Client::builder()
             .endpoints(self.endpoints())
             .retries(u32::MAX)
             .timeout(Duration::from_secs(30))
             .attempt_timeout(Duration::from_secs(5));
-        if let Some(t) = &self.admin_token {
-            b = b.token(t.clone());
-        }
         if let Some(d) = &self.tls_dir {
             b = b.tls_ca(std::fs::read(d.join("ca.pem"))?);
         }
-        Ok(b.build()?)
+        Ok(b)
     }
 
     pub async fn status(&self, id: u64) -> anyhow::Result<StatusReply> {

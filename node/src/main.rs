@@ -198,8 +198,8 @@ struct RunArgs {
     #[arg(long, env = "ALLOT_PEER_SECRET_FILE")]
     peer_secret_file: Option<PathBuf>,
     /// Raft traffic between nodes over the peer link (`on`: framed TCP on this same port,
-    /// falling back to gRPC for a peer of an older release) or gRPC only (`off`). A node
-    /// serving TLS uses gRPC over mutual TLS either way.
+    /// inside mutual TLS when the node serves TLS, falling back to gRPC for a peer of an
+    /// older release) or gRPC only (`off`).
     #[arg(long, env = "ALLOT_PEER_LINK", default_value = "on",
           value_parser = clap::builder::PossibleValuesParser::new(["on", "off"]))]
     peer_link: String,

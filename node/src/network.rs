@@ -45,22 +45,22 @@ pub struct Channels {
     tls: Option<ClientTlsConfig>,
     /// What this node presents to its peers (the peer secret, when configured).
     pub credential: PeerCredential,
-    /// The peer links (`crate::link`), when this node dials them (plaintext, not off).
+    /// The peer links (`crate::link`), when this node dials them (not `--peer-link off`).
     links: Option<crate::link::Links>,
 }
 
 impl Channels {
     pub fn new(
         routes: HashMap<String, String>,
-        tls: Option<ClientTlsConfig>,
+        tls: Option<&crate::tls::Tls>,
         credential: PeerCredential,
         link: bool,
     ) -> Channels {
         Channels {
             map: Mutex::default(),
-            links: (link && tls.is_none()).then(crate::link::Links::default),
+            links: link.then(|| crate::link::Links::new(tls.map(|t| t.link.clone()))),
             routes,
-            tls,
+            tls: tls.map(|t| t.client.clone()),
             credential,
         }
     }

@@ -195,10 +195,14 @@ impl Node {
             .with_context(|| format!("opening RocksDB in {}", config.data_dir.display()))?;
         check_shard_count(&db, config.shards)?;
         let clock = Arc::new(ClusterClock::new(config.clock_offset_ms));
-        let tls = config.tls.as_ref().map(crate::tls::Tls::load).transpose()?;
+        let tls = config
+            .tls
+            .as_ref()
+            .map(|f| crate::tls::Tls::load(f, config.peer_link))
+            .transpose()?;
         let channels = Arc::new(Channels::new(
             config.peer_routes.iter().cloned().collect(),
-            tls.as_ref().map(|t| t.client.clone()),
+            tls.as_ref(),
             crate::peer::PeerCredential::new(config.peer_secret.as_deref())?,
             config.peer_link,
         ));
@@ -320,7 +324,7 @@ impl Node {
                 hold: Arc::default(),
             });
         }
-        let peer_link = config.peer_link && tls.is_none();
+        let peer_link = config.peer_link;
         let node = Arc::new(Node {
             id: config.id,
             advertise: config.advertise.clone(),

@@ -106,10 +106,11 @@ impl PeerAuth {
     }
 
     /// Whether a peer-link hello carrying `secret` is a peer's (`crate::link`): the same
-    /// rule as the interceptor's, on a connection without a certificate — the link is
-    /// never served under TLS, so a node that requires certificates refuses it. Open when
-    /// no peer authentication is set up.
-    pub fn admits_link(&self, secret: &[u8]) -> bool {
+    /// rule as the interceptor's. `peer_cert`: the link runs inside a TLS session whose
+    /// client presented a certificate of the cluster CA (a node that requires
+    /// certificates refuses a link without one). Open when no peer authentication is
+    /// set up.
+    pub fn admits_link(&self, secret: &[u8], peer_cert: bool) -> bool {
         if !self.configured() {
             return true;
         }
@@ -117,7 +118,7 @@ impl PeerAuth {
         if let Ok(v) = MetadataValue::try_from(secret) {
             meta.insert(PEER_SECRET, v);
         }
-        self.credentials_ok(&meta, false)
+        self.credentials_ok(&meta, peer_cert)
     }
 
     fn credentials_ok(&self, meta: &MetadataMap, peer_cert: bool) -> bool {

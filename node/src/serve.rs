@@ -91,31 +91,22 @@ pub async fn serve(
     // Message bytes being read or handled: one budget for client calls, one for Raft.
     let client = Budget::new("admission", CLIENT_BYTES_IN_FLIGHT_MAX).counted(refusals.clone());
     let peers = Budget::new("admission:raft", RAFT_BYTES_IN_FLIGHT_MAX).counted(refusals);
-    // With the peer link, each connection's first bytes say whether it is a link or a
-    // gRPC connection (`crate::link`); links end when the node stops serving.
+    // With the peer link, each connection's first bytes (plaintext) or its negotiated
+    // protocol (TLS) say whether it is a link or a gRPC connection (`crate::link`); links
+    // end when the node stops serving.
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let shutdown = async move {
         shutdown.await;
         let _ = stop.send(true);
     };
-    let incoming: std::pin::Pin<Box<dyn futures::Stream<Item = _> + Send>> = if node.peer_link {
-        Box::pin(split_links(
-            incoming,
-            crate::link::Served {
-                services: services.clone(),
-                auth: node.peer_auth.clone(),
-                budget: peers.clone(),
-                stop: stopped,
-                connections: node.metrics.peer_link_connections.clone(),
-            },
-        ))
-    } else {
-        Box::pin(incoming)
-    };
-    let mut builder = tonic::transport::Server::builder();
-    if let Some(tls) = &node.tls {
-        builder = builder.tls_config(tls.server.clone())?;
-    }
+    let link = node.peer_link.then(|| crate::link::Served {
+        services: services.clone(),
+        auth: node.peer_auth.clone(),
+        budget: peers.clone(),
+        stop: stopped.clone(),
+        connections: node.metrics.peer_link_connections.clone(),
+    });
+    let builder = tonic::transport::Server::builder();
     // The internal Raft service authenticates its caller from the request's headers,
     // before the body is read (`crate::peer`).
     let peer_auth = node.peer_auth.clone();
@@ -130,7 +121,7 @@ pub async fn serve(
     );
     // Health and reflection take tonic's default message bound; admission holds them to
     // the client bound.
-    let served = builder
+    let router = builder
         .timeout(Duration::from_secs(30))
         .tcp_nodelay(true)
         .max_concurrent_streams(CONCURRENT_STREAMS_PER_CONNECTION_MAX)
@@ -165,9 +156,40 @@ pub async fn serve(
                 CLIENT_MESSAGE_MAX,
             ),
         )
-        .add_service(raft)
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await;
+        .add_service(raft);
+    // Under TLS the listener is allot's own (`crate::tls`): tonic is handed the
+    // sessions, whose client certificates its requests carry as with its own listener.
+    let served = match (&node.tls, link) {
+        (Some(tls), link) => {
+            let acceptor = tokio_rustls::TlsAcceptor::from(tls.server.clone());
+            let linked = link.is_some();
+            let classify = move |io: Counted<tokio::net::TcpStream>| {
+                let acceptor = acceptor.clone();
+                async move { accept_tls(&acceptor, io, linked).await }
+            };
+            let incoming = route_connections(incoming, stopped, link, classify);
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+        }
+        (None, Some(link)) => {
+            let classify = |io: Counted<tokio::net::TcpStream>| async move {
+                match crate::link::is_link(io.get_ref()).await? {
+                    true => Some(Route::Link(io, false)),
+                    false => Some(Route::Grpc(io)),
+                }
+            };
+            let incoming = route_connections(incoming, stopped, Some(link), classify);
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+        }
+        (None, None) => {
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+        }
+    };
     tracing::info!("gRPC server stopped; shutting the shards down");
     // Also when the server failed: the process must not exit under a snapshot build.
     node.shutdown().await;
@@ -175,23 +197,71 @@ pub async fn serve(
     Ok(())
 }
 
+/// Where a new connection goes.
+enum Route<IO> {
+    /// To the gRPC server.
+    Grpc(IO),
+    /// To the peer link; `true` when it is a TLS session whose client presented a
+    /// certificate of the cluster CA.
+    Link(IO, bool),
+}
+
+/// The TLS handshake of a new connection, bounded by `LINK_FIRST_BYTES_TIMEOUT` (a
+/// connection that stalls in it holds up nobody but its own task). A session that
+/// negotiated the link's ALPN is a link when `link` (the listener offers the protocol
+/// only then); any other is gRPC. `None`: the handshake failed or timed out.
+async fn accept_tls(
+    acceptor: &tokio_rustls::TlsAcceptor,
+    io: Counted<tokio::net::TcpStream>,
+    link: bool,
+) -> Option<Route<tokio_rustls::server::TlsStream<Counted<tokio::net::TcpStream>>>> {
+    let session =
+        match tokio::time::timeout(crate::limits::LINK_FIRST_BYTES_TIMEOUT, acceptor.accept(io))
+            .await
+        {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "TLS handshake failed");
+                return None;
+            }
+            Err(_) => {
+                tracing::debug!("TLS handshake timed out");
+                return None;
+            }
+        };
+    let conn = session.get_ref().1;
+    if link && conn.alpn_protocol() == Some(crate::tls::ALPN_LINK) {
+        let cert = conn.peer_certificates().is_some_and(|c| !c.is_empty());
+        return Some(Route::Link(session, cert));
+    }
+    Some(Route::Grpc(session))
+}
+
 /// Serves the peer links among `incoming`'s connections and yields the others (for the
-/// gRPC server). Each connection is classified on its own task, so one that is slow to
-/// send its first bytes holds up nobody; it is dropped after `FIRST_BYTES_TIMEOUT`.
-fn split_links(
+/// gRPC server), as `classify` routes them. Each connection is classified on its own
+/// task, so one that is slow to send its first bytes or to finish its handshake holds
+/// up nobody; `classify` bounds how long it waits.
+fn route_connections<IO, C, F>(
     incoming: impl futures::Stream<Item = std::io::Result<Counted<tokio::net::TcpStream>>>
         + Send
         + 'static,
-    served: crate::link::Served,
-) -> impl futures::Stream<Item = std::io::Result<Counted<tokio::net::TcpStream>>> + Send {
+    stop: tokio::sync::watch::Receiver<bool>,
+    link: Option<crate::link::Served>,
+    classify: C,
+) -> impl futures::Stream<Item = std::io::Result<IO>> + Send
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+    C: Fn(Counted<tokio::net::TcpStream>) -> F + Send + 'static,
+    F: Future<Output = Option<Route<IO>>> + Send + 'static,
+{
     let (tx, rx) = tokio::sync::mpsc::channel(64);
-    let mut stop = served.stop.clone();
     tokio::spawn(async move {
         let mut incoming = std::pin::pin!(incoming);
+        let mut stopping = stop.clone();
         loop {
             let next = tokio::select! {
                 n = futures::StreamExt::next(&mut incoming) => n,
-                _ = stop.wait_for(|s| *s) => None,
+                _ = stopping.wait_for(|s| *s) => None,
                 _ = tx.closed() => None,
             };
             let Some(accepted) = next else { return };
@@ -204,19 +274,21 @@ fn split_links(
                     continue;
                 }
             };
-            let (tx, served) = (tx.clone(), served.clone());
+            let (tx, link, mut stop) = (tx.clone(), link.clone(), stop.clone());
+            let route = classify(io);
             tokio::spawn(async move {
-                let mut stop = served.stop.clone();
-                let kind = tokio::select! {
-                    k = crate::link::is_link(io.get_ref()) => k,
+                let route = tokio::select! {
+                    r = route => r,
                     _ = stop.wait_for(|s| *s) => None,
                 };
-                match kind {
-                    Some(true) => crate::link::serve(io, served).await,
-                    Some(false) => {
+                match (route, link) {
+                    (Some(Route::Link(io, cert)), Some(link)) => {
+                        crate::link::serve(io, link, cert).await
+                    }
+                    (Some(Route::Grpc(io)), _) => {
                         let _ = tx.send(Ok(io)).await;
                     }
-                    None => {}
+                    _ => {}
                 }
             });
         }

@@ -14,6 +14,7 @@ fn bad_flags_are_a_usage_error() {
         &["--reads", "--per-call", "16"],
         &["--reads", "--rate", "10"],
         &["--leaders-on", "4"],
+        &["--tls", "--vs-etcd"],
     ] {
         let out = Command::new(bench).args(bad).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{bad:?}");
@@ -143,4 +144,30 @@ fn leaders_can_be_placed_on_one_node() {
         let text = run_json(&args);
         assert!(text.contains(want), "{extra:?}: want {want} in {text}");
     }
+}
+
+/// `--tls` runs the cluster with a development CA and calls it over TLS; the peers'
+/// Raft goes over the peer link inside TLS (DESIGN §65).
+#[test]
+fn a_tls_cluster_is_measured_over_tls() {
+    let text = run_json(&[
+        "--nodes",
+        "3",
+        "--shards",
+        "1",
+        "--concurrency",
+        "2",
+        "--tls",
+    ]);
+    assert!(text.contains("\"tls\":true"), "{text}");
+    let commands: u64 = text
+        .split("\"commands\":")
+        .nth(1)
+        .and_then(|r| r.split([',', '}']).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no commands: {text}"));
+    assert!(
+        commands > 10,
+        "{commands} commands in a second over TLS: {text}"
+    );
 }

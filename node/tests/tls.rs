@@ -1,8 +1,13 @@
 //! TLS against a real 3-node cluster: peers replicate over mutual TLS (a write commits
 //! only if they do), a TLS client is served, a plaintext client is refused, and the
-//! peer-only Raft service refuses a TLS caller without a cluster certificate.
+//! peer-only Raft service refuses a TLS caller without a cluster certificate. Raft
+//! travels on the peer link inside TLS, and the link admits only the cluster's nodes.
 
+mod common;
+
+use allot_node::link::{Link, LinkError};
 use allot_node::local_cluster::{Client, LocalCluster};
+use allot_node::peer::PeerCredential;
 use allot_proto::raft_client::RaftClient;
 use allot_proto::RaftMessage;
 use allot_statemachine::{OrgId, ProjectId};
@@ -114,4 +119,121 @@ async fn tls_cluster_serves_tls_and_refuses_plaintext_and_certless_peers() {
         .build()
         .unwrap();
     assert!(stranger.create_org(OrgId(3)).await.is_err());
+}
+
+async fn peer_rpcs(c: &LocalCluster, id: u64, transport: &str) -> u64 {
+    let series = format!("allot_peer_rpcs_total{{transport=\"{transport}\"}}");
+    common::metric(&c.node(id).metrics_addr, &series).await as u64
+}
+
+/// Under TLS the peer link runs inside mutual TLS (DESIGN §65): a leader sends its
+/// AppendEntries by link to a follower of this release, and by gRPC to one with the link
+/// off (as to a release before it). The link is admitted only with a certificate of the
+/// cluster CA: a TLS dialler without one is refused in the hello, one with another CA's
+/// certificate fails the handshake, a plaintext dialler is not served, and a node with
+/// the link off refuses its protocol in the handshake (the dialler falls back to gRPC).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_peers_replicate_over_the_link_and_it_admits_only_cluster_certificates() {
+    let dir = tempfile::Builder::new()
+        .prefix("allot-tls-link-")
+        .tempdir()
+        .unwrap();
+    let certs = dir.path().join("certs");
+    allot_node::tls::write_dev_certs(&certs, &["127.0.0.1".into()]).unwrap();
+    let read = |d: &std::path::Path, f: &str| std::fs::read(d.join(f)).unwrap();
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_allot-node"));
+    let mut c = LocalCluster::new(bin, dir.path().join("cluster"), 3, 1).unwrap();
+    c.tls_dir = Some(certs.clone());
+    c.nodes[2].extra_args = ["--peer-link", "off"].map(String::from).to_vec();
+    c.start_all().unwrap();
+    c.init().await.unwrap();
+    c.wait_leaders(Duration::from_secs(30)).await.unwrap();
+    let ca = read(&certs, "ca.pem");
+    let client = Client::builder()
+        .endpoints(c.endpoints())
+        .tls_ca(ca.clone())
+        .timeout(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    // Node 3 plays the release without the link; a leader of this release is wanted.
+    if c.leader_of(0).await.unwrap() == 3 {
+        client.transfer_leader(0, Some(1)).await.unwrap();
+    }
+    let leader = c.leader_of(0).await.unwrap();
+    assert_ne!(leader, 3);
+    client.create_org(OrgId(1)).await.unwrap();
+    for p in 0..40 {
+        client
+            .create_project(OrgId(1), ProjectId(100 + p))
+            .await
+            .unwrap();
+    }
+    let (link, grpc) = (
+        peer_rpcs(&c, leader, "link").await,
+        peer_rpcs(&c, leader, "grpc").await,
+    );
+    println!("leader {leader}: link {link}, grpc {grpc}");
+    assert!(
+        link >= 41,
+        "each write went to the other follower by link: {link}"
+    );
+    assert!(grpc >= 41, "and to node 3 (link off) by gRPC: {grpc}");
+    assert_eq!(peer_rpcs(&c, 3, "link").await, 0, "node 3 never dials it");
+
+    let target = c.node(leader).addr.clone();
+    let unauthenticated = "allot_peer_link_connections_total{result=\"unauthenticated\"}";
+    let refused_before = common::metric(&c.node(leader).metrics_addr, unauthenticated).await;
+    // Every dialler below presents the cluster's peer secret: only the certificate
+    // differs.
+    let secret = || PeerCredential::new(c.peer_secret.as_deref()).unwrap();
+    // The cluster's own certificate: admitted.
+    let node_tls = allot_node::tls::link_client_config(
+        &ca,
+        Some((&read(&certs, "node.pem"), &read(&certs, "node-key.pem"))),
+    )
+    .unwrap();
+    let member = Link::new(target.clone(), secret()).over_tls(Some(node_tls.clone()));
+    member
+        .connect(Duration::from_secs(5))
+        .await
+        .expect("a node certificate opens a link");
+    // Trusting the CA, the secret right, but no certificate: refused in the hello.
+    let certless = allot_node::tls::link_client_config(&ca, None).unwrap();
+    let stranger = Link::new(target.clone(), secret()).over_tls(Some(certless));
+    match stranger.connect(Duration::from_secs(5)).await {
+        Err(LinkError::Status(s)) => {
+            assert_eq!(s.code(), tonic::Code::PermissionDenied, "{s:?}")
+        }
+        other => panic!("a link without a certificate: {other:?}"),
+    }
+    assert_eq!(
+        common::metric(&c.node(leader).metrics_addr, unauthenticated).await,
+        refused_before + 1.0
+    );
+    // Another CA's certificate: the handshake fails (under TLS 1.3 the dialler learns it
+    // from the listener's alert when it reads the hello's answer).
+    let other = dir.path().join("other-certs");
+    allot_node::tls::write_dev_certs(&other, &["127.0.0.1".into()]).unwrap();
+    let foreign = allot_node::tls::link_client_config(
+        &ca,
+        Some((&read(&other, "node.pem"), &read(&other, "node-key.pem"))),
+    )
+    .unwrap();
+    let foreign = Link::new(target.clone(), secret()).over_tls(Some(foreign));
+    match foreign.connect(Duration::from_secs(5)).await {
+        Err(LinkError::Unreachable(m)) => assert!(m.contains("alert"), "{m}"),
+        other => panic!("a link with another CA's certificate: {other:?}"),
+    }
+    // Plaintext: not a TLS handshake, not served.
+    let plain = Link::new(target.clone(), secret());
+    assert!(matches!(
+        plain.connect(Duration::from_secs(5)).await,
+        Err(LinkError::Unreachable(_))
+    ));
+    // Node 3 (link off) refuses the link's protocol: the dialler knows to use gRPC.
+    let to_off = Link::new(c.node(3).addr.clone(), secret()).over_tls(Some(node_tls));
+    assert!(matches!(
+        to_off.connect(Duration::from_secs(5)).await,
+        Err(LinkError::Unsupported)
+    ));
 }

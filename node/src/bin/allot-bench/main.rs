@@ -38,7 +38,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const USAGE: &str = "usage: allot-bench [--nodes 3] [--shards 4] [--seconds 10] [--concurrency 1,64,512] [--per-call 1[,16]] [--vs-etcd [--etcd-bin PATH] [--value-bytes 256]] [--rate COMMANDS_PER_S [--window SECONDS]] [--reads] [--leaders-on NODE] [--node-arg FLAG]... [--dir DIR] [--json]";
+const USAGE: &str = "usage: allot-bench [--nodes 3] [--shards 4] [--seconds 10] [--concurrency 1,64,512] [--per-call 1[,16]] [--vs-etcd [--etcd-bin PATH] [--value-bytes 256]] [--rate COMMANDS_PER_S [--window SECONDS]] [--reads] [--leaders-on NODE] [--tls] [--node-arg FLAG]... [--dir DIR] [--json]";
 
 struct Opts {
     nodes: u64,
@@ -58,6 +58,9 @@ struct Opts {
     reads: bool,
     /// The node every shard's leadership is moved to (`--leaders-on`).
     leaders_on: Option<u64>,
+    /// The allot nodes serve TLS with a development CA, and the load generator calls
+    /// them over TLS (`--tls`).
+    tls: bool,
 }
 
 fn list(v: &str) -> anyhow::Result<Vec<usize>> {
@@ -83,6 +86,7 @@ fn parse(args: impl IntoIterator<Item = String>) -> anyhow::Result<Opts> {
         window: 0,
         reads: false,
         leaders_on: None,
+        tls: false,
     };
     let mut args = args.into_iter();
     while let Some(a) = args.next() {
@@ -103,6 +107,7 @@ fn parse(args: impl IntoIterator<Item = String>) -> anyhow::Result<Opts> {
             "--window" => o.window = val()?.parse()?,
             "--reads" => o.reads = true,
             "--leaders-on" => o.leaders_on = Some(val()?.parse()?),
+            "--tls" => o.tls = true,
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -147,6 +152,9 @@ fn parse(args: impl IntoIterator<Item = String>) -> anyhow::Result<Opts> {
     }
     if o.leaders_on.is_some_and(|n| n == 0 || n > o.nodes) {
         bail!("--leaders-on names one of the --nodes (1 to {})", o.nodes);
+    }
+    if o.tls && o.vs_etcd {
+        bail!("--tls measures allot alone: the etcd it is compared with serves plaintext");
     }
     if o.reads && (o.rate.is_some() || o.per_call != [1]) {
         bail!("--reads sends one read per RPC in closed-loop runs: no --rate, --per-call 1");
@@ -835,18 +843,24 @@ async fn start_allot(o: &Opts, dir: &std::path::Path) -> anyhow::Result<(LocalCl
     for n in &mut c.nodes {
         n.extra_args = node_args.clone();
     }
+    if o.tls {
+        let certs = dir.join("certs");
+        allot_node::tls::write_dev_certs(&certs, &["127.0.0.1".to_string()])?;
+        c.tls_dir = Some(certs);
+    }
     if !o.json {
         eprintln!(
-            "starting {} allot nodes × {} shards in {}",
+            "starting {} allot nodes × {} shards in {}{}",
             o.nodes,
             o.shards,
-            dir.display()
+            dir.display(),
+            if o.tls { ", serving TLS" } else { "" }
         );
     }
     c.start_all()?;
     c.init().await?;
     c.wait_leaders(Duration::from_secs(60)).await?;
-    let client = allot_node::local_cluster::client(c.endpoints());
+    let client = c.client()?;
     for s in 0..o.shards {
         let mut setup = vec![workload::activate_newest()];
         setup.extend(workload::setup(
@@ -1186,9 +1200,10 @@ fn report(o: &Opts, results: &[RunResult], etcd_version: Option<&str>, leaders: 
             );
         }
         println!(
-            "{{\"nodes\":{},\"shards\":{},\"leaders\":[{}],\"reads\":{}{extra},\"results\":[{}]}}",
+            "{{\"nodes\":{},\"shards\":{},\"tls\":{},\"leaders\":[{}],\"reads\":{}{extra},\"results\":[{}]}}",
             o.nodes,
             o.shards,
+            o.tls,
             leaders
                 .iter()
                 .map(u64::to_string)
@@ -1448,6 +1463,7 @@ mod tests {
         );
         let o = parse(args("--nodes 5 --leaders-on 5")).unwrap();
         assert_eq!(o.leaders_on, Some(5));
+        assert!(parse(args("--tls")).unwrap().tls);
         let o = parse(args("--vs-etcd --reads")).unwrap();
         assert_eq!((o.reads, o.per_call.clone()), (true, vec![1]));
         let o = parse(args("--rate 5000 --seconds 1800 --window 300")).unwrap();
@@ -1472,6 +1488,7 @@ mod tests {
             "--leaders-on 0",
             "--leaders-on 4",
             "--nodes 5 --leaders-on 6",
+            "--tls --vs-etcd",
         ] {
             assert!(parse(args(bad)).is_err(), "{bad}");
         }
