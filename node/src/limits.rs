@@ -60,6 +60,10 @@ pub const INDEX_MAX: u64 = 1 << 62;
 /// is read: its first bytes (the link's magic, or anything else for gRPC) within this
 /// long, a part of the magic within `LINK_HELLO_TIMEOUT`.
 pub const LINK_FIRST_BYTES_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// A TLS handshake on the node's listener (every connection of a node serving TLS,
+/// gRPC or peer link; DESIGN §65) finishes within this long, or the connection is
+/// dropped. It runs on the connection's own task, holding its connection slot.
+pub const TLS_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// The link's hello (magic and peer secret) and its answer within this long.
 pub const LINK_HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 /// Longest peer secret a link hello may carry: what gRPC's header bound lets a peer send,

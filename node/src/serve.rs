@@ -206,7 +206,7 @@ enum Route<IO> {
     Link(IO, bool),
 }
 
-/// The TLS handshake of a new connection, bounded by `LINK_FIRST_BYTES_TIMEOUT` (a
+/// The TLS handshake of a new connection, bounded by `TLS_HANDSHAKE_TIMEOUT` (a
 /// connection that stalls in it holds up nobody but its own task). A session that
 /// negotiated the link's ALPN is a link when `link` (the listener offers the protocol
 /// only then); any other is gRPC. `None`: the handshake failed or timed out.

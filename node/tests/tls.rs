@@ -211,7 +211,8 @@ async fn tls_peers_replicate_over_the_link_and_it_admits_only_cluster_certificat
         refused_before + 1.0
     );
     // Another CA's certificate: the handshake fails (under TLS 1.3 the dialler learns it
-    // from the listener's alert when it reads the hello's answer).
+    // from the listener's alert when it reads the hello's answer), and the dialler takes
+    // it as a refusal of its certificate, not as an unreachable peer.
     let other = dir.path().join("other-certs");
     allot_node::tls::write_dev_certs(&other, &["127.0.0.1".into()]).unwrap();
     let foreign = allot_node::tls::link_client_config(
@@ -221,7 +222,10 @@ async fn tls_peers_replicate_over_the_link_and_it_admits_only_cluster_certificat
     .unwrap();
     let foreign = Link::new(target.clone(), secret()).over_tls(Some(foreign));
     match foreign.connect(Duration::from_secs(5)).await {
-        Err(LinkError::Unreachable(m)) => assert!(m.contains("alert"), "{m}"),
+        Err(LinkError::Status(s)) => {
+            assert_eq!(s.code(), tonic::Code::PermissionDenied, "{s:?}");
+            assert!(s.message().contains("certificate"), "{s:?}");
+        }
         other => panic!("a link with another CA's certificate: {other:?}"),
     }
     // Plaintext: not a TLS handshake, not served.
