@@ -132,6 +132,7 @@ async fn peer_rpcs(c: &LocalCluster, id: u64, transport: &str) -> u64 {
 /// cluster CA: a TLS dialler without one is refused in the hello, one with another CA's
 /// certificate fails the handshake, a plaintext dialler is not served, and a node with
 /// the link off refuses its protocol in the handshake (the dialler falls back to gRPC).
+/// A follower that restarts gets a new link from the leader and catches up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_peers_replicate_over_the_link_and_it_admits_only_cluster_certificates() {
     let dir = tempfile::Builder::new()
@@ -240,4 +241,41 @@ async fn tls_peers_replicate_over_the_link_and_it_admits_only_cluster_certificat
         to_off.connect(Duration::from_secs(5)).await,
         Err(LinkError::Unsupported)
     ));
+
+    // The follower on the link restarts: the leader makes its link again (a new
+    // handshake) and the node catches up.
+    let follower = [1u64, 2].into_iter().find(|n| *n != leader).unwrap();
+    c.kill(follower);
+    for p in 0..10 {
+        client
+            .create_project(OrgId(1), ProjectId(200 + p))
+            .await
+            .unwrap();
+    }
+    c.start(follower).unwrap();
+    c.wait_listening(follower, Duration::from_secs(30)).unwrap();
+    let accepted = "allot_peer_link_connections_total{result=\"accepted\"}";
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut next = 300;
+    while common::metric(&c.node(follower).metrics_addr, accepted).await < 1.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the leader did not make its link to the restarted node again"
+        );
+        client
+            .create_project(OrgId(1), ProjectId(next))
+            .await
+            .unwrap();
+        next += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let applied = |st: allot_proto::StatusReply| st.shards[0].applied_index;
+    let want = applied(c.status(leader).await.unwrap());
+    while applied(c.status(follower).await.unwrap()) < want {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the restarted node did not catch up to index {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
