@@ -637,15 +637,13 @@ async fn connect(
     {
         Ok(s) => s,
         Err(e) => {
-            return match tls_alert(&e) {
-                // A TLS listener that does not offer the link's ALPN: an older release,
-                // or a node with the link off.
-                Some(rustls::AlertDescription::NoApplicationProtocol) => Dialled::Unsupported,
-                Some(a) if refuses_certificate(a) => Dialled::Refused(format!(
-                    "{dial}: the peer refused this node's certificate ({a:?})"
-                )),
-                _ => Dialled::Unreachable(format!("{dial}: TLS: {e}")),
-            };
+            // A TLS listener that does not offer the link's ALPN: an older release, or a
+            // node with the link off.
+            if tls_alert(&e) == Some(rustls::AlertDescription::NoApplicationProtocol) {
+                return Dialled::Unsupported;
+            }
+            return certificate_refused(dial, &e)
+                .unwrap_or_else(|| Dialled::Unreachable(format!("{dial}: TLS: {e}")));
         }
     };
     if session.get_ref().1.alpn_protocol() != Some(crate::tls::ALPN_LINK) {
@@ -663,11 +661,13 @@ fn tls_alert(e: &std::io::Error) -> Option<rustls::AlertDescription> {
     }
 }
 
-/// Whether an alert is the listener refusing this node's certificate. Under TLS 1.3 it
-/// comes after the dialler's handshake has finished, when it reads the hello's answer.
-fn refuses_certificate(a: rustls::AlertDescription) -> bool {
+/// The refusal an error carries when it is the listener's alert refusing this node's
+/// certificate. Under TLS 1.3 it comes after the dialler's handshake has finished, when
+/// it reads the hello's answer.
+fn certificate_refused(dial: &str, e: &std::io::Error) -> Option<Dialled> {
     use rustls::AlertDescription as A;
-    matches!(
+    let a = tls_alert(e)?;
+    let refused = matches!(
         a,
         A::BadCertificate
             | A::UnsupportedCertificate
@@ -678,7 +678,12 @@ fn refuses_certificate(a: rustls::AlertDescription) -> bool {
             | A::AccessDenied
             | A::CertificateRequired
             | A::DecryptError
-    )
+    );
+    refused.then(|| {
+        Dialled::Refused(format!(
+            "{dial}: the peer refused this node's certificate ({a:?})"
+        ))
+    })
 }
 
 /// The link's hello on a connected stream (plain or inside TLS), then its reader.
@@ -702,10 +707,8 @@ where
     }
     let mut ack = [0u8; 9];
     if let Err(e) = r.read_exact(&mut ack).await {
-        if let Some(a) = tls_alert(&e).filter(|a| refuses_certificate(*a)) {
-            return Dialled::Refused(format!(
-                "{dial}: the peer refused this node's certificate ({a:?})"
-            ));
+        if let Some(refused) = certificate_refused(dial, &e) {
+            return refused;
         }
         // A node at its connection bound, or stopping: not a verdict on its release.
         return Dialled::Unreachable(format!("{dial}: the peer closed the link's hello: {e}"));

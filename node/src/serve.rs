@@ -162,10 +162,9 @@ pub async fn serve(
     let served = match (&node.tls, link) {
         (Some(tls), link) => {
             let acceptor = tokio_rustls::TlsAcceptor::from(tls.server.clone());
-            let linked = link.is_some();
             let classify = move |io: Counted<tokio::net::TcpStream>| {
                 let acceptor = acceptor.clone();
-                async move { accept_tls(&acceptor, io, linked).await }
+                async move { accept_tls(&acceptor, io).await }
             };
             let incoming = route_connections(incoming, stopped, link, classify);
             router
@@ -208,16 +207,14 @@ enum Route<IO> {
 
 /// The TLS handshake of a new connection, bounded by `TLS_HANDSHAKE_TIMEOUT` (a
 /// connection that stalls in it holds up nobody but its own task). A session that
-/// negotiated the link's ALPN is a link when `link` (the listener offers the protocol
-/// only then); any other is gRPC. `None`: the handshake failed or timed out.
+/// negotiated the link's ALPN is a link (the listener offers it only when the node
+/// serves the link); any other is gRPC. `None`: the handshake failed or timed out.
 async fn accept_tls(
     acceptor: &tokio_rustls::TlsAcceptor,
     io: Counted<tokio::net::TcpStream>,
-    link: bool,
 ) -> Option<Route<tokio_rustls::server::TlsStream<Counted<tokio::net::TcpStream>>>> {
     let session =
-        match tokio::time::timeout(crate::limits::LINK_FIRST_BYTES_TIMEOUT, acceptor.accept(io))
-            .await
+        match tokio::time::timeout(crate::limits::TLS_HANDSHAKE_TIMEOUT, acceptor.accept(io)).await
         {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => {
@@ -230,7 +227,7 @@ async fn accept_tls(
             }
         };
     let conn = session.get_ref().1;
-    if link && conn.alpn_protocol() == Some(crate::tls::ALPN_LINK) {
+    if conn.alpn_protocol() == Some(crate::tls::ALPN_LINK) {
         let cert = conn.peer_certificates().is_some_and(|c| !c.is_empty());
         return Some(Route::Link(session, cert));
     }

@@ -242,6 +242,27 @@ async fn tls_peers_replicate_over_the_link_and_it_admits_only_cluster_certificat
         Err(LinkError::Unsupported)
     ));
 
+    // A connection that never finishes its TLS handshake (here: sends nothing) is
+    // dropped after `TLS_HANDSHAKE_TIMEOUT`.
+    {
+        use tokio::io::AsyncReadExt;
+        let mut idle = tokio::net::TcpStream::connect(&target).await.unwrap();
+        let started = std::time::Instant::now();
+        let mut buf = [0u8; 16];
+        let read = tokio::time::timeout(
+            allot_node::limits::TLS_HANDSHAKE_TIMEOUT + Duration::from_secs(5),
+            idle.read(&mut buf),
+        )
+        .await
+        .expect("the listener drops a stalled handshake");
+        assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+        assert!(
+            started.elapsed() >= allot_node::limits::TLS_HANDSHAKE_TIMEOUT - Duration::from_secs(1),
+            "dropped after {:?}",
+            started.elapsed()
+        );
+    }
+
     // The follower on the link restarts: the leader makes its link again (a new
     // handshake) and the node catches up.
     let follower = [1u64, 2].into_iter().find(|n| *n != leader).unwrap();
