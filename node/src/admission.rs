@@ -18,13 +18,14 @@
 //!
 //! Bytes not yet read stay in HTTP/2 flow control: at most one connection window per
 //! connection ([`CONNECTION_WINDOW_BYTES`]), and connections are counted
-//! ([`Connections`]). So the node's memory for calls is bounded by
+//! ([`Connections`](crate::connections::Connections)). So the node's memory for calls is bounded by
 //! `CLIENT_BYTES_IN_FLIGHT_MAX + RAFT_BYTES_IN_FLIGHT_MAX + connections ×
 //! CONNECTION_WINDOW_BYTES`, whatever callers do (docs/DESIGN.md §43).
 //!
 //! The Raft service's peer check runs on the headers *before* this (the interceptor
 //! wraps the admitted service), so an unauthenticated caller never takes Raft budget.
 
+use crate::connections::{Active, Connections};
 use crate::decoded::{Malformed, Schema};
 use crate::limits::{ADMISSION_WAIT_MAX, BODY_READ_MAX, CLIENT_STREAM_LIFE_MAX};
 use allot_proto::meta;
@@ -35,7 +36,6 @@ use prometheus::IntCounterVec;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -57,6 +57,9 @@ pub struct Budget {
     /// The budget's size in units: a call that needs more can never be admitted.
     total_units: usize,
     refusals: Option<IntCounterVec>,
+    /// The connection slots whose calls this budget's services mark open (and, when
+    /// `true`, authenticated: the Raft service's calls passed the peer check first).
+    connections: Option<(Connections, bool)>,
 }
 
 impl Budget {
@@ -68,7 +71,17 @@ impl Budget {
             permits: Arc::new(Semaphore::new(total_units)),
             total_units,
             refusals: None,
+            connections: None,
         }
+    }
+
+    /// Marks each call open on its connection's slot while it runs (its response
+    /// included), and makes that slot the call's current connection
+    /// (`crate::connections::vouch`). `authenticated`: every call reaching this
+    /// budget's services has authenticated already.
+    pub fn tracking(mut self, connections: Connections, authenticated: bool) -> Budget {
+        self.connections = Some((connections, authenticated));
+        self
     }
 
     /// Counts refusals in `allot_edge_refusals_total{api=<name>, reason}`.
@@ -158,7 +171,20 @@ where
         let budget = self.budget.clone();
         let message_max = self.message_max;
         let streams = self.streams.clone();
-        Box::pin(async move {
+        let (conn, authenticated) = match &self.budget.connections {
+            Some((c, authenticated)) => (c.slot_of(&req), *authenticated),
+            None => (None, false),
+        };
+        if authenticated {
+            if let Some(c) = &conn {
+                c.vouch();
+            }
+        }
+        let opened = conn.clone();
+        // The response, and the call held open on its connection's slot: from when its
+        // message is admitted (a call still waiting for its bytes holds no slot open)
+        // until its response ends.
+        let call = async move {
             let (parts, body) = req.into_parts();
             let slot = match &streams {
                 None => None,
@@ -166,7 +192,7 @@ where
                     Ok(slot) => Some(slot),
                     Err(_) => {
                         budget.refused("streams");
-                        return Ok(busy(budget.name).into_http());
+                        return (busy(budget.name).into_http(), None);
                     }
                 },
             };
@@ -179,14 +205,16 @@ where
                 Ok(admitted) => admitted,
                 Err((status, reason)) => {
                     budget.refused(reason);
-                    return Ok(status.into_http());
+                    return (status.into_http(), None);
                 }
             };
+            let open = opened.as_ref().map(|c| c.begin());
             let Some(slot) = slot else {
                 body.rest = Rest::Refused;
-                return inner
+                let response = inner
                     .call(http::Request::from_parts(parts, Body::new(body)))
                     .await;
+                return (infallible(response), open);
             };
             // A client stream's life is bounded on both sides: its requests (read by
             // the handler) and its responses, which hold the slot — a caller that stops
@@ -195,17 +223,65 @@ where
             body.rest = Rest::Stream {
                 until: Box::pin(tokio::time::sleep_until(end)),
             };
-            let response = inner
-                .call(http::Request::from_parts(parts, Body::new(body)))
-                .await?;
-            Ok(response.map(|b| {
+            let response = infallible(
+                inner
+                    .call(http::Request::from_parts(parts, Body::new(body)))
+                    .await,
+            );
+            let response = response.map(|b| {
                 Body::new(Bounded {
                     inner: b,
                     until: Box::pin(tokio::time::sleep_until(end)),
                     _slot: slot,
                 })
-            }))
+            });
+            (response, open)
+        };
+        Box::pin(async move {
+            let (response, open) = crate::connections::on(conn, call).await;
+            Ok(match open {
+                Some(open) => response.map(|b| {
+                    Body::new(Open {
+                        inner: b,
+                        _open: open,
+                    })
+                }),
+                None => response,
+            })
         })
+    }
+}
+
+fn infallible<T>(r: Result<T, Infallible>) -> T {
+    match r {
+        Ok(t) => t,
+        Err(never) => match never {},
+    }
+}
+
+/// A response body that keeps its call open on the connection's slot until it ends.
+struct Open {
+    inner: Body,
+    _open: Active,
+}
+
+impl http_body::Body for Open {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -472,124 +548,6 @@ impl http_body::Body for Replay {
     }
 }
 
-// ---------------------------------------------------------------- connections
-
-/// Open connections, bounded: an accepted connection past the bound is closed at once
-/// (the caller sees a reset and retries). Each connection may hold at most one HTTP/2
-/// connection window of unread bytes, so this bounds those too.
-#[derive(Clone)]
-pub struct Connections {
-    open: Arc<AtomicUsize>,
-    max: usize,
-    refusals: Option<IntCounterVec>,
-}
-
-impl Connections {
-    pub fn new(max: usize) -> Connections {
-        Connections {
-            open: Arc::default(),
-            max,
-            refusals: None,
-        }
-    }
-
-    pub fn counted(mut self, refusals: IntCounterVec) -> Connections {
-        self.refusals = Some(refusals);
-        self
-    }
-
-    /// Open now.
-    pub fn open(&self) -> usize {
-        self.open.load(Ordering::Relaxed)
-    }
-
-    /// Takes `io` if a slot is free (the slot is freed when the connection is dropped).
-    pub fn admit<IO>(&self, io: IO) -> Option<Counted<IO>> {
-        let taken = self
-            .open
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.max).then_some(n + 1)
-            })
-            .is_ok();
-        if !taken {
-            if let Some(r) = &self.refusals {
-                r.with_label_values(&["connections", "too_many"]).inc();
-            }
-            return None;
-        }
-        Some(Counted {
-            io,
-            open: self.open.clone(),
-        })
-    }
-}
-
-/// A connection holding one of [`Connections`]' slots.
-pub struct Counted<IO> {
-    io: IO,
-    open: Arc<AtomicUsize>,
-}
-
-impl<IO> Counted<IO> {
-    /// The connection itself (to peek at its first bytes).
-    pub fn get_ref(&self) -> &IO {
-        &self.io
-    }
-}
-
-impl<IO> Drop for Counted<IO> {
-    fn drop(&mut self) {
-        self.open.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-impl<IO: tonic::transport::server::Connected> tonic::transport::server::Connected for Counted<IO> {
-    type ConnectInfo = IO::ConnectInfo;
-    fn connect_info(&self) -> IO::ConnectInfo {
-        self.io.connect_info()
-    }
-}
-
-impl<IO: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Counted<IO> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
-    }
-}
-
-impl<IO: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Counted<IO> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -845,17 +803,5 @@ mod tests {
         assert_eq!(slots.available_permits(), 0, "the responses hold the slot");
         drop(responses);
         assert_eq!(slots.available_permits(), 1, "freed with them");
-    }
-
-    #[test]
-    fn connections_past_the_bound_are_refused_until_one_closes() {
-        let c = Connections::new(2);
-        let a = c.admit(()).unwrap();
-        let _b = c.admit(()).unwrap();
-        assert!(c.admit(()).is_none());
-        assert_eq!(c.open(), 2);
-        drop(a);
-        assert_eq!(c.open(), 1);
-        assert!(c.admit(()).is_some());
     }
 }

@@ -148,11 +148,16 @@ fn reason_label(r: DenialReason) -> &'static str {
     }
 }
 
-/// Resolves a reader against one shard's applied state.
+/// Resolves a reader against one shard's applied state. A caller that resolves to a
+/// principal vouches for its connection (`crate::connections::vouch`).
 pub fn resolve(node: &Node, shard: u32, caller: Actor) -> Result<Actor, Refusal> {
     let s = node.shard(shard).ok_or(Refusal::UnknownToken)?;
     let g = s.view.read();
-    g.state.security.resolve(caller, g.state.time_ms)
+    let resolved = g.state.security.resolve(caller, g.state.time_ms);
+    if resolved.as_ref().is_ok_and(|a| *a != Actor::Anonymous) {
+        crate::connections::vouch();
+    }
+    resolved
 }
 
 /// Resolves a reader against `shard`'s replica; an unknown, expired or revoked token

@@ -176,6 +176,7 @@ pub async fn credentials(
     }
     let mut actors = resolve();
     if !leader || actors.iter().all(Option::is_some) {
+        vouch_if_resolved(&actors);
         return Ok(actors);
     }
     let logged = shard.raft.metrics().borrow().last_log_index.unwrap_or(0);
@@ -197,5 +198,18 @@ pub async fn credentials(
             "UNAUTHENTICATED",
         ));
     }
+    vouch_if_resolved(&actors);
     Ok(actors)
+}
+
+/// Every request's token resolved to a principal: the call's connection has
+/// authenticated (`crate::connections::vouch`).
+fn vouch_if_resolved(actors: &[Option<Actor>]) {
+    if !actors.is_empty()
+        && actors
+            .iter()
+            .all(|a| matches!(a, Some(a) if *a != Actor::Anonymous))
+    {
+        crate::connections::vouch();
+    }
 }

@@ -14,6 +14,7 @@ pub mod backup;
 #[cfg(feature = "chaos")]
 pub mod chaos;
 pub mod clock;
+pub mod connections;
 pub mod decoded;
 pub mod disk;
 pub mod edge;

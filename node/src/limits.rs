@@ -117,7 +117,9 @@ pub const ADMISSION_WAIT_MAX: std::time::Duration = std::time::Duration::from_se
 /// A call's message must arrive within this of the call (`DEADLINE_EXCEEDED`,
 /// `SLOW_BODY`): a caller that trickles its body holds its bytes no longer.
 pub const BODY_READ_MAX: std::time::Duration = std::time::Duration::from_secs(10);
-/// Open connections per node (`--max-connections`); one past it is closed at once.
+/// Open connections per node (`--max-connections`). One past it takes the slot of a
+/// connection that never authenticated, else of an authenticated one with no call open,
+/// else is closed at once (`crate::connections`, DESIGN §66).
 pub const CONNECTIONS_MAX: usize = 1024;
 /// HTTP/2 flow-control windows the node grants: a connection holds at most
 /// `CONNECTION_WINDOW_BYTES` that nothing has read yet (calls waiting for admission).

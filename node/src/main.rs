@@ -188,8 +188,11 @@ struct RunArgs {
         default_value_t = DEFAULT_LIMITS.unresolved.per_sec
     )]
     unauthenticated_rate_limit: u32,
-    /// Connections open at once (clients, agents and peers together); one more is closed
-    /// as soon as it is accepted. Each may hold 256 KiB of unread request bytes.
+    /// Connections open at once (clients, agents and peers together). At the bound a new
+    /// connection takes the slot of one that never authenticated, else of an
+    /// authenticated one with no call open; if every slot is an authenticated connection
+    /// with a call open, it is closed as soon as it is accepted. Each may hold 256 KiB of
+    /// unread request bytes.
     #[arg(long, env = "ALLOT_MAX_CONNECTIONS", default_value_t = allot_node::limits::CONNECTIONS_MAX)]
     max_connections: usize,
     /// A secret every node of the cluster presents to its peers (a file holding at least

@@ -1,7 +1,8 @@
 //! Running a node: the gRPC listener (typed API, admin, Raft, health, reflection) and the
 //! Prometheus listener, until a shutdown signal.
 
-use crate::admission::{Budget, Connections, Counted};
+use crate::admission::Budget;
+use crate::connections::{Connections, Counted};
 use crate::limits::{
     CLIENT_BYTES_IN_FLIGHT_MAX, CLIENT_MESSAGE_MAX, CONCURRENT_STREAMS_PER_CONNECTION_MAX,
     CONNECTION_WINDOW_BYTES, HEADER_LIST_BYTES_MAX, RAFT_BYTES_IN_FLIGHT_MAX, RAFT_MESSAGE_MAX,
@@ -70,15 +71,20 @@ pub async fn serve(
     let refusals = node.metrics.refusals.clone();
     let connections = Connections::new(max_connections).counted(refusals.clone());
     let throttle = Arc::new(crate::metrics::Throttle::default());
+    let admitting = connections.clone();
     let incoming = futures::StreamExt::filter_map(incoming, move |accepted| {
-        let admitted = match accepted {
-            Ok(io) => match connections.admit(io) {
+        let admitted = match accepted.map(|io| {
+            let addr = io.peer_addr().ok();
+            admitting.admit(io, addr)
+        }) {
+            Ok(admitted) => match admitted {
                 Some(io) => Some(Ok(io)),
                 None => {
                     if throttle.due() {
                         tracing::warn!(
                             max = max_connections,
-                            "connection refused: the node has its most open connections"
+                            "connection refused: every connection slot is held by an \
+                             authenticated connection with a call open"
                         );
                     }
                     None
@@ -89,8 +95,15 @@ pub async fn serve(
         std::future::ready(admitted)
     });
     // Message bytes being read or handled: one budget for client calls, one for Raft.
-    let client = Budget::new("admission", CLIENT_BYTES_IN_FLIGHT_MAX).counted(refusals.clone());
-    let peers = Budget::new("admission:raft", RAFT_BYTES_IN_FLIGHT_MAX).counted(refusals);
+    // Each call marks its connection's slot open while it runs; a Raft call has passed
+    // the peer check before it reaches its budget, a client call vouches for its
+    // connection when the edge resolves its token (`crate::connections`).
+    let client = Budget::new("admission", CLIENT_BYTES_IN_FLIGHT_MAX)
+        .counted(refusals.clone())
+        .tracking(connections.clone(), false);
+    let peers = Budget::new("admission:raft", RAFT_BYTES_IN_FLIGHT_MAX)
+        .counted(refusals)
+        .tracking(connections.clone(), true);
     // With the peer link, each connection's first bytes (plaintext) or its negotiated
     // protocol (TLS) say whether it is a link or a gRPC connection (`crate::link`); links
     // end when the node stops serving.
@@ -272,15 +285,19 @@ where
                 }
             };
             let (tx, link, mut stop) = (tx.clone(), link.clone(), stop.clone());
+            let slot = io.slot().clone();
             let route = classify(io);
             tokio::spawn(async move {
+                // A connection that gives its slot to another stops being classified
+                // (its first-bytes wait peeks the socket, which an eviction does not end).
                 let route = tokio::select! {
                     r = route => r,
                     _ = stop.wait_for(|s| *s) => None,
+                    _ = slot.evicted() => None,
                 };
                 match (route, link) {
                     (Some(Route::Link(io, cert)), Some(link)) => {
-                        crate::link::serve(io, link, cert).await
+                        crate::connections::on(Some(slot), crate::link::serve(io, link, cert)).await
                     }
                     (Some(Route::Grpc(io)), _) => {
                         let _ = tx.send(Ok(io)).await;

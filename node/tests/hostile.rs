@@ -38,12 +38,20 @@ struct Hostile {
 
 /// A secured 3-node cluster (admin token bootstrapped, peers sharing a secret).
 async fn secured(shards: u32) -> Hostile {
+    secured_with(shards, &[]).await
+}
+
+/// [`secured`], node 1 started with `node1_args` as well.
+async fn secured_with(shards: u32, node1_args: &[&str]) -> Hostile {
     let dir = tempfile::Builder::new()
         .prefix("allot-hostile-")
         .tempdir()
         .unwrap();
     let mut c = LocalCluster::new(node_binary().unwrap(), dir.path().into(), 3, shards).unwrap();
     c.dev_mode = false;
+    c.nodes[0]
+        .extra_args
+        .extend(node1_args.iter().map(|a| a.to_string()));
     c.start_all().unwrap();
     c.init().await.unwrap();
     c.wait_leaders(Duration::from_secs(30)).await.unwrap();
@@ -2401,4 +2409,108 @@ async fn fuzz_every_service() {
         "fuzz: {sent} hostile messages in {secs} s; idle RSS {idle_mib:?} MiB, peak growth \
          {grew} MiB (budget 512); every shard committed within {t:?} after"
     );
+}
+
+/// Defect 16: an anonymous caller that opened `--max-connections` connections, sent
+/// HTTP/2's preface on each and then nothing, held every connection slot for good. Every
+/// later connection — a client's, an operator's, a peer's after a restart — was closed at
+/// accept, so one unauthenticated host could cut a node off its cluster. Now a new
+/// connection at the bound takes the slot of a connection that has never authenticated
+/// (the one longest without a call first); a connection that has authenticated keeps its
+/// slot while a call of it is open, and so do the peer links.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_16_idle_connections_cannot_hold_a_nodes_connection_slots() {
+    use tokio::io::AsyncWriteExt;
+    const MAX: usize = 16;
+    let max = MAX.to_string();
+    let mut h = secured_with(1, &["--max-connections", &max]).await;
+    let target = h.addr(1);
+    let secret = h.secret();
+    // Node 2 leads, so node 1 holds a peer link that node 2 dialled.
+    let leader = h.c.leader_of(0).await.unwrap();
+    if leader != 2 {
+        AdminClient::new(channel(&h.addr(leader)).await)
+            .transfer_leader(bearer(
+                TransferLeaderRequest { shard: 0, to: 2 },
+                Some(&h.token),
+            ))
+            .await
+            .expect("leadership moves to node 2");
+    }
+    let links = "allot_peer_link_connections_total{result=\"accepted\"}";
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while h.metric(1, links).await < 1.0 {
+        assert!(Instant::now() < deadline, "node 2 links to node 1");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let links_before = h.metric(1, links).await;
+
+    // The attacker: three times the bound of connections that say HTTP/2's preface and
+    // an empty SETTINGS frame, then nothing (the preface routes them to the gRPC server
+    // at once, which would hold them for good).
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
+    let mut held = Vec::new();
+    for _ in 0..3 * MAX {
+        if let Ok(mut s) = tokio::net::TcpStream::connect(&target).await {
+            let _ = s.write_all(PREFACE).await;
+            held.push(s);
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // New connections are still served: an operator's, and a peer's.
+    for round in 0..3 {
+        let ch = tonic::transport::Endpoint::from_shared(format!("http://{target}"))
+            .unwrap()
+            .connect_timeout(Duration::from_secs(2))
+            .timeout(Duration::from_secs(5))
+            .connect()
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: a new client connects: {e}"));
+        AdminClient::new(ch)
+            .status(bearer(StatusRequest {}, Some(&h.token)))
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: a new client is served: {e}"));
+        let ch = tonic::transport::Endpoint::from_shared(format!("http://{target}"))
+            .unwrap()
+            .connect_timeout(Duration::from_secs(2))
+            .timeout(Duration::from_secs(5))
+            .connect()
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: a new peer connects: {e}"));
+        raft(ch)
+            .versions(as_peer(VersionsRequest {}, &secret))
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: a new peer connection is served: {e}"));
+        // The attacker keeps coming.
+        for _ in 0..MAX {
+            if let Ok(mut s) = tokio::net::TcpStream::connect(&target).await {
+                let _ = s.write_all(PREFACE).await;
+                held.push(s);
+            }
+        }
+    }
+
+    // The cluster commits and node 1 follows over the link it had: only connections
+    // that never authenticated gave up their slots.
+    h.every_shard_commits(Duration::from_secs(10), 700).await;
+    h.replicas_agree().await;
+    let evicted = "allot_edge_refusals_total{api=\"connections\",reason=\"evicted\"}";
+    let evicted_idle = "allot_edge_refusals_total{api=\"connections\",reason=\"evicted_idle\"}";
+    assert!(
+        h.metric(1, evicted).await >= (3 * MAX) as f64,
+        "the attacker's connections gave up their slots"
+    );
+    assert_eq!(
+        h.metric(1, evicted_idle).await,
+        0.0,
+        "no authenticated connection lost its slot while the attacker's were there"
+    );
+    assert_eq!(
+        h.metric(1, links).await,
+        links_before,
+        "node 2's link to node 1 was never closed"
+    );
+    drop(held);
+    h.assert_all_running();
 }

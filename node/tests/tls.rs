@@ -300,3 +300,99 @@ async fn tls_peers_replicate_over_the_link_and_it_admits_only_cluster_certificat
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// Under TLS, a call finds its connection's slot through the session's connect info:
+/// an agent's assignment stream keeps its slot while connections that never finish
+/// their handshake, three times the node's bound, come and go; and a new TLS client is
+/// served throughout (DESIGN §66).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_nodes_slots_go_to_stalled_handshakes_last() {
+    use allot_node::workload;
+    use allot_statemachine::{Command, GpuType, NodeId, NodeSpec};
+    use futures::StreamExt;
+    const MAX: usize = 12;
+    let dir = tempfile::Builder::new()
+        .prefix("allot-tls-slots-")
+        .tempdir()
+        .unwrap();
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_allot-node"));
+    let certs = dir.path().join("certs");
+    let st = std::process::Command::new(&bin)
+        .args(["dev-certs", "--out"])
+        .arg(&certs)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let mut c = LocalCluster::new(bin, dir.path().join("cluster"), 3, 1).unwrap();
+    c.tls_dir = Some(certs.clone());
+    c.nodes[0]
+        .extra_args
+        .extend(["--max-connections".to_string(), MAX.to_string()]);
+    c.start_all().unwrap();
+    c.init().await.unwrap();
+    c.wait_leaders(Duration::from_secs(30)).await.unwrap();
+    let client = c.client().unwrap();
+    let spec = NodeSpec {
+        node: NodeId(500),
+        gpu_type: GpuType::new("H100"),
+        gpu_count: 8,
+        gpu_mem_gb: 80,
+        labels: vec![],
+        incarnation: 0,
+    };
+    let (o, _) = client
+        .execute(
+            0,
+            &[workload::admin(
+                workload::rid(16, 1),
+                Command::RegisterNode(spec),
+            )],
+        )
+        .await
+        .unwrap();
+    assert!(o[0].is_ok(), "{o:?}");
+    let target = c.node(1).addr.clone();
+    let mut stream = client
+        .watch_assignments(&target, 0, NodeId(500))
+        .await
+        .unwrap();
+    stream
+        .next()
+        .await
+        .expect("the current set")
+        .expect("the current set");
+
+    // Connections that never start their handshake, three times the bound.
+    let mut held = Vec::new();
+    for _ in 0..3 * MAX {
+        if let Ok(s) = tokio::net::TcpStream::connect(&target).await {
+            held.push(s);
+        }
+    }
+    let fresh = c.client().unwrap();
+    fresh
+        .status_of(&target)
+        .await
+        .expect("a new TLS client is served");
+    // The stream is still open: nothing arrives, and it did not end.
+    let next = tokio::time::timeout(Duration::from_millis(500), stream.next()).await;
+    assert!(next.is_err(), "the assignment stream ended: {next:?}");
+    let m = &c.node(1).metrics_addr;
+    assert!(
+        common::metric(
+            m,
+            "allot_edge_refusals_total{api=\"connections\",reason=\"evicted\"}"
+        )
+        .await
+            >= (2 * MAX) as f64
+    );
+    assert_eq!(
+        common::metric(
+            m,
+            "allot_edge_refusals_total{api=\"connections\",reason=\"evicted_idle\"}"
+        )
+        .await,
+        0.0
+    );
+    drop(held);
+}
