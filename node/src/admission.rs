@@ -25,7 +25,7 @@
 //! The Raft service's peer check runs on the headers *before* this (the interceptor
 //! wraps the admitted service), so an unauthenticated caller never takes Raft budget.
 
-use crate::connections::{Active, Connections};
+use crate::connections::Connections;
 use crate::decoded::{Malformed, Schema};
 use crate::limits::{ADMISSION_WAIT_MAX, BODY_READ_MAX, CLIENT_STREAM_LIFE_MAX};
 use allot_proto::meta;
@@ -181,9 +181,11 @@ where
             }
         }
         let opened = conn.clone();
-        // The response, and the call held open on its connection's slot: from when its
-        // message is admitted (a call still waiting for its bytes holds no slot open)
-        // until its response ends.
+        // A call is open on its connection's slot from when its message is admitted (a
+        // call still waiting for its bytes, or trickling them, holds nothing open) until
+        // its handler answered — not while its response is sent, which the caller's
+        // flow control could stretch for ever. A stream that should keep its connection
+        // holds the slot busy itself, under the stream bounds (`Services::open_stream`).
         let call = async move {
             let (parts, body) = req.into_parts();
             let slot = match &streams {
@@ -192,7 +194,7 @@ where
                     Ok(slot) => Some(slot),
                     Err(_) => {
                         budget.refused("streams");
-                        return (busy(budget.name).into_http(), None);
+                        return busy(budget.name).into_http();
                     }
                 },
             };
@@ -205,16 +207,16 @@ where
                 Ok(admitted) => admitted,
                 Err((status, reason)) => {
                     budget.refused(reason);
-                    return (status.into_http(), None);
+                    return status.into_http();
                 }
             };
-            let open = opened.as_ref().map(|c| c.begin());
+            let _open = opened.as_ref().map(|c| c.begin());
             let Some(slot) = slot else {
                 body.rest = Rest::Refused;
                 let response = inner
                     .call(http::Request::from_parts(parts, Body::new(body)))
                     .await;
-                return (infallible(response), open);
+                return infallible(response);
             };
             // A client stream's life is bounded on both sides: its requests (read by
             // the handler) and its responses, which hold the slot — a caller that stops
@@ -228,27 +230,15 @@ where
                     .call(http::Request::from_parts(parts, Body::new(body)))
                     .await,
             );
-            let response = response.map(|b| {
+            response.map(|b| {
                 Body::new(Bounded {
                     inner: b,
                     until: Box::pin(tokio::time::sleep_until(end)),
                     _slot: slot,
                 })
-            });
-            (response, open)
-        };
-        Box::pin(async move {
-            let (response, open) = crate::connections::on(conn, call).await;
-            Ok(match open {
-                Some(open) => response.map(|b| {
-                    Body::new(Open {
-                        inner: b,
-                        _open: open,
-                    })
-                }),
-                None => response,
             })
-        })
+        };
+        Box::pin(async move { Ok(crate::connections::on(conn, call).await) })
     }
 }
 
@@ -256,32 +246,6 @@ fn infallible<T>(r: Result<T, Infallible>) -> T {
     match r {
         Ok(t) => t,
         Err(never) => match never {},
-    }
-}
-
-/// A response body that keeps its call open on the connection's slot until it ends.
-struct Open {
-    inner: Body,
-    _open: Active,
-}
-
-impl http_body::Body for Open {
-    type Data = Bytes;
-    type Error = Status;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
     }
 }
 

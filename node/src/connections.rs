@@ -2,22 +2,23 @@
 //! free (docs/DESIGN.md §66).
 //!
 //! Every accepted connection holds a [`Slot`] until it closes. A slot records whether
-//! its connection has **authenticated** — a call of it resolved a token or passed the
-//! peer check (the Raft service, a peer link's hello): [`vouch`] — whether a call of it
-//! is open, and when a call of it last began or ended.
+//! its connection has **authenticated** — a call of it carried a token that resolved, or
+//! passed the peer check (the Raft service, a peer link's hello, when peers
+//! authenticate): [`vouch`] — whether it is **busy** (a call of it being handled, a
+//! stream of it open, a peer link served), and when a call of it last began or ended.
 //!
 //! At the bound, a new connection is not simply refused. It takes the slot of:
-//! 1. a connection that has never authenticated, the oldest first, whatever it is doing
-//!    (a TLS handshake, a half-sent preface, anonymous calls, an anonymous health
-//!    watch); else
+//! 1. a connection that has never authenticated, whatever it is doing (a TLS handshake,
+//!    a half-sent preface, anonymous calls, an anonymous health watch): from the source
+//!    address holding the most such connections, its oldest; else
 //! 2. an authenticated connection with no call open, the one longest without a call
 //!    first (its client reconnects at its next call); else
 //! 3. none: every slot is an authenticated connection with a call open, and the new
 //!    connection is closed at accept, as before.
 //!
 //! So a host that opens connections and sends nothing holds no slot for longer than it
-//! takes others to arrive, and a peer link, an agent's assignment stream, a call in
-//! progress keep theirs. The evicted connection is closed from the node's side: its
+//! takes others to arrive, and a peer link, an agent's assignment stream, a call being
+//! handled keep theirs. The evicted connection is closed from the node's side: its
 //! reads end (the task serving it is woken), and whoever waits on [`Slot::evicted`]
 //! (the first-bytes wait of a plaintext connection) stops waiting.
 //!
@@ -71,11 +72,15 @@ pub struct Connections {
     refusals: Option<IntCounterVec>,
 }
 
+/// A connection's local and remote addresses (a node may listen on several local ones,
+/// so the remote address alone need not be unique).
+pub type Addrs = (Option<SocketAddr>, Option<SocketAddr>);
+
 #[derive(Default)]
 struct Table {
     next_id: u64,
     by_id: HashMap<u64, Arc<Slot>>,
-    by_addr: HashMap<SocketAddr, Arc<Slot>>,
+    by_addr: HashMap<(SocketAddr, SocketAddr), Arc<Slot>>,
 }
 
 /// Why a connection lost its slot to a newcomer (`allot_edge_refusals_total{api=
@@ -121,9 +126,10 @@ impl Connections {
         self.table.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Gives `io` (from `addr`) a slot: a free one, or one taken from another connection
-    /// (module doc). `None`: every slot is an authenticated connection with a call open.
-    pub fn admit<IO>(&self, io: IO, addr: Option<SocketAddr>) -> Option<Counted<IO>> {
+    /// Gives `io` (local and remote addresses `addrs`) a slot: a free one, or one taken
+    /// from another connection (module doc). `None`: every slot is an authenticated
+    /// connection with a call open.
+    pub fn admit<IO>(&self, io: IO, addrs: Addrs) -> Option<Counted<IO>> {
         let mut t = self.lock();
         if t.by_id.len() >= self.max {
             let Some((victim, why)) = victim(t.by_id.values()).map(|(v, why)| (v.clone(), why))
@@ -137,6 +143,10 @@ impl Connections {
             self.count(why.label());
         }
         t.next_id += 1;
+        let addr = match addrs {
+            (Some(local), Some(remote)) => Some((local, remote)),
+            _ => None,
+        };
         let slot = Arc::new(Slot {
             id: t.next_id,
             addr,
@@ -166,13 +176,11 @@ impl Connections {
     pub fn slot_of<B>(&self, req: &http::Request<B>) -> Option<Arc<Slot>> {
         use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
         let e = req.extensions();
-        let addr = e
-            .get::<TcpConnectInfo>()
-            .and_then(TcpConnectInfo::remote_addr)
-            .or_else(|| {
-                e.get::<TlsConnectInfo<TcpConnectInfo>>()
-                    .and_then(|t| t.get_ref().remote_addr())
-            })?;
+        let tcp = e.get::<TcpConnectInfo>().or_else(|| {
+            e.get::<TlsConnectInfo<TcpConnectInfo>>()
+                .map(TlsConnectInfo::get_ref)
+        })?;
+        let addr = (tcp.local_addr()?, tcp.remote_addr()?);
         self.lock().by_addr.get(&addr).cloned()
     }
 
@@ -195,30 +203,46 @@ impl Table {
     }
 }
 
-/// The connection that gives its slot to a newcomer, and why (module doc); ties go to
-/// the older connection (ids grow with each accept).
+/// The connection that gives its slot to a newcomer, and why (module doc).
+///
+/// Among connections that never authenticated, anonymous calls buy nothing: the source
+/// address holding the most of them gives one up, its oldest (so a flood from one host
+/// evicts its own connections, not a new client's from elsewhere; ties go to the source
+/// whose oldest is older). Among authenticated ones with no call open, the one longest
+/// without a call; ties go to the older connection (ids grow with each accept).
 fn victim<'a>(slots: impl Iterator<Item = &'a Arc<Slot>>) -> Option<(&'a Arc<Slot>, Eviction)> {
-    slots
-        .filter_map(|s| {
-            // Anonymous calls buy an unauthenticated connection nothing: the oldest
-            // goes first. Among authenticated ones, the one longest without a call.
-            let (why, key) = if !s.trusted.load(Ordering::Acquire) {
-                (Eviction::Unauthenticated, (0, 0))
-            } else if s.calls.load(Ordering::Acquire) == 0 {
-                (Eviction::Idle, (1, s.last_call_ms.load(Ordering::Acquire)))
-            } else {
-                return None;
-            };
-            Some(((key, s.id), s, why))
-        })
-        .min_by_key(|(key, _, _)| *key)
-        .map(|(_, s, why)| (s, why))
+    let mut by_source: HashMap<Option<std::net::IpAddr>, (usize, &'a Arc<Slot>)> = HashMap::new();
+    let mut idle: Option<((u64, u64), &'a Arc<Slot>)> = None;
+    for s in slots {
+        if !s.trusted.load(Ordering::Acquire) {
+            let e = by_source
+                .entry(s.addr.map(|(_, r)| r.ip()))
+                .or_insert((0, s));
+            e.0 += 1;
+            if s.id < e.1.id {
+                e.1 = s;
+            }
+        } else if s.calls.load(Ordering::Acquire) == 0 {
+            let key = (s.last_call_ms.load(Ordering::Acquire), s.id);
+            if idle.is_none_or(|(k, _)| key < k) {
+                idle = Some((key, s));
+            }
+        }
+    }
+    if let Some((_, oldest)) = by_source
+        .into_values()
+        .max_by_key(|(n, oldest)| (*n, std::cmp::Reverse(oldest.id)))
+    {
+        return Some((oldest, Eviction::Unauthenticated));
+    }
+    idle.map(|(_, s)| (s, Eviction::Idle))
 }
 
 /// One connection's slot.
 pub struct Slot {
     id: u64,
-    addr: Option<SocketAddr>,
+    /// (local, remote).
+    addr: Option<(SocketAddr, SocketAddr)>,
     epoch: Instant,
     /// Calls open (a server stream until its response ends; a peer link while served).
     calls: AtomicUsize,
@@ -247,7 +271,11 @@ impl Slot {
 
     /// The connection authenticated (see [`vouch`]).
     pub fn vouch(&self) {
-        self.trusted.store(true, Ordering::Release);
+        // Read first: every authenticated call vouches, and a store each time would
+        // bounce the slot's cache line between the cores serving its calls.
+        if !self.trusted.load(Ordering::Acquire) {
+            self.trusted.store(true, Ordering::Release);
+        }
     }
 
     fn evict(&self) {
@@ -386,8 +414,15 @@ mod tests {
     use super::*;
     use tokio::io::AsyncReadExt;
 
-    fn addr(port: u16) -> Option<SocketAddr> {
-        Some(SocketAddr::from(([127, 0, 0, 1], port)))
+    fn addr(port: u16) -> Addrs {
+        from([127, 0, 0, 1], port)
+    }
+
+    fn from(ip: [u8; 4], port: u16) -> Addrs {
+        (
+            Some(SocketAddr::from(([127, 0, 0, 1], 7000))),
+            Some(SocketAddr::from((ip, port))),
+        )
     }
 
     #[test]
@@ -422,6 +457,23 @@ mod tests {
         assert_eq!(c.open(), 2);
         drop(e);
         assert_eq!(c.open(), 1);
+    }
+
+    #[test]
+    fn of_unauthenticated_ones_the_source_holding_most_gives_way_first() {
+        let c = Connections::new(4);
+        // A client from one host came first; a flood from another holds the rest.
+        let client = c.admit((), from([10, 0, 0, 2], 1)).unwrap();
+        let flood: Vec<_> = (0..3)
+            .map(|p| c.admit((), from([10, 0, 0, 1], p)).unwrap())
+            .collect();
+        let later: Vec<_> = (3..9)
+            .map(|p| c.admit((), from([10, 0, 0, 1], p)).unwrap())
+            .collect();
+        assert!(!client.slot().is_evicted(), "the flood evicts its own");
+        assert!(flood.iter().all(|f| f.slot().is_evicted()));
+        assert_eq!(later.iter().filter(|f| f.slot().is_evicted()).count(), 3);
+        assert_eq!(c.open(), 4);
     }
 
     #[test]
@@ -470,9 +522,10 @@ mod tests {
         let c = Connections::new(4);
         let a = c.admit((), addr(7)).unwrap();
         let mut req = http::Request::new(());
+        let (local_addr, remote_addr) = addr(7);
         req.extensions_mut().insert(TcpConnectInfo {
-            local_addr: None,
-            remote_addr: addr(7),
+            local_addr,
+            remote_addr,
         });
         assert_eq!(c.slot_of(&req).map(|s| s.id), Some(a.slot().id));
         drop(a);

@@ -176,7 +176,7 @@ pub async fn credentials(
     }
     let mut actors = resolve();
     if !leader || actors.iter().all(Option::is_some) {
-        vouch_if_resolved(&actors);
+        vouch_if_resolved(requests, &actors);
         return Ok(actors);
     }
     let logged = shard.raft.metrics().borrow().last_log_index.unwrap_or(0);
@@ -198,17 +198,18 @@ pub async fn credentials(
             "UNAUTHENTICATED",
         ));
     }
-    vouch_if_resolved(&actors);
+    vouch_if_resolved(requests, &actors);
     Ok(actors)
 }
 
-/// Every request's token resolved to a principal: the call's connection has
-/// authenticated (`crate::connections::vouch`).
-fn vouch_if_resolved(actors: &[Option<Actor>]) {
-    if !actors.is_empty()
-        && actors
+/// Every request carried a token and it resolved to a principal: the call's connection
+/// has authenticated (`crate::connections::vouch`).
+fn vouch_if_resolved(requests: &[Request], actors: &[Option<Actor>]) {
+    if !requests.is_empty()
+        && requests
             .iter()
-            .all(|a| matches!(a, Some(a) if *a != Actor::Anonymous))
+            .zip(actors)
+            .all(|(r, a)| matches!(r.actor, Actor::Bearer(_)) && a.is_some())
     {
         crate::connections::vouch();
     }

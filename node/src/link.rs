@@ -916,9 +916,12 @@ where
     }
     served.connections.with_label_values(&["accepted"]).inc();
     // An authenticated peer's link keeps its connection slot while it is served
-    // (`crate::connections`).
-    crate::connections::vouch();
-    let _open = crate::connections::busy();
+    // (`crate::connections`). Without peer authentication anyone is admitted here, and
+    // the link keeps nothing.
+    let _open = served.auth.configured().then(|| {
+        crate::connections::vouch();
+        crate::connections::busy()
+    });
     writer.send(ack.to_vec()).await?;
     let in_flight = Arc::new(tokio::sync::Semaphore::new(REQUESTS_IN_FLIGHT_MAX));
     loop {

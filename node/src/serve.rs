@@ -20,7 +20,8 @@ use std::time::Duration;
 
 /// Serves `node` on `listen` (gRPC) and `metrics` (HTTP `/metrics`) until `shutdown`
 /// resolves; then stops the shards' Raft and syncs the WAL. At most `max_connections`
-/// connections are open at once (`crate::admission`).
+/// connections are open at once (`crate::connections`: at the bound a newcomer may take
+/// another connection's slot).
 pub async fn serve(
     node: Arc<Node>,
     listener: tokio::net::TcpListener,
@@ -74,8 +75,8 @@ pub async fn serve(
     let admitting = connections.clone();
     let incoming = futures::StreamExt::filter_map(incoming, move |accepted| {
         let admitted = match accepted.map(|io| {
-            let addr = io.peer_addr().ok();
-            admitting.admit(io, addr)
+            let addrs = (io.local_addr().ok(), io.peer_addr().ok());
+            admitting.admit(io, addrs)
         }) {
             Ok(admitted) => match admitted {
                 Some(io) => Some(Ok(io)),
@@ -95,15 +96,17 @@ pub async fn serve(
         std::future::ready(admitted)
     });
     // Message bytes being read or handled: one budget for client calls, one for Raft.
-    // Each call marks its connection's slot open while it runs; a Raft call has passed
-    // the peer check before it reaches its budget, a client call vouches for its
-    // connection when the edge resolves its token (`crate::connections`).
+    // Each call marks its connection's slot open while it is handled. A Raft call has
+    // passed the peer check before it reaches its budget (when peers authenticate at
+    // all: otherwise anyone may call Raft, and it proves nothing); a client call
+    // vouches for its connection when the edge resolves its token
+    // (`crate::connections`).
     let client = Budget::new("admission", CLIENT_BYTES_IN_FLIGHT_MAX)
         .counted(refusals.clone())
         .tracking(connections.clone(), false);
     let peers = Budget::new("admission:raft", RAFT_BYTES_IN_FLIGHT_MAX)
         .counted(refusals)
-        .tracking(connections.clone(), true);
+        .tracking(connections.clone(), node.peer_auth.configured());
     // With the peer link, each connection's first bytes (plaintext) or its negotiated
     // protocol (TLS) say whether it is a link or a gRPC connection (`crate::link`); links
     // end when the node stops serving.

@@ -574,7 +574,7 @@ impl Services {
         shard: &crate::node::Shard,
         who: Actor,
         api: &str,
-    ) -> Result<Option<crate::ratelimit::StreamSlot>, Status> {
+    ) -> Result<StreamHold, Status> {
         let org_max = who.org().map(|org| {
             let g = shard.view.read();
             g.state
@@ -582,7 +582,7 @@ impl Services {
                 .quota(&g.state.config.scheduler, org)
                 .streams_max
         });
-        crate::ratelimit::stream_keys(who, org_max)
+        let rate = crate::ratelimit::stream_keys(who, org_max)
             .map(|keys| self.limiter.open_stream(&keys))
             .transpose()
             .inspect_err(|_| {
@@ -591,8 +591,20 @@ impl Services {
                     .refusals
                     .with_label_values(&[api, "streams"])
                     .inc()
-            })
+            })?;
+        Ok(StreamHold {
+            _rate: rate,
+            _connection: crate::connections::busy(),
+        })
     }
+}
+
+/// What an open stream holds until it ends: its place under the stream bounds, and its
+/// connection's slot marked busy (`crate::connections`: a connection serving a stream
+/// keeps its slot; the bounds cap how many one principal or org can keep that way).
+pub(crate) struct StreamHold {
+    _rate: Option<crate::ratelimit::StreamSlot>,
+    _connection: Option<crate::connections::Active>,
 }
 
 pub(crate) fn scopeguard(f: impl FnOnce()) -> impl Drop {

@@ -328,10 +328,20 @@ async fn a_tls_nodes_slots_go_to_stalled_handshakes_last() {
     c.nodes[0]
         .extra_args
         .extend(["--max-connections".to_string(), MAX.to_string()]);
+    // Secured: only a resolved token vouches for a connection (in dev mode a caller
+    // without one is the operator, and proves nothing).
+    c.dev_mode = false;
     c.start_all().unwrap();
     c.init().await.unwrap();
     c.wait_leaders(Duration::from_secs(30)).await.unwrap();
-    let client = c.client().unwrap();
+    let token = allot_client::security::generate_token().unwrap();
+    c.admin_client()
+        .unwrap()
+        .bootstrap(allot_statemachine::PrincipalId(1), &token)
+        .await
+        .unwrap();
+    c.admin_token = Some(token);
+    let client = c.admin_client().unwrap();
     let spec = NodeSpec {
         node: NodeId(500),
         gpu_type: GpuType::new("H100"),
@@ -369,7 +379,7 @@ async fn a_tls_nodes_slots_go_to_stalled_handshakes_last() {
             held.push(s);
         }
     }
-    let fresh = c.client().unwrap();
+    let fresh = c.admin_client().unwrap();
     fresh
         .status_of(&target)
         .await
