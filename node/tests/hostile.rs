@@ -2459,26 +2459,24 @@ async fn defect_16_idle_connections_cannot_hold_a_nodes_connection_slots() {
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     // New connections are still served: an operator's, and a peer's.
+    let fresh = |who: &'static str, round: usize| {
+        let target = target.clone();
+        async move {
+            tonic::transport::Endpoint::from_shared(format!("http://{target}"))
+                .unwrap()
+                .connect_timeout(Duration::from_secs(2))
+                .timeout(Duration::from_secs(5))
+                .connect()
+                .await
+                .unwrap_or_else(|e| panic!("round {round}: a new {who} connects: {e}"))
+        }
+    };
     for round in 0..3 {
-        let ch = tonic::transport::Endpoint::from_shared(format!("http://{target}"))
-            .unwrap()
-            .connect_timeout(Duration::from_secs(2))
-            .timeout(Duration::from_secs(5))
-            .connect()
-            .await
-            .unwrap_or_else(|e| panic!("round {round}: a new client connects: {e}"));
-        AdminClient::new(ch)
+        AdminClient::new(fresh("client", round).await)
             .status(bearer(StatusRequest {}, Some(&h.token)))
             .await
             .unwrap_or_else(|e| panic!("round {round}: a new client is served: {e}"));
-        let ch = tonic::transport::Endpoint::from_shared(format!("http://{target}"))
-            .unwrap()
-            .connect_timeout(Duration::from_secs(2))
-            .timeout(Duration::from_secs(5))
-            .connect()
-            .await
-            .unwrap_or_else(|e| panic!("round {round}: a new peer connects: {e}"));
-        raft(ch)
+        raft(fresh("peer", round).await)
             .versions(as_peer(VersionsRequest {}, &secret))
             .await
             .unwrap_or_else(|e| panic!("round {round}: a new peer connection is served: {e}"));

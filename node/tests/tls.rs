@@ -15,25 +15,35 @@ use std::path::PathBuf;
 use std::time::Duration;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tls_cluster_serves_tls_and_refuses_plaintext_and_certless_peers() {
-    let dir = tempfile::Builder::new()
-        .prefix("allot-tls-")
-        .tempdir()
-        .unwrap();
-    let bin = PathBuf::from(env!("CARGO_BIN_EXE_allot-node"));
+/// A temporary directory (named `prefix…`) holding `allot-node dev-certs` output in
+/// `certs/`.
+fn dev_certs(prefix: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::Builder::new().prefix(prefix).tempdir().unwrap();
     let certs = dir.path().join("certs");
-    let st = std::process::Command::new(&bin)
+    let st = std::process::Command::new(env!("CARGO_BIN_EXE_allot-node"))
         .args(["dev-certs", "--out"])
         .arg(&certs)
         .status()
         .unwrap();
     assert!(st.success());
+    (dir, certs)
+}
+
+/// A 3-node, 1-shard cluster laid out in `dir/cluster`, serving TLS with `certs`.
+fn tls_cluster(dir: &tempfile::TempDir, certs: &std::path::Path) -> LocalCluster {
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_allot-node"));
+    let mut c = LocalCluster::new(bin, dir.path().join("cluster"), 3, 1).unwrap();
+    c.tls_dir = Some(certs.to_path_buf());
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_cluster_serves_tls_and_refuses_plaintext_and_certless_peers() {
+    let (dir, certs) = dev_certs("allot-tls-");
     for f in ["ca.pem", "node.pem", "node-key.pem"] {
         assert!(certs.join(f).exists(), "{f}");
     }
-    let mut c = LocalCluster::new(bin, dir.path().join("cluster"), 3, 1).unwrap();
-    c.tls_dir = Some(certs.clone());
+    let mut c = tls_cluster(&dir, &certs);
     c.start_all().unwrap();
     // Init and leader election go through TLS (the cluster's own client trusts the CA)
     // and the shards elect leaders over mutual-TLS peer links.
@@ -311,20 +321,8 @@ async fn a_tls_nodes_slots_go_to_stalled_handshakes_last() {
     use allot_statemachine::{Command, GpuType, NodeId, NodeSpec};
     use futures::StreamExt;
     const MAX: usize = 12;
-    let dir = tempfile::Builder::new()
-        .prefix("allot-tls-slots-")
-        .tempdir()
-        .unwrap();
-    let bin = PathBuf::from(env!("CARGO_BIN_EXE_allot-node"));
-    let certs = dir.path().join("certs");
-    let st = std::process::Command::new(&bin)
-        .args(["dev-certs", "--out"])
-        .arg(&certs)
-        .status()
-        .unwrap();
-    assert!(st.success());
-    let mut c = LocalCluster::new(bin, dir.path().join("cluster"), 3, 1).unwrap();
-    c.tls_dir = Some(certs.clone());
+    let (dir, certs) = dev_certs("allot-tls-slots-");
+    let mut c = tls_cluster(&dir, &certs);
     c.nodes[0]
         .extra_args
         .extend(["--max-connections".to_string(), MAX.to_string()]);
