@@ -22,7 +22,7 @@
 //! reads end (the task serving it is woken), and whoever waits on [`Slot::evicted`]
 //! (the first-bytes wait of a plaintext connection) stops waiting.
 //!
-//! Calls find their connection's slot by the remote address tonic puts in each request
+//! Calls find their connection's slot by the addresses tonic puts in each request
 //! ([`Connections::slot_of`]); [`Admitted`](crate::admission::Admitted) makes it the
 //! task-local [`CONNECTION`] while the call runs, so that the edge's authentication can
 //! [`vouch`] for it without passing it down.
@@ -58,7 +58,7 @@ pub fn vouch() {
 }
 
 /// Marks the current connection busy until the guard drops (a peer link while it is
-/// served). `None` outside a connection's task.
+/// served, a stream while it is open). `None` outside a connection's task.
 pub fn busy() -> Option<Active> {
     CONNECTION.try_with(Slot::begin).ok()
 }
@@ -171,8 +171,8 @@ impl Connections {
         })
     }
 
-    /// The slot of the connection a request arrived on (by the remote address tonic
-    /// records for the connection, plaintext or TLS).
+    /// The slot of the connection a request arrived on (by the local and remote
+    /// addresses tonic records for the connection, plaintext or TLS).
     pub fn slot_of<B>(&self, req: &http::Request<B>) -> Option<Arc<Slot>> {
         use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
         let e = req.extensions();
