@@ -18,8 +18,8 @@
 //!
 //! Bytes not yet read stay in HTTP/2 flow control: at most one connection window per
 //! connection ([`CONNECTION_WINDOW_BYTES`]), and connections are counted
-//! ([`Connections`](crate::connections::Connections)). So the node's memory for calls is bounded by
-//! `CLIENT_BYTES_IN_FLIGHT_MAX + RAFT_BYTES_IN_FLIGHT_MAX + connections ×
+//! ([`Connections`](crate::connections::Connections)). So the node's memory for calls
+//! is bounded by `CLIENT_BYTES_IN_FLIGHT_MAX + RAFT_BYTES_IN_FLIGHT_MAX + connections ×
 //! CONNECTION_WINDOW_BYTES`, whatever callers do (docs/DESIGN.md §43).
 //!
 //! The Raft service's peer check runs on the headers *before* this (the interceptor
@@ -75,10 +75,10 @@ impl Budget {
         }
     }
 
-    /// Marks each call open on its connection's slot while it runs (its response
-    /// included), and makes that slot the call's current connection
-    /// (`crate::connections::vouch`). `authenticated`: every call reaching this
-    /// budget's services has authenticated already.
+    /// Makes each call's connection slot its current connection
+    /// (`crate::connections::vouch`) and marks the slot busy while the call is handled
+    /// (from its admission until its handler answered). `authenticated`: every call
+    /// reaching this budget's services has authenticated already.
     pub fn tracking(mut self, connections: Connections, authenticated: bool) -> Budget {
         self.connections = Some((connections, authenticated));
         self
@@ -180,7 +180,6 @@ where
                 c.vouch();
             }
         }
-        let opened = conn.clone();
         // A call is open on its connection's slot from when its message is admitted (a
         // call still waiting for its bytes, or trickling them, holds nothing open) until
         // its handler answered — not while its response is sent, which the caller's
@@ -194,7 +193,7 @@ where
                     Ok(slot) => Some(slot),
                     Err(_) => {
                         budget.refused("streams");
-                        return busy(budget.name).into_http();
+                        return Ok(busy(budget.name).into_http());
                     }
                 },
             };
@@ -207,16 +206,15 @@ where
                 Ok(admitted) => admitted,
                 Err((status, reason)) => {
                     budget.refused(reason);
-                    return status.into_http();
+                    return Ok(status.into_http());
                 }
             };
-            let _open = opened.as_ref().map(|c| c.begin());
+            let _open = crate::connections::busy();
             let Some(slot) = slot else {
                 body.rest = Rest::Refused;
-                let response = inner
+                return inner
                     .call(http::Request::from_parts(parts, Body::new(body)))
                     .await;
-                return infallible(response);
             };
             // A client stream's life is bounded on both sides: its requests (read by
             // the handler) and its responses, which hold the slot — a caller that stops
@@ -225,27 +223,18 @@ where
             body.rest = Rest::Stream {
                 until: Box::pin(tokio::time::sleep_until(end)),
             };
-            let response = infallible(
-                inner
-                    .call(http::Request::from_parts(parts, Body::new(body)))
-                    .await,
-            );
-            response.map(|b| {
+            let response = inner
+                .call(http::Request::from_parts(parts, Body::new(body)))
+                .await?;
+            Ok(response.map(|b| {
                 Body::new(Bounded {
                     inner: b,
                     until: Box::pin(tokio::time::sleep_until(end)),
                     _slot: slot,
                 })
-            })
+            }))
         };
-        Box::pin(async move { Ok(crate::connections::on(conn, call).await) })
-    }
-}
-
-fn infallible<T>(r: Result<T, Infallible>) -> T {
-    match r {
-        Ok(t) => t,
-        Err(never) => match never {},
+        Box::pin(crate::connections::on(conn, call))
     }
 }
 
