@@ -42,6 +42,8 @@ use std::sync::Arc;
 
 /// How long the membership guard waits for a member's coverage.
 const COVERAGE_ASK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// How long a peer may take to answer one page of rows (at most `AUDIT_PAGE_BYTES`).
+const ROWS_ASK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 use serde::{Deserialize, Serialize};
 use std::sync::Weak;
 use std::time::Duration;
@@ -377,10 +379,18 @@ pub async fn fill<S: RowSource>(
                         max_bytes: AUDIT_PAGE_BYTES as u32,
                     })
                     .await?;
-                let Some(last) = got.last().map(|(k, _)| *k) else {
+                if got.is_empty() {
                     break;
-                };
+                }
+                // Rows in the range asked, in key order, each once: a peer that repeats
+                // or strays would otherwise keep this loop asking (and collecting).
                 for (key, value) in got {
+                    if key < next || key > hi {
+                        return Err(format!(
+                            "batch row {key} is outside the range asked ({next}..={hi})"
+                        ));
+                    }
+                    next = key + 1;
                     if !indexes.contains(&key) {
                         continue;
                     }
@@ -393,7 +403,6 @@ pub async fn fill<S: RowSource>(
                         .map_err(|e| format!("batch row {key}: {e}"))?;
                     batches.push((key, value));
                 }
-                next = last + 1;
             }
         }
         if batches.len() != indexes.len() {
@@ -439,12 +448,15 @@ impl RowSource for Peer<'_> {
             .channels
             .raft_client(&self.addr)
             .map_err(|e| e.to_string())?;
-        let reply = c
-            .audit_rows(self.node.channels.peer_request(allot_proto::RaftMessage {
-                shard: self.shard,
-                payload: codec::encode(&req),
-            }))
+        let call = c.audit_rows(self.node.channels.peer_request(allot_proto::RaftMessage {
+            shard: self.shard,
+            payload: codec::encode(&req),
+        }));
+        // A peer that takes the call and never answers must not stall the filling of
+        // every shard's trail behind this one.
+        let reply = tokio::time::timeout(ROWS_ASK_TIMEOUT, call)
             .await
+            .map_err(|_| format!("{}: no answer in {ROWS_ASK_TIMEOUT:?}", self.addr))?
             .map_err(|e| format!("{}: {}", self.addr, e.message()))?;
         codec::decode(&reply.into_inner().payload).map_err(|e| e.to_string())
     }
@@ -692,6 +704,73 @@ mod tests {
                     assert!(scan(&local, 0, &head).unwrap().is_some(), "still a gap");
                 }
             }
+        }
+    }
+
+    /// A peer that answers the events honestly but the batches with rows it was not asked
+    /// for: keys repeated (the one genuine row it was asked for first, again and again),
+    /// below the range asked, or `u64::MAX`. Each is refused at once: the fill neither
+    /// loops asking for ever while what it collected grows, nor overflows on the key.
+    #[tokio::test]
+    async fn batch_rows_out_of_range_or_repeated_are_refused() {
+        let (h, events, batches) = history();
+        let dir = tempfile::tempdir().unwrap();
+        let peer = store::open_db(&dir.path().join("peer")).unwrap();
+        put(&peer, AUDIT_EVENTS, &events);
+        put(&peer, AUDIT_BATCHES, &batches);
+
+        #[derive(Clone, Copy, Debug)]
+        enum Lie {
+            RepeatFirst,
+            Below,
+            KeyMax,
+        }
+        struct Lying {
+            honest: FromDb,
+            lie: Lie,
+            calls: std::sync::atomic::AtomicU32,
+        }
+        const CALLS_MAX: u32 = 1_000;
+        impl RowSource for Lying {
+            async fn rows(&self, req: RowsRequest) -> Result<Rows, String> {
+                if self.calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= CALLS_MAX {
+                    return Err("asked for ever".into());
+                }
+                if req.space != AUDIT_BATCHES {
+                    return self.honest.rows(req).await;
+                }
+                let mut all = RowsRequest {
+                    lo: 0,
+                    hi: u64::MAX,
+                    ..req.clone()
+                };
+                all.max_bytes = u32::MAX;
+                let rows = read_rows(&self.honest.db, 0, &all)?;
+                let at = |k: u64| rows.iter().find(|(x, _)| *x >= k).cloned().unwrap();
+                Ok(match self.lie {
+                    Lie::RepeatFirst => vec![at(req.lo); 64],
+                    Lie::Below => vec![at(0), at(req.lo)],
+                    Lie::KeyMax => vec![(u64::MAX, at(req.lo).1)],
+                })
+            }
+        }
+        for lie in [Lie::RepeatFirst, Lie::Below, Lie::KeyMax] {
+            let local = store::open_db(&dir.path().join(format!("local-{lie:?}"))).unwrap();
+            let gap = scan(&local, 0, &h.state.audit).unwrap().expect("a gap");
+            let source = Lying {
+                honest: FromDb {
+                    db: peer.clone(),
+                    forge: None,
+                },
+                lie,
+                calls: Default::default(),
+            };
+            let r = fill(&local, 0, &gap, &source).await;
+            let err = r.expect_err("a lying peer's batches are refused");
+            assert!(!err.contains("asked for ever"), "{lie:?}: {err}");
+            let calls = source.calls.load(std::sync::atomic::Ordering::Relaxed);
+            assert!(calls <= 4, "{lie:?}: refused at the first lie, after {calls} calls");
+            assert!(scan(&local, 0, &h.state.audit).unwrap().is_some(), "still a gap");
         }
     }
 
