@@ -733,7 +733,11 @@ mod tests {
         const CALLS_MAX: u32 = 1_000;
         impl RowSource for Lying {
             async fn rows(&self, req: RowsRequest) -> Result<Rows, String> {
-                if self.calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= CALLS_MAX {
+                if self
+                    .calls
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                    >= CALLS_MAX
+                {
                     return Err("asked for ever".into());
                 }
                 if req.space != AUDIT_BATCHES {
@@ -769,8 +773,14 @@ mod tests {
             let err = r.expect_err("a lying peer's batches are refused");
             assert!(!err.contains("asked for ever"), "{lie:?}: {err}");
             let calls = source.calls.load(std::sync::atomic::Ordering::Relaxed);
-            assert!(calls <= 4, "{lie:?}: refused at the first lie, after {calls} calls");
-            assert!(scan(&local, 0, &h.state.audit).unwrap().is_some(), "still a gap");
+            assert!(
+                calls <= 4,
+                "{lie:?}: refused at the first lie, after {calls} calls"
+            );
+            assert!(
+                scan(&local, 0, &h.state.audit).unwrap().is_some(),
+                "still a gap"
+            );
         }
     }
 

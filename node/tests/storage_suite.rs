@@ -39,7 +39,8 @@ fn rocksdb_storage_passes_the_openraft_suite() {
 }
 
 /// A replica that meets an entry it cannot apply as the others do — bytes of a newer
-/// format, or an activation of a rule version it does not support — stops with an
+/// format or of one older than it reads, or an activation of a rule version it does not
+/// support — stops with an
 /// error and changes nothing, instead of applying it as a tick (a misread the other
 /// replicas would not make). Malformed bytes (a faulty leader) still apply as a tick on
 /// every replica alike.
@@ -78,11 +79,23 @@ async fn entries_this_binary_cannot_apply_stop_the_replica_and_change_nothing() 
     );
     assert_eq!(hash(&sm), empty, "nothing applied");
 
-    let mut newer = Batch::new(5, &[activation]);
+    let mut newer = Batch::new(5, std::slice::from_ref(&activation));
     newer.requests[0] = FORMAT_VERSION + 1;
     let refused = sm.apply([entry(1, newer)]).await;
     assert!(
         format!("{refused:?}").contains("newer release"),
+        "{refused:?}"
+    );
+    assert_eq!(hash(&sm), empty, "nothing applied");
+
+    // Bytes of a format older than this binary reads: written by a release before the
+    // support window, applied by the replicas that ran it. Applying them as a tick here
+    // would diverge from those replicas' state, silently.
+    let mut older = Batch::new(5, std::slice::from_ref(&activation));
+    older.requests[0] = allot_statemachine::codec::FORMAT_READ_MIN - 1;
+    let refused = sm.apply([entry(1, older)]).await;
+    assert!(
+        format!("{refused:?}").contains("intermediate release"),
         "{refused:?}"
     );
     assert_eq!(hash(&sm), empty, "nothing applied");

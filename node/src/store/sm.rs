@@ -553,16 +553,22 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                         });
                     }
                     EntryPayload::Normal(b) => {
-                        // Decoded once. Bytes of a format newer than this binary reads,
-                        // or an activation of a rule version it does not support: this
-                        // replica cannot apply the entry as the others do, so it stops
-                        // here (the entry stays in its log for a newer binary) rather
-                        // than diverge. Only a faulty leader proposes bytes that do not
-                        // decode otherwise; every replica decodes the same bytes, so each
-                        // applies such an entry as a tick alike (time advances; nothing
-                        // else).
+                        // Decoded once. Bytes of a format this binary does not read —
+                        // newer (a newer release's leader) or older than its window (a
+                        // release before it wrote them, and the replicas that ran it
+                        // applied them) — or an activation of a rule version it does not
+                        // support: this replica cannot apply the entry as the others do,
+                        // so it stops here (the entry stays in its log for a binary that
+                        // reads it) rather than diverge. Only a faulty leader proposes
+                        // bytes that do not decode otherwise; every replica decodes the
+                        // same bytes, so each applies such an entry as a tick alike (time
+                        // advances; nothing else).
                         let decoded = b.decode();
-                        if let Err(e @ codec::CodecError::NewerFormat(_)) = &decoded {
+                        if let Err(
+                            e @ (codec::CodecError::NewerFormat(_)
+                            | codec::CodecError::UnsupportedVersion(_)),
+                        ) = &decoded
+                        {
                             return Err(self.cannot_apply(&mut g, applied_before, log_id, e));
                         }
                         let requests = decoded.unwrap_or_else(|e| {
