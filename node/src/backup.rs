@@ -7,6 +7,7 @@
 //! — the same set on every node — so a node started on it loads the state as its
 //! snapshot, continues the log after the backed-up index, and serves the whole trail.
 
+use crate::limits::{INDEX_MAX, SHARDS_MAX, TERM_MAX};
 use crate::node::{Node, Shard};
 use crate::store::{self, audit_key, AUDIT_BATCHES, AUDIT_EVENTS, CF_AUDIT};
 use crate::types::{LogId, SnapshotMeta, StoredMembership, Vote};
@@ -340,6 +341,28 @@ fn restore_shard(
     })?;
     let h = &verified.header;
     let shard = h.shard;
+    // The header is the file's word, checksummed but not signed: what it says about the
+    // cluster and the log is bounded as a peer's word is, before a Raft group starts on it
+    // (openraft computes `term + 1` and `index + 1` unchecked).
+    if h.shards > SHARDS_MAX {
+        return Err(RestoreError::Set(format!(
+            "{} is of a {}-shard cluster; a cluster has at most {SHARDS_MAX}",
+            file.display(),
+            h.shards
+        )));
+    }
+    if let Some(p) = h
+        .position
+        .filter(|p| p.term > TERM_MAX || p.index > INDEX_MAX)
+    {
+        return Err(RestoreError::Set(format!(
+            "{} names log position term {} index {}, beyond what a cluster reaches \
+             (term and index at most {TERM_MAX})",
+            file.display(),
+            p.term,
+            p.index
+        )));
+    }
     crate::versions::check_rules(
         shard,
         h.rules_active,
@@ -386,4 +409,56 @@ fn restore_shard(
         },
         h.tokens.clone(),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use allot_statemachine::backup::stream::{BackupHeader, BackupWriter};
+    use allot_statemachine::backup::LogPosition;
+
+    /// A backup file of an empty shard whose header names `shards` and `position`:
+    /// well formed, checksummed, its state agreeing with its header.
+    fn file_with(dir: &Path, shards: u32, position: Option<LogPosition>) -> PathBuf {
+        let state = State::default();
+        let members = vec![(1, "127.0.0.1:1".to_string())];
+        let header = BackupHeader::of(&state, 0, shards, position, members);
+        let mut w = BackupWriter::start(Vec::new(), &header).unwrap();
+        w.state(&state).unwrap();
+        let path = dir.join(format!("b-{shards}-{position:?}"));
+        std::fs::write(&path, w.finish().unwrap()).unwrap();
+        path
+    }
+
+    /// A header's log position and shard count are bounded before a Raft group starts on
+    /// them: a term of `u64::MAX` restored cleanly before and panicked at the node's
+    /// first election (`term + 1`); a shard count of `u32::MAX` made the check for
+    /// missing shards list four billion of them. The bounds themselves restore.
+    #[test]
+    fn a_backup_header_beyond_a_clusters_bounds_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let refused = |file: PathBuf, why: &str| {
+            let data = dir.path().join(format!("data-{why}"));
+            let Err(e) = restore(&data, 1, &[file], None) else {
+                panic!("restored: {why}");
+            };
+            assert!(e.to_string().contains(why), "{e}");
+            assert!(!data.exists(), "nothing installed");
+        };
+        let at = |term, index| Some(LogPosition { term, index });
+        refused(file_with(dir.path(), 1, at(u64::MAX, 0)), "log position");
+        refused(
+            file_with(dir.path(), 1, at(1, INDEX_MAX + 1)),
+            "log position",
+        );
+        refused(file_with(dir.path(), SHARDS_MAX + 1, at(1, 1)), "at most");
+        let data = dir.path().join("data-ok");
+        restore(
+            &data,
+            1,
+            &[file_with(dir.path(), 1, at(TERM_MAX, INDEX_MAX))],
+            None,
+        )
+        .expect("the bounds themselves restore");
+    }
 }

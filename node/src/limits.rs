@@ -55,6 +55,9 @@ pub const SNAPSHOT_BYTES_MAX: u64 = allot_statemachine::codec::DECODE_BYTES_MAX;
 /// election a millisecond for a hundred million years); a larger one is refused before
 /// openraft sees it (openraft computes `term + 1` and `index + 1` without checking).
 pub const TERM_MAX: u64 = 1 << 62;
+/// The most shards (Raft groups) a cluster may have (`--shards`, and a restored backup's
+/// shard count).
+pub const SHARDS_MAX: u32 = 1024;
 pub const INDEX_MAX: u64 = 1 << 62;
 /// The peer link (`crate::link`, DESIGN §61), before anything else a connection sends
 /// is read: its first bytes (the link's magic, or anything else for gRPC) within this

@@ -170,9 +170,10 @@ impl Shard {
 
 impl Node {
     pub async fn start(config: NodeConfig) -> anyhow::Result<Arc<Node>> {
-        if config.shards == 0 || config.shards > 1024 {
+        if config.shards == 0 || config.shards > crate::limits::SHARDS_MAX {
             bail!(
-                "--shards must be between 1 and 1024 (got {})",
+                "--shards must be between 1 and {} (got {})",
+                crate::limits::SHARDS_MAX,
                 config.shards
             );
         }
