@@ -686,11 +686,13 @@ impl Services {
             }
         }
         let slot = self.open_stream(shard, who, "watch_assignments")?;
+        let shard_id = shard.id;
         let view = shard.view.clone();
         let mut applied = view.applied_watch();
         let (tx, rx) = tokio::sync::mpsc::channel(16);
         let open = self.node.metrics.streams.clone();
         open.inc();
+        let this = self.node.clone();
         tokio::spawn(async move {
             let _slot = slot;
             let _open = scopeguard(move || open.dec());
@@ -698,14 +700,28 @@ impl Services {
             // The set and the node's incarnation: a change of either sends a new set.
             let mut last: Option<(u64, Vec<AssignmentRow>)> = None;
             loop {
-                let (now, idx) = {
+                let (now, idx, still) = {
                     let g = view.read();
                     let sched = &g.state.scheduler;
                     (
                         (sched.node_incarnation(node), sched.assignments(node)),
                         g.last_applied.map(|l| l.index).unwrap_or(0),
+                        // The caller's token, resolved again at every change of the
+                        // state: a stream outlives no revocation or expiry of it.
+                        g.state.security.resolve(caller, g.state.time_ms) == Ok(who),
                     )
                 };
+                if !still {
+                    let refused = auth::refuse(
+                        &this,
+                        shard_id,
+                        caller,
+                        "watch_assignments",
+                        DenialReason::Unauthenticated,
+                    );
+                    let _ = tx.send(Err(refused)).await;
+                    return;
+                }
                 if last.as_ref() != Some(&now) {
                     let msg = pb::AssignmentsUpdate {
                         assignments: now.1.iter().map(typed::query::assignment_to).collect(),

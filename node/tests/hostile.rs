@@ -1534,6 +1534,44 @@ async fn defect_6_cancelled_streams_are_released_at_once() {
     h.assert_all_running();
 }
 
+/// Defect 17: a `WatchAssignments` stream resolved its caller's token once, when it
+/// opened, and went on pushing the node's assignments (every org's jobs placed there)
+/// after the token was revoked, for as long as the client kept the stream. Now the token
+/// is resolved again at every change of the shard's state, and a stream whose token no
+/// longer resolves ends UNAUTHENTICATED, recorded as a denial.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_17_a_stream_ends_when_its_token_is_revoked() {
+    use ::allot_statemachine::security::Scope;
+    use ::allot_statemachine::NodeId;
+    let mut h = secured(1).await;
+    let tokens = [
+        (PrincipalId(60), Scope::Admin),
+        (PrincipalId(61), Scope::Agent(NodeId(5))),
+    ];
+    let mut streams = Vec::new();
+    for (principal, scope) in tokens {
+        let token = h.admin.create_token(principal, scope, None).await.unwrap();
+        let mut a = api(channel(&h.addr(1)).await);
+        let m = pb::WatchAssignmentsRequest { shard: 0, node: 5 };
+        let mut s = a
+            .watch_assignments(bearer(m, Some(&token)))
+            .await
+            .unwrap()
+            .into_inner();
+        s.message().await.unwrap().expect("the current set");
+        streams.push((principal, s));
+    }
+    for (principal, mut s) in streams {
+        h.admin.revoke_token(None, principal).await.unwrap();
+        let end = tokio::time::timeout(Duration::from_secs(10), s.message())
+            .await
+            .unwrap_or_else(|_| panic!("principal {principal:?}: the stream outlived its token"));
+        let e = end.expect_err("the stream ends with an error");
+        assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
+    }
+    h.assert_all_running();
+}
+
 // ---------------------------------------------------------------- also seen
 
 /// Commands carrying a well-formed but unknown, revoked or expired token were
