@@ -134,6 +134,13 @@ pub const DIGESTS_PER_TENANT_PRINCIPAL_V4: usize =
 pub const TOKENS_OPERATOR_RESERVE: usize = 100_000;
 /// The rule version from which the two bounds above apply.
 pub const TOKEN_BOUNDS_FROM: u32 = 4;
+/// From rule version 7, a tenant whose own principal expires cannot issue a key that
+/// outlives it: a `CreateToken` without an expiry or with a later one, and a
+/// `RotateToken` of a principal that lives longer (the new key keeps that principal's
+/// life), are refused `Unauthorized`. Before, an org token given for an hour could mint
+/// a second org principal that never expires, or rotate the org's long-lived principal
+/// to a key it knows, and keep the org for good.
+pub const TENANT_KEYS_WITHIN_CALLER_LIFE_FROM: u32 = 7;
 /// Denials one `RecordDenials` command may carry, and the length of a denial's api name.
 pub const DENIALS_PER_RECORD_MAX: usize = 256;
 pub const DENIAL_API_LEN_MAX: usize = 64;

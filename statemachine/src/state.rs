@@ -12,7 +12,8 @@ use crate::ids::{Account, HoldId, OrgId};
 use crate::ledger::{Ctx, Ledger, LedgerConfig};
 use crate::limits::{
     COMMANDS_PER_ENTRY_MAX, DIGESTS_PER_TENANT_PRINCIPAL_V4, RETIRED_KEYS_PER_PRINCIPAL_MAX,
-    RETIRED_KEYS_PER_TENANT_PRINCIPAL_V4, TOKENS_MAX, TOKENS_OPERATOR_RESERVE, TOKEN_BOUNDS_FROM,
+    RETIRED_KEYS_PER_TENANT_PRINCIPAL_V4, TENANT_KEYS_WITHIN_CALLER_LIFE_FROM, TOKENS_MAX,
+    TOKENS_OPERATOR_RESERVE, TOKEN_BOUNDS_FROM,
 };
 use crate::outcome::{CommandError, Limit, Outcome, QuotaKind, Reply};
 use crate::scheduler::{Scheduler, SchedulerConfig};
@@ -650,7 +651,9 @@ fn execute(
                 })
             }
             command if command.is_scheduler() => dispatch_scheduler(state, actor, ns, command, ctx),
-            command if command.is_security() => dispatch_security(state, ns, &quota, command, ctx),
+            command if command.is_security() => {
+                dispatch_security(state, actor, ns, &quota, command, ctx)
+            }
             command => {
                 reject_job_hold(&state.ledger, ns, command)?;
                 check_hold_tier(&state.scheduler, &state.config.scheduler, ns, command)?;
@@ -709,8 +712,33 @@ fn reject_job_hold(
     Ok(())
 }
 
+/// Whether `command`, run by a tenant whose own principal expires, would issue a key
+/// that lives longer than that principal: a new token without an expiry or with a later
+/// one, or a rotation of a principal that lives longer (its new key keeps its life).
+/// Operators' tokens are not bounded so.
+fn key_outlives_caller(sec: &Security, actor: Actor, command: &Command) -> bool {
+    let (org, own) = match actor {
+        Actor::Tenant { org, principal }
+        | Actor::Project { org, principal, .. }
+        | Actor::User { org, principal, .. } => (org, principal),
+        _ => return false,
+    };
+    let Some(end) = sec.principal(Some(org), own).and_then(|p| p.expires_at_ms) else {
+        return false;
+    };
+    let later = |life: Option<u64>| life.is_none_or(|e| e > end);
+    match command {
+        Command::CreateToken { expires_at_ms, .. } => later(*expires_at_ms),
+        Command::RotateToken { principal, .. } => sec
+            .principal(Some(org), *principal)
+            .is_some_and(|p| later(p.expires_at_ms)),
+        _ => false,
+    }
+}
+
 fn dispatch_security(
     state: &mut State,
+    actor: Actor,
     ns: Option<OrgId>,
     quota: &Quota,
     command: &Command,
@@ -730,6 +758,9 @@ fn dispatch_security(
             > TOKENS_MAX - TOKENS_OPERATOR_RESERVE
     {
         return Err(CommandError::LimitReached(Limit::Tokens));
+    }
+    if rules >= TENANT_KEYS_WITHIN_CALLER_LIFE_FROM && key_outlives_caller(sec, actor, command) {
+        return Err(CommandError::Unauthorized);
     }
     match command {
         Command::Bootstrap { principal, digest } => sec

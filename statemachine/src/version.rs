@@ -94,6 +94,12 @@
 //!   look alive to the grace rule
 //!   (`crate::scheduler::OPERATOR_REGISTRATIONS_RENEW_NOTHING_FROM`). The state's format
 //!   is unchanged (8).
+//! - **7** — a tenant whose own principal expires cannot issue a key that outlives it:
+//!   a `CreateToken` without an expiry or with a later one, or a `RotateToken` of a
+//!   principal that lives longer, is refused `Unauthorized`
+//!   (`crate::limits::TENANT_KEYS_WITHIN_CALLER_LIFE_FROM`; before, an org token given
+//!   for an hour could mint an org principal that never expires). The state's format is
+//!   unchanged (8).
 
 use serde::{Deserialize, Serialize};
 
@@ -102,7 +108,7 @@ pub const RULES_BASELINE: u32 = 1;
 /// The newest rule version this build implements. A node may be told to support less
 /// (`allot-node --max-rules-version`, to rehearse an upgrade or to hold one back), never
 /// more.
-pub const RULES_MAX: u32 = 6;
+pub const RULES_MAX: u32 = 7;
 /// A job's longest `max_duration_ms` from rule version 2 on.
 pub const JOB_DURATION_MS_MAX_V2: u64 = 90 * 86_400_000;
 

@@ -1224,3 +1224,109 @@ fn a_project_tokens_job_pages_never_name_a_siblings_job() {
     }
     assert_eq!(seen, vec![20_000]);
 }
+
+/// A tenant whose own token expires cannot issue a key that outlives it (rule version
+/// 7): not a new principal without an expiry or with a later one, and not a rotation of
+/// a longer-lived principal of its org (the new key, which the caller chose, keeps that
+/// principal's life). Under version 6 it could, and the org's hour-long token became a
+/// credential for good. Keys within its life are still issued, and an operator's are
+/// not bounded so.
+#[test]
+fn a_tenant_cannot_issue_a_key_that_outlives_its_own() {
+    let mut h = secured();
+    let admin = h.admin;
+    let short = "tok-org-1-short-lived-hhhhhhhhhhhhhhhhh";
+    let end = h.now + 3_600_000;
+    h.ok(Command::CreateToken {
+        principal: PrincipalId(15),
+        digest: TokenDigest::of(short.as_bytes()),
+        scope: Scope::Org(ORG),
+        expires_at_ms: Some(end),
+    });
+    let create = |principal: u64, token: &str, expires_at_ms: Option<u64>| Command::CreateToken {
+        principal: PrincipalId(principal),
+        digest: TokenDigest::of(token.as_bytes()),
+        scope: Scope::Org(ORG),
+        expires_at_ms,
+    };
+    // Principal 10 (the org's token from `secured`) never expires.
+    let rotate_10 = |token: &str| Command::RotateToken {
+        principal: PrincipalId(10),
+        digest: TokenDigest::of(token.as_bytes()),
+        overlap_ms: 0,
+    };
+    h.ok(Command::ActivateVersion { version: 6 });
+    // Version 6: the short-lived token mints a principal that never expires.
+    let forever = "tok-org-1-forever-iiiiiiiiiiiiiiiiiiiii";
+    assert_eq!(
+        h.run_as(bearer(short), create(16, forever, None)),
+        Ok(Reply::TokenSet)
+    );
+
+    h.ok(Command::ActivateVersion { version: 7 });
+    let before = h.state.state_hash();
+    for (principal, expiry) in [(17, None), (18, Some(end + 1))] {
+        let token = format!("tok-org-1-new-{principal}-jjjjjjjjjjjjjjjjjjjj");
+        assert_eq!(
+            h.run_as(bearer(short), create(principal, &token, expiry)),
+            Err(CommandError::Unauthorized),
+            "principal {principal}, expiry {expiry:?}"
+        );
+    }
+    assert_eq!(
+        h.run_as(
+            bearer(short),
+            rotate_10("tok-org-1-taken-over-kkkkkkkkkkkkkkk")
+        ),
+        Err(CommandError::Unauthorized)
+    );
+    // Nothing changed but the refusals' own audit and idempotency records: principal
+    // 10's token still works and no new principal resolves.
+    assert_ne!(h.state.state_hash(), before);
+    let q = Query::Budget(ORG, BudgetScope::Org(ORG));
+    assert!(answer_as(&h.state, bearer(ORG1), &q).is_ok());
+    assert_eq!(
+        answer_as(
+            &h.state,
+            bearer("tok-org-1-new-17-jjjjjjjjjjjjjjjjjjjj"),
+            &q
+        ),
+        Err(QueryDenied::Unauthenticated)
+    );
+    // Within its life: issued. A rotation of itself keeps its life: issued.
+    assert_eq!(
+        h.run_as(
+            bearer(short),
+            create(19, "tok-org-1-within-llllllllllllllllllll", Some(end))
+        ),
+        Ok(Reply::TokenSet)
+    );
+    let renewed = "tok-org-1-short-renewed-mmmmmmmmmmmmmmm";
+    assert_eq!(
+        h.run_as(
+            bearer(short),
+            Command::RotateToken {
+                principal: PrincipalId(15),
+                digest: TokenDigest::of(renewed.as_bytes()),
+                overlap_ms: 0,
+            }
+        ),
+        Ok(Reply::TokenSet)
+    );
+    // A token without an expiry still issues what it likes in its org, and the operator
+    // anything.
+    assert_eq!(
+        h.run_as(
+            bearer(ORG1),
+            create(20, "tok-org-1-from-forever-nnnnnnnnnnnnnnn", None)
+        ),
+        Ok(Reply::TokenSet)
+    );
+    assert_eq!(
+        h.run_as(
+            admin,
+            create(21, "tok-org-1-from-admin-oooooooooooooooo", None)
+        ),
+        Ok(Reply::TokenSet)
+    );
+}
