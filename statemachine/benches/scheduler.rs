@@ -1,6 +1,9 @@
 //! Scheduling cost (a bench binary, not a timed test):
 //! 1. one scheduling pass with 10,000 queued jobs over a full 5,000-GPU fleet (the
 //!    worst case: every candidate is examined and fails to fit; preemption searches run);
+//!    1b and 1d/1e are adversarial: nothing fits, so every candidate is examined;
+//!    in 1d/1e one org's jobs are spread over 10,000 projects or users (the fair-share
+//!    descent below the org must not rank them per candidate);
 //! 2. sustained placements/s: 10,000 queued jobs placed onto an empty 5,000-GPU fleet.
 //!
 //! Every shard runs this release's rules (`version::RULES_MAX`, activated first): the fair
@@ -238,6 +241,69 @@ fn main() {
         best,
         median
     );
+
+    // 1d/1e. Adversarial, one tenant: on the fleet of 1b (one GPU free per node, none
+    //    fitting), one org queues 10,000 two-GPU jobs, one per project (1d) or one per
+    //    user of a single project (1e): the fair-share descent from the org to a project
+    //    and a user must not rank all of them for every candidate.
+    for per_user in [false, true] {
+        let mut b = world(false);
+        let sevens: Vec<Command> = (0..NODES)
+            .map(|i| {
+                let mut s = Harness::job_spec(
+                    1 + i,
+                    Tier::ENTERPRISE,
+                    vec![if (i + 1) % 2 == 0 { a100() } else { h100() }],
+                    7,
+                );
+                s.project = ProjectId(1 + i % ORGS);
+                s.user = UserId(1 + i % ORGS);
+                s.preemptible = false;
+                Command::SubmitJob(s)
+            })
+            .collect();
+        b.batch(sevens);
+        for _ in 0..10 {
+            b.now += 1_000;
+            b.apply(vec![]);
+        }
+        const MANY: u64 = 10_000;
+        let mut setup = Vec::new();
+        for i in 0..MANY {
+            if !per_user {
+                setup.push(Command::CreateProject {
+                    project: ProjectId(10_000 + i),
+                    org: OrgId(1),
+                });
+            }
+            setup.push(Command::CreateUser {
+                user: UserId(10_000 + i),
+                org: OrgId(1),
+            });
+        }
+        b.batch(setup);
+        let many: Vec<Command> = (0..MANY)
+            .map(|i| {
+                let mut s = Harness::job_spec(200_000 + i, Tier::PAID, vec![h100(), a100()], 2);
+                s.project = if per_user {
+                    ProjectId(1)
+                } else {
+                    ProjectId(10_000 + i)
+                };
+                s.user = UserId(10_000 + i);
+                Command::SubmitJob(s)
+            })
+            .collect();
+        b.batch(many);
+        let (best, median) = time_passes(&mut b);
+        println!(
+            "scheduling pass, one org's {MANY} queued jobs, one per {}, {} GPUs with 1 free per node and no job fitting: best {:.2} ms, median {:.2} ms",
+            if per_user { "user of one project" } else { "project" },
+            NODES * 8,
+            best,
+            median
+        );
+    }
 
     // 2. Placements/s: 10,000 jobs queued on a drained fleet; return the nodes to
     //    service and time the passes that place them.

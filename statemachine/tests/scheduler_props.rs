@@ -140,6 +140,10 @@ fn run_counting(ops: &[Op], rules: u32, reservations: &mut usize) -> Harness {
                     (false, false) => vec![a100()],
                 };
                 let mut spec = Harness::job_spec(next_job, Tier(tier), types, gpus);
+                // Two projects and two users, crossed: the pass's fair-share descent
+                // below the org (and its per-pass ranking) has choices to make.
+                spec.project = [PROJECT, PROJECT_B][next_job as usize % 2];
+                spec.user = [USER, USER_B][next_job as usize / 2 % 2];
                 spec.preemptible = preemptible;
                 spec.mem_floor_gb = if mem_floor { 80 } else { 0 };
                 spec.max_duration_ms = if short { 3 * 60_000 } else { 2 * HOUR_MS };

@@ -3,10 +3,10 @@
 
 use super::{Ending, GpuNode, JobState, Policy, Reason, Scheduler, SchedulerConfig, Timer};
 use crate::command::SettleReason;
-use crate::ids::{GpuType, JobKey, NodeId, OrgId, Tier};
+use crate::ids::{GpuType, JobKey, NodeId, OrgId, ProjectId, Tier, UserId};
 use crate::ledger::{Ctx, Ledger};
 use crate::limits::SHARE_WEIGHT_DEFAULT;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// What one pass reuses from candidate to candidate. Nothing outlives the pass, and each
 /// item is dropped as soon as the pass changes what it was computed from, so decisions
@@ -22,12 +22,51 @@ struct PassMemo {
     /// their grace ends in a later entry. Orgs only leave a tier during the pass
     /// (parked jobs return at its end), so entries of orgs gone are skipped.
     org_rank: BTreeMap<Tier, VecDeque<(u64, OrgId)>>,
+    /// The same one level down, built when the pass first descends into an org of a
+    /// tier: its queued projects there ascending by (score, id). Without it every
+    /// candidate ranked all of its org's projects, so one tenant queueing a job in each
+    /// of 10,000 projects made every pass (every entry, on every replica) rank them
+    /// 2,048 times over.
+    project_rank: BTreeMap<(Tier, OrgId), BTreeSet<(u64, ProjectId)>>,
+    /// And per (tier, org, project), its queued users there.
+    user_rank: BTreeMap<(Tier, OrgId, ProjectId), BTreeSet<(u64, UserId)>>,
+    /// The score each ranked project and user is filed under, and where a user is
+    /// ranked (a user may queue in several projects), so a placement re-files them.
+    project_score: BTreeMap<(OrgId, ProjectId), u64>,
+    user_score: BTreeMap<(OrgId, UserId), (u64, Vec<(Tier, ProjectId)>)>,
     /// `try_reserve` found the reservation budget spent; only a placement (which
     /// releases the placed job's reservation) can free one.
     reserve_full: bool,
 }
 
 impl PassMemo {
+    /// Re-files a placed job's project and user under their new scores (their running
+    /// GPUs grew), wherever they are ranked.
+    fn rescore_below(
+        &mut self,
+        org: OrgId,
+        (project, ps): (ProjectId, u64),
+        (user, us): (UserId, u64),
+    ) {
+        if let Some(old) = self.project_score.insert((org, project), ps) {
+            for ((_, o), rank) in self.project_rank.iter_mut() {
+                if *o == org && rank.remove(&(old, project)) {
+                    rank.insert((ps, project));
+                }
+            }
+        }
+        if let Some((old, at)) = self.user_score.get_mut(&(org, user)) {
+            for (tier, p) in at.iter() {
+                if let Some(rank) = self.user_rank.get_mut(&(*tier, org, *p)) {
+                    if rank.remove(&(*old, user)) {
+                        rank.insert((us, user));
+                    }
+                }
+            }
+            *old = us;
+        }
+    }
+
     /// Moves `org` to its new place in every tier's ranking.
     fn rescore(&mut self, org: OrgId, score: u64) {
         for rank in self.org_rank.values_mut() {
@@ -109,10 +148,15 @@ impl Scheduler {
             if let Some((node, indices)) = self.find_fit(id, &types) {
                 if self.place(ctx, ledger, cfg, id, node, indices).is_ok() {
                     placed += 1;
-                    if let Some(org) = self.jobs.get(&id).map(|j| j.org) {
-                        let h = cfg.usage_half_life_ms;
-                        let s = self.org_score(&org, ctx.now, h);
-                        memo.rescore(org, s);
+                    if let Some(j) = self.jobs.get(&id) {
+                        let (org, project, user) = (j.org, j.spec.project, j.spec.user);
+                        let (now, h) = (ctx.now, cfg.usage_half_life_ms);
+                        memo.rescore(org, self.org_score(&org, now, h));
+                        memo.rescore_below(
+                            org,
+                            (project, self.project_score(org, project, now, h)),
+                            (user, self.user_score(org, user, now, h)),
+                        );
                     }
                     memo.reserve_full = false;
                     continue;
@@ -299,29 +343,87 @@ impl Scheduler {
             "the pass's org ranking diverged from fair share"
         );
         let projects = orgs.get(&org)?;
-        let (_, users) = projects.iter().min_by_key(|(p, _)| {
-            let s = score(
-                &self.usage_project,
-                &self.running_project,
-                &self.weight_project,
-                &(org, **p),
-                now,
-                h,
-            );
-            (s, **p)
-        })?;
-        let (_, jobs) = users.iter().min_by_key(|(u, _)| {
-            let s = score(
-                &self.usage_user,
-                &self.running_user,
-                &self.weight_user,
-                &(org, **u),
-                now,
-                h,
-            );
-            (s, **u)
-        })?;
-        jobs.first().map(|(_, j)| *j)
+        let rank = memo.project_rank.entry((tier, org)).or_insert_with(|| {
+            projects
+                .keys()
+                .map(|p| {
+                    let s = self.project_score(org, *p, now, h);
+                    memo.project_score.insert((org, *p), s);
+                    (s, *p)
+                })
+                .collect()
+        });
+        // Projects only leave the queue during a pass, as orgs do.
+        let project = loop {
+            let first = *rank.first()?;
+            if projects.contains_key(&first.1) {
+                break first.1;
+            }
+            rank.remove(&first);
+        };
+        debug_assert_eq!(
+            Some(project),
+            projects
+                .keys()
+                .min_by_key(|p| (self.project_score(org, **p, now, h), **p))
+                .copied(),
+            "the pass's project ranking diverged from fair share"
+        );
+        let users = projects.get(&project)?;
+        let rank = memo
+            .user_rank
+            .entry((tier, org, project))
+            .or_insert_with(|| {
+                users
+                    .keys()
+                    .map(|u| {
+                        let s = self.user_score(org, *u, now, h);
+                        let filed = memo.user_score.entry((org, *u)).or_insert((s, Vec::new()));
+                        filed.1.push((tier, project));
+                        (s, *u)
+                    })
+                    .collect()
+            });
+        let user = loop {
+            let first = *rank.first()?;
+            if users.contains_key(&first.1) {
+                break first.1;
+            }
+            rank.remove(&first);
+        };
+        debug_assert_eq!(
+            Some(user),
+            users
+                .keys()
+                .min_by_key(|u| (self.user_score(org, **u, now, h), **u))
+                .copied(),
+            "the pass's user ranking diverged from fair share"
+        );
+        users.get(&user)?.first().map(|(_, j)| *j)
+    }
+
+    fn project_score(&self, org: OrgId, project: ProjectId, now: u64, h: u64) -> u64 {
+        let k = (org, project);
+        score(
+            &self.usage_project,
+            &self.running_project,
+            &self.weight_project,
+            &k,
+            now,
+            h,
+        )
+    }
+
+    fn user_score(&self, org: OrgId, user: UserId, now: u64, h: u64) -> u64 {
+        let k = (org, user);
+        score(
+            &self.usage_user,
+            &self.running_user,
+            &self.weight_user,
+            &k,
+            now,
+            h,
+        )
     }
 
     /// Best fit: in preference order of GPU types, the ready node with the fewest free
