@@ -302,18 +302,17 @@ impl Services {
         let shard = shard_of(&self.node, shard)?;
         let reader = self.reader(shard.id, caller);
         // What the query costs the reader's budget: a usage ranking pays for the
-        // accounts it ranks (`query::read_units`), at most the whole read burst (it
-        // would never be admitted otherwise; a batch of more writes than the write
-        // burst is refused, but a read cannot be split).
-        // Only a ranking needs the state to say (every other read costs 1, without a
-        // second look at the lock).
-        let units = match q {
-            Query::Usage(_) => {
-                let org = reader.and_then(|a| a.org());
-                query::read_units(&shard.view.read().state, org, &q)
-                    .min(self.limiter.limits().read.burst.max(1))
-            }
-            _ => 1,
+        // accounts it ranks, a balance or bucket list for the buckets it reads
+        // (`query::read_units`), at most the whole read burst (it would never be
+        // admitted otherwise; a batch of more writes than the write burst is refused,
+        // but a read cannot be split). Only those need the state to say (every other
+        // read costs 1, without a second look at the lock).
+        let units = if query::priced_by_rows(&q) {
+            let org = reader.and_then(|a| a.org());
+            query::read_units(&shard.view.read().state, org, &q)
+                .min(self.limiter.limits().read.burst.max(1))
+        } else {
+            1
         };
         self.limit(req, Class::Read, &[(reader, units)])?;
         if linearizable {

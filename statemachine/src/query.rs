@@ -270,23 +270,38 @@ pub const ROWS_PER_READ_UNIT: u64 = 1_000;
 
 /// What query `q` costs a caller's read budget (the node's read rate limit), in units of
 /// one ordinary read: a usage ranking looks at every account of its level in the org
-/// (`org`: the one a tenant is confined to; `None`: the whole shard), so it costs one
-/// more unit for every [`ROWS_PER_READ_UNIT`] of them — an org of 500,000 users ranking
-/// them pays 501 — and every other query costs 1 (their work is bounded by a page or an
-/// id). Looked up under the state lock, in O(log n).
+/// (`org`: the one a tenant is confined to; `None`: the whole shard), and an account's
+/// balance or bucket list at every bucket the account still lists (closed ones too,
+/// until they are archived), so each costs one more unit for every
+/// [`ROWS_PER_READ_UNIT`] of them — an org of 500,000 users ranking them pays 501 — and
+/// every other query costs 1 (their work is bounded by a page or an id). Looked up under
+/// the state lock, in O(log n); only the queries [`priced_by_rows`] names need it.
 pub fn read_units(state: &State, org: Option<OrgId>, q: &Query) -> u32 {
-    let Query::Usage(u) = q else {
-        return 1;
-    };
     let books = &state.ledger;
-    let rows = match (org.or(u.org), u.level) {
-        (_, UsageLevel::Org) => books.orgs.len() as u64,
-        (Some(o), UsageLevel::Project) => books.orgs.get(&o).map_or(0, |r| r.projects.len() as u64),
-        (Some(o), UsageLevel::User) => books.orgs.get(&o).map_or(0, |r| r.users.len() as u64),
-        (None, UsageLevel::Project) => books.projects.len() as u64,
-        (None, UsageLevel::User) => books.users.len() as u64,
+    let rows = match q {
+        Query::Usage(u) => match (org.or(u.org), u.level) {
+            (_, UsageLevel::Org) => books.orgs.len() as u64,
+            (Some(o), UsageLevel::Project) => {
+                books.orgs.get(&o).map_or(0, |r| r.projects.len() as u64)
+            }
+            (Some(o), UsageLevel::User) => books.orgs.get(&o).map_or(0, |r| r.users.len() as u64),
+            (None, UsageLevel::Project) => books.projects.len() as u64,
+            (None, UsageLevel::User) => books.users.len() as u64,
+        },
+        Query::Balance { org, account, .. } | Query::Buckets { org, account } => books
+            .account(*org, *account)
+            .map_or(0, |a| a.buckets.len() as u64),
+        _ => return 1,
     };
     u32::try_from(1 + rows / ROWS_PER_READ_UNIT).unwrap_or(u32::MAX)
+}
+
+/// Whether [`read_units`] may price `q` above 1 (so the edge looks at the state for it).
+pub fn priced_by_rows(q: &Query) -> bool {
+    matches!(
+        q,
+        Query::Usage(_) | Query::Balance { .. } | Query::Buckets { .. }
+    )
 }
 
 pub fn answer_as(state: &State, caller: Actor, q: &Query) -> Result<Answer, QueryDenied> {

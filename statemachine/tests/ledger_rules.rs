@@ -715,6 +715,27 @@ fn drained_buckets_are_archived_and_never_exhaust_an_account() {
     assert_eq!(rec.closed as u64, n);
     let before = h.state.ledger.balance(ORG, P, h.now, 0).unwrap();
     assert_eq!(before.consumed_micro, credits(n));
+    // Reading the balance or the bucket list walks every bucket listed, closed ones
+    // too: the read costs the reader's budget for them (a unit per 1,000).
+    let reads = [
+        query::Query::Balance {
+            org: ORG,
+            account: P,
+            horizon_ms: 0,
+        },
+        query::Query::Buckets {
+            org: ORG,
+            account: P,
+        },
+    ];
+    let units = |h: &Harness| {
+        reads
+            .clone()
+            .map(|q| query::read_units(&h.state, Some(ORG), &q))
+    };
+    let expect = 1 + (n / query::ROWS_PER_READ_UNIT) as u32;
+    assert_eq!(units(&h), [expect; 2]);
+    assert!(expect >= 2);
     // A retention later the closed buckets are archived; the balance is unchanged.
     h.advance(h.state.config.ledger.bucket_retention_ms);
     for _ in 0..(n as usize / limits::PRUNE_PER_ENTRY_MAX + 1) {
@@ -725,6 +746,7 @@ fn drained_buckets_are_archived_and_never_exhaust_an_account() {
     assert_eq!(rec.archived.buckets, n);
     assert!(h.state.ledger.buckets.get(&BucketId(1_000)).is_none());
     assert_eq!(h.state.ledger.balance(ORG, P, h.now, 0).unwrap(), before);
+    assert_eq!(units(&h), [1; 2], "archived buckets cost nothing to read");
     let archived = h
         .events
         .iter()

@@ -7,6 +7,7 @@ use crate::command::{Grant, Quota};
 use crate::ids::{Account, BucketId, OrgId};
 use crate::limits::*;
 use crate::outcome::{CommandError, Limit, QuotaKind};
+use std::collections::{BTreeMap, BTreeSet};
 
 impl AccountRec {
     pub(crate) fn live_insert(&mut self, bucket: BucketRef) {
@@ -223,12 +224,16 @@ impl Books {
     /// queue; its figures join the account's and the shard's archived totals.
     pub(crate) fn archive_closed(&mut self, ctx: &mut Ctx) {
         let retention = self.config.bucket_retention_ms;
+        // Each account's list is filtered once for all its buckets archived here (one
+        // `retain` per bucket was quadratic in a long list: an org that closes buckets
+        // as fast as it makes them lists up to its bucket quota in one account).
+        let mut unlisted: BTreeMap<(OrgId, Account), BTreeSet<BucketId>> = BTreeMap::new();
         for _ in 0..PRUNE_PER_ENTRY_MAX {
             let Some(&(at, id)) = self.closed_queue.front() else {
-                return;
+                break;
             };
             if at.saturating_add(retention) > ctx.now {
-                return;
+                break;
             }
             self.closed_queue.pop_front();
             let Some(b) = self.buckets.remove(&id) else {
@@ -238,7 +243,7 @@ impl Books {
                 self.expiry_queue.remove(&(at, id));
             }
             if let Some(rec) = self.account_mut(b.org, b.owner) {
-                rec.buckets.retain(|x| *x != id);
+                unlisted.entry((b.org, b.owner)).or_default().insert(id);
                 rec.closed = rec.closed.saturating_sub(1);
                 rec.archived.add(&b);
             }
@@ -253,6 +258,11 @@ impl Books {
                 self.retired_grants.insert(id);
             }
             ctx.bucket_event(b.refs(), None, EventBody::BucketArchived { bucket: id });
+        }
+        for ((org, owner), ids) in unlisted {
+            if let Some(rec) = self.account_mut(org, owner) {
+                rec.buckets.retain(|x| !ids.contains(x));
+            }
         }
     }
 
