@@ -9,6 +9,7 @@
 use crate::command::{BudgetScope, Command, SettleReason};
 use crate::ids::{Account, Actor, OrgId, ProjectId, UserId};
 use crate::ledger::{unknown_account, Ledger};
+use crate::limits::PROJECT_TRANSFERS_STAY_HOME_FROM;
 use crate::outcome::CommandError;
 use crate::scheduler::Scheduler;
 use crate::security::{Scope, Security};
@@ -202,6 +203,18 @@ fn tenant(
         _ => return Ok(()),
     };
     let (p, u) = project_target(ledger, sched, org, command)?;
+    // From rule version 7 a project token moves its project's credits only back to its
+    // org: another project, existing or not, answers as one it cannot see (before, it
+    // could credit a sibling, and tell siblings that exist from ids that do not).
+    if let Command::Transfer {
+        to: Account::Project(q),
+        ..
+    } = command
+    {
+        if ledger.rules.0 >= PROJECT_TRANSFERS_STAY_HOME_FROM && *q != project {
+            return Err(CommandError::UnknownProject);
+        }
+    }
     if p != project {
         // Another project of the org answers as a project the token cannot see.
         return Err(match command {

@@ -141,6 +141,10 @@ pub const TOKEN_BOUNDS_FROM: u32 = 4;
 /// a second org principal that never expires, or rotate the org's long-lived principal
 /// to a key it knows, and keep the org for good.
 pub const TENANT_KEYS_WITHIN_CALLER_LIFE_FROM: u32 = 7;
+/// From rule version 7, a project token's `Transfer` may credit only its org's account
+/// (or its own project): another project of the org is refused `UnknownProject` whether
+/// it exists or not.
+pub const PROJECT_TRANSFERS_STAY_HOME_FROM: u32 = 7;
 /// Denials one `RecordDenials` command may carry, and the length of a denial's api name.
 pub const DENIALS_PER_RECORD_MAX: usize = 256;
 pub const DENIAL_API_LEN_MAX: usize = 64;

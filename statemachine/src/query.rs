@@ -403,6 +403,10 @@ pub fn answer_as(state: &State, caller: Actor, q: &Query) -> Result<Answer, Quer
                 (Some(_), UsageLevel::Org | UsageLevel::User) => {
                     return Err(QueryDenied::PermissionDenied)
                 }
+                // A user token: the project's row is every user's of the project (its
+                // running GPUs less the caller's own are the others'), which `Queue`
+                // and `Fleet` keep from it; its own spend is in its holds and jobs.
+                _ if user.is_some() => return Err(QueryDenied::PermissionDenied),
                 (p, _) => {
                     let mut rows = usage(
                         state,

@@ -98,8 +98,10 @@
 //!   a `CreateToken` without an expiry or with a later one, or a `RotateToken` of a
 //!   principal that lives longer, is refused `Unauthorized`
 //!   (`crate::limits::TENANT_KEYS_WITHIN_CALLER_LIFE_FROM`; before, an org token given
-//!   for an hour could mint an org principal that never expires). The state's format is
-//!   unchanged (8).
+//!   for an hour could mint an org principal that never expires). A project token's
+//!   `Transfer` credits only its org's account; another project of the org answers
+//!   `UnknownProject`, existing or not (`crate::limits::PROJECT_TRANSFERS_STAY_HOME_FROM`).
+//!   The state's format is unchanged (8).
 
 use serde::{Deserialize, Serialize};
 

@@ -1330,3 +1330,63 @@ fn a_tenant_cannot_issue_a_key_that_outlives_its_own() {
         Ok(Reply::TokenSet)
     );
 }
+
+/// A project token moves its project's credits only back to its org (rule version 7):
+/// a transfer to another project of the org answers `UnknownProject` whether that
+/// project exists or not, and moves nothing. Under version 6 it credited the sibling,
+/// and the answers told existing sibling ids from unknown ones.
+#[test]
+fn a_project_token_transfers_only_to_its_org() {
+    let mut h = secured();
+    h.grant(
+        900,
+        Account::Project(PROJECT),
+        BucketKind::Paid,
+        credits(10),
+        None,
+    );
+    let to = |account| Command::Transfer {
+        from: Account::Project(PROJECT),
+        to: account,
+        amount_micro: 1,
+    };
+    let sibling = Account::Project(PROJECT_B);
+    let missing = Account::Project(ProjectId(999));
+    let balance = |h: &Harness, a| {
+        h.state
+            .ledger
+            .balance(ORG, a, h.now, 0)
+            .unwrap()
+            .available_micro()
+    };
+    h.ok(Command::ActivateVersion { version: 6 });
+    assert!(h.run_as(bearer(PROJ11), to(sibling)).is_ok());
+    assert_eq!(balance(&h, sibling), 1, "version 6 credited the sibling");
+    assert_eq!(
+        h.run_as(bearer(PROJ11), to(missing)),
+        Err(CommandError::UnknownProject)
+    );
+
+    h.ok(Command::ActivateVersion { version: 7 });
+    for target in [sibling, missing] {
+        assert_eq!(
+            h.run_as(bearer(PROJ11), to(target)),
+            Err(CommandError::UnknownProject),
+            "{target:?}"
+        );
+    }
+    assert_eq!(balance(&h, sibling), 1, "nothing moved");
+    // Back to its org: allowed; the org token still moves credit between projects.
+    assert!(h.run_as(bearer(PROJ11), to(Account::Org(ORG))).is_ok());
+    assert!(h
+        .run_as(
+            bearer(ORG1),
+            Command::Transfer {
+                from: Account::Project(PROJECT),
+                to: sibling,
+                amount_micro: 1,
+            }
+        )
+        .is_ok());
+    assert_eq!(balance(&h, sibling), 2);
+}

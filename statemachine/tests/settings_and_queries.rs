@@ -325,6 +325,21 @@ fn usage_ranking_top_k_and_its_scope() {
         answer_as(&h.state, p, &q(UsageLevel::User, None, 0)),
         Err(QueryDenied::PermissionDenied)
     );
+    // A user token sees no ranking: its project's row is every user's of the project
+    // (running GPUs included), which the queue and fleet reads keep from it.
+    let u = Actor::User {
+        org: ORG,
+        project: PROJECT_B,
+        user: USER_B,
+        principal: PrincipalId(501),
+    };
+    for level in [UsageLevel::Org, UsageLevel::Project, UsageLevel::User] {
+        assert_eq!(
+            answer_as(&h.state, u, &q(level, None, 0)),
+            Err(QueryDenied::PermissionDenied),
+            "{level:?}"
+        );
+    }
     // Weights and running GPUs travel with the rows.
     h.ok(Command::SetShareWeight {
         scope: BudgetScope::Project(PROJECT),
