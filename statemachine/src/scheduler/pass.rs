@@ -8,11 +8,14 @@ use crate::ledger::{Ctx, Ledger};
 use crate::limits::SHARE_WEIGHT_DEFAULT;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
+/// Where a user is ranked: the (tier, project) of a `PassMemo::user_rank`.
+type RankedIn = (Tier, ProjectId);
+
 /// What one pass reuses from candidate to candidate. Nothing outlives the pass, and each
-/// item is dropped as soon as the pass changes what it was computed from, so decisions
-/// are exactly those of recomputing everything per candidate (the scheduler property
-/// tests and the simulator's figures are unchanged), only cheaper when most candidates
-/// fail to fit.
+/// item is dropped or re-filed as soon as the pass changes what it was computed from, so
+/// decisions are exactly those of recomputing everything per candidate (the scheduler
+/// property tests and the simulator's figures are unchanged), only cheaper when most
+/// candidates fail to fit.
 #[derive(Default)]
 struct PassMemo {
     /// Per tier, the orgs then queued in it, ascending by (fair-share score, org id):
@@ -33,7 +36,7 @@ struct PassMemo {
     /// The score each ranked project and user is filed under, and where a user is
     /// ranked (a user may queue in several projects), so a placement re-files them.
     project_score: BTreeMap<(OrgId, ProjectId), u64>,
-    user_score: BTreeMap<(OrgId, UserId), (u64, Vec<(Tier, ProjectId)>)>,
+    user_score: BTreeMap<(OrgId, UserId), (u64, Vec<RankedIn>)>,
     /// `try_reserve` found the reservation budget spent; only a placement (which
     /// releases the placed job's reservation) can free one.
     reserve_full: bool,
