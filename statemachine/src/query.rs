@@ -288,6 +288,12 @@ pub fn read_units(state: &State, org: Option<OrgId>, q: &Query) -> u32 {
             (None, UsageLevel::Project) => books.projects.len() as u64,
             (None, UsageLevel::User) => books.users.len() as u64,
         },
+        // Another org's account answers `None` to a tenant, and costs what that does.
+        Query::Balance { org: o, .. } | Query::Buckets { org: o, .. }
+            if org.is_some_and(|caller| caller != *o) =>
+        {
+            0
+        }
         Query::Balance { org, account, .. } | Query::Buckets { org, account } => books
             .account(*org, *account)
             .map_or(0, |a| a.buckets.len() as u64),

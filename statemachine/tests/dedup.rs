@@ -478,3 +478,57 @@ fn a_forgotten_job_releases_its_key() {
         "runs again: the result is gone"
     );
 }
+
+/// A runner that fails during a scheduling pass (its only GPU type lost its price) hands
+/// its attached job the run, and that job joins the queue in the same pass — here in
+/// another project. The pass sees it and places it at once, as a fresh look at the
+/// queue does. (The pass's per-pass ranking of projects, when it was first written,
+/// did not notice the join: the org's ranking held only the failed runner's project,
+/// and the pass ended.)
+#[test]
+fn a_runner_released_during_a_pass_is_placed_in_that_pass() {
+    let mut h = world();
+    h.grant(
+        3,
+        Account::Project(PROJECT_B),
+        BucketKind::Paid,
+        credits(100_000),
+        None,
+    );
+    // An H100 node that takes no work: job 10 (H100 only) is admitted and waits.
+    h.fleet(&[(2, h100(), 8, 80)]);
+    h.ok(Command::SetNodeDraining {
+        node: NodeId(2),
+        draining: true,
+    });
+    let runner = Harness::job_spec(10, Tier::PAID, vec![h100()], 1);
+    h.run(Command::SubmitJobDedup {
+        spec: runner,
+        key: key("k"),
+    })
+    .unwrap();
+    // Job 11, same key, another project, A100: attached to job 10.
+    let mut attached = Harness::job_spec(11, Tier::PAID, vec![a100()], 1);
+    attached.project = PROJECT_B;
+    h.run(Command::SubmitJobDedup {
+        spec: attached,
+        key: key("k"),
+    })
+    .unwrap();
+    assert!(h.job(11).placement.is_none(), "attached, not placed");
+    // H100 leaves the price table: in this entry's pass job 10 fails, job 11 takes over
+    // and is placed on the A100 node.
+    h.ok(Command::SetPrices {
+        prices: vec![(a100(), A100_PRICE)],
+    });
+    let j10 = h.job(10);
+    assert_eq!(
+        (j10.state, j10.last_reason),
+        (JobState::Failed, Reason::Unpriced)
+    );
+    assert_eq!(
+        h.job(11).placement.as_ref().map(|p| p.node),
+        Some(NodeId(1)),
+        "placed in the pass it joined"
+    );
+}

@@ -736,6 +736,12 @@ fn drained_buckets_are_archived_and_never_exhaust_an_account() {
     let expect = 1 + (n / query::ROWS_PER_READ_UNIT) as u32;
     assert_eq!(units(&h), [expect; 2]);
     assert!(expect >= 2);
+    // Another org's tenant asking is answered `None`, at the price of an ordinary read
+    // (what another org's account holds does not show in what asking costs).
+    let foreign = reads
+        .clone()
+        .map(|q| query::read_units(&h.state, Some(OTHER_ORG), &q));
+    assert_eq!(foreign, [1; 2]);
     // A retention later the closed buckets are archived; the balance is unchanged.
     h.advance(h.state.config.ledger.bucket_retention_ms);
     for _ in 0..(n as usize / limits::PRUNE_PER_ENTRY_MAX + 1) {

@@ -124,6 +124,7 @@ impl Scheduler {
             .insert(key);
         self.by_age.entry(s.tier).or_default().insert(key);
         self.org_counts.entry(j.org).or_default().0 += 1;
+        self.queue_joins.0 = self.queue_joins.0.wrapping_add(1);
     }
 
     pub(crate) fn dequeue(&mut self, id: JobKey) {

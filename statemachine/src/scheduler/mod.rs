@@ -504,7 +504,25 @@ pub struct Scheduler {
     /// are format 8).
     #[serde(skip)]
     pub fence: Fence,
+    /// How many times a job has joined the queue in this process (`enqueue`), so that
+    /// the scheduling pass notices a job joining during it (a dedup runner's attached
+    /// job taking over when the runner ends: `pass.rs::PassMemo`). Not state: not
+    /// encoded, not compared.
+    #[serde(skip)]
+    pub(crate) queue_joins: QueueJoins,
 }
+
+/// A count of queue joins (see [`Scheduler::queue_joins`]); every two are equal.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct QueueJoins(pub u64);
+
+impl PartialEq for QueueJoins {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for QueueJoins {}
 
 /// When each node last renewed its lease, and when each preemption still in its grace
 /// began (rule version 5 on; empty before). Kept as instants because the settings that

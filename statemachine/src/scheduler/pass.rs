@@ -22,14 +22,21 @@ struct PassMemo {
     /// the first one still queued is the org `min_by_key` over the tier would choose.
     /// An org's score changes only when one of its jobs is placed (its running GPUs
     /// grow: `rescore`); preemption only marks victims, which keep their GPUs until
-    /// their grace ends in a later entry. Orgs only leave a tier during the pass
-    /// (parked jobs return at its end), so entries of orgs gone are skipped.
+    /// their grace ends in a later entry. Entries of orgs gone from the tier are
+    /// skipped. An org that joins a tier during the pass (a dedup runner's attached job
+    /// of another tier taking over) is not ranked there until the next pass: the
+    /// released behaviour, which only a rule version may change (parked jobs return
+    /// only at the pass's end).
     org_rank: BTreeMap<Tier, VecDeque<(u64, OrgId)>>,
     /// The same one level down, built when the pass first descends into an org of a
     /// tier: its queued projects there ascending by (score, id). Without it every
     /// candidate ranked all of its org's projects, so one tenant queueing a job in each
     /// of 10,000 projects made every pass (every entry, on every replica) rank them
-    /// 2,048 times over.
+    /// 2,048 times over. Projects and users may join the queue during a pass (a dedup
+    /// runner that ends hands its attached jobs a new runner, of any project and user
+    /// of its org), and the choice below the org was always made afresh, so these
+    /// rankings are dropped whenever a job joined (`joins`), and rebuilt as the pass
+    /// next descends.
     project_rank: BTreeMap<(Tier, OrgId), BTreeSet<(u64, ProjectId)>>,
     /// And per (tier, org, project), its queued users there.
     user_rank: BTreeMap<(Tier, OrgId, ProjectId), BTreeSet<(u64, UserId)>>,
@@ -37,6 +44,8 @@ struct PassMemo {
     /// ranked (a user may queue in several projects), so a placement re-files them.
     project_score: BTreeMap<(OrgId, ProjectId), u64>,
     user_score: BTreeMap<(OrgId, UserId), (u64, Vec<RankedIn>)>,
+    /// `Scheduler::queue_joins` when the rankings below the org were last valid.
+    joins: u64,
     /// `try_reserve` found the reservation budget spent; only a placement (which
     /// releases the placed job's reservation) can free one.
     reserve_full: bool,
@@ -346,6 +355,13 @@ impl Scheduler {
             "the pass's org ranking diverged from fair share"
         );
         let projects = orgs.get(&org)?;
+        if memo.joins != self.queue_joins.0 {
+            memo.joins = self.queue_joins.0;
+            memo.project_rank.clear();
+            memo.user_rank.clear();
+            memo.project_score.clear();
+            memo.user_score.clear();
+        }
         let rank = memo.project_rank.entry((tier, org)).or_insert_with(|| {
             projects
                 .keys()
@@ -356,7 +372,7 @@ impl Scheduler {
                 })
                 .collect()
         });
-        // Projects only leave the queue during a pass, as orgs do.
+        // Projects leave the queue during a pass (a join dropped the rankings above).
         let project = loop {
             let first = *rank.first()?;
             if projects.contains_key(&first.1) {
