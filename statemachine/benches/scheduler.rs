@@ -167,6 +167,32 @@ fn jobs(from: u64, n: u64, tier: Tier, preemptible: bool) -> Vec<Command> {
         .collect()
 }
 
+/// The world with a non-preemptible 7-GPU enterprise job on every node: one GPU free
+/// per node, which no job of two GPUs or more fits.
+fn one_gpu_free_per_node() -> B {
+    let mut b = world(false);
+    let sevens: Vec<Command> = (0..NODES)
+        .map(|i| {
+            let mut s = Harness::job_spec(
+                1 + i,
+                Tier::ENTERPRISE,
+                vec![if (i + 1) % 2 == 0 { a100() } else { h100() }],
+                7,
+            );
+            s.project = ProjectId(1 + i % ORGS);
+            s.user = UserId(1 + i % ORGS);
+            s.preemptible = false;
+            Command::SubmitJob(s)
+        })
+        .collect();
+    b.batch(sevens);
+    for _ in 0..10 {
+        b.now += 1_000;
+        b.apply(vec![]);
+    }
+    b
+}
+
 fn main() {
     // 1. Pass cost: fill the fleet with non-preemptible enterprise work, queue 10,000
     //    more jobs of mixed tiers, then time passes (tick entries).
@@ -201,26 +227,7 @@ fn main() {
 
     // 1b. Adversarial: every node has exactly one free GPU and every queued job needs
     //     two or more, so every candidate up to the pass bound is examined and fails.
-    let mut b = world(false);
-    let sevens: Vec<Command> = (0..NODES)
-        .map(|i| {
-            let mut s = Harness::job_spec(
-                1 + i,
-                Tier::ENTERPRISE,
-                vec![if (i + 1) % 2 == 0 { a100() } else { h100() }],
-                7,
-            );
-            s.project = ProjectId(1 + i % ORGS);
-            s.user = UserId(1 + i % ORGS);
-            s.preemptible = false;
-            Command::SubmitJob(s)
-        })
-        .collect();
-    b.batch(sevens);
-    for _ in 0..10 {
-        b.now += 1_000;
-        b.apply(vec![]);
-    }
+    let mut b = one_gpu_free_per_node();
     let big: Vec<Command> = jobs(100_000, 10_000, Tier::PAID, true)
         .into_iter()
         .map(|c| match c {
@@ -247,26 +254,7 @@ fn main() {
     //    user of a single project (1e): the fair-share descent from the org to a project
     //    and a user must not rank all of them for every candidate.
     for per_user in [false, true] {
-        let mut b = world(false);
-        let sevens: Vec<Command> = (0..NODES)
-            .map(|i| {
-                let mut s = Harness::job_spec(
-                    1 + i,
-                    Tier::ENTERPRISE,
-                    vec![if (i + 1) % 2 == 0 { a100() } else { h100() }],
-                    7,
-                );
-                s.project = ProjectId(1 + i % ORGS);
-                s.user = UserId(1 + i % ORGS);
-                s.preemptible = false;
-                Command::SubmitJob(s)
-            })
-            .collect();
-        b.batch(sevens);
-        for _ in 0..10 {
-            b.now += 1_000;
-            b.apply(vec![]);
-        }
+        let mut b = one_gpu_free_per_node();
         const MANY: u64 = 10_000;
         let mut setup = Vec::new();
         for i in 0..MANY {

@@ -113,6 +113,21 @@ fn score<K: Ord>(
     }
 }
 
+/// The first of `rank` still in `queued`, dropping those before it that left the queue
+/// during the pass (a job joining drops the whole ranking instead: `PassMemo::joins`).
+fn first_queued<K: Ord + Copy, V>(
+    rank: &mut BTreeSet<(u64, K)>,
+    queued: &BTreeMap<K, V>,
+) -> Option<K> {
+    loop {
+        let first = *rank.first()?;
+        if queued.contains_key(&first.1) {
+            return Some(first.1);
+        }
+        rank.remove(&first);
+    }
+}
+
 impl Scheduler {
     /// One bounded scheduling pass under rule version `rules` (the shard's active one,
     /// `crate::version`). From version 3 the fair policy gives its gang reservations to
@@ -372,14 +387,7 @@ impl Scheduler {
                 })
                 .collect()
         });
-        // Projects leave the queue during a pass (a join dropped the rankings above).
-        let project = loop {
-            let first = *rank.first()?;
-            if projects.contains_key(&first.1) {
-                break first.1;
-            }
-            rank.remove(&first);
-        };
+        let project = first_queued(rank, projects)?;
         debug_assert_eq!(
             Some(project),
             projects
@@ -403,13 +411,7 @@ impl Scheduler {
                     })
                     .collect()
             });
-        let user = loop {
-            let first = *rank.first()?;
-            if users.contains_key(&first.1) {
-                break first.1;
-            }
-            rank.remove(&first);
-        };
+        let user = first_queued(rank, users)?;
         debug_assert_eq!(
             Some(user),
             users
