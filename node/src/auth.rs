@@ -204,15 +204,24 @@ pub fn require_admin(
 /// Any authenticated caller (the endpoint status: shard count, leaders and terms,
 /// which every client needs for routing; no tenant data). Anyone before bootstrap. A
 /// tenant's token lives on its org's home shard only, so the caller is authenticated if
-/// any shard of this node knows it.
-pub fn require_authenticated(node: &Node, meta: &MetadataMap, api: &str) -> Result<(), Status> {
+/// any shard of this node knows it. Returns who it is (`None`: anyone, before
+/// bootstrap or in dev mode), so the answer can leave out what is not for a tenant.
+pub fn require_authenticated(
+    node: &Node,
+    meta: &MetadataMap,
+    api: &str,
+) -> Result<Option<Actor>, Status> {
     let caller = caller(node, bearer(meta)?);
-    let known = node
-        .shards
-        .iter()
-        .any(|s| resolve(node, s.id, caller).is_ok_and(|a| a != Actor::Anonymous));
-    if known || (!secured(node) && resolve(node, 0, caller).is_ok()) {
-        return Ok(());
+    let known = node.shards.iter().find_map(|s| {
+        resolve(node, s.id, caller)
+            .ok()
+            .filter(|a| *a != Actor::Anonymous)
+    });
+    if known.is_some() {
+        return Ok(known);
+    }
+    if !secured(node) && resolve(node, 0, caller).is_ok() {
+        return Ok(None);
     }
     Err(refuse(node, 0, caller, api, DenialReason::Unauthenticated))
 }

@@ -1572,6 +1572,53 @@ async fn defect_17_a_stream_ends_when_its_token_is_revoked() {
     h.assert_all_running();
 }
 
+/// `Admin.Status` answers any authenticated caller, for routing. A tenant's answer
+/// carried every shard's applied and log indexes and audit head: how fast another org
+/// on its own shard acts, event by event. Now a tenant gets the routing (shards,
+/// leaders, terms) with those counters at 0; the operator sees them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_status_shows_routing_not_other_orgs_activity() {
+    use ::allot_statemachine::security::Scope;
+    let mut h = secured(2).await;
+    h.admin.create_org(OrgId(7)).await.unwrap();
+    let t7 = h
+        .admin
+        .create_token(PrincipalId(70), Scope::Org(OrgId(7)), None)
+        .await
+        .unwrap();
+    let mut a = AdminClient::new(channel(&h.addr(1)).await);
+    let admin = a
+        .status(bearer(StatusRequest {}, Some(&h.token)))
+        .await
+        .unwrap()
+        .into_inner();
+    let tenant = a
+        .status(bearer(StatusRequest {}, Some(&t7)))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(admin.shards.len(), 2);
+    assert_eq!(tenant.shards.len(), 2);
+    for (op, t) in admin.shards.iter().zip(&tenant.shards) {
+        assert!(op.applied_index > 0 && op.audit_head_seq > 0, "{op:?}");
+        let counters = |s: &ShardStatus| {
+            [
+                s.applied_index,
+                s.last_log_index,
+                s.snapshot_index,
+                s.purged_index,
+                s.audit_head_seq,
+                s.audit_verified_seq,
+            ]
+        };
+        assert_eq!(counters(t), [0; 6], "{t:?}");
+        let routing =
+            |s: &ShardStatus| (s.shard, s.leader, s.leader_addr.clone(), s.voters.clone());
+        assert_eq!(routing(t), routing(op));
+    }
+    h.assert_all_running();
+}
+
 // ---------------------------------------------------------------- also seen
 
 /// Commands carrying a well-formed but unknown, revoked or expired token were
