@@ -249,6 +249,21 @@ impl Default for State {
     }
 }
 
+/// A value kept beside the state for apply's own use, not part of it: skipped by the
+/// encoding (`#[serde(skip)]` on the field) and equal to every other in comparisons, so
+/// two states equal in everything else are equal (the ledger's copy of the rule
+/// version, the scheduler's count of queue joins).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NotState<T>(pub T);
+
+impl<T> PartialEq for NotState<T> {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl<T> Eq for NotState<T> {}
+
 impl State {
     /// Would apply let `actor` (resolved) run `req` on this state, as far as the request
     /// itself and who sends it go: its fields, its namespace and the caller's right to
@@ -384,7 +399,7 @@ pub fn apply_into(
     }
     state.last_applied = Some(entry.log_index);
     state.time_ms = state.time_ms.max(entry.logical_time_ms);
-    state.ledger.books.rules = crate::ledger::RulesSeen(state.rules.active);
+    state.ledger.books.rules = NotState(state.rules.active);
     let now = state.time_ms;
     out.outcomes.clear();
     out.events.clear();
@@ -645,7 +660,7 @@ fn execute(
                     let cfg = &state.config.scheduler;
                     state.scheduler.fill_fence(cfg);
                 }
-                state.ledger.books.rules = crate::ledger::RulesSeen(after);
+                state.ledger.books.rules = NotState(after);
                 Ok(Reply::RulesActive {
                     version: state.rules.active,
                 })

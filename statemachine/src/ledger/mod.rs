@@ -298,18 +298,8 @@ pub struct Books {
 
 /// A copy of the state's active rule version, refreshed by apply before every entry
 /// and at every activation ([`crate::state::apply_into`]). It is derived from encoded
-/// state, so it is neither encoded nor compared (two states equal in everything else
-/// are equal).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct RulesSeen(pub u32);
-
-impl PartialEq for RulesSeen {
-    fn eq(&self, _: &Self) -> bool {
-        true
-    }
-}
-
-impl Eq for RulesSeen {}
+/// state, so it is neither encoded nor compared.
+pub type RulesSeen = crate::state::NotState<u32>;
 
 /// From this rule version a closed bucket counts against its org's bucket quota until
 /// it is archived (DESIGN §44, "Buckets closed by churn").

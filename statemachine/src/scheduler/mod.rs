@@ -512,17 +512,8 @@ pub struct Scheduler {
     pub(crate) queue_joins: QueueJoins,
 }
 
-/// A count of queue joins (see [`Scheduler::queue_joins`]); every two are equal.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct QueueJoins(pub u64);
-
-impl PartialEq for QueueJoins {
-    fn eq(&self, _: &Self) -> bool {
-        true
-    }
-}
-
-impl Eq for QueueJoins {}
+/// A count of queue joins (see [`Scheduler::queue_joins`]).
+pub type QueueJoins = crate::state::NotState<u64>;
 
 /// When each node last renewed its lease, and when each preemption still in its grace
 /// began (rule version 5 on; empty before). Kept as instants because the settings that
