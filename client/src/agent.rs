@@ -57,6 +57,9 @@
 //!   ended) or refused with `StaleAttempt`, `JobFinished`, `JobNotPlaced`, `UnknownJob`:
 //!   SIGKILL at once; no finish is reported (the job has already moved on).
 //! - An attempt that has ended here is never started again by this agent process.
+//! - An attempt placed on a GPU that a runner of this agent still holds (the cluster
+//!   freed it when it ended that runner's job, and the runner is still being confirmed
+//!   gone and killed) starts once that runner is gone: two runners never share a GPU.
 //!
 //! # Fencing: a job never runs on two nodes at once
 //!
@@ -125,7 +128,7 @@ use allot_statemachine::{
     Actor, Command, CommandError, GpuType, JobHeartbeat, JobId, JobKey, NodeId, NodeSpec, OrgId,
     PrincipalId, Reply, RunnerExit,
 };
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -1983,10 +1986,16 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
     end
 }
 
+/// SIGKILL, then waits for the runner to be gone: its GPUs stay this attempt's until then
+/// (`Agent::start_new`), however long a process stuck in the kernel takes to die.
 async fn kill_and_reap(runner: &Runner, exit: &mut oneshot::Receiver<Exit>) -> End {
     runner.kill().await;
-    if tokio::time::timeout(REAP_TIMEOUT, exit).await.is_err() {
-        error!("the runner did not exit {REAP_TIMEOUT:?} after SIGKILL");
+    let killed = Instant::now();
+    while tokio::time::timeout(REAP_TIMEOUT, &mut *exit).await.is_err() {
+        error!(
+            waited = ?killed.elapsed(),
+            "the runner has not exited after SIGKILL: its GPUs stay held until it does"
+        );
     }
     End::Dropped
 }
@@ -1995,6 +2004,8 @@ async fn kill_and_reap(runner: &Runner, exit: &mut oneshot::Receiver<Exit>) -> E
 
 struct Task {
     attempt: u32,
+    /// The GPUs the attempt holds here until its task ends (its runner is gone).
+    gpus: Vec<u8>,
     directive: watch::Sender<Directive>,
     join: tokio::task::JoinHandle<()>,
 }
@@ -2084,12 +2095,23 @@ impl Agent {
 
     /// Starts the attempts of the last set that are not running here — none while the
     /// node's lease is running out (they would be stopped at once, and the cluster may
-    /// soon place them elsewhere).
+    /// soon place them elsewhere), and none on a GPU that an attempt's task still holds.
+    ///
+    /// The cluster frees a job's GPUs when it ends the job (a cancel, a lease, the
+    /// ledger's stop) and may place the next job on them in the same entry, so one set
+    /// can name a new attempt on GPUs whose runner is still being confirmed gone and
+    /// killed here. That attempt waits for the task to end (`task_done` calls this
+    /// again): two runners never share a GPU on this node.
     fn start_new(&mut self) {
         if self.shared.lease.lapsing(&self.shared.cfg) {
             debug!("the node's lease is running out: starting no attempt");
             return;
         }
+        let mut held: BTreeSet<u8> = self
+            .tasks
+            .values()
+            .flat_map(|t| t.gpus.iter().copied())
+            .collect();
         let set = std::mem::take(&mut self.last_set);
         for a in &set {
             if self.tasks.contains_key(&a.key())
@@ -2098,13 +2120,25 @@ impl Agent {
                 continue;
             }
             match a.state {
+                JobState::Placed | JobState::Running
+                    if a.gpu_indices.iter().any(|g| held.contains(g)) =>
+                {
+                    debug!(
+                        job = a.job.0,
+                        attempt = a.attempt,
+                        gpus = %gpu_list(&a.gpu_indices),
+                        "waiting for a runner still on these GPUs to be gone"
+                    );
+                }
                 JobState::Placed | JobState::Running => {
+                    held.extend(a.gpu_indices.iter().copied());
                     let (tx, rx) = watch::channel(Directive::Run);
                     let join = tokio::spawn(job_task(self.shared.clone(), a.clone(), rx));
                     self.tasks.insert(
                         a.key(),
                         Task {
                             attempt: a.attempt,
+                            gpus: a.gpu_indices.clone(),
                             directive: tx,
                             join,
                         },
@@ -2985,5 +3019,77 @@ mod tests {
             .unwrap()
             .file_type()
             .is_symlink());
+    }
+
+    /// The cluster frees a job's GPUs when it ends the job and may place the next job on
+    /// them in the same entry: the set that says the first job is gone names the next on
+    /// its GPUs while the first's runner is still being confirmed gone and killed. The
+    /// next attempt starts only once that runner's task has ended; an attempt on other
+    /// GPUs starts at once.
+    #[tokio::test]
+    async fn an_attempt_waits_for_the_runner_still_on_its_gpus() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = AgentConfig::new(
+            vec!["127.0.0.1:9".into()],
+            NodeId(1),
+            Mode::Simulate(SimConfig::default()),
+        );
+        cfg.work_dir = dir.path().into();
+        let (done, _done) = mpsc::unbounded_channel();
+        let mut agent = Agent {
+            shared: Arc::new(Shared {
+                client: agent_client(&cfg).unwrap(),
+                cfg,
+                done,
+                lease: Lease::new(Instant::now(), [600_000, 600_000, 30_000]),
+                cgroups: None,
+                uids: None,
+                register_again: Default::default(),
+            }),
+            tasks: HashMap::new(),
+            ended: HashMap::new(),
+            ended_order: VecDeque::new(),
+            last_set: Vec::new(),
+        };
+        let org = OrgId(7);
+        let placed = |job, gpus: &[u8]| Assignment {
+            org,
+            job: JobId(job),
+            attempt: 1,
+            gpu_indices: gpus.to_vec(),
+            state: JobState::Placed,
+        };
+        // Job 1's runner holds GPUs 0 and 1 (its task stands for the runner: it ends when
+        // the runner is gone).
+        let first = (org, JobId(1));
+        agent.tasks.insert(
+            first,
+            Task {
+                attempt: 1,
+                gpus: vec![0, 1],
+                directive: watch::channel(Directive::Run).0,
+                join: tokio::spawn(std::future::pending()),
+            },
+        );
+        // Job 1 is cancelled; job 2 is placed on GPU 1, job 3 on GPU 2.
+        let set = AssignmentSet {
+            incarnation: 0,
+            assignments: vec![placed(2, &[1]), placed(3, &[2])],
+        };
+        agent.reconcile(set, false).unwrap();
+        assert_eq!(*agent.tasks[&first].directive.borrow(), Directive::Gone);
+        assert!(
+            !agent.tasks.contains_key(&(org, JobId(2))),
+            "job 2 started on GPU 1 while job 1's runner still holds it"
+        );
+        assert_eq!(agent.tasks[&(org, JobId(3))].gpus, vec![2]);
+        // Job 1's runner is gone: job 2 starts.
+        agent.tasks[&first].join.abort();
+        agent.task_done(first, 1, true);
+        assert!(!agent.tasks.contains_key(&first));
+        assert_eq!(agent.tasks[&(org, JobId(2))].gpus, vec![1]);
+        for t in agent.tasks.values() {
+            t.join.abort();
+        }
     }
 }

@@ -206,7 +206,9 @@ async fn wait_registered(client: &Client, agent: &mut common::agent::AgentProc, 
 /// A job runner: records its pid and the GPUs it was given, reports progress and a
 /// checkpoint, waits for a go file (or 60 s), exits 0 — or 3 if a fail file exists. On
 /// SIGTERM it saves a checkpoint, leaves a marker and exits 0 (or, given an ignore-term
-/// file, ignores SIGTERM). The GPU file is written last: once it exists, the trap is set.
+/// file, ignores SIGTERM). It claims each of its GPUs (`gpu-<index>` holds its pid), and
+/// notes in `shared-<job>-<attempt>` any GPU whose last claimant is still alive. The GPU
+/// file is written last: once it exists, the trap is set.
 const RUNNER: &str = r#"#!/bin/sh
 out="$1"
 tag="$ALLOT_JOB_ID-$ALLOT_ATTEMPT"
@@ -217,6 +219,12 @@ else
 fi
 echo "100000 1" > "$ALLOT_PROGRESS_FILE"
 echo "$$" > "$out/pid-$tag"
+for g in $(echo "$CUDA_VISIBLE_DEVICES" | tr ',' ' '); do
+  if [ -e "$out/gpu-$g" ] && kill -0 "$(cat "$out/gpu-$g")" 2>/dev/null; then
+    echo "$g" >> "$out/shared-$tag"
+  fi
+  echo "$$" > "$out/gpu-$g" 2>/dev/null
+done
 echo "$CUDA_VISIBLE_DEVICES" > "$out/cuda-$tag"
 i=0
 while [ ! -e "$out/go-$ALLOT_JOB_ID" ] && [ "$i" -lt 600 ]; do
@@ -583,9 +591,13 @@ async fn a_cancelled_job_is_killed_at_once_and_a_runner_ignoring_sigterm_after_t
     wait_registered(&client, &mut agent, 2).await;
 
     // Cancelled while running: it leaves the assignment set and its runner is killed
-    // at once (SIGKILL: no SIGTERM marker); no finish overrides the cancellation.
-    submit(&client, spec(401, Tier::PAID, 1, false)).await;
+    // at once (SIGKILL: no SIGTERM marker); no finish overrides the cancellation. The
+    // job waiting for its GPUs is placed on them by the cancel's own entry, and its
+    // runner starts only once the cancelled one is gone.
+    submit(&client, spec(401, Tier::PAID, 2, false)).await;
     wait_state(&client, 401, JobState::Running, Duration::from_secs(30)).await;
+    submit(&client, spec(404, Tier::PAID, 1, false)).await;
+    assert_eq!(job(&client, 404).await.state, JobState::Queued);
     wait_file(&out.join("cuda-401-1"), Duration::from_secs(10)).await;
     let pid = std::fs::read_to_string(out.join("pid-401-1")).unwrap();
     assert!(alive(&pid));
@@ -606,6 +618,13 @@ async fn a_cancelled_job_is_killed_at_once_and_a_runner_ignoring_sigterm_after_t
         (j.state, j.last_reason),
         (JobState::Cancelled, Reason::Cancelled)
     );
+    wait_file(&out.join("cuda-404-1"), Duration::from_secs(10)).await;
+    assert!(
+        !out.join("shared-404-1").exists(),
+        "job 404's runner started while the cancelled job's runner held its GPU"
+    );
+    touch(out.join("go-404"));
+    wait_state(&client, 404, JobState::Succeeded, Duration::from_secs(30)).await;
 
     // A preempted runner that ignores SIGTERM is SIGKILLed when the agent's grace is
     // over, and the attempt is then reported stopped (requeued) — well before the
