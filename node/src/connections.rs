@@ -122,6 +122,17 @@ impl Connections {
         self.lock().by_id.len()
     }
 
+    /// The connections holding a slot now: (authenticated, not), and the bound.
+    pub fn census(&self) -> (usize, usize, usize) {
+        let t = self.lock();
+        let trusted = t
+            .by_id
+            .values()
+            .filter(|s| s.trusted.load(Ordering::Acquire))
+            .count();
+        (trusted, t.by_id.len() - trusted, self.max)
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
         self.table.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -3,7 +3,8 @@
 //! are refreshed from the shards at scrape time.
 
 use prometheus::{
-    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry, TextEncoder,
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
 
 pub struct Metrics {
@@ -16,6 +17,9 @@ pub struct Metrics {
     pub refusals: IntCounterVec,
     /// Server streams open now (`WatchAssignments`).
     pub streams: prometheus::IntGauge,
+    /// Connections holding a slot now, by `state` (`authenticated`, `unauthenticated`),
+    /// and the node's bound (`max`): refreshed at scrape time (`crate::connections`).
+    pub connections: IntGaugeVec,
     /// Free bytes on the data directory's file system, and whether the node refuses
     /// tenants' writes for it (`crate::disk`).
     pub disk_free_bytes: prometheus::IntGauge,
@@ -122,6 +126,13 @@ impl Metrics {
         let streams = must(prometheus::IntGauge::new(
             "open_streams",
             "Server streams (WatchAssignments) open now",
+        ));
+        let connections = must(IntGaugeVec::new(
+            Opts::new(
+                "edge_connections",
+                "Client and peer connections holding a slot, by state, and the bound (max)",
+            ),
+            &["state"],
         ));
         let disk_free_bytes = must(prometheus::IntGauge::new(
             "disk_free_bytes",
@@ -295,6 +306,7 @@ impl Metrics {
             Box::new(batch_bytes.clone()),
             Box::new(refusals.clone()),
             Box::new(streams.clone()),
+            Box::new(connections.clone()),
             Box::new(disk_free_bytes.clone()),
             Box::new(disk_low.clone()),
             Box::new(requests.clone()),
@@ -323,6 +335,7 @@ impl Metrics {
             batch_bytes,
             refusals,
             streams,
+            connections,
             disk_free_bytes,
             disk_low,
             requests,

@@ -148,6 +148,8 @@ pub struct Node {
     pub log_throttle: crate::metrics::Throttle,
     /// Snapshot builds running on threads of their own: shutdown waits for them.
     background: Arc<store::sm::Background>,
+    /// The client and peer connection slots, once the node serves (`crate::serve`).
+    pub connections: std::sync::OnceLock<crate::connections::Connections>,
 }
 
 const SHARD_COUNT_KEY: &[u8] = b"cluster/shards";
@@ -347,6 +349,7 @@ impl Node {
             )),
             log_throttle: Default::default(),
             background,
+            connections: Default::default(),
         });
         tokio::spawn(sample_clocks(Arc::downgrade(&node)));
         tokio::spawn(crate::auth::flush_denials(Arc::downgrade(&node)));

@@ -71,6 +71,7 @@ pub async fn serve(
         .with_keepalive(Some(Duration::from_secs(30)));
     let refusals = node.metrics.refusals.clone();
     let connections = Connections::new(max_connections).counted(refusals.clone());
+    let _ = node.connections.set(connections.clone());
     let throttle = Arc::new(crate::metrics::Throttle::default());
     let admitting = connections.clone();
     let incoming = futures::StreamExt::filter_map(incoming, move |accepted| {
@@ -364,6 +365,18 @@ pub fn refresh_and_encode(node: &Node) -> String {
         }
         set_demand(m, &shard, &g.state);
         set_state_rows(m, &shard, &g.state);
+    }
+    if let Some(c) = node.connections.get() {
+        let (authenticated, unauthenticated, max) = c.census();
+        for (state, n) in [
+            ("authenticated", authenticated),
+            ("unauthenticated", unauthenticated),
+            ("max", max),
+        ] {
+            m.connections
+                .with_label_values(&[state])
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
     }
     set_rocksdb_memory(m, &node.db);
     m.wal_sync_waiting.set(node.syncer.waiting().as_secs_f64());

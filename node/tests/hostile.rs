@@ -2594,6 +2594,17 @@ async fn defect_16_idle_connections_cannot_hold_a_nodes_connection_slots() {
         links_before,
         "node 2's link to node 1 was never closed"
     );
+    // The gauge shows the slots: the bound, the attacker's connections in them, and the
+    // authenticated ones (node 2's link at least), never more than the bound together.
+    let gauge = |state: &str| format!("allot_edge_connections{{state=\"{state}\"}}");
+    assert_eq!(h.metric(1, &gauge("max")).await, MAX as f64);
+    let authenticated = h.metric(1, &gauge("authenticated")).await;
+    let unauthenticated = h.metric(1, &gauge("unauthenticated")).await;
+    assert!(
+        authenticated >= 1.0 && unauthenticated >= 1.0,
+        "{authenticated} authenticated, {unauthenticated} not"
+    );
+    assert!(authenticated + unauthenticated <= MAX as f64);
     drop(held);
     h.assert_all_running();
 }
