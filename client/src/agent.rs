@@ -1991,7 +1991,10 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
 async fn kill_and_reap(runner: &Runner, exit: &mut oneshot::Receiver<Exit>) -> End {
     runner.kill().await;
     let killed = Instant::now();
-    while tokio::time::timeout(REAP_TIMEOUT, &mut *exit).await.is_err() {
+    while tokio::time::timeout(REAP_TIMEOUT, &mut *exit)
+        .await
+        .is_err()
+    {
         error!(
             waited = ?killed.elapsed(),
             "the runner has not exited after SIGKILL: its GPUs stay held until it does"

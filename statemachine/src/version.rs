@@ -102,6 +102,13 @@
 //!   `Transfer` credits only its org's account; another project of the org answers
 //!   `UnknownProject`, existing or not (`crate::limits::PROJECT_TRANSFERS_STAY_HOME_FROM`).
 //!   The state's format is unchanged (8).
+//! - **8** — a job being preempted when its node fails (the node stays silent to its
+//!   lease's end plus the fence margin, or a new agent process registers it) is
+//!   requeued as preempted: billed to its checkpoint and not counted against its
+//!   node-failure requeues, as it already was when its agent reported it fenced
+//!   (`crate::scheduler::PREEMPTED_ON_A_FAILED_NODE_FROM`; before, it was billed to its
+//!   last heartbeat as a node failure, and three such ended it `Failed`). The state's
+//!   format is unchanged (8).
 
 use serde::{Deserialize, Serialize};
 
@@ -110,7 +117,7 @@ pub const RULES_BASELINE: u32 = 1;
 /// The newest rule version this build implements. A node may be told to support less
 /// (`allot-node --max-rules-version`, to rehearse an upgrade or to hold one back), never
 /// more.
-pub const RULES_MAX: u32 = 7;
+pub const RULES_MAX: u32 = 8;
 /// A job's longest `max_duration_ms` from rule version 2 on.
 pub const JOB_DURATION_MS_MAX_V2: u64 = 90 * 86_400_000;
 

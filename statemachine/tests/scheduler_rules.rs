@@ -1739,6 +1739,48 @@ fn a_preemption_on_a_silent_node_waits_for_the_nodes_fate_from_rule_version_4() 
     }
 }
 
+/// Found by review (twenty-first session): a preemption victim whose node then failed —
+/// it stayed silent to its fate, or a new agent process registered it — was requeued as
+/// a node failure: billed past its checkpoint to its last heartbeat, and counted against
+/// its node-failure requeues (three such, and it failed). The platform had chosen to
+/// stop it; had the node come back, or had the agent reported the attempt fenced, it
+/// would have been billed to its checkpoint and counted as a preemption. From rule
+/// version 8 every way its node can fail ends it so.
+#[test]
+fn a_preemption_victim_whose_node_fails_is_billed_as_preempted_from_rule_version_8() {
+    for rules in [7, 8] {
+        for new_process in [false, true] {
+            let mut h = preempted_on_an_agents_node(rules);
+            let cfg = h.state.config.scheduler.clone();
+            if new_process {
+                // Mid-grace, another agent process registers the node: the previous
+                // one's attempts end.
+                register_node_1(&mut h, 8);
+            } else {
+                // The node stays silent to its fate: its lease's end plus the margin.
+                h.advance(cfg.grace_ms + 1);
+                h.tick();
+                assert_eq!(h.job(10).state, JobState::Preempting);
+                h.advance(cfg.node_lease_ms + cfg.fence_margin_ms);
+                h.tick();
+                assert_eq!(h.state.scheduler.nodes[&NodeId(1)].state, NodeState::Down);
+            }
+            let j = h.job(10);
+            // Requeued (and placed again where it fits).
+            assert!(matches!(j.state, JobState::Queued | JobState::Placed));
+            let seen = (j.node_failures, j.preemptions, h.hold(10).captured);
+            // Version 7: a node failure, billed to the last heartbeat (a minute after the
+            // checkpoint, on 2 GPUs at 2 credits per GPU-hour).
+            let want = if rules == 7 {
+                (1, 1, 66_666)
+            } else {
+                (0, 1, 0)
+            };
+            assert_eq!(seen, want, "version {rules}, new process {new_process}");
+        }
+    }
+}
+
 /// [`preempt_a_second_after_the_last_renewal_on`] a node of agent process 7, under rule
 /// version `rules`.
 fn preempted_on_an_agents_node(rules: u32) -> Harness {

@@ -724,7 +724,7 @@ impl Scheduler {
 
     /// The agent stopped the attempt itself (it could not renew its lease): a job being
     /// preempted counts as stopped for the preemption; any other is requeued as a node
-    /// failure, billed to its last heartbeat.
+    /// failure, billed to its last heartbeat (`node_failure`).
     pub(crate) fn fenced(
         &mut self,
         ctx: &mut Ctx,
@@ -735,17 +735,6 @@ impl Scheduler {
     ) -> Result<Reply, CommandError> {
         let j = self.job_for_attempt(actor, id, Some(attempt), ledger.rules.0)?;
         Self::check_attempt(j, attempt)?;
-        if j.state == JobState::Preempting {
-            self.requeue(
-                ctx,
-                ledger,
-                cfg,
-                id,
-                SettleReason::Preempted,
-                Reason::Requeued,
-            );
-            return Ok(Reply::JobFinished(None));
-        }
         Ok(Reply::JobFinished(self.node_failure(
             ctx,
             ledger,

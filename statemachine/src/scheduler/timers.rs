@@ -27,10 +27,21 @@ pub const REGISTRATION_ENDS_WAITING_GRACES_FROM: u32 = 6;
 /// lease, notes a renewal or brings it back from `Down` — the agent's heartbeats do.
 pub const OPERATOR_REGISTRATIONS_RENEW_NOTHING_FROM: u32 = 6;
 
+/// The rule version from which a job being preempted when its node fails (the node's
+/// fate, or a new agent process's registration) is requeued as preempted — billed to its
+/// checkpoint, not counted as a node failure — as a fenced one always was.
+pub const PREEMPTED_ON_A_FAILED_NODE_FROM: u32 = 8;
+
 impl Scheduler {
     /// A job whose node lost it (the lease ran out, or the agent stopped it when it could
     /// not renew the lease): requeued as a new attempt, billed to its last heartbeat, or
     /// failed once it used its requeues or its whole duration.
+    ///
+    /// A job being preempted ends as its preemption would: requeued, billed to its
+    /// checkpoint, not counted as a node failure (the platform had chosen to stop it) —
+    /// when its agent fenced it, always; when its node reached its fate or a new agent
+    /// process registered the node, from rule version
+    /// [`PREEMPTED_ON_A_FAILED_NODE_FROM`].
     pub(crate) fn node_failure(
         &mut self,
         ctx: &mut Ctx,
@@ -39,6 +50,16 @@ impl Scheduler {
         job: crate::ids::JobKey,
         reason: Reason,
     ) -> Option<crate::outcome::Settlement> {
+        let preempting = self
+            .jobs
+            .get(&job)
+            .is_some_and(|j| j.state == JobState::Preempting);
+        if preempting
+            && (reason == Reason::Fenced || ledger.rules.0 >= PREEMPTED_ON_A_FAILED_NODE_FROM)
+        {
+            self.end_grace(ctx, ledger, cfg, job);
+            return None;
+        }
         let retry = self.jobs.get(&job).is_some_and(|j| {
             j.node_failures < cfg.node_failure_requeues_max && j.run_ms < j.spec.max_duration_ms
         });
