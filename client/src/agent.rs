@@ -40,7 +40,11 @@
 //!   `FinishJob` under the same request id).
 //! - **Preempting**: SIGTERM to the runner's process group; heartbeats continue during
 //!   the grace period (a checkpoint written on SIGTERM is reported, and the preempted
-//!   attempt is billed up to it); after [`AgentConfig::grace`] SIGKILL. Once it has
+//!   attempt is billed up to it); after [`AgentConfig::grace`] SIGKILL — or sooner:
+//!   the shard's grace less the fence margin (at most a quarter of it), since the
+//!   shard's grace began at the preemption's entry, before the agent saw it, and at its
+//!   end the cluster gives the GPUs to the preemptor. A heartbeat or a confirming read
+//!   on its way never holds that SIGKILL back. Once it has
 //!   stopped, one last heartbeat, then `FinishJob { success: false }` — which the state
 //!   machine takes, while Preempting, as "stopped for preemption" and requeues the job.
 //!   A runner that exits 0 after the SIGTERM is still reported as `success: false` (it
@@ -1405,11 +1409,15 @@ impl Lease {
         changed
     }
 
-    /// How long a preempted runner may take to stop: the agent's grace, at most the
-    /// shard's.
+    /// How long a preempted runner may take to stop, from when the agent learns of the
+    /// preemption: the agent's grace, at most the shard's less the fence margin (at most
+    /// a quarter of it). The shard's grace counts from the preemption's entry, which the
+    /// agent sees a stream's delay later; at the grace's end the cluster requeues the
+    /// job and gives its GPUs to the preemptor, with no margin of its own.
     fn preemption_grace(&self, cfg: &AgentConfig) -> Duration {
+        let shard = Duration::from_millis(self.grace_ms.load(Ordering::Relaxed));
         cfg.grace
-            .min(Duration::from_millis(self.grace_ms.load(Ordering::Relaxed)))
+            .min(shard.saturating_sub(cfg.fence_margin.min(shard / 4)))
     }
 
     /// When a lease that began at `from` and lasts `lease_ms` has its runners stopped:
@@ -1904,10 +1912,12 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
                 // A heartbeat to an unreachable cluster waits out the client's timeout:
                 // never past the moment the runner must be stopped (as of now: the
                 // lengths may have changed since this turn began).
+                // Nor past a SIGKILL already due (a preemption's grace).
                 let (term_at, _) = shared.lease.attempt_schedule(&shared.cfg, job_renewed(accepted));
                 let sent = Instant::now();
                 let beat = heartbeat(shared, a, &mut seq, runner.progress());
-                match tokio::time::timeout_at(term_at.max(sent), beat).await {
+                let until = kill_at.map_or(term_at, |k| k.min(term_at));
+                match tokio::time::timeout_at(until.max(sent), beat).await {
                     Ok(Beat::Accepted) => accepted = Some((seq, sent)),
                     Ok(Beat::Unanswered) | Err(_) => {}
                     Ok(Beat::Stop(why)) => {
@@ -1934,7 +1944,15 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
                 let d = if changed.is_ok() { *dir.borrow_and_update() } else { Directive::Shutdown };
                 let d = match d {
                     Directive::Gone => {
-                        let read = read_assigned(shared, a.key(), attempt).await;
+                        // Confirmed within a SIGKILL already due: a read still on its way
+                        // then confirms nothing, and the kill goes first.
+                        let read = read_assigned(shared, a.key(), attempt);
+                        let read = match kill_at {
+                            Some(k) => tokio::time::timeout_at(k, read)
+                                .await
+                                .unwrap_or_else(|_| Err(Error::Local("no answer before the runner's SIGKILL was due".into()))),
+                            None => read.await,
+                        };
                         if let Err(e) = &read {
                             warn!(job, attempt, "a set without the attempt, and the cluster could not confirm it: \
                                   it keeps running (its heartbeats and the fence stop it if it moved on): {e}");
@@ -3022,6 +3040,33 @@ mod tests {
             .unwrap()
             .file_type()
             .is_symlink());
+    }
+
+    /// A preempted runner is killed the fence margin (at most a quarter of the shard's
+    /// grace) before the shard's grace would end counted from when the agent learnt of
+    /// it: the shard's grace began at the preemption's entry, earlier, and at its end
+    /// the cluster gives the GPUs to the preemptor. The agent's own shorter grace wins.
+    #[test]
+    fn a_preempted_runner_is_killed_a_margin_before_the_shards_grace_ends() {
+        let mut cfg = AgentConfig::new(
+            vec!["127.0.0.1:9".into()],
+            NodeId(1),
+            Mode::Simulate(SimConfig::default()),
+        );
+        cfg.grace = Duration::from_secs(60);
+        cfg.fence_margin = Duration::from_secs(5);
+        let grace = |shard_ms| {
+            Lease::new(Instant::now(), [60_000, 60_000, shard_ms]).preemption_grace(&cfg)
+        };
+        assert_eq!(grace(30_000), Duration::from_secs(25));
+        // A short grace keeps three quarters of itself.
+        assert_eq!(grace(8_000), Duration::from_secs(6));
+        assert_eq!(grace(0), Duration::ZERO);
+        cfg.grace = Duration::from_secs(2);
+        assert_eq!(
+            Lease::new(Instant::now(), [60_000, 60_000, 30_000]).preemption_grace(&cfg),
+            Duration::from_secs(2)
+        );
     }
 
     /// The cluster frees a job's GPUs when it ends the job and may place the next job on
