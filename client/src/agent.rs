@@ -78,6 +78,17 @@
 //! (requeued, billed to its last heartbeat) once the cluster answers again; no new
 //! attempt starts while the node's lease is running out.
 //!
+//! A replacement process started from **another work dir** (another host, a fresh
+//! container) cannot stop its predecessor's runners, nor know whether that process is
+//! dead or only cut off or paused. So before it registers, an agent reads its node's
+//! assignment set, and if the set holds attempts of an agent process this work dir did
+//! not run, it waits — logging why — until they are over: the other process's lease
+//! runs out and the cluster re-places them a fence margin later (by which that process,
+//! if it runs, has stopped them itself), or that process finishes them. A restart in
+//! the same work dir registers at once: it has stopped its predecessor's runners.
+//! While another process keeps the node alive, a replacement waits for good rather than
+//! take the node from under running jobs.
+//!
 //! # Orphans
 //!
 //! Each runner is recorded in `<work dir>/runners/<pgid>` (its process group and start
@@ -773,20 +784,7 @@ const SMALL_FILE_MAX: u64 = 256;
 pub fn next_incarnation(work_dir: &Path) -> Result<u64> {
     use std::io::Write;
     let path = work_dir.join("incarnation");
-    // The file's format, kept by every release: the number first, then whatever a later
-    // release appends (read and ignored here), so an agent rolled back over a newer one's
-    // work dir still registers above it.
-    let last = match read_small(&path, SMALL_FILE_MAX) {
-        Ok(s) => s
-            .split_whitespace()
-            .next()
-            .and_then(|n| n.parse::<u64>().ok())
-            .ok_or_else(|| {
-                Error::Config(format!("{}: not an incarnation number", path.display()))
-            })?,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
-        Err(e) => return Err(Error::Config(format!("{}: {e}", path.display()))),
-    };
+    let last = last_incarnation(work_dir)?;
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
@@ -801,6 +799,73 @@ pub fn next_incarnation(work_dir: &Path) -> Result<u64> {
         .and_then(|d| d.sync_all())
         .map_err(io)?;
     Ok(next)
+}
+
+/// The incarnation the work dir's previous agent process registered with (0: none ran
+/// here). The file's format, kept by every release: the number first, then whatever a
+/// later release appends (read and ignored here), so an agent rolled back over a newer
+/// one's work dir still registers above it.
+pub fn last_incarnation(work_dir: &Path) -> Result<u64> {
+    let path = work_dir.join("incarnation");
+    match read_small(&path, SMALL_FILE_MAX) {
+        Ok(s) => s
+            .split_whitespace()
+            .next()
+            .and_then(|n| n.parse::<u64>().ok())
+            .ok_or_else(|| Error::Config(format!("{}: not an incarnation number", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+        Err(e) => Err(Error::Config(format!("{}: {e}", path.display()))),
+    }
+}
+
+/// Whether this process may register its node now, given the node's assignment set: it
+/// may unless the set holds attempts of another agent process, one this work dir did not
+/// run (`predecessor`, whose runners `stop_orphans` has stopped) — that process may be
+/// cut off or paused with its runners still running (another host, a fresh container),
+/// and a registration would end its attempts at once and let them start again while
+/// they run. Once that process's node lease has run out and the cluster has re-placed
+/// its attempts (its lease's end plus the fence margin, by which it has stopped them
+/// itself), or it has finished them, the set is empty. Incarnation 0: an operator
+/// registered the node and no agent process has claimed it.
+fn may_register(set: &AssignmentSet, predecessor: u64) -> bool {
+    set.assignments.is_empty() || set.incarnation == 0 || set.incarnation == predecessor
+}
+
+/// Waits until [`may_register`] (a linearizable read of the node's set, every second).
+/// `None`: shut down while waiting.
+async fn wait_for_another_process(
+    client: &Client,
+    cfg: &AgentConfig,
+    predecessor: u64,
+    shutdown: &mut (impl Future<Output = ()> + Unpin),
+) -> Option<()> {
+    let mut said = None::<Instant>;
+    loop {
+        tokio::select! {
+            r = client.assignment_set(cfg.shard, cfg.node) => match r {
+                Ok(set) if may_register(&set, predecessor) => return Some(()),
+                Ok(set) => {
+                    if said.is_none_or(|t| t.elapsed() >= Duration::from_secs(30)) {
+                        said = Some(Instant::now());
+                        warn!(
+                            node = cfg.node.0,
+                            other = set.incarnation,
+                            attempts = set.assignments.len(),
+                            "another agent process (not this work dir's) holds attempts on this node: \
+                             waiting for them to end — that process's lease and the fence margin, \
+                             or its own reports — before registering, so that no job runs twice"
+                        );
+                    }
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                Err(e) => {
+                    warn!("reading the node's assignments before registering failed, retrying: {e}");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            },
+            _ = &mut *shutdown => return None,
+        }
+    }
 }
 
 /// Records a started runner so a later incarnation of the agent can stop it.
@@ -2459,6 +2524,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         None => None,
     };
     let cgroups = cgroup::Cgroups::open(&config.cgroup, &work_dir).map_err(Error::Config)?;
+    let predecessor = last_incarnation(&work_dir)?;
     let incarnation = next_incarnation(&work_dir)?;
     let runner_procs_max = if config.runner_user.is_some() || config.runner_uids.is_some() {
         let n = runner_procs_max(&config)?;
@@ -2518,6 +2584,12 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         (None, None) => None,
     };
     let admin = admin_client(&config, register_token)?;
+    if wait_for_another_process(&client, &config, predecessor, &mut shutdown)
+        .await
+        .is_none()
+    {
+        return Ok(());
+    }
     // The lease lengths are read before registering and again after (the renewal a
     // registration makes is counted like a heartbeat's: `Lease::learn`).
     let Some(before) = read_lengths_until(&client, config.shard, &mut shutdown).await else {

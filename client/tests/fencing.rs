@@ -986,16 +986,18 @@ async fn after_a_whole_cluster_outage_bills_follow_real_time() {
 async fn a_replaced_agent_process_stops_when_it_resumes() {
     let sc = Scene::new("allot-replaced-").await;
     let (c, client, out) = (&sc.c, &sc.client, &sc.out);
+    short_leases(client).await;
     let args = sc.args(&["--grace", "2s"]);
     let mut old = agent(&c.endpoints(), 1, &sc.path().join("old"), &args, &[]);
     wait_node(client, &mut old, 1).await;
     client.submit_job(ORG, spec(1, 3_600_000)).await.unwrap();
     let old_pid = started(out, 1, 1, Duration::from_secs(20)).await;
     old.signal("STOP");
-    // The replacement (another work dir: another host, or a fresh container) registers
-    // a higher incarnation, which ends attempt 1; the job is placed again, here.
+    // The replacement (another work dir: another host, or a fresh container) waits for
+    // the paused process's attempts to end — its node lease and the fence margin — then
+    // registers a higher incarnation; the job is placed again, here.
     let mut new = agent(&c.endpoints(), 1, &sc.path().join("new"), &args, &[]);
-    let new_pid = started(out, 1, 2, Duration::from_secs(30)).await;
+    let new_pid = started(out, 1, 2, Duration::from_secs(40)).await;
     old.signal("CONT");
     let status = until(
         "the replaced agent to exit",
@@ -1036,6 +1038,81 @@ async fn a_replaced_agent_process_stops_when_it_resumes() {
     new.assert_running();
     let j = job(client, 1).await;
     assert_eq!((j.state, j.attempt), (JobState::Running, 2));
+}
+
+/// Found by review (twenty-first session): a replacement agent process for a node, from
+/// another work dir (another host, a fresh container), registered at once while the
+/// node's previous process was only cut off. The registration ended that process's
+/// attempts and the job started again while its old runner still ran, until the cut-off
+/// agent fenced itself. Now a process that finds attempts of a process its work dir did
+/// not run waits for them to end — the cut-off process's lease and the fence margin —
+/// before it registers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replacement_from_another_work_dir_waits_for_the_cut_off_agents_fence() {
+    let sc = Scene::new("allot-replacement-").await;
+    let (c, client, out) = (&sc.c, &sc.client, &sc.out);
+    short_leases(client).await;
+    let args = sc.args(&[
+        "--fence-margin",
+        "1s",
+        "--grace",
+        "2s",
+        "--heartbeat-interval",
+        "500ms",
+    ]);
+    let partition = Partition::around(c.endpoints()).await;
+    let mut old = agent(&partition.addrs(), 1, &sc.path().join("old"), &args, &[]);
+    wait_node(client, &mut old, 1).await;
+    client.submit_job(ORG, spec(1, 3_600_000)).await.unwrap();
+    started(out, 1, 1, Duration::from_secs(20)).await;
+    until(
+        "attempt 1 heartbeating",
+        Duration::from_secs(20),
+        || async { (job(client, 1).await.state == JobState::Running).then_some(()) },
+    )
+    .await;
+    let cut_at = now_ns();
+    partition.cut();
+    // The replacement, from a work dir of its own, reaching the cluster directly.
+    let mut new = agent(&c.endpoints(), 1, &sc.path().join("new"), &args, &[]);
+    started(out, 1, 2, Duration::from_secs(30)).await;
+    // The old agent's fence stops attempt 1's runner: logged once its whole process
+    // group is gone.
+    until(
+        "attempt 1's runner to be stopped",
+        Duration::from_secs(30),
+        || async {
+            old.log_text()
+                .contains("runner stopped: the lease could not be renewed")
+                .then_some(())
+        },
+    )
+    .await;
+    let ev = events(out);
+    let (_, last1) = span(&ev, 1, 1);
+    let (start2, _) = span(&ev, 1, 2);
+    let ms = |ns: u128| ns as f64 / 1e6;
+    println!(
+        "replacement: partition at +0 ms; attempt 1 last alive at {:+.0} ms; attempt 2 \
+         started at {:+.0} ms",
+        ms(last1 - cut_at),
+        ms(start2 - cut_at)
+    );
+    assert!(
+        last1 < start2,
+        "attempt 1's runner was still running when the replacement started attempt 2: {ev:?}"
+    );
+    assert!(
+        new.log_text().contains("another agent process"),
+        "the replacement says why it waits:\n{}",
+        new.log_text()
+    );
+    assert!(
+        old.log_text().contains("lease not renewed"),
+        "the old agent fenced itself"
+    );
+    new.assert_running();
+    drop(old);
 }
 
 /// A TCP proxy whose server-to-client bytes can be held back and then let through in
