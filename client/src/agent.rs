@@ -89,6 +89,10 @@
 //! While another process keeps the node alive, a replacement waits for good rather than
 //! take the node from under running jobs.
 //!
+//! A paused or hung agent runs none of its timers, so it fences nothing: under systemd
+//! it pings the service manager's watchdog (the `notify` module), and a stopped agent's
+//! missed pings make systemd kill its whole cgroup, runners included.
+//!
 //! # Orphans
 //!
 //! Each runner is recorded in `<work dir>/runners/<pgid>` (its process group and start
@@ -129,6 +133,7 @@
 //! can read in `/proc`.
 
 mod cgroup;
+mod notify;
 mod output;
 mod uids;
 
@@ -2259,6 +2264,15 @@ impl Agent {
     }
 }
 
+/// Aborts a background task when dropped (whichever way `run` returns).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Registers the node; returns when the registration (which starts the node's lease) was
 /// sent.
 async fn register(admin: &Client, cfg: &AgentConfig) -> Result<Instant> {
@@ -2561,6 +2575,12 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
             "stopped the runners a previous agent process left behind"
         );
     }
+    // Started: the service manager's watchdog runs from here (the `notify` module).
+    let notifier = notify::Notifier::from_env();
+    let _watchdog = notifier.as_ref().map(|n| {
+        n.send("READY=1");
+        AbortOnDrop(tokio::spawn(n.clone().keep_watchdog()))
+    });
     if let Some(pool) = &uids {
         let swept = pool.recover().await;
         if swept > 0 {
@@ -2595,6 +2615,17 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     let Some(before) = read_lengths_until(&client, config.shard, &mut shutdown).await else {
         return Ok(());
     };
+    let node_lease = Duration::from_millis(before[0]);
+    if let Some(w) = notifier.as_ref().and_then(notify::Notifier::watchdog) {
+        if w >= node_lease / 2 {
+            warn!(
+                watchdog = ?w,
+                ?node_lease,
+                "the service manager's watchdog is not shorter than half the node lease: \
+                 a paused agent's runners may outlive it past the cluster's re-placement"
+            );
+        }
+    }
     let registered = tokio::select! {
         r = register(&admin, &config) => r?,
         _ = &mut shutdown => return Ok(()),
@@ -2653,6 +2684,9 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
 
     for b in &background {
         b.abort();
+    }
+    if let Some(n) = &notifier {
+        n.send("STOPPING=1");
     }
     let stop = match superseded {
         Some(current) => {

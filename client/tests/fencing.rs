@@ -1115,6 +1115,62 @@ async fn a_replacement_from_another_work_dir_waits_for_the_cut_off_agents_fence(
     drop(old);
 }
 
+/// A paused agent runs no timer, so it cannot fence its runners (found by review,
+/// twenty-first session): only a supervisor outside it can. Run by systemd with a
+/// watchdog (`NOTIFY_SOCKET`, `WATCHDOG_USEC`), the agent says it is ready and pings the
+/// watchdog every half period from the runtime that runs the fences; stopped, it pings
+/// no more, which is what lets systemd abort the service and kill its cgroup, runners
+/// included (docs/allot-agent.service).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_agent_stops_pinging_its_watchdog() {
+    use std::os::unix::net::UnixDatagram;
+    let sc = Scene::new("allot-watchdog-").await;
+    let socket = sc.path().join("notify");
+    let server = UnixDatagram::bind(&socket).unwrap();
+    server.set_nonblocking(true).unwrap();
+    let recv = |server: &UnixDatagram| {
+        let mut buf = [0u8; 128];
+        let mut got = Vec::new();
+        while let Ok(n) = server.recv(&mut buf) {
+            got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+        }
+        got
+    };
+    let args = sc.args(&[]);
+    let env = [
+        ("NOTIFY_SOCKET", socket.to_str().unwrap()),
+        ("WATCHDOG_USEC", "400000"),
+    ];
+    let mut a = agent(&sc.c.endpoints(), 1, &sc.path().join("agent"), &args, &env);
+    wait_node(&sc.client, &mut a, 1).await;
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let running = recv(&server);
+    assert_eq!(
+        running.first().map(String::as_str),
+        Some("READY=1"),
+        "{running:?}"
+    );
+    let pings = running.iter().filter(|m| *m == "WATCHDOG=1").count();
+    assert!(pings >= 2, "pings every 200 ms: {running:?}");
+    a.signal("STOP");
+    // Let a ping already sent arrive, then watch two whole periods.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    recv(&server);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(
+        recv(&server),
+        Vec::<String>::new(),
+        "a stopped agent pings no more"
+    );
+    a.signal("CONT");
+    let d = Instant::now() + Duration::from_secs(5);
+    while !recv(&server).iter().any(|m| m == "WATCHDOG=1") {
+        assert!(Instant::now() < d, "the resumed agent pings again");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    a.assert_running();
+}
+
 /// A TCP proxy whose server-to-client bytes can be held back and then let through in
 /// the order they arrived: what a client sees of a replica whose view arrives late.
 struct HoldProxy {
