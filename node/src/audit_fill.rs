@@ -278,7 +278,7 @@ pub(crate) fn scan(db: &DB, shard: ShardId, head: &AuditChain) -> Result<Option<
         if k.as_ref() >= end.as_slice() {
             break;
         }
-        let events: Vec<AuditEvent> = codec::decode(&v).map_err(|e| e.to_string())?;
+        let events: Vec<AuditEvent> = codec::decode_kept(&v).map_err(|e| e.to_string())?;
         let (Some(first), Some(last)) = (events.first(), events.last()) else {
             return Err(format!("empty audit row {}", store::index_of_key(&k)));
         };
@@ -349,7 +349,7 @@ pub async fn fill<S: RowSource>(
         let mut rows = Vec::with_capacity(page.len());
         for (key, value) in page {
             let events: Vec<AuditEvent> =
-                codec::decode(&value).map_err(|e| format!("audit row {key}: {e}"))?;
+                codec::decode_kept(&value).map_err(|e| format!("audit row {key}: {e}"))?;
             if events.first().map(|e| e.seq) != Some(key) || key < gap.start.next_seq {
                 return Err(format!(
                     "audit row {key} is keyed by another event than its first"
@@ -395,7 +395,7 @@ pub async fn fill<S: RowSource>(
                         continue;
                     }
                     let entry: Entry =
-                        codec::decode(&value).map_err(|e| format!("batch row {key}: {e}"))?;
+                        codec::decode_kept(&value).map_err(|e| format!("batch row {key}: {e}"))?;
                     if entry.log_index != key {
                         return Err(format!("batch row {key} holds entry {}", entry.log_index));
                     }

@@ -490,7 +490,7 @@ impl Services {
                 store::read_audit(&db, shard_id, from_seq, limit, scan_max, keep)?;
             let events = rows
                 .iter()
-                .map(|raw| codec::decode(raw))
+                .map(|raw| codec::decode_kept(raw))
                 .collect::<Result<Vec<_>, codec::CodecError>>()?;
             Ok::<_, store::AuditReadError>((events, next_seq))
         });

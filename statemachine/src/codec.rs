@@ -41,6 +41,16 @@ pub const WIRE_FORMAT: u8 = 6;
 /// refusal ([`CodecError::UnsupportedVersion`]), as is a newer one
 /// ([`CodecError::NewerFormat`]) — never a misread.
 pub const FORMAT_READ_MIN: u8 = 5;
+/// The oldest format of the blobs kept for good: audit rows (events, and the batch rows
+/// that keep each entry's commands). They are never rewritten — a restore and an audit
+/// fill copy them byte for byte — and the trail is read from genesis for the life of
+/// the cluster, so their reader is not [`FORMAT_READ_MIN`]'s window: a release that
+/// raises that keeps reading audit rows from here. Never raised; the layouts they hold
+/// ([`crate::AuditEvent`], the log entry and its commands) only ever grow by appended
+/// variants, or keep a frozen shape for the formats that wrote the older one
+/// (docs/DESIGN.md §48).
+pub const KEPT_FORMAT_READ_MIN: u8 = 5;
+const _: () = assert!(KEPT_FORMAT_READ_MIN <= FORMAT_READ_MIN);
 /// The largest blob decode accepts (guards against hostile length prefixes).
 pub const DECODE_BYTES_MAX: u64 = 4 << 30;
 
@@ -58,9 +68,13 @@ pub enum CodecError {
 
 /// Whether this build reads blobs of format `version`: `Ok`, or the refusal.
 pub fn check_version(version: u8) -> Result<(), CodecError> {
+    check_version_from(FORMAT_READ_MIN, version)
+}
+
+fn check_version_from(oldest: u8, version: u8) -> Result<(), CodecError> {
     if version > FORMAT_VERSION {
         Err(CodecError::NewerFormat(version))
-    } else if version < FORMAT_READ_MIN {
+    } else if version < oldest {
         Err(CodecError::UnsupportedVersion(version))
     } else {
         Ok(())
@@ -210,8 +224,18 @@ pub fn decode_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
 /// Decodes a versioned blob of a type whose layout is the same in every format of the
 /// support window; any malformed input is an error, never a panic.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
+    decode_from_format(FORMAT_READ_MIN, bytes)
+}
+
+/// [`decode`] of an audit row (events or a batch row), read from
+/// [`KEPT_FORMAT_READ_MIN`] whatever the support window.
+pub fn decode_kept<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
+    decode_from_format(KEPT_FORMAT_READ_MIN, bytes)
+}
+
+fn decode_from_format<T: DeserializeOwned>(oldest: u8, bytes: &[u8]) -> Result<T, CodecError> {
     let (&version, rest) = bytes.split_first().ok_or(CodecError::Empty)?;
-    check_version(version)?;
+    check_version_from(oldest, version)?;
     decode_options()
         .deserialize(rest)
         .map_err(|e| CodecError::Malformed(e.to_string()))
@@ -248,6 +272,36 @@ mod tests {
         assert!(CodecError::NewerFormat(9)
             .to_string()
             .contains("newer release"));
+    }
+
+    /// Audit rows are read from their own oldest format, not the support window's: the
+    /// trail is never rewritten, and a release that narrows the window for the log,
+    /// snapshots and peers must still read it from genesis (found by review, twenty-
+    /// first session: the next release's window would have refused this release's
+    /// format-5 genesis rows).
+    #[test]
+    fn audit_rows_are_read_from_their_own_oldest_format() {
+        let mut blob = encode(&(7u64, "x".to_string()));
+        for v in KEPT_FORMAT_READ_MIN..=FORMAT_VERSION {
+            blob[0] = v;
+            assert_eq!(
+                decode_kept::<(u64, String)>(&blob),
+                Ok((7, "x".to_string()))
+            );
+        }
+        blob[0] = KEPT_FORMAT_READ_MIN - 1;
+        assert_eq!(
+            decode_kept::<(u64, String)>(&blob),
+            Err(CodecError::UnsupportedVersion(KEPT_FORMAT_READ_MIN - 1))
+        );
+        blob[0] = FORMAT_VERSION + 1;
+        assert_eq!(
+            decode_kept::<(u64, String)>(&blob),
+            Err(CodecError::NewerFormat(FORMAT_VERSION + 1))
+        );
+        // The oldest trail in the field was written in format 5 (`tests/fixtures/format5`).
+        assert_eq!(KEPT_FORMAT_READ_MIN, 5);
+        assert_eq!(decode_kept::<()>(&[]), Err(CodecError::Empty));
     }
 
     #[test]

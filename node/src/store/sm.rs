@@ -768,7 +768,7 @@ pub fn read_audit(
         if k.as_ref() >= end.as_slice() {
             break;
         }
-        let events: Vec<AuditEvent> = codec::decode(&v)?;
+        let events: Vec<AuditEvent> = codec::decode_kept(&v)?;
         for ev in events {
             if ev.seq < from_seq {
                 continue;

@@ -153,8 +153,8 @@ impl ShardBackup {
         for row in &self.audit {
             match row.kind {
                 AuditRowKind::Events => {
-                    let evs: Vec<AuditEvent> =
-                        codec::decode(&row.value).map_err(|e| row_error(row.key, e.to_string()))?;
+                    let evs: Vec<AuditEvent> = codec::decode_kept(&row.value)
+                        .map_err(|e| row_error(row.key, e.to_string()))?;
                     if evs.first().map(|e| e.seq) != Some(row.key) {
                         return Err(row_error(
                             row.key,
@@ -166,8 +166,8 @@ impl ShardBackup {
                     events.extend(evs);
                 }
                 AuditRowKind::Batch => {
-                    let entry: Entry =
-                        codec::decode(&row.value).map_err(|e| row_error(row.key, e.to_string()))?;
+                    let entry: Entry = codec::decode_kept(&row.value)
+                        .map_err(|e| row_error(row.key, e.to_string()))?;
                     let beyond = self.position.is_none_or(|p| entry.log_index > p.index);
                     if entry.log_index != row.key || beyond {
                         return Err(row_error(

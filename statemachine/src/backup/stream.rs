@@ -264,7 +264,7 @@ impl<W: Write> Write for StateFrames<'_, W> {
 
 /// The log index of an events row (its events all come from one entry).
 pub fn events_row_index(value: &[u8]) -> Result<u64, BackupError> {
-    let events: Vec<AuditEvent> = codec::decode(value)?;
+    let events: Vec<AuditEvent> = codec::decode_kept(value)?;
     events
         .first()
         .map(|e| e.log_index)
@@ -436,7 +436,7 @@ impl<R: Read> BackupReader<R> {
         match row.kind {
             AuditRowKind::Batch => {
                 let entry: Entry =
-                    codec::decode(&row.value).map_err(|e| row_error(e.to_string()))?;
+                    codec::decode_kept(&row.value).map_err(|e| row_error(e.to_string()))?;
                 let beyond = self
                     .header
                     .position
@@ -455,7 +455,7 @@ impl<R: Read> BackupReader<R> {
             }
             AuditRowKind::Events => {
                 let events: Vec<AuditEvent> =
-                    codec::decode(&row.value).map_err(|e| row_error(e.to_string()))?;
+                    codec::decode_kept(&row.value).map_err(|e| row_error(e.to_string()))?;
                 let first = events
                     .first()
                     .ok_or_else(|| row_error("no events".into()))?;

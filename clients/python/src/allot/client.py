@@ -53,14 +53,20 @@ def new_request_id() -> int:
     return secrets.randbits(63) or 1
 
 
+def _enum_name(enum, prefix: str, value: int) -> str:
+    """``prefix`` + name → name; a value a newer server added that this package does not
+    know yet is its number (``"12"``), never an error."""
+    name = enum.Name(value) if value in enum.values() else f"{prefix}{value}"
+    return name[len(prefix):] if name.startswith(prefix) else name
+
+
 def _reason_name(value: int) -> str:
-    name = pb.Reason.Name(value) if value in pb.Reason.values() else f"REASON_{value}"
-    return name[len("REASON_"):] if name.startswith("REASON_") else name
+    return _enum_name(pb.Reason, "REASON_", value)
 
 
 def job_state_name(value: int) -> str:
-    """``JOB_STATE_RUNNING`` → ``"RUNNING"``."""
-    return pb.JobState.Name(value)[len("JOB_STATE_"):]
+    """``JOB_STATE_RUNNING`` → ``"RUNNING"``; an unknown state's number as text."""
+    return _enum_name(pb.JobState, "JOB_STATE_", value)
 
 
 class Client:
