@@ -93,6 +93,10 @@
 //! it pings the service manager's watchdog (the `notify` module), and a stopped agent's
 //! missed pings make systemd kill its whole cgroup, runners included.
 //!
+//! One agent process uses a work dir at a time: it holds `<work dir>/lock` (an
+//! exclusive `flock`) while it runs, and a second process on the same work dir is
+//! refused at start.
+//!
 //! # Orphans
 //!
 //! Each runner is recorded in `<work dir>/runners/<pgid>` (its process group and start
@@ -804,6 +808,34 @@ pub fn next_incarnation(work_dir: &Path) -> Result<u64> {
         .and_then(|d| d.sync_all())
         .map_err(io)?;
     Ok(next)
+}
+
+/// Holds `work_dir` for this process for as long as the returned file is open (an
+/// exclusive `flock` on `<work dir>/lock`, released by the kernel when the process dies;
+/// runners do not inherit it). A second agent process on the same work dir — the node
+/// started twice, or a successor started while its predecessor is paused — is refused
+/// here: it would stop the predecessor's runners as orphans while that process still
+/// believes it runs them, and report their exits as the jobs' own ends.
+fn lock_work_dir(work_dir: &Path) -> Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = work_dir.join("lock");
+    let io = |e: std::io::Error| Error::Config(format!("{}: {e}", path.display()));
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(io)?;
+    match f.try_lock() {
+        Ok(()) => Ok(f),
+        Err(std::fs::TryLockError::WouldBlock) => Err(Error::Config(format!(
+            "work dir {} is in use by another allot-agent process (a paused one too): \
+             stop it before starting another on this work dir",
+            work_dir.display()
+        ))),
+        Err(std::fs::TryLockError::Error(e)) => Err(io(e)),
+    }
 }
 
 /// The incarnation the work dir's previous agent process registered with (0: none ran
@@ -2519,6 +2551,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         .map_err(|e| Error::Config(format!("work dir {}: {e}", config.work_dir.display())))?;
     let work_dir = std::fs::canonicalize(&config.work_dir)
         .map_err(|e| Error::Config(format!("work dir {}: {e}", config.work_dir.display())))?;
+    let _held = lock_work_dir(&work_dir)?;
     if let Some(r) = &config.runner_uids {
         r.check_host()
             .map_err(|e| Error::Config(format!("--runner-uid-range {e}")))?;

@@ -682,6 +682,47 @@ fn assert_refused(agent: &mut common::agent::AgentProc, says: &str) {
     assert!(log.contains(says), "{says}: {log}");
 }
 
+/// Found by review (twenty-first session): a second agent process on the same work dir
+/// (the node started twice, or a successor started while its predecessor was paused)
+/// stopped the first one's runners as orphans while that process still ran them, and
+/// the first reported their exits as the jobs' own ends (Failed, billed). Now one process
+/// holds the work dir; a second is refused at start, before it touches anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_agent_on_the_same_work_dir_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    // Nothing listens there: the first process keeps retrying its first read, holding
+    // the work dir.
+    let endpoints = vec!["127.0.0.1:1".to_string()];
+    let args = ["--", "/bin/true"];
+    let mut first = AgentProc::start(&endpoints, 1, dir.path(), &args);
+    let work = dir.path().join("work");
+    let d = std::time::Instant::now() + Duration::from_secs(10);
+    while !work.join("incarnation").exists() {
+        first.assert_running();
+        assert!(
+            std::time::Instant::now() < d,
+            "the first agent never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let incarnation = std::fs::read_to_string(work.join("incarnation")).unwrap();
+    let mut second = AgentProc::start(&endpoints, 1, dir.path(), &args);
+    assert_refused(&mut second, "in use by another allot-agent process");
+    first.assert_running();
+    assert_eq!(
+        std::fs::read_to_string(work.join("incarnation")).unwrap(),
+        incarnation,
+        "the refused process changed nothing"
+    );
+    // Once the first has gone, the work dir is free.
+    first
+        .stop(Duration::from_secs(10))
+        .expect("the first agent stops");
+    let mut third = AgentProc::start(&endpoints, 1, dir.path(), &args);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    third.assert_running();
+}
+
 /// With `--runner-user`, job code runs as that user: it cannot write the agent's work
 /// dir, read the agent's environment, or read another job's log — it writes only its
 /// own progress file, which the cluster still gets. (Runners ran as the agent's user,
