@@ -86,10 +86,12 @@
 //! runs out and the cluster re-places them a fence margin later (by which that process,
 //! if it runs, has stopped them itself), or that process finishes them. A restart in
 //! the same work dir registers at once: it has stopped its predecessor's runners.
-//! While another process keeps the node alive, a replacement waits for good rather than
-//! take the node from under running jobs.
+//! While another process keeps attempts on the node, a replacement waits for good rather
+//! than take the node from under running jobs. "This work dir's" process is the last one
+//! that registered from it (`<work dir>/registered`).
 //!
-//! A paused or hung agent runs none of its timers, so it fences nothing: under systemd
+//! A paused agent (or one whose runtime is blocked whole) runs none of its timers, so it
+//! fences nothing: under systemd
 //! it pings the service manager's watchdog (the `notify` module), and a stopped agent's
 //! missed pings make systemd kill its whole cgroup, runners included.
 //!
@@ -791,33 +793,65 @@ const SMALL_FILE_MAX: u64 = 256;
 /// the node's previous agent (whose clock was not far ahead). A registration naming a
 /// higher incarnation ends the previous process's attempts; a lower one is refused.
 pub fn next_incarnation(work_dir: &Path) -> Result<u64> {
-    use std::io::Write;
-    let path = work_dir.join("incarnation");
-    let last = last_incarnation(work_dir)?;
+    let last = read_number(work_dir, INCARNATION_FILE)?.unwrap_or(0);
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
     let next = now_ms.max(last.saturating_add(1));
+    write_number(work_dir, INCARNATION_FILE, next)?;
+    Ok(next)
+}
+
+/// The incarnation each agent process chooses ([`next_incarnation`]), and the one the
+/// last process to register from the work dir registered with (written once the
+/// cluster took it). Both files' format, kept by every release: the number first, then
+/// whatever a later release appends (read and ignored here), so an agent rolled back
+/// over a newer one's work dir still reads them.
+const INCARNATION_FILE: &str = "incarnation";
+const REGISTERED_FILE: &str = "registered";
+
+/// The number a work-dir file starts with (`None`: no such file).
+fn read_number(work_dir: &Path, name: &str) -> Result<Option<u64>> {
+    let path = work_dir.join(name);
+    match read_small(&path, SMALL_FILE_MAX) {
+        Ok(s) => s
+            .split_whitespace()
+            .next()
+            .and_then(|n| n.parse::<u64>().ok())
+            .map(Some)
+            .ok_or_else(|| Error::Config(format!("{}: not an incarnation number", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::Config(format!("{}: {e}", path.display()))),
+    }
+}
+
+/// Replaces a work-dir file with `n`, durably (a temporary file renamed over it, both
+/// synced).
+fn write_number(work_dir: &Path, name: &str, n: u64) -> Result<()> {
+    use std::io::Write;
+    let path = work_dir.join(name);
     let io = |e: std::io::Error| Error::Config(format!("{}: {e}", path.display()));
-    let tmp = work_dir.join("incarnation.tmp");
+    let tmp = work_dir.join(format!("{name}.tmp"));
     let mut f = create_fresh(&tmp).map_err(io)?;
-    f.write_all(next.to_string().as_bytes()).map_err(io)?;
+    f.write_all(n.to_string().as_bytes()).map_err(io)?;
     f.sync_all().map_err(io)?;
     std::fs::rename(&tmp, &path).map_err(io)?;
     std::fs::File::open(work_dir)
         .and_then(|d| d.sync_all())
-        .map_err(io)?;
-    Ok(next)
+        .map_err(io)
 }
 
-/// Holds `work_dir` for this process for as long as the returned file is open (an
-/// exclusive `flock` on `<work dir>/lock`, released by the kernel when the process dies;
-/// runners do not inherit it). A second agent process on the same work dir — the node
-/// started twice, or a successor started while its predecessor is paused — is refused
-/// here: it would stop the predecessor's runners as orphans while that process still
-/// believes it runs them, and report their exits as the jobs' own ends.
-fn lock_work_dir(work_dir: &Path) -> Result<std::fs::File> {
+/// Holds `work_dir` for this process for as long as the returned guard lives (an
+/// exclusive `flock` on `<work dir>/lock`, released by the kernel when the process dies).
+/// Runners do not inherit it (close-on-exec), and the uid sweeper's forked child closes
+/// its copy first thing ([`work_dir_lock_fd`]). A second agent process on the same work
+/// dir — the node started twice, or a successor started while its predecessor is
+/// paused — is refused here: it would stop the predecessor's runners as orphans while
+/// that process still believes it runs them, and report their exits as the jobs' own
+/// ends.
+fn lock_work_dir(work_dir: &Path) -> Result<WorkDirLock> {
     use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::io::AsRawFd;
     let path = work_dir.join("lock");
     let io = |e: std::io::Error| Error::Config(format!("{}: {e}", path.display()));
     let f = std::fs::OpenOptions::new()
@@ -828,7 +862,10 @@ fn lock_work_dir(work_dir: &Path) -> Result<std::fs::File> {
         .open(&path)
         .map_err(io)?;
     match f.try_lock() {
-        Ok(()) => Ok(f),
+        Ok(()) => {
+            WORK_DIR_LOCK_FD.store(f.as_raw_fd(), Ordering::Relaxed);
+            Ok(WorkDirLock(f))
+        }
         Err(std::fs::TryLockError::WouldBlock) => Err(Error::Config(format!(
             "work dir {} is in use by another allot-agent process (a paused one too): \
              stop it before starting another on this work dir",
@@ -838,20 +875,31 @@ fn lock_work_dir(work_dir: &Path) -> Result<std::fs::File> {
     }
 }
 
-/// The incarnation the work dir's previous agent process registered with (0: none ran
-/// here). The file's format, kept by every release: the number first, then whatever a
-/// later release appends (read and ignored here), so an agent rolled back over a newer
-/// one's work dir still registers above it.
-pub fn last_incarnation(work_dir: &Path) -> Result<u64> {
-    let path = work_dir.join("incarnation");
-    match read_small(&path, SMALL_FILE_MAX) {
-        Ok(s) => s
-            .split_whitespace()
-            .next()
-            .and_then(|n| n.parse::<u64>().ok())
-            .ok_or_else(|| Error::Config(format!("{}: not an incarnation number", path.display()))),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
-        Err(e) => Err(Error::Config(format!("{}: {e}", path.display()))),
+/// The work dir's lock, held while it lives.
+struct WorkDirLock(#[allow(dead_code)] std::fs::File);
+
+impl Drop for WorkDirLock {
+    fn drop(&mut self) {
+        WORK_DIR_LOCK_FD.store(-1, Ordering::Relaxed);
+    }
+}
+
+static WORK_DIR_LOCK_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+
+/// The descriptor of the work dir's lock (-1: none held): a child forked without exec
+/// closes it, so that it never holds the work dir for a process that is gone.
+fn work_dir_lock_fd() -> i32 {
+    WORK_DIR_LOCK_FD.load(Ordering::Relaxed)
+}
+
+/// The incarnation the last agent process of this work dir registered its node with (0:
+/// none did). A process that chose an incarnation and stopped before the cluster took
+/// it (during `stop_orphans`, a refused or failed registration) is not it. A work dir of
+/// a release before the `registered` file: the chosen one.
+pub fn last_registered(work_dir: &Path) -> Result<u64> {
+    match read_number(work_dir, REGISTERED_FILE)? {
+        Some(n) => Ok(n),
+        None => Ok(read_number(work_dir, INCARNATION_FILE)?.unwrap_or(0)),
     }
 }
 
@@ -1405,6 +1453,16 @@ impl Runner {
 
 // ---------------------------------------------------------------------------- tasks
 
+/// What an attempt's task tells the main loop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TaskEvent {
+    /// Its runner is gone (or never started): its GPUs are free.
+    GpusFree,
+    /// The task is over; `ended`: the attempt counts as ended here (`false` only for
+    /// one not started for now, which a later set may start).
+    Done { ended: bool },
+}
+
 /// What the main loop tells an attempt's task, from the latest assignment set.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Directive {
@@ -1424,9 +1482,8 @@ struct Shared {
     cfg: AgentConfig,
     /// The agent identity.
     client: Client,
-    /// A task's end: (job, attempt, whether the attempt counts as ended here — `false`
-    /// only for one not started for now, which a later set may start).
-    done: mpsc::UnboundedSender<(JobKey, u32, bool)>,
+    /// What an attempt's task tells the main loop: its runner is gone, its end.
+    done: mpsc::UnboundedSender<(JobKey, u32, TaskEvent)>,
     lease: Lease,
     /// The agent's directory of attempt cgroups (`None`: `--cgroup off`, or not usable).
     cgroups: Option<cgroup::Cgroups>,
@@ -1917,7 +1974,9 @@ enum End {
 async fn job_task(shared: Arc<Shared>, a: Assignment, mut dir: watch::Receiver<Directive>) {
     let end = run_attempt(&shared, &a, &mut dir).await;
     // The runner is gone before anything is reported (a fenced attempt may be placed
-    // again as soon as the report lands).
+    // again as soon as the report lands). Its GPUs are free now: an attempt waiting for
+    // them does not wait for the report too (retried for minutes through a partition).
+    let _ = shared.done.send((a.key(), a.attempt, TaskEvent::GpusFree));
     let ended = !matches!(end, End::NotStarted { ended: false });
     match end {
         End::Exited { success, exit } => {
@@ -1932,7 +1991,9 @@ async fn job_task(shared: Arc<Shared>, a: Assignment, mut dir: watch::Receiver<D
         End::Fenced => report(&shared, a.key(), a.attempt, Report::Fenced).await,
         End::Dropped | End::NotStarted { .. } => {}
     }
-    let _ = shared.done.send((a.key(), a.attempt, ended));
+    let _ = shared
+        .done
+        .send((a.key(), a.attempt, TaskEvent::Done { ended }));
 }
 
 async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<Directive>) -> End {
@@ -2106,19 +2167,14 @@ async fn run_attempt(shared: &Shared, a: &Assignment, dir: &mut watch::Receiver<
     end
 }
 
-/// SIGKILL, then waits for the runner to be gone: its GPUs stay this attempt's until then
-/// (`Agent::start_new`), however long a process stuck in the kernel takes to die.
+/// SIGKILL, then waits for the runner to be gone, [`REAP_TIMEOUT`] at most: its GPUs
+/// stay this attempt's until then (`Agent::start_new`). A process stuck in the kernel
+/// past that gives them up with an error — held for good, every attempt placed on them
+/// would wait out its job lease and end `Lost`.
 async fn kill_and_reap(runner: &Runner, exit: &mut oneshot::Receiver<Exit>) -> End {
     runner.kill().await;
-    let killed = Instant::now();
-    while tokio::time::timeout(REAP_TIMEOUT, &mut *exit)
-        .await
-        .is_err()
-    {
-        error!(
-            waited = ?killed.elapsed(),
-            "the runner has not exited after SIGKILL: its GPUs stay held until it does"
-        );
+    if tokio::time::timeout(REAP_TIMEOUT, exit).await.is_err() {
+        error!("the runner did not exit {REAP_TIMEOUT:?} after SIGKILL: its GPUs are given up");
     }
     End::Dropped
 }
@@ -2127,7 +2183,7 @@ async fn kill_and_reap(runner: &Runner, exit: &mut oneshot::Receiver<Exit>) -> E
 
 struct Task {
     attempt: u32,
-    /// The GPUs the attempt holds here until its task ends (its runner is gone).
+    /// The GPUs the attempt holds here until its runner is gone ([`TaskEvent::GpusFree`]).
     gpus: Vec<u8>,
     directive: watch::Sender<Directive>,
     join: tokio::task::JoinHandle<()>,
@@ -2218,13 +2274,14 @@ impl Agent {
 
     /// Starts the attempts of the last set that are not running here — none while the
     /// node's lease is running out (they would be stopped at once, and the cluster may
-    /// soon place them elsewhere), and none on a GPU that an attempt's task still holds.
+    /// soon place them elsewhere), and none on a GPU that another attempt's runner still
+    /// holds.
     ///
     /// The cluster frees a job's GPUs when it ends the job (a cancel, a lease, the
     /// ledger's stop) and may place the next job on them in the same entry, so one set
     /// can name a new attempt on GPUs whose runner is still being confirmed gone and
-    /// killed here. That attempt waits for the task to end (`task_done` calls this
-    /// again): two runners never share a GPU on this node.
+    /// killed here. That attempt waits until that runner is gone (`task_event` calls
+    /// this again): two runners never share a GPU on this node.
     fn start_new(&mut self) {
         if self.shared.lease.lapsing(&self.shared.cfg) {
             debug!("the node's lease is running out: starting no attempt");
@@ -2284,14 +2341,24 @@ impl Agent {
         self.last_set = set;
     }
 
-    fn task_done(&mut self, job: JobKey, attempt: u32, ended: bool) {
-        if self.tasks.get(&job).is_some_and(|t| t.attempt == attempt) {
-            self.tasks.remove(&job);
+    fn task_event(&mut self, job: JobKey, attempt: u32, event: TaskEvent) {
+        let mine = self.tasks.get_mut(&job).filter(|t| t.attempt == attempt);
+        match event {
+            TaskEvent::GpusFree => {
+                if let Some(t) = mine {
+                    t.gpus.clear();
+                }
+            }
+            TaskEvent::Done { ended } => {
+                if mine.is_some() {
+                    self.tasks.remove(&job);
+                }
+                if ended {
+                    self.record_ended(job, attempt);
+                }
+            }
         }
-        if ended {
-            self.record_ended(job, attempt);
-        }
-        // A newer attempt may have been waiting for this one's GPUs.
+        // An attempt may have been waiting for this one's GPUs.
         self.start_new();
     }
 }
@@ -2571,7 +2638,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         None => None,
     };
     let cgroups = cgroup::Cgroups::open(&config.cgroup, &work_dir).map_err(Error::Config)?;
-    let predecessor = last_incarnation(&work_dir)?;
+    let predecessor = last_registered(&work_dir)?;
     let incarnation = next_incarnation(&work_dir)?;
     let runner_procs_max = if config.runner_user.is_some() || config.runner_uids.is_some() {
         let n = runner_procs_max(&config)?;
@@ -2663,6 +2730,10 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         r = register(&admin, &config) => r?,
         _ = &mut shutdown => return Ok(()),
     };
+    // This work dir's process now holds the node: a restart here registers at once.
+    if let Err(e) = write_number(&config.work_dir, REGISTERED_FILE, config.incarnation) {
+        warn!("recording the registration failed (a restart here may wait for this process's lease): {e}");
+    }
     // Kept only when there is no file to read it from again (a token given otherwise).
     let admin = config.register_token_file.is_none().then_some(admin);
     let lease = Lease::new(registered, before);
@@ -2711,7 +2782,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
                 superseded = Some(current);
                 break;
             },
-            Some((job, attempt, ended)) = done_rx.recv() => agent.task_done(job, attempt, ended),
+            Some((job, attempt, event)) = done_rx.recv() => agent.task_event(job, attempt, event),
         }
     }
 
@@ -3181,6 +3252,51 @@ mod tests {
             .is_symlink());
     }
 
+    /// A work dir's predecessor is the last process that registered from it: one that
+    /// chose an incarnation and stopped before registering (found by review: a SIGTERM
+    /// during `stop_orphans`, a refused registration) does not make the next restart
+    /// wait for the node's lease. A work dir of an earlier release has no `registered`
+    /// file: its chosen incarnation stands in.
+    #[test]
+    fn the_predecessor_is_the_last_process_that_registered() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(last_registered(dir.path()).unwrap(), 0);
+        let first = next_incarnation(dir.path()).unwrap();
+        assert_eq!(
+            last_registered(dir.path()).unwrap(),
+            first,
+            "an earlier release's dir"
+        );
+        write_number(dir.path(), REGISTERED_FILE, first).unwrap();
+        let second = next_incarnation(dir.path()).unwrap();
+        assert!(second > first);
+        assert_eq!(
+            last_registered(dir.path()).unwrap(),
+            first,
+            "never registered"
+        );
+        let set = |incarnation| AssignmentSet {
+            incarnation,
+            assignments: vec![Assignment {
+                org: OrgId(1),
+                job: JobId(1),
+                attempt: 1,
+                gpu_indices: vec![0],
+                state: JobState::Running,
+            }],
+        };
+        let predecessor = last_registered(dir.path()).unwrap();
+        assert!(may_register(&set(first), predecessor));
+        assert!(!may_register(&set(first + 99), predecessor));
+        assert!(
+            may_register(&set(0), predecessor),
+            "an operator's registration"
+        );
+        assert!(may_register(&AssignmentSet::default(), predecessor));
+        std::fs::write(dir.path().join(REGISTERED_FILE), "x").unwrap();
+        assert!(last_registered(dir.path()).is_err());
+    }
+
     /// A preempted runner is killed the fence margin (at most a quarter of the shard's
     /// grace) before the shard's grace would end counted from when the agent learnt of
     /// it: the shard's grace began at the preemption's entry, earlier, and at its end
@@ -3270,11 +3386,13 @@ mod tests {
             "job 2 started on GPU 1 while job 1's runner still holds it"
         );
         assert_eq!(agent.tasks[&(org, JobId(3))].gpus, vec![2]);
-        // Job 1's runner is gone: job 2 starts.
-        agent.tasks[&first].join.abort();
-        agent.task_done(first, 1, true);
-        assert!(!agent.tasks.contains_key(&first));
+        // Job 1's runner is gone: job 2 starts, while job 1's task still reports.
+        agent.task_event(first, 1, TaskEvent::GpusFree);
+        assert!(agent.tasks[&first].gpus.is_empty());
         assert_eq!(agent.tasks[&(org, JobId(2))].gpus, vec![1]);
+        agent.tasks[&first].join.abort();
+        agent.task_event(first, 1, TaskEvent::Done { ended: true });
+        assert!(!agent.tasks.contains_key(&first));
         for t in agent.tasks.values() {
             t.join.abort();
         }

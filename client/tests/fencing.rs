@@ -175,6 +175,25 @@ fn span(ev: &[(String, u64, u32, u32, u128)], job: u64, attempt: u32) -> (u128, 
     (start, last)
 }
 
+/// Job 1's attempt 1 was last seen alive before attempt 2 started (both printed against
+/// `cut_at`, when the test cut the first agent off).
+fn one_attempt_at_a_time(ev: &[(String, u64, u32, u32, u128)], cut_at: u128, what: &str) {
+    let (_, last1) = span(ev, 1, 1);
+    let (start2, _) = span(ev, 1, 2);
+    let ms = |ns: u128| ns as f64 / 1e6;
+    println!(
+        "{what}: partition at +0 ms; attempt 1 last alive/exit at {:+.0} ms; attempt 2 \
+         started at {:+.0} ms; gap {:.0} ms",
+        ms(last1 - cut_at),
+        ms(start2 - cut_at),
+        (start2 as f64 - last1 as f64) / 1e6
+    );
+    assert!(
+        last1 < start2,
+        "{what}: attempt 1 was still running when attempt 2 started: {ev:?}"
+    );
+}
+
 fn agent(
     endpoints: &[String],
     node: u64,
@@ -321,6 +340,16 @@ impl Partition {
     }
 }
 
+/// An agent's timing for the partition tests: its fence margin, grace and heartbeats.
+const FENCE_TIMING: [&str; 6] = [
+    "--fence-margin",
+    "1s",
+    "--grace",
+    "2s",
+    "--heartbeat-interval",
+    "500ms",
+];
+
 /// Short leases, so a partition longer than them fits in a test: node lease 5 s, fence
 /// margin 3 s, job lease 20 s.
 async fn short_leases(client: &Client) {
@@ -350,15 +379,7 @@ async fn a_partitioned_agent_stops_its_runner_before_the_job_runs_elsewhere() {
         script.to_str().unwrap(),
         out.to_str().unwrap(),
     ];
-    let timing = [
-        "--fence-margin",
-        "1s",
-        "--grace",
-        "2s",
-        "--heartbeat-interval",
-        "500ms",
-    ];
-    let args: Vec<&str> = timing.iter().chain(run.iter()).copied().collect();
+    let args: Vec<&str> = FENCE_TIMING.iter().chain(run.iter()).copied().collect();
     // Node 1's agent talks to the cluster only through proxies.
     let partition = Partition::around(c.endpoints()).await;
     let via = partition.addrs();
@@ -401,24 +422,13 @@ async fn a_partitioned_agent_stops_its_runner_before_the_job_runs_elsewhere() {
     assert_eq!(j.attempt, 2);
     let ev = events(&out);
     let (start1, last1) = span(&ev, 1, 1);
-    let (start2, _) = span(&ev, 1, 2);
-    let ms = |ns: u128| ns as f64 / 1e6;
     assert!(
         last1 > cut_at,
         "attempt 1 stopped before the partition: {ev:?}\n{}",
         a1.log_text()
     );
-    println!(
-        "fence: partition at +0 ms; attempt 1 (node 1) last alive/exit at {:+.0} ms; \
-         attempt 2 (node 2) started at {:+.0} ms; gap {:.0} ms",
-        ms(last1 - cut_at),
-        ms(start2 - cut_at),
-        ms(start2 - last1)
-    );
-    assert!(
-        last1 < start2,
-        "attempt 1 was still running when attempt 2 started"
-    );
+    one_attempt_at_a_time(&ev, cut_at, "fence");
+    let ms = |ns: u128| ns as f64 / 1e6;
     assert!(
         a1.log_text().contains("lease not renewed"),
         "node 1's agent fenced itself"
@@ -1052,14 +1062,7 @@ async fn a_replacement_from_another_work_dir_waits_for_the_cut_off_agents_fence(
     let sc = Scene::new("allot-replacement-").await;
     let (c, client, out) = (&sc.c, &sc.client, &sc.out);
     short_leases(client).await;
-    let args = sc.args(&[
-        "--fence-margin",
-        "1s",
-        "--grace",
-        "2s",
-        "--heartbeat-interval",
-        "500ms",
-    ]);
+    let args = sc.args(&FENCE_TIMING);
     let partition = Partition::around(c.endpoints()).await;
     let mut old = agent(&partition.addrs(), 1, &sc.path().join("old"), &args, &[]);
     wait_node(client, &mut old, 1).await;
@@ -1088,20 +1091,7 @@ async fn a_replacement_from_another_work_dir_waits_for_the_cut_off_agents_fence(
         },
     )
     .await;
-    let ev = events(out);
-    let (_, last1) = span(&ev, 1, 1);
-    let (start2, _) = span(&ev, 1, 2);
-    let ms = |ns: u128| ns as f64 / 1e6;
-    println!(
-        "replacement: partition at +0 ms; attempt 1 last alive at {:+.0} ms; attempt 2 \
-         started at {:+.0} ms",
-        ms(last1 - cut_at),
-        ms(start2 - cut_at)
-    );
-    assert!(
-        last1 < start2,
-        "attempt 1's runner was still running when the replacement started attempt 2: {ev:?}"
-    );
+    one_attempt_at_a_time(&events(out), cut_at, "replacement");
     assert!(
         new.log_text().contains("another agent process"),
         "the replacement says why it waits:\n{}",

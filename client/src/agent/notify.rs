@@ -2,7 +2,7 @@
 //! the watchdog that bounds how long a paused or hung agent's runners outlive it.
 //!
 //! The agent fences its runners itself when it cannot renew its lease, but only while
-//! it runs: an agent stopped (SIGSTOP), or whose runtime hangs, runs no timer, and its
+//! it runs: an agent stopped (SIGSTOP), or whose runtime is blocked whole, runs no timer, and its
 //! runners — in their own process groups and cgroups — go on after the cluster has
 //! re-placed their jobs. Under systemd with `WatchdogSec=` (docs/allot-agent.service),
 //! the agent pings the watchdog from its runtime every half period; when the pings stop,

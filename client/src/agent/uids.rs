@@ -367,14 +367,20 @@ const SWEEPER_FOR: Duration = Duration::from_millis(100);
 /// killed.
 fn kill_all_as(uid: u32) -> std::io::Result<()> {
     let until = std::time::Instant::now() + SWEEPER_FOR;
+    let lock_fd = super::work_dir_lock_fd();
     // SAFETY: between fork and _exit the child makes only async-signal-safe calls
-    // (setgroups, setgid, setuid, kill, _exit) on values computed before the fork.
+    // (close, setgroups, setgid, setuid, kill, _exit) on values computed before the fork.
     let pid = unsafe { libc::fork() };
     if pid < 0 {
         return Err(std::io::Error::last_os_error());
     }
     if pid == 0 {
         unsafe {
+            // Its copy of the work dir's lock: a sweeper the uid's processes stop must
+            // not keep the work dir from the agent's successor.
+            if lock_fd >= 0 {
+                libc::close(lock_fd);
+            }
             if libc::setgroups(0, std::ptr::null()) != 0
                 || libc::setgid(uid) != 0
                 || libc::setuid(uid) != 0
