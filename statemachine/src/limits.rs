@@ -145,6 +145,12 @@ pub const TENANT_KEYS_WITHIN_CALLER_LIFE_FROM: u32 = 7;
 /// (or its own project): another project of the org is refused `UnknownProject` whether
 /// it exists or not.
 pub const PROJECT_TRANSFERS_STAY_HOME_FROM: u32 = 7;
+/// From rule version 8, a price list and the tiers' price percentages must give every
+/// tier of every type a price of at least 1 µcredit per GPU-hour
+/// (`ledger::tier_price`, which rounds down): `SetPrices` is refused `InvalidPrice`, and
+/// `ConfigureScheduler` `InvalidConfig(TierPrice)`, when the lowest price times the
+/// lowest percentage is below 100. Before, such a tier's jobs ran free.
+pub const TIER_PRICES_NONZERO_FROM: u32 = 8;
 /// Denials one `RecordDenials` command may carry, and the length of a denial's api name.
 pub const DENIALS_PER_RECORD_MAX: usize = 256;
 pub const DENIAL_API_LEN_MAX: usize = 64;

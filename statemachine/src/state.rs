@@ -626,11 +626,23 @@ fn execute(
     .and_then(|()| {
         let ctx = &mut Ctx { now, effects };
         match command {
-            Command::ConfigureScheduler(settings) => state
-                .config
-                .scheduler
-                .apply_settings(settings)
-                .map(|()| Reply::SchedulerConfigured),
+            Command::ConfigureScheduler(settings) => {
+                if state.rules.active >= crate::limits::TIER_PRICES_NONZERO_FROM
+                    && prices_a_tier_at_zero(
+                        state.ledger.prices.prices.values().copied(),
+                        settings.tiers.iter().map(|t| t.price_pct),
+                    )
+                {
+                    return Err(CommandError::InvalidConfig(
+                        crate::outcome::ConfigProblem::TierPrice,
+                    ));
+                }
+                state
+                    .config
+                    .scheduler
+                    .apply_settings(settings)
+                    .map(|()| Reply::SchedulerConfigured)
+            }
             Command::SetAlert { scope, alert } => {
                 let org = need(ns)?;
                 crate::authz::scope_exists(&state.ledger, org, *scope)?;
@@ -725,6 +737,19 @@ fn reject_job_hold(
         return Err(CommandError::HoldOwnedByJob);
     }
     Ok(())
+}
+
+/// Whether some tier of some GPU type would be priced at 0 µcredits per GPU-hour: the
+/// lowest list price at the lowest tier percentage rounds down to nothing
+/// (`limits::TIER_PRICES_NONZERO_FROM`). No prices or no tiers: none is.
+fn prices_a_tier_at_zero(
+    prices: impl Iterator<Item = u64>,
+    pcts: impl Iterator<Item = u32>,
+) -> bool {
+    match (prices.min(), pcts.min()) {
+        (Some(price), Some(pct)) => crate::ledger::tier_price(price, pct) == 0,
+        _ => false,
+    }
 }
 
 /// Whether `command`, run by a tenant whose own principal expires, would issue a key
@@ -922,9 +947,19 @@ fn dispatch(
         Command::CreateUser { user, org } => ledger
             .create_user(*user, *org, quota)
             .map(|()| Reply::Created),
-        Command::SetPrices { prices } => ledger
-            .set_prices(now, prices)
-            .map(|version| Reply::PricesSet { version }),
+        Command::SetPrices { prices } => {
+            if ledger.rules.0 >= crate::limits::TIER_PRICES_NONZERO_FROM
+                && prices_a_tier_at_zero(
+                    prices.iter().map(|(_, p)| *p),
+                    cfg.tiers.iter().map(|t| t.price_pct),
+                )
+            {
+                return Err(CommandError::InvalidPrice);
+            }
+            ledger
+                .set_prices(now, prices)
+                .map(|version| Reply::PricesSet { version })
+        }
         Command::IssueGrant(g) => ledger
             .issue_grant(ctx, need(ns)?, quota, g)
             .map(|()| Reply::GrantIssued { bucket: g.bucket }),

@@ -107,8 +107,12 @@
 //!   requeued as preempted: billed to its checkpoint and not counted against its
 //!   node-failure requeues, as it already was when its agent reported it fenced
 //!   (`crate::scheduler::PREEMPTED_ON_A_FAILED_NODE_FROM`; before, it was billed to its
-//!   last heartbeat as a node failure, and three such ended it `Failed`). The state's
-//!   format is unchanged (8).
+//!   last heartbeat as a node failure, and three such ended it `Failed`). A price list
+//!   and tier percentages that would price some tier at 0 µcredits per GPU-hour (the
+//!   lowest price times the lowest percentage below 100) are refused: `SetPrices`
+//!   `InvalidPrice`, `ConfigureScheduler` `InvalidConfig(TierPrice)`
+//!   (`crate::limits::TIER_PRICES_NONZERO_FROM`; before, that tier's jobs ran free).
+//!   The state's format is unchanged (8).
 
 use serde::{Deserialize, Serialize};
 

@@ -350,3 +350,56 @@ fn usage_ranking_top_k_and_its_scope() {
         other => panic!("{other:?}"),
     }
 }
+
+/// Found by review (twenty-first session): a tier's price is the list price times its
+/// percentage, rounded down, so a low list price and a low percentage priced a tier at
+/// 0 µcredits per GPU-hour and its jobs ran free. From rule version 8 neither a price
+/// list nor the tiers' percentages that would do it are taken (whichever comes second).
+#[test]
+fn prices_and_tiers_that_price_a_tier_at_zero_are_refused_from_rule_version_8() {
+    for rules in [7, 8] {
+        let mut h = world();
+        h.ok(Command::ActivateVersion { version: rules });
+        let prices = |p: u64| Command::SetPrices {
+            prices: vec![(a100(), p)],
+        };
+        // The free tier at 1 % of list.
+        let mut s = settings(&h);
+        s.tiers[0].price_pct = 1;
+        assert_eq!(
+            h.run(Command::ConfigureScheduler(s)),
+            Ok(Reply::SchedulerConfigured)
+        );
+        let version = h.state.ledger.prices.version;
+        // 99 µcredits per GPU-hour at 1 %: 0.
+        let cheap = h.run(prices(99));
+        if rules == 7 {
+            assert!(matches!(cheap, Ok(Reply::PricesSet { .. })), "{cheap:?}");
+        } else {
+            assert_eq!(cheap, Err(CommandError::InvalidPrice));
+            assert_eq!(h.state.ledger.prices.version, version, "nothing changed");
+        }
+        // 100 at 1 %: 1 µcredit, taken under both.
+        assert!(matches!(h.run(prices(100)), Ok(Reply::PricesSet { .. })));
+        // The other way round: with every tier at list price, 50 µcredits is a price;
+        // a tier at 1 % of it is not.
+        let mut list = settings(&h);
+        for t in &mut list.tiers {
+            t.price_pct = 100;
+        }
+        h.ok(Command::ConfigureScheduler(list.clone()));
+        h.ok(prices(50));
+        let mut lower = list.clone();
+        lower.tiers[0].price_pct = 1;
+        let zero = h.run(Command::ConfigureScheduler(lower.clone()));
+        if rules == 7 {
+            assert_eq!(zero, Ok(Reply::SchedulerConfigured));
+        } else {
+            assert_eq!(
+                zero,
+                Err(CommandError::InvalidConfig(ConfigProblem::TierPrice))
+            );
+            assert_eq!(settings(&h), list, "nothing changed");
+        }
+    }
+}
