@@ -63,7 +63,8 @@
 //! - An attempt that has ended here is never started again by this agent process.
 //! - An attempt placed on a GPU that a runner of this agent still holds (the cluster
 //!   freed it when it ended that runner's job, and the runner is still being confirmed
-//!   gone and killed) starts once that runner is gone: two runners never share a GPU.
+//!   gone and killed) starts once that runner is gone: two runners never share a GPU
+//!   (but a runner stuck in the kernel gives its GPUs up 10 s after its SIGKILL).
 //!
 //! # Fencing: a job never runs on two nodes at once
 //!
