@@ -112,6 +112,11 @@
 //!   lowest price times the lowest percentage below 100) are refused: `SetPrices`
 //!   `InvalidPrice`, `ConfigureScheduler` `InvalidConfig(TierPrice)`
 //!   (`crate::limits::TIER_PRICES_NONZERO_FROM`; before, that tier's jobs ran free).
+//!   A job not yet placed gives up the credit its hold holds from buckets that expired
+//!   while it waited: forfeited and drawn again from spendable credit, or the job ends
+//!   `Failed` (`OutOfCredits`) without running
+//!   (`crate::ledger::QUEUED_HOLDS_LOSE_EXPIRED_CREDIT_FROM`; before, a queued job ran on
+//!   expired promotional credit however long it had waited).
 //!   The state's format is unchanged (8).
 
 use serde::{Deserialize, Serialize};

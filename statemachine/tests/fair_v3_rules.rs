@@ -276,3 +276,50 @@ fn only_the_top_tier_preempts_a_job_that_would_lose_work() {
         );
     }
 }
+
+/// Rule version 8 on the aged gang path: a gang job placed on its reserved node (before
+/// the fair order's candidates, `serve_aged_gangs`) in the very entry its hold's
+/// promotional credit expired does not run on that credit: it is forfeited and reserved
+/// again from the paid grant (`crate::ledger::QUEUED_HOLDS_LOSE_EXPIRED_CREDIT_FROM`).
+/// Under version 7 the job ran on the expired credit. The harness's invariants check
+/// every first placement under version 8 (`scheduler::check`).
+#[test]
+fn an_aged_gang_job_placed_on_its_reservation_does_not_run_on_expired_credit_from_rule_version_8() {
+    const PROMO: u64 = 3;
+    for rules in [7, 8] {
+        let mut h = world(rules, 4);
+        h.fleet(&[(1, a100(), 8, 80)]);
+        submit(&mut h, job(10, Tier::PAID, 6, false));
+        let wait = paid_max_wait(&h);
+        let expiry = h.now + wait + 2 * MINUTE_MS;
+        let p = Account::Project(PROJECT);
+        h.grant(
+            PROMO,
+            p,
+            BucketKind::Promotional,
+            credits(160),
+            Some(expiry),
+        );
+        submit(&mut h, job(20, Tier::PAID, 8, false)); // 10 h × 8 A100s: 160 credits
+        assert_eq!(h.bucket(PROMO).held, credits(160));
+        h.advance(wait + MINUTE_MS);
+        h.nodes_alive();
+        assert_eq!(
+            reserved(&h, 20),
+            Some(1),
+            "v{rules}: aged, it reserves node 1"
+        );
+        // The first entry past the expiry is job 10's end: the aged gang job takes its
+        // reserved node in that entry's pass.
+        h.advance(MINUTE_MS);
+        h.finish_job(10, true).unwrap();
+        assert_eq!(node_of(&h, 20), Some(1), "v{rules}");
+        let held = (h.bucket(PROMO).held, h.bucket(1).held);
+        let want = if rules >= 8 {
+            (0, credits(160))
+        } else {
+            (credits(160), 0)
+        };
+        assert_eq!(held, want, "v{rules}: (promo held, paid held)");
+    }
+}

@@ -281,14 +281,14 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 1_000, ..ProptestConfig::default() })]
 
     #[test]
-    fn random_scheduling_keeps_every_invariant(ops in proptest::collection::vec(op(), 1..120), rules in prop::sample::select(vec![1u32, 3, 4])) {
+    fn random_scheduling_keeps_every_invariant(ops in proptest::collection::vec(op(), 1..120), rules in prop::sample::select(vec![1u32, 3, 4, 8])) {
         run(&ops, rules);
     }
 
     /// Same log ⇒ same state: replaying the entries on a replica restored from a
     /// snapshot taken at a random point reaches the same state hash.
     #[test]
-    fn scheduling_is_deterministic(ops in proptest::collection::vec(op(), 1..80), cut in any::<prop::sample::Index>(), rules in prop::sample::select(vec![1u32, 3, 4])) {
+    fn scheduling_is_deterministic(ops in proptest::collection::vec(op(), 1..80), cut in any::<prop::sample::Index>(), rules in prop::sample::select(vec![1u32, 3, 4, 8])) {
         let h = run(&ops, rules);
         let cut = cut.index(h.entries.len() + 1);
         let mut replica = State::new(props_config());

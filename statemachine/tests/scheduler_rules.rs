@@ -11,13 +11,18 @@ const P: Account = Account::Project(PROJECT);
 /// its own tests on the default configuration), and whose preemption loss cap does not
 /// interfere with the other preemption rules (it has its own test).
 fn world() -> Harness {
+    let mut h = world_without_credit();
+    h.grant(1, P, BucketKind::Paid, credits(100_000), None);
+    h
+}
+
+/// [`world`] before its grant.
+fn world_without_credit() -> Harness {
     let mut config = Config::default();
     config.scheduler.node_lease_ms = 30 * 86_400_000;
     config.scheduler.job_lease_ms = 30 * 86_400_000;
     config.scheduler.preemption_loss_max_gpu_ms = u64::MAX;
-    let mut h = Harness::world_with(config);
-    h.grant(1, P, BucketKind::Paid, credits(100_000), None);
-    h
+    Harness::world_with(config)
 }
 
 /// The default configuration (real leases).
@@ -2267,4 +2272,118 @@ fn meter_price(h: &Harness, job: u64) -> u64 {
         .as_ref()
         .expect("metered")
         .price_micro_per_gpu_hour
+}
+
+/// A job that waits in the queue while the promotional grant its hold drew from expires.
+/// Under rule version 7 it then ran on that credit, for as long as it had waited; from
+/// version 8 held credit stays valid past its bucket's expiry only for a job that runs:
+/// at the job's first placement the expired part is forfeited and reserved again from
+/// spendable credit, or, with none left, the job ends `Failed` (`OutOfCredits`) without
+/// running. (`crate::ledger::QUEUED_HOLDS_LOSE_EXPIRED_CREDIT_FROM`.)
+#[test]
+fn credit_that_expired_while_its_job_waited_is_forfeited_at_placement_from_rule_version_8() {
+    const BLOCKER_PAID: u64 = 1;
+    const PROMO: u64 = 2;
+    const PAID: u64 = 3;
+    for rules in [7, 8] {
+        for paid in [credits(30), 0] {
+            let mut h = world_without_credit();
+            h.ok(Command::ActivateVersion { version: rules });
+            h.fleet(&[(1, a100(), 8, 80)]);
+            // Another project's job fills the node (its credit is its project's own).
+            let b = Account::Project(PROJECT_B);
+            h.grant(BLOCKER_PAID, b, BucketKind::Paid, credits(160), None);
+            let mut blocker = Harness::job_spec(10, Tier::PAID, vec![a100()], 8);
+            blocker.project = PROJECT_B;
+            submit(&mut h, blocker);
+            assert_eq!(h.job(10).state, JobState::Placed);
+            // Job 20 (10 h on one A100: 20 credits) queues, held from the promotion,
+            // which is spent first (it expires first).
+            let expiry = h.now + HOUR_MS;
+            h.grant(PROMO, P, BucketKind::Promotional, credits(20), Some(expiry));
+            if paid > 0 {
+                h.grant(PAID, P, BucketKind::Paid, paid, None);
+            }
+            submit(&mut h, Harness::job_spec(20, Tier::PAID, vec![a100()], 1));
+            assert_eq!(h.job(20).state, JobState::Queued);
+            assert_eq!(h.bucket(PROMO).held, credits(20));
+            // The promotion expires while job 20 waits (the passes of these entries
+            // consider it), then the blocker ends: job 20's turn.
+            let mark = h.events.len();
+            h.advance(2 * HOUR_MS);
+            h.nodes_alive();
+            h.job_heartbeat(10, 1, 0).unwrap();
+            h.finish_job(10, true).unwrap();
+            let moved: Vec<_> = h
+                .movements_since(mark)
+                .into_iter()
+                .filter(|&(_, bucket, amount)| bucket != BLOCKER_PAID && amount > 0)
+                .collect();
+            let j = h.job(20);
+            let seen = (j.state, j.last_reason);
+            let case = format!("version {rules}, paid credit {paid}");
+            if rules == 7 {
+                // It runs on the expired promotion's credit.
+                assert_eq!(seen, (JobState::Placed, Reason::Placed), "{case}");
+                assert_eq!(moved, vec![], "{case}");
+                assert_eq!(h.bucket(PROMO).held, credits(20), "{case}");
+            } else if paid > 0 {
+                // The expired part is forfeited; the hold draws as much again.
+                assert_eq!(seen, (JobState::Placed, Reason::Placed), "{case}");
+                assert_eq!(
+                    moved,
+                    vec![
+                        ("forfeited", PROMO, credits(20)),
+                        ("drawn", PAID, credits(20))
+                    ],
+                    "{case}"
+                );
+                let promo = h.bucket(PROMO);
+                assert_eq!((promo.held, promo.expired), (0, credits(20)), "{case}");
+                assert_eq!(h.bucket(PAID).held, credits(20), "{case}");
+                assert_eq!(h.hold(20).held, credits(20), "{case}");
+                // And it is billed from the paid credit.
+                h.advance(HOUR_MS);
+                h.job_heartbeat(20, 1, 0).unwrap();
+                h.advance(HOUR_MS);
+                h.job_heartbeat(20, 2, 0).unwrap();
+                assert_eq!(h.bucket(PAID).consumed, credits(2), "{case}");
+                assert_eq!(h.bucket(PROMO).consumed, 0, "{case}");
+            } else {
+                // Nothing can be reserved in its place: it ends without running.
+                assert_eq!(seen, (JobState::Failed, Reason::OutOfCredits), "{case}");
+                assert_eq!(moved, vec![("forfeited", PROMO, credits(20))], "{case}");
+                assert_eq!(h.bucket(PROMO).expired, credits(20), "{case}");
+                assert!(!h.hold(20).is_open(), "{case}");
+                assert_eq!(h.hold(20).captured, 0, "{case}");
+            }
+        }
+    }
+}
+
+/// Version 8 leaves the running job's held credit alone: a job placed before its
+/// promotion expires runs on to its end on the credit held for it (SPEC: "held credits
+/// stay valid for the running job even if their bucket expires mid-run").
+#[test]
+fn a_placed_job_keeps_its_held_credit_past_its_buckets_expiry_under_rule_version_8() {
+    let mut h = world_without_credit();
+    h.ok(Command::ActivateVersion { version: 8 });
+    h.fleet(&[(1, a100(), 8, 80)]);
+    let expiry = h.now + HOUR_MS + HOUR_MS / 2;
+    h.grant(2, P, BucketKind::Promotional, credits(20), Some(expiry));
+    h.grant(3, P, BucketKind::Paid, credits(100), None);
+    submit(&mut h, Harness::job_spec(20, Tier::PAID, vec![a100()], 1));
+    assert_eq!(h.job(20).state, JobState::Placed);
+    h.advance(HOUR_MS);
+    h.job_heartbeat(20, 1, 0).unwrap();
+    h.advance(HOUR_MS);
+    let mark = h.events.len();
+    h.job_heartbeat(20, 2, 0).unwrap();
+    // The promotion's unheld remainder (none) expires; the capture comes from it still.
+    assert_eq!(
+        h.movements_since(mark),
+        vec![("expired", 2, 0), ("captured", 2, credits(2))]
+    );
+    assert_eq!(h.bucket(2).held, credits(18));
+    assert_eq!(h.bucket(3).held, 0);
 }

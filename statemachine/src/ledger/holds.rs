@@ -303,30 +303,68 @@ impl Books {
     /// Returns everything still held to the exact buckets it came from. A bucket that
     /// has expired (or reached its instant) meanwhile forfeits the refund at once.
     pub(crate) fn release(&mut self, ctx: &mut Ctx, hold: &mut Hold) -> Released {
-        self.give_back(ctx, hold, u64::MAX, false)
+        self.give_back(ctx, hold, u64::MAX, GiveBack::All)
     }
 
     /// Returns up to `amount` of what `hold` holds to the buckets it came from, newest
     /// draws first; the hold stays open with the rest.
     pub(crate) fn release_part(&mut self, ctx: &mut Ctx, hold: &mut Hold, amount: u64) -> Released {
-        self.give_back(ctx, hold, amount, true)
+        self.give_back(ctx, hold, amount, GiveBack::NewestFirst)
     }
 
-    /// Returns up to `limit` held credit to its draws' buckets, in draw order or newest
-    /// first (a refund, or forfeited if the bucket is no longer spendable).
+    /// Forfeits what `hold` still holds from buckets that can no longer be spent (expired,
+    /// or at their instant), then reserves as much again in spend order, all or nothing
+    /// ([`Self::draw`]: budgets, `DrawsPerHold`). Returns the amount forfeited (0: the hold
+    /// was left as it was). On an error the forfeit stands and the hold is that much
+    /// smaller: the caller ends what the hold pays for. A scheduler job's hold, before its
+    /// first placement, from rule version [`super::QUEUED_HOLDS_LOSE_EXPIRED_CREDIT_FROM`].
+    pub(crate) fn renew_expired_draws(
+        &mut self,
+        ctx: &mut Ctx,
+        hold: &mut Hold,
+    ) -> Result<u64, CommandError> {
+        let now = ctx.now;
+        let stale = hold.draws.iter().any(|d| {
+            d.held > 0
+                && self
+                    .buckets
+                    .get(&d.bucket)
+                    .is_some_and(|b| !b.spendable_at(now))
+        });
+        if !stale {
+            return Ok(0);
+        }
+        let gone = self.give_back(ctx, hold, u64::MAX, GiveBack::Unspendable);
+        // Nothing was refunded: every draw given back was unspendable.
+        debug_assert_eq!(gone.refunded, 0);
+        if gone.forfeited > 0 {
+            self.draw(ctx, hold, gone.forfeited)?;
+        }
+        Ok(gone.forfeited)
+    }
+
+    /// Returns up to `limit` held credit to its draws' buckets (a refund, or forfeited if
+    /// the bucket is no longer spendable), from the draws `which` selects.
     fn give_back(
         &mut self,
         ctx: &mut Ctx,
         hold: &mut Hold,
         limit: u64,
-        newest_first: bool,
+        which: GiveBack,
     ) -> Released {
         let mut out = Released::default();
         let (mut left, mut taken) = (limit, 0u64);
-        let order: Vec<usize> = if newest_first {
-            (0..hold.draws.len()).rev().collect()
-        } else {
-            (0..hold.draws.len()).collect()
+        let order: Vec<usize> = match which {
+            GiveBack::NewestFirst => (0..hold.draws.len()).rev().collect(),
+            GiveBack::All => (0..hold.draws.len()).collect(),
+            GiveBack::Unspendable => (0..hold.draws.len())
+                .filter(|&i| {
+                    let id = hold.draws[i].bucket;
+                    self.buckets
+                        .get(&id)
+                        .is_some_and(|b| !b.spendable_at(ctx.now))
+                })
+                .collect(),
         };
         for i in order {
             if left == 0 {
@@ -375,11 +413,26 @@ impl Books {
             }
         }
         // The whole of it: the hold's own count (equal to its draws' by the invariants).
-        let taken = if limit == u64::MAX { hold.held } else { taken };
+        let taken = if which == GiveBack::All && limit == u64::MAX {
+            hold.held
+        } else {
+            taken
+        };
         self.move_usage(ctx.now, hold.path(), UsageMove::Unhold(taken));
         hold.held = hold.held.saturating_sub(taken);
         out
     }
+}
+
+/// Which of a hold's draws [`Books::give_back`] takes from, and in what order.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum GiveBack {
+    /// Every draw, in draw order.
+    All,
+    /// Every draw, newest first.
+    NewestFirst,
+    /// The draws whose bucket can no longer be spent, in draw order.
+    Unspendable,
 }
 
 #[derive(Clone, Copy)]

@@ -329,6 +329,14 @@ pub const PAST_DAY_REVERSALS_RETURN_FROM: u32 = 4;
 /// was refused `HoldSettled`, which a client reads as "refused, nothing changed"
 /// (DESIGN §9, "Heartbeats").
 pub const RETRIED_HEARTBEATS_SEE_THEIR_SETTLEMENT_FROM: u32 = 4;
+/// From this rule version the credit a scheduler job holds stays valid past its
+/// bucket's expiry only once the job has been placed ("held credits stay valid for the
+/// running job"): before its first placement, the part held from buckets that expired
+/// meanwhile is forfeited and reserved again from spendable credit, or the job ends
+/// `Failed` (`OutOfCredits`) without running. Before, a job queued behind others — or
+/// submitted at a tier that waits — carried a promotional grant's credit past its
+/// expiry for as long as it waited (DESIGN §5, "Held credit and expiry").
+pub const QUEUED_HOLDS_LOSE_EXPIRED_CREDIT_FROM: u32 = 8;
 
 /// Open holds and settled tombstones.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

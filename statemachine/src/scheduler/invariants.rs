@@ -1,6 +1,7 @@
 //! The scheduler's invariants, checked with the ledger's (`check_invariants`): no GPU
 //! allocated to two jobs, no job on two nodes, every job holding GPUs has an open
-//! metered hold at its current attempt, queues and counters match the jobs.
+//! metered hold at its current attempt (and, placed for the first time, nothing held
+//! from an expired bucket), queues and counters match the jobs.
 
 use super::{JobState, NodeState};
 use crate::State;
@@ -48,6 +49,28 @@ pub fn check(state: &State) -> Result<(), String> {
                     "{id:?} runs without an open meter at attempt {}",
                     j.attempt
                 ));
+            }
+            // From rule version 8, a job placed for the first time (in this entry, under
+            // the active rules) holds nothing a bucket could no longer pay at its
+            // placement: `Scheduler::renew_unplaced_hold` ran on every placement path.
+            let first_placed_now = j.attempt == 1 && p.started_ms == state.time_ms;
+            if first_placed_now
+                && state.rules.active >= crate::ledger::QUEUED_HOLDS_LOSE_EXPIRED_CREDIT_FROM
+            {
+                let stale = hold.into_iter().flat_map(|h| &h.draws).find(|d| {
+                    d.held > 0
+                        && state
+                            .ledger
+                            .buckets
+                            .get(&d.bucket)
+                            .is_some_and(|b| !b.spendable_at(p.started_ms))
+                });
+                if let Some(d) = stale {
+                    return Err(format!(
+                        "{id:?} was placed holding {} µcredits of expired {:?}",
+                        d.held, d.bucket
+                    ));
+                }
             }
             used += j.spec.gpus;
             *tier_gpus.entry(j.spec.tier).or_default() += j.spec.gpus;

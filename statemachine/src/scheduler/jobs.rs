@@ -461,6 +461,45 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Before a job's first placement, from rule version
+    /// [`crate::ledger::QUEUED_HOLDS_LOSE_EXPIRED_CREDIT_FROM`]: the credit its hold
+    /// still holds from buckets that expired while it waited is forfeited and reserved
+    /// again from spendable credit (`Books::renew_expired_draws`). Held credit stays
+    /// valid past its bucket's expiry for a job that runs, not for one that waits. A job
+    /// whose credit cannot be reserved again ends `Failed` (`OutOfCredits`) without
+    /// running. `false`: the job ended (it has left the queue).
+    pub(super) fn renew_unplaced_hold(
+        &mut self,
+        ctx: &mut Ctx,
+        ledger: &mut Ledger,
+        cfg: &SchedulerConfig,
+        id: JobKey,
+    ) -> bool {
+        if ledger.rules.0 < crate::ledger::QUEUED_HOLDS_LOSE_EXPIRED_CREDIT_FROM
+            || self.jobs.get(&id).is_none_or(|j| j.attempt > 0)
+        {
+            return true;
+        }
+        let Some(hc) = ledger.open_hold_ctx(id.0, hold_of(id)) else {
+            return true;
+        };
+        if hc.books.renew_expired_draws(ctx, hc.hold).is_ok() {
+            return true;
+        }
+        self.end(
+            ctx,
+            ledger,
+            cfg,
+            id,
+            Ending {
+                settle: SettleReason::OutOfCredits,
+                to: JobState::Failed,
+                reason: Reason::OutOfCredits,
+            },
+        );
+        false
+    }
+
     /// Ends a job that holds GPUs (or is queued) for good: settles its hold through the
     /// ledger (billing per `settle`), frees its GPUs, records the final state.
     pub(crate) fn end(

@@ -207,7 +207,9 @@ impl Scheduler {
     }
 
     /// What every policy does first with a picked candidate: a job whose org runs its
-    /// quota of jobs is parked (it waits in the queue); only GPU types that still have a
+    /// quota of jobs is parked (it waits in the queue); a job not yet placed gives up
+    /// the credit its expired buckets held (from rule version 8,
+    /// [`Self::renew_unplaced_hold`]) or ends; only GPU types that still have a
     /// price can be metered, so a job whose preferred type lost its price tries its next,
     /// and one with none left fails (its hold returns) rather than wait forever. `None`:
     /// the job left the queue (parked or ended); otherwise its priced types, in its order.
@@ -222,6 +224,9 @@ impl Scheduler {
         if self.at_running_quota(cfg, id) {
             self.dequeue(id);
             parked.push(id);
+            return None;
+        }
+        if !self.renew_unplaced_hold(ctx, ledger, cfg, id) {
             return None;
         }
         let types = self.priced_types(ledger, id);

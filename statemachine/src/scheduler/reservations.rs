@@ -54,6 +54,10 @@ impl Scheduler {
                 }
                 let fit = self.find_fit_where(id, &types, |n| n == node);
                 if let Some((node, indices)) = fit {
+                    // What the fair order's prelude does first (`Self::prelude`).
+                    if !self.renew_unplaced_hold(ctx, ledger, cfg, id) {
+                        continue;
+                    }
                     if self.place(ctx, ledger, cfg, id, node, indices).is_ok() {
                         placed += 1;
                     }
