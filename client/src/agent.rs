@@ -2364,15 +2364,6 @@ impl Agent {
     }
 }
 
-/// Aborts a background task when dropped (whichever way `run` returns).
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 /// Registers the node; returns when the registration (which starts the node's lease) was
 /// sent.
 async fn register(admin: &Client, cfg: &AgentConfig) -> Result<Instant> {
@@ -2677,11 +2668,8 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         );
     }
     // Started: the service manager's watchdog runs from here (the `notify` module).
-    let notifier = notify::Notifier::from_env();
-    let _watchdog = notifier.as_ref().map(|n| {
-        n.send("READY=1");
-        AbortOnDrop(tokio::spawn(n.clone().keep_watchdog()))
-    });
+    // `STOPPING=1` when this is dropped, whichever way the function returns.
+    let mut started = notify::Notifier::from_env().map(notify::Notifier::ready);
     if let Some(pool) = &uids {
         let swept = pool.recover().await;
         if swept > 0 {
@@ -2717,7 +2705,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         return Ok(());
     };
     let node_lease = Duration::from_millis(before[0]);
-    if let Some(w) = notifier.as_ref().and_then(notify::Notifier::watchdog) {
+    if let Some(w) = started.as_ref().and_then(notify::Started::watchdog) {
         if w >= node_lease / 2 {
             warn!(
                 watchdog = ?w,
@@ -2790,8 +2778,8 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     for b in &background {
         b.abort();
     }
-    if let Some(n) = &notifier {
-        n.send("STOPPING=1");
+    if let Some(s) = &mut started {
+        s.stopping();
     }
     let stop = match superseded {
         Some(current) => {

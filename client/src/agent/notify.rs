@@ -97,6 +97,55 @@ impl Notifier {
     }
 }
 
+impl Notifier {
+    /// Says `READY=1` and starts pinging the watchdog (if one is asked) on this runtime.
+    pub fn ready(self) -> Started {
+        self.send("READY=1");
+        let watchdog = self
+            .watchdog
+            .is_some()
+            .then(|| tokio::spawn(self.clone().keep_watchdog()));
+        Started {
+            notifier: self,
+            watchdog,
+            stopping: false,
+        }
+    }
+}
+
+/// A process that told the service manager it is ready. Its watchdog is pinged while this
+/// lives; `STOPPING=1` is sent once, by [`Started::stopping`] when the agent begins to shut
+/// down, or when this is dropped — an error return after readiness included.
+pub struct Started {
+    notifier: Notifier,
+    watchdog: Option<tokio::task::JoinHandle<()>>,
+    stopping: bool,
+}
+
+impl Started {
+    /// The watchdog period asked of this process.
+    pub fn watchdog(&self) -> Option<Duration> {
+        self.notifier.watchdog()
+    }
+
+    /// Says `STOPPING=1`, once. The watchdog is still pinged while the runners stop.
+    pub fn stopping(&mut self) {
+        if !self.stopping {
+            self.stopping = true;
+            self.notifier.send("STOPPING=1");
+        }
+    }
+}
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        self.stopping();
+        if let Some(w) = self.watchdog.take() {
+            w.abort();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,5 +214,37 @@ mod tests {
         .send("STOPPING=1");
         let len = server.recv(&mut buf).unwrap();
         assert_eq!(&buf[..len], b"STOPPING=1");
+    }
+
+    /// `STOPPING=1` goes out once: at the shutdown's start, or when the process gives up
+    /// after readiness (an error return drops its `Started`).
+    #[tokio::test]
+    async fn stopping_is_said_once_and_on_every_way_out() {
+        use std::os::unix::net::UnixDatagram;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("notify");
+        let server = UnixDatagram::bind(&path).unwrap();
+        server.set_nonblocking(true).unwrap();
+        let n = Notifier {
+            socket: path.to_str().unwrap().into(),
+            watchdog: None,
+        };
+        let received = || {
+            let mut buf = [0u8; 64];
+            let mut got = Vec::new();
+            while let Ok(len) = server.recv(&mut buf) {
+                got.push(String::from_utf8_lossy(&buf[..len]).into_owned());
+            }
+            got
+        };
+        // An early return: dropped without `stopping`.
+        drop(n.clone().ready());
+        assert_eq!(received(), ["READY=1", "STOPPING=1"]);
+        // A shutdown: said at its start, not again when dropped.
+        let mut started = n.ready();
+        started.stopping();
+        assert_eq!(received(), ["READY=1", "STOPPING=1"]);
+        drop(started);
+        assert_eq!(received(), Vec::<String>::new());
     }
 }
