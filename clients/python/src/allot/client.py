@@ -10,13 +10,17 @@ It behaves like the Rust client (``allot-client``):
   (when it is one of the endpoints it was given) for the shard, or the org, the call was
   routed by, so the next call there goes to the leader instead of through the follower.
 * **Retries** — ``UNAVAILABLE``, ``RESOURCE_EXHAUSTED`` (after ``retry-after-ms`` when
-  given) and a lost answer (``DEADLINE_EXCEEDED`` of one attempt) are retried with full
-  jitter exponential backoff until the call's deadline. A mutating call is retried
-  with the **same request id**, so the shard applies it at most once and answers the
-  retry with the first answer.
-* **Errors** — a refusal raises :class:`Refused` with the reason name; credentials
-  problems :class:`Unauthenticated` / :class:`PermissionDenied`; an exhausted deadline
-  :class:`Unavailable`.
+  given), a lost answer (``DEADLINE_EXCEEDED`` of one attempt) and a call the transport
+  broke (``CANCELLED``, ``ABORTED``, ``UNKNOWN``, and ``INTERNAL`` for a stream reset —
+  a node shutting down, or a leader stopped while a follower forwarded the call) are
+  retried with full jitter exponential backoff until the call's deadline, the same codes
+  the Rust client retries. A mutating call is retried with the **same request id**, so
+  the shard applies it at most once and answers the retry with the first answer.
+* **Errors** — a refusal raises :class:`Refused` with the reason name (nothing
+  changed); credentials problems :class:`Unauthenticated` / :class:`PermissionDenied`;
+  an exhausted deadline :class:`Unavailable` — the outcome is *unknown* (a command may
+  have been applied with its answer lost): send it again with the request ids in its
+  ``request_ids`` to learn the outcome without applying it twice.
 * **Routing** — tenant calls name their org and the node routes them to its home shard;
   pool and agent calls take ``shard=`` (the pool's shard).
 """
@@ -45,7 +49,34 @@ _RETRIED = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.UNKNOWN,
 }
+
+
+def _retryable(code: grpc.StatusCode, details: str) -> bool:
+    """Worth another attempt, with the same request ids: the node is busy or gone, or the
+    transport broke the call — an HTTP/2 stream reset (a node shutting down gracefully
+    resets its streams) reaches gRPC as ``INTERNAL``. The node's own ``INTERNAL``
+    answers are final."""
+    if code in _RETRIED:
+        return True
+    d = details or ""
+    return code == grpc.StatusCode.INTERNAL and ("RST_STREAM" in d or d.startswith("h2 protocol error"))
+
+
+def _request_ids(request) -> List[int]:
+    """The request ids a call carries (its ``call`` header, or each command's of an
+    ``Execute``): what a caller resends to learn an unknown outcome."""
+    calls = []
+    if _field(request, "call") is not None:
+        calls.append(request.call)
+    for c in getattr(request, "commands", ()):
+        arm = c.WhichOneof("command")
+        if arm is not None and getattr(c, arm).HasField("call"):
+            calls.append(getattr(c, arm).call)
+    return [c.request_id for c in calls if c.request_id]
 
 
 def new_request_id() -> int:
@@ -170,7 +201,7 @@ class Client:
                 last = e
                 code = e.code()
                 trailers = dict(e.trailing_metadata() or ())
-                if code not in _RETRIED:
+                if not _retryable(code, e.details()):
                     raise _typed(e, trailers) from None
                 leader = trailers.get("allot-leader-addr")
                 if leader and code == grpc.StatusCode.UNAVAILABLE:
@@ -188,7 +219,9 @@ class Client:
                 attempt += 1
                 time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
         detail = last.details() if last is not None else "no attempt"
-        raise Unavailable("UNAVAILABLE", f"no answer within {self.timeout}s: {detail}")
+        raise Unavailable(
+            "UNAVAILABLE", f"no answer within {self.timeout}s: {detail}", request_ids=_request_ids(request)
+        )
 
     def _call_header(self, request_id: Optional[int], shard: Optional[int]) -> pb.Call:
         call = pb.Call(request_id=request_id or new_request_id(), dev_actor=self.dev_actor)
@@ -206,17 +239,23 @@ class Client:
     def execute(self, commands: Iterable[pb.Command], shard: Optional[int] = None) -> List[pb.CommandReply]:
         """Any commands in one call (one log entry): each ``pb.Command`` holds one arm,
         e.g. ``pb.Command(capture=pb.CaptureRequest(org=7, hold=9, amount_micro=5))``.
-        A command without a ``call`` header gets one with a fresh request id, set once
-        here and resent unchanged on every retry. Refusals are per command (the
-        ``error`` arm of its reply); nothing is raised for them."""
+        A command without a ``call`` header is sent with one holding a fresh request id,
+        chosen once per ``execute`` and resent unchanged on every retry; the caller's
+        ``pb.Command`` objects are not changed (reusing one for a later operation is a
+        new operation, not a replay of this one). To resend after :class:`Unavailable`,
+        give each command the id in the error's ``request_ids``, or set its ``call``
+        header yourself. Refusals are per command (the ``error`` arm of its reply);
+        nothing is raised for them."""
         batch = []
         for c in commands:
             arm = c.WhichOneof("command")
             if arm is None:
                 raise ValueError("a command needs one arm")
-            inner = getattr(c, arm)
-            if not inner.HasField("call"):
-                inner.call.CopyFrom(self._call_header(None, None))
+            if not getattr(c, arm).HasField("call"):
+                copy = pb.Command()
+                copy.CopyFrom(c)
+                getattr(copy, arm).call.CopyFrom(self._call_header(None, None))
+                c = copy
             batch.append(c)
         req = pb.ExecuteRequest(commands=batch)
         if shard is not None:

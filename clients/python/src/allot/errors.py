@@ -1,6 +1,6 @@
 """Typed errors: every refusal carries allot's stable machine-readable reason."""
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 
 class AllotError(Exception):
@@ -28,4 +28,17 @@ class PermissionDenied(AllotError):
 
 
 class Unavailable(AllotError):
-    """No endpoint answered within the deadline (every retry failed)."""
+    """No endpoint answered within the deadline (every retry failed). The outcome is
+    unknown: a command may have been applied and its answer lost. ``request_ids`` are the
+    ids the call carried; sending the same command again with them is answered with the
+    first outcome if it was applied, and applies it once if it was not."""
+
+    def __init__(
+        self,
+        reason: str,
+        message: str,
+        details: Optional[Dict[str, str]] = None,
+        request_ids: Optional[List[int]] = None,
+    ):
+        super().__init__(reason, message, details)
+        self.request_ids = list(request_ids or [])
