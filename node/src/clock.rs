@@ -20,7 +20,10 @@
 //!    its monotonic clock since (so an election's gap is counted even when its target is
 //!    behind: a slow clock among its samples), and at its first stamp with a target adopts the target at
 //!    once if it is ahead (after an outage, time resumes at the real instant instead of
-//!    catching up fast for a long while); time never goes back. Until it has a target
+//!    catching up fast for a long while) — less the lag the shard's time was running
+//!    with when this node last saw it, which it keeps slewing away as the old leader
+//!    did (a jump would end every lease stamped during the lag early); time never goes
+//!    back. Until it has a target
 //!    it stamps nothing (`Stamper::needs_target`: proposals answer `ClockNotReady`,
 //!    retryable), so no entry is stamped at the pre-outage time and billed the jump.
 //!
@@ -47,10 +50,13 @@ pub struct ClusterClock {
     start: Instant,
 }
 
+/// A peer's wall clock as read at one instant of ours. Anchored on our monotonic clock,
+/// not our wall clock: a step of our own wall clock (an NTP step after boot) moves our
+/// own reading only, not every peer's with it.
 #[derive(Clone, Copy, Debug)]
 struct Sample {
-    /// Peer wall clock minus ours, ms.
-    offset_ms: i64,
+    /// The peer's wall clock, ms, at `at` (the middle of the call).
+    peer_wall_ms: u64,
     at: Instant,
 }
 
@@ -82,17 +88,16 @@ impl ClusterClock {
         self.start.elapsed().as_millis() as u64
     }
 
-    /// Records a peer's reading: `sent_wall`/`recv_wall` are our wall clock around the
-    /// call, `peer_wall` the peer's answer.
-    pub fn record(&self, peer: NodeId, sent_wall: u64, peer_wall: u64, recv_wall: u64) {
-        let mid = (sent_wall as i128 + recv_wall as i128) / 2;
-        let offset = (peer_wall as i128 - mid).clamp(i64::MIN as i128, i64::MAX as i128) as i64;
+    /// Records a peer's reading: `sent`/`received` are our monotonic clock around the
+    /// call, `peer_wall` the peer's answer (taken, we assume, half way through it).
+    pub fn record(&self, peer: NodeId, sent: Instant, peer_wall: u64, received: Instant) {
+        let at = sent + received.saturating_duration_since(sent) / 2;
         let mut s = self.samples.lock().unwrap_or_else(|p| p.into_inner());
         s.insert(
             peer,
             Sample {
-                offset_ms: offset,
-                at: Instant::now(),
+                peer_wall_ms: peer_wall,
+                at,
             },
         );
     }
@@ -113,8 +118,12 @@ impl ClusterClock {
                 continue;
             }
             if let Some(sample) = s.get(p) {
-                if sample.at.elapsed() <= SAMPLE_FRESH {
-                    offsets.push(sample.offset_ms);
+                let age = sample.at.elapsed();
+                if age <= SAMPLE_FRESH {
+                    // The peer's clock now: its reading plus the real time since.
+                    let now = sample.peer_wall_ms as i128 + age.as_millis() as i128;
+                    let offset = (now - own as i128).clamp(i64::MIN as i128, i64::MAX as i128);
+                    offsets.push(offset as i64);
                 }
             }
         }
@@ -154,7 +163,20 @@ pub struct Stamper {
     /// clock when it saw it: a new leader continues from there plus the real time since,
     /// so an election's gap is counted whatever its target says.
     seen: Option<(u64, u64)>,
+    /// How far this node's clock target was ahead of the applied time it saw, when it saw
+    /// it: the lag the shard's time was running with (behind a slow target that has
+    /// since caught up, say). A new leader keeps it and slews it away, as the old
+    /// leader would have: adopting the target at once would pay the whole lag back in
+    /// one entry, and end every lease, grace and deadline stamped during the lag early
+    /// by all of it.
+    seen_lag: Option<u64>,
 }
+
+/// How far a new leader's first stamp may move past the time it carries over from what
+/// it saw (plus the lag it saw) toward its target: the age of the applied time it saw
+/// when it saw it — the time between an entry's stamp and its observation, a tick (1 s)
+/// at most on an idle shard. Without it every failover would leave that much lag behind.
+pub const OFFICE_CATCH_UP_MAX_MS: u64 = 1_000;
 
 impl Stamper {
     pub fn new(slew_ppm: u64) -> Stamper {
@@ -165,14 +187,19 @@ impl Stamper {
             term: None,
             synced: false,
             seen: None,
+            seen_lag: None,
         }
     }
 
-    /// Records that the shard's applied time is `applied_ms` at monotonic `mono_ms`
-    /// (called by every replica as it goes; only a newer time replaces the last).
-    pub fn observe(&mut self, applied_ms: u64, mono_ms: u64) {
+    /// Records that the shard's applied time is `applied_ms` at monotonic `mono_ms`, when
+    /// this node's clock target is `target` (called by every replica as it goes; only a
+    /// newer time replaces the last; without a target the lag seen last is kept).
+    pub fn observe(&mut self, applied_ms: u64, mono_ms: u64, target: Option<u64>) {
         if self.seen.is_none_or(|(t, _)| applied_ms > t) {
             self.seen = Some((applied_ms, mono_ms));
+            if let Some(target) = target {
+                self.seen_lag = Some(target.saturating_sub(applied_ms));
+            }
         }
     }
 
@@ -212,9 +239,17 @@ impl Stamper {
                 None => base,
                 Some(target) if !self.synced => {
                     // Took office (or the first target of the term): the cluster's time
-                    // at once when it is ahead — after an outage, no fast catch-up.
+                    // at once when it is ahead — after an outage, no fast catch-up —
+                    // less the lag the shard's time ran with when this node last saw
+                    // it (`seen_lag`), which the slew below keeps paying back.
                     self.synced = true;
-                    base.max(target)
+                    let to = match (self.seen, self.seen_lag) {
+                        (Some(_), Some(lag)) => target
+                            .saturating_sub(lag)
+                            .max(target.min(base.saturating_add(OFFICE_CATCH_UP_MAX_MS))),
+                        _ => target,
+                    };
+                    base.max(to)
                 }
                 Some(target) => {
                     let max_adj = dt.saturating_mul(self.slew_ppm) / 1_000_000;
@@ -355,10 +390,10 @@ mod tests {
         let t0 = 2_000_000_000;
         let mut s = Stamper::new(500);
         // As a follower, it saw the shard's time reach t0 at its monotonic 10_000.
-        s.observe(t0 - 200, 9_800);
-        s.observe(t0, 10_000);
+        s.observe(t0 - 200, 9_800, None);
+        s.observe(t0, 10_000, None);
         // The same applied time seen again later is not a newer observation.
-        s.observe(t0, 11_000);
+        s.observe(t0, 11_000, None);
         // Elected 3 s later; its target (the lower of a slow clock and a correct one)
         // is 10 minutes behind.
         let first = s.stamp(4, t0, 13_000, Some(t0 - 600_000));
@@ -369,5 +404,63 @@ mod tests {
         // Without an observation (a fresh process), the applied time as before.
         let mut fresh = Stamper::new(500);
         assert_eq!(fresh.stamp(4, t0, 13_000, Some(t0 - 600_000)), t0);
+    }
+
+    /// Found by a read-only review (twenty-second session): logical time that fell behind
+    /// the cluster's clocks (a slow clock was the target for days, then was fixed) is
+    /// slewed back by the leader at 500 ppm. A new leader adopted its target at once, so
+    /// the whole lag came back as one jump: every node lease, grace and deadline stamped
+    /// during the lag ended early by all of it, and a node whose agent still held its
+    /// lease was declared down and its jobs placed again elsewhere. Now the new leader
+    /// keeps the lag it saw as a follower (catching up at most
+    /// [`OFFICE_CATCH_UP_MAX_MS`], what observing costs) and slews it away.
+    #[test]
+    fn a_new_leader_keeps_the_lag_the_shards_time_ran_with() {
+        let t0 = 3_000_000_000;
+        let lag = 120_000;
+        let mut s = Stamper::new(500);
+        // As a follower it saw the shard's time run 120 s behind its target, the last
+        // time at its monotonic 50_000.
+        for k in 0..=50u64 {
+            s.observe(t0 + k * 1_000, k * 1_000, Some(t0 + lag + k * 1_000));
+        }
+        // Elected 2 s later; its target is the real time.
+        let carried = t0 + 50_000 + 2_000;
+        let first = s.stamp(9, t0 + 50_000, 52_000, Some(carried + lag));
+        assert!(
+            first >= carried && first <= carried + OFFICE_CATCH_UP_MAX_MS,
+            "the first stamp jumped {} ms past the time carried over",
+            first - carried
+        );
+        // And from then on the real rate plus at most the slew.
+        let next = s.stamp(9, first, 62_000, Some(carried + lag + 10_000));
+        assert_eq!(next - first, 10_000 + 5);
+        // Time this node did not see pass (its monotonic clock stopped while its host
+        // was suspended, say) beyond the lag it saw: the target at once, as after an
+        // outage.
+        let mut none = Stamper::new(500);
+        none.observe(t0, 0, Some(t0));
+        assert_eq!(none.stamp(9, t0, 2_000, Some(t0 + 60_000)), t0 + 60_000);
+    }
+
+    /// Found by the same review: peers' samples were kept as offsets from this node's own
+    /// wall clock, so a step of that clock (an NTP step soon after boot) moved every
+    /// peer's estimate with it, and the target with them: a node that took office right
+    /// after its clock stepped an hour ahead stamped an hour ahead, for good. Now a
+    /// sample is the peer's reading at an instant of the monotonic clock.
+    #[test]
+    fn a_step_of_the_own_wall_clock_moves_no_peer_sample() {
+        let c = ClusterClock::new(0);
+        let real = c.wall_ms();
+        let at = Instant::now();
+        c.record(2, at, real, at);
+        c.record(3, at, real, at);
+        c.set_offset_ms(3_600_000); // this node's clock steps an hour ahead
+        let t = c.target_ms(1, &[1, 2, 3], 3).expect("a majority sampled");
+        assert!(
+            t >= real && t < real + 5_000,
+            "the target moved {} ms with this node's own clock",
+            t - real
+        );
     }
 }

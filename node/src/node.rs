@@ -519,11 +519,16 @@ async fn sample_clocks(node: std::sync::Weak<Node>) {
             let clock = node.clock.clone();
             let mut req = node.channels.peer_request(ClockRequest {});
             calls.push(async move {
-                let sent = clock.wall_ms();
+                let sent = std::time::Instant::now();
                 req.set_timeout(Duration::from_millis(300));
                 match client.clock(req).await {
-                    Ok(r) => clock.record(id, sent, r.into_inner().wall_ms, clock.wall_ms()),
-                    Err(_) => clock.forget(id),
+                    // Only the peer asked for counts: an address that now serves another
+                    // node (or this one) must not give one clock two votes.
+                    Ok(r) if r.get_ref().node_id == id => {
+                        let wall = r.into_inner().wall_ms;
+                        clock.record(id, sent, wall, std::time::Instant::now())
+                    }
+                    _ => clock.forget(id),
                 }
             });
         }

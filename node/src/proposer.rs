@@ -292,7 +292,12 @@ impl ProposerTask {
             // Every replica notes the applied time as it goes (a new leader continues
             // from it: `Stamper::observe`); the leader stamps from the same reading.
             let applied_ms = self.view.read().state.time_ms;
-            stamper.observe(applied_ms, self.clock.mono_ms());
+            let target = {
+                let m = self.raft.metrics().borrow().clone();
+                let nodes: Vec<NodeId> = m.membership_config.membership().voter_ids().collect();
+                self.clock.target_ms(self.me, &nodes, nodes.len())
+            };
+            stamper.observe(applied_ms, self.clock.mono_ms(), target);
             let (leader, _, term) = leader_of(&self.raft);
             if leader != Some(self.me) || self.pause.active() {
                 // Handing over: no entry (nor tick) may refresh the followers' lease on
@@ -310,11 +315,6 @@ impl ProposerTask {
                 }
                 continue;
             }
-            let target = {
-                let m = self.raft.metrics().borrow().clone();
-                let nodes: Vec<NodeId> = m.membership_config.membership().voter_ids().collect();
-                self.clock.target_ms(self.me, &nodes, nodes.len())
-            };
             if target.is_none() && (applied_ms == 0 || stamper.needs_target(term)) {
                 // Genesis, or a leader new in office, without a majority clock sample:
                 // no stamp can be trusted yet (the caller retries; samples arrive
