@@ -358,3 +358,72 @@ async fn an_install_that_fails_leaves_the_log_unpurged() {
         .expect("read")
         .is_empty());
 }
+
+/// A snapshot build that was still encoding when the leader's newer snapshot was
+/// installed does not store its older state over the installed one. openraft runs the
+/// build in a task of its own and installs meanwhile; the build's store came last and
+/// put index 3 on disk over index 10, with the log purged past 3 (by the install): the
+/// replica could not start again, and served the older snapshot to lagging followers.
+#[tokio::test]
+async fn a_build_that_ends_after_an_install_leaves_the_installed_snapshot_stored() {
+    use allot_node::store::sm::Background;
+    use allot_node::types::{LogEntry, SnapshotMeta};
+    use allot_statemachine::State;
+    use openraft::storage::RaftStateMachine;
+    use openraft::{CommittedLeaderId, EntryPayload, LogId, RaftSnapshotBuilder, StoredMembership};
+    use std::io::Cursor;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let db = store::open_db(dir.path()).expect("open db");
+    let hold = dir.path().join("hold");
+    std::fs::write(&hold, b"").expect("hold");
+    let bg = Arc::new(Background::default());
+    let id = |index| LogId::new(CommittedLeaderId::new(1, 1), index);
+    let mut sm = StateMachineStore::open(db.clone(), 0, allot_statemachine::Config::default())
+        .expect("open")
+        .with_background(bg.clone())
+        .with_test_hold(Some(hold.clone()));
+    let blanks = (1..=3).map(|i| LogEntry {
+        log_id: id(i),
+        payload: EntryPayload::Blank,
+    });
+    sm.apply(blanks).await.expect("applied");
+    // The build copies the state at index 3, encodes it, and waits before storing.
+    let mut builder = sm.get_snapshot_builder().await;
+    let build = tokio::spawn(async move { builder.build_snapshot().await });
+    let waited = Instant::now();
+    while bg.running() == 0 {
+        assert!(
+            waited.elapsed() < Duration::from_secs(30),
+            "the build started"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Meanwhile the leader's snapshot at index 10 is installed.
+    let meta = SnapshotMeta {
+        last_log_id: Some(id(10)),
+        last_membership: StoredMembership::default(),
+        snapshot_id: "installed".into(),
+    };
+    sm.install_snapshot(&meta, Box::new(Cursor::new(State::default().encode())))
+        .await
+        .expect("installed");
+    std::fs::remove_file(&hold).expect("release");
+    let built = build.await.expect("joined").expect("built");
+    assert_eq!(built.meta.last_log_id, Some(id(3)));
+    let stored = sm
+        .get_current_snapshot()
+        .await
+        .expect("read")
+        .expect("stored");
+    assert_eq!(
+        stored.meta.snapshot_id, "installed",
+        "the newer snapshot stays"
+    );
+    drop(sm);
+    let reopened =
+        StateMachineStore::open(db, 0, allot_statemachine::Config::default()).expect("open");
+    assert_eq!(reopened.stored_snapshot_index(), Some(10));
+}

@@ -100,6 +100,22 @@ pub struct StateMachineStore {
     /// Told of every snapshot stored, so the log is purged only up to one
     /// (`log::PurgeFloor`, shared with the shard's log store).
     floor: Option<Arc<super::log::PurgeFloor>>,
+    /// The last index the stored snapshot covers, held while one is stored: see
+    /// [`Newest`].
+    newest: Newest,
+}
+
+/// The last log index the shard's stored snapshot covers (`None`: none, or one of an
+/// empty state), locked while a snapshot is stored. openraft builds a snapshot in a task
+/// of its own and does not hold an install back for it: a build copies the state at
+/// index A and encodes it for seconds, and meanwhile the leader's snapshot at S > A may
+/// be installed and stored. The build then stores A only if nothing newer is stored —
+/// before, it stored A over S, and the log, already purged to S, left the replica unable
+/// to start again (and serving A, older than its log, to lagging followers).
+type Newest = Arc<std::sync::Mutex<Option<u64>>>;
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A snapshot's state decoded ahead of its installation, by snapshot id.
@@ -198,6 +214,7 @@ impl StateMachineStore {
                 snapshots_installed: 0,
             },
         };
+        let newest: Newest = Arc::new(std::sync::Mutex::new(applied.last_applied.map(|l| l.index)));
         let idx = applied.last_applied.map(|l| l.index).unwrap_or(0);
         let (applied_tx, applied_rx) = watch::channel(idx);
         Ok(StateMachineStore {
@@ -218,6 +235,7 @@ impl StateMachineStore {
             background: Arc::default(),
             test_hold: None,
             floor: None,
+            newest,
         })
     }
 
@@ -303,6 +321,7 @@ pub struct SnapshotBuilder {
     background: Arc<Background>,
     test_hold: Option<std::path::PathBuf>,
     floor: Option<Arc<super::log::PurgeFloor>>,
+    newest: Newest,
 }
 
 impl SnapshotBuilder {
@@ -335,6 +354,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         };
         let (db, shard, stored_meta) = (self.db.clone(), self.shard, meta.clone());
         let (background, hold) = (self.background.clone(), self.test_hold.clone());
+        let newest = self.newest.clone();
         let (data, encoded, stored) = self
             .background
             .run(move || {
@@ -361,7 +381,22 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
                 // The audit rows of every entry the snapshot covers were written without a
                 // sync; make them durable before the log they derive from may be purged.
                 db.flush_wal(true).map_err(io_write)?;
-                save_snapshot(&db, shard, &stored)?;
+                let index = stored.meta.last_log_id.map(|l| l.index);
+                let mut newest = lock(&newest);
+                if index < *newest {
+                    // openraft keeps its own newer snapshot too (it ignores an older
+                    // build), so nothing else needs this one.
+                    tracing::info!(
+                        shard,
+                        built = ?index,
+                        stored = ?*newest,
+                        "snapshot build not stored: a newer snapshot was installed meanwhile"
+                    );
+                } else {
+                    save_snapshot(&db, shard, &stored)?;
+                    *newest = index;
+                }
+                drop(newest);
                 Ok::<_, StorageError>((stored.data, encoded, started.elapsed() - encoded))
             })
             .await??;
@@ -659,6 +694,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             background: self.background.clone(),
             test_hold: self.test_hold.clone(),
             floor: self.floor.clone(),
+            newest: self.newest.clone(),
         }
     }
 
@@ -689,14 +725,19 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             return Err(io_read(std::io::Error::other(e.to_string())));
         }
         let bytes = data.len() as u64;
-        save_snapshot(
-            &self.db,
-            self.shard,
-            &StoredSnapshot {
-                meta: meta.clone(),
-                data,
-            },
-        )?;
+        {
+            // Stored under the lock a build stores under (`Newest`).
+            let mut newest = lock(&self.newest);
+            save_snapshot(
+                &self.db,
+                self.shard,
+                &StoredSnapshot {
+                    meta: meta.clone(),
+                    data,
+                },
+            )?;
+            *newest = meta.last_log_id.map(|l| l.index);
+        }
         if let (Some(floor), Some(last)) = (&self.floor, meta.last_log_id) {
             floor.stored(&self.db, self.shard, last.index)?;
         }
