@@ -958,6 +958,9 @@ impl Admin for Services {
             if leads && !msg.allow_audit_loss {
                 crate::audit_fill::check_removal(&self.node, s, &voters).await?;
             }
+            if leads {
+                new_voters_live(self.node.id, s, &voters).await?;
+            }
             let r = if leads {
                 s.raft.change_membership(voters.clone(), false).await
             } else {
@@ -1425,6 +1428,59 @@ impl Drop for AuditScanSlot {
             if *n == 0 {
                 m.remove(&self.org);
             }
+        }
+    }
+}
+
+/// How long a voter change waits for a majority of its new voters to acknowledge an entry
+/// appended after it was asked (an idle shard's leader appends a tick every `--tick-ms`).
+const NEW_VOTERS_WAIT: Duration = Duration::from_secs(5);
+
+/// Refuses a voter change whose new voter set has no live majority (`FAILED_PRECONDITION`,
+/// reason `VOTERS_UNREACHABLE`; nothing changed). openraft first commits a joint
+/// configuration, which needs a majority of the new voters as well as of the old; until it
+/// does, every write of the shard waits on it and every other change is refused
+/// (`InProgress`): one mistyped `member remove` while a node was down stopped the shard's
+/// writes for as long as that node stayed down. Live: the leader itself, and each voter
+/// whose replication has acknowledged an entry appended after the request arrived. A
+/// majority of the new set that answers is all the change needs to complete, so nothing
+/// that could complete is refused; a learner still catching up counts once it
+/// acknowledges one.
+async fn new_voters_live(
+    me: NodeId,
+    shard: &Shard,
+    voters: &BTreeSet<NodeId>,
+) -> Result<(), Status> {
+    let mut metrics = shard.raft.metrics();
+    let start = metrics.borrow().last_log_index.unwrap_or(0);
+    let deadline = tokio::time::Instant::now() + NEW_VOTERS_WAIT;
+    loop {
+        let silent: Vec<NodeId> = {
+            let m = metrics.borrow();
+            let acked = |v: &NodeId| {
+                *v == me
+                    || m.replication
+                        .as_ref()
+                        .and_then(|r| r.get(v))
+                        .and_then(|l| l.as_ref())
+                        .is_some_and(|l| l.index > start)
+            };
+            voters.iter().copied().filter(|v| !acked(v)).collect()
+        };
+        if (voters.len() - silent.len()) * 2 > voters.len() {
+            return Ok(());
+        }
+        let waited = tokio::time::timeout_at(deadline, metrics.changed()).await;
+        if !matches!(waited, Ok(Ok(()))) {
+            let status = Status::failed_precondition(format!(
+                "shard {}: the new voters {voters:?} have no live majority — {silent:?} \
+                 acknowledged no entry within {} s (down, cut off, or not members); the \
+                 change would stop every write of the shard until they answer. Nothing was \
+                 changed",
+                shard.id,
+                NEW_VOTERS_WAIT.as_secs()
+            ));
+            return Err(edge::with_reason(status, "VOTERS_UNREACHABLE"));
         }
     }
 }

@@ -1114,6 +1114,57 @@ async fn a_learner_joins_is_promoted_and_the_removed_voter_does_not_disrupt() {
     assert_eq!(r.shards.len(), shards as usize);
     assert!(r.shards.iter().all(|s| s.learners.contains(&4)), "{r:?}");
 
+    // With node 3 down, a change whose new voters need it — {1, 3}: node 2 removed by
+    // mistake instead of 3 — is refused on every shard, and the shards still take
+    // writes. (It was accepted: the joint configuration, needing node 3, never
+    // committed, and every write of the shard waited on it.)
+    c.kill(3);
+    let until = Instant::now() + Duration::from_secs(60);
+    for s in 0..shards {
+        let refused = loop {
+            let r = a2
+                .change_membership(ChangeMembershipRequest {
+                    shard: s,
+                    all_shards: false,
+                    voters: vec![1, 3],
+                    allow_audit_loss: true,
+                })
+                .await;
+            match r {
+                Err(e) if e.code() == tonic::Code::FailedPrecondition => break e,
+                // An election after node 3's death, or the forward to a new leader.
+                Err(e) if Instant::now() < until => {
+                    let _ = e;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                other => panic!("shard {s}: the change was not refused: {other:?}"),
+            }
+        };
+        assert!(
+            refused.message().contains("no live majority"),
+            "{refused:?}"
+        );
+        assert_eq!(
+            refused
+                .metadata()
+                .get("allot-reason")
+                .and_then(|v| v.to_str().ok()),
+            Some("VOTERS_UNREACHABLE")
+        );
+    }
+    for s in 0..shards {
+        let mut cycle = HoldCycle::new(60 + s as u64, 3_000_000);
+        let (outs, _) = client
+            .execute(s, &[cycle.request()])
+            .await
+            .expect("a write after the refused change");
+        assert!(outs[0].is_ok(), "{outs:?}");
+    }
+    c.start(3).unwrap();
+    c.wait_leaders(Duration::from_secs(30))
+        .await
+        .expect("leaders with node 3 back");
+
     // Promote 4 and remove 3 in one change (joint consensus inside openraft).
     let r = a2
         .change_membership(ChangeMembershipRequest {
