@@ -91,12 +91,13 @@ pub fn digest(token: &str) -> TokenDigest {
 
 impl Client {
     /// Runs `command` on every shard (the operator's principals live on every shard),
-    /// shard `s` with request id `base + s` — reused on every retry, so running it again
-    /// with the same `base` completes what a failed attempt left undone and answers as
-    /// before where it was done.
-    async fn on_every_shard(&self, what: &str, base: RequestId, command: Command) -> Result<()> {
+    /// with request id `id` on each — each shard has its own idempotency table — reused
+    /// on every retry, so running it again with the same `id` completes what a failed
+    /// attempt left undone and answers as before where it was done. (It used `id + s` on
+    /// shard `s`: the ids this client hands out next, so its next command on shard `s`
+    /// was refused `RequestIdReused` there.)
+    async fn on_every_shard(&self, what: &str, id: RequestId, command: Command) -> Result<()> {
         for shard in 0..self.shards().await? {
-            let id = base.wrapping_add(shard as u128);
             match self.run_in(shard, None, id, command.clone()).await? {
                 Reply::TokenSet => {}
                 other => {

@@ -130,6 +130,21 @@ async fn org_tokens_and_backups_on_a_secured_four_shard_cluster() {
             .unwrap();
     }
 
+    // An operator's token lives on every shard, so creating one runs on each. The same
+    // client's next commands keep request ids of their own whichever shard they reach:
+    // the creation used id n + s on shard s, the ids the client hands out next, and org
+    // 9's next command (shard 1) was refused `RequestIdReused`.
+    admin
+        .create_token(PrincipalId(990), Scope::Agent(NodeId(99)), None)
+        .await
+        .unwrap();
+    for org in [9u64, 7, 8] {
+        let made = admin
+            .create_project(OrgId(org), ProjectId(org * 10 + 1))
+            .await;
+        assert!(made.is_ok(), "org {org}: {made:?}");
+    }
+
     // An org token, created with a chosen request id from a token file: the command
     // retried (a lost answer) completes with the same principal and token.
     let file = dir.path().join("org7-token");
