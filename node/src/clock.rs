@@ -132,10 +132,13 @@ impl ClusterClock {
 }
 
 /// The target of `own + offsets` (own included, as 0), if the offsets are a majority
-/// of `cluster_size` clocks: the (m − f)-th smallest of the m samples, f = ⌊(n−1)/2⌋.
-/// With every clock sampled that is the lower median; with some unreachable it leans to
-/// the slower samples, so that the f possibly-wrong clocks can all be fast and still sit
-/// above it.
+/// of `cluster_size` clocks: the (m − f)-th smallest of the m samples, f = ⌊(n−1)/2⌋,
+/// and never above the lower median. With every clock sampled that is the lower median;
+/// with some unreachable it leans to the slower samples, so that the f possibly-wrong
+/// clocks can all be fast and still sit above it. (With an even number of voters the
+/// (m − f)-th smallest alone was the upper median — with two voters, the faster clock:
+/// a cluster passing through two voters while one node is replaced took a fast clock's
+/// time at its next change of leader.)
 pub fn median_target(own: u64, offsets: &mut [i64], cluster_size: usize) -> Option<u64> {
     let (m, n) = (offsets.len(), cluster_size.max(1));
     if m * 2 <= n {
@@ -143,7 +146,7 @@ pub fn median_target(own: u64, offsets: &mut [i64], cluster_size: usize) -> Opti
     }
     let f = (n - 1) / 2;
     offsets.sort_unstable();
-    let pick = offsets[m.saturating_sub(f + 1).min(m - 1)];
+    let pick = offsets[m.saturating_sub(f + 1).min((m - 1) / 2)];
     Some((own as i64).saturating_add(pick).max(0) as u64)
 }
 
@@ -195,6 +198,13 @@ impl Stamper {
     /// this node's clock target is `target` (called by every replica as it goes; only a
     /// newer time replaces the last; without a target the lag seen last is kept).
     pub fn observe(&mut self, applied_ms: u64, mono_ms: u64, target: Option<u64>) {
+        // A shard with no time yet (nothing stamped: before `init`, or only its blank
+        // and membership entries applied) is not an observation: its first stamp is the
+        // target itself (genesis), and a "lag" of the whole wall clock would keep its
+        // time in 1970.
+        if applied_ms == 0 {
+            return;
+        }
         if self.seen.is_none_or(|(t, _)| applied_ms > t) {
             self.seen = Some((applied_ms, mono_ms));
             if let Some(target) = target {
@@ -335,6 +345,12 @@ mod tests {
         // Two of five sampled is no majority.
         let mut two = vec![0, fast];
         assert_eq!(median_target(own, &mut two, 5), None);
+        // An even number of voters, every clock sampled: the lower median, not the upper
+        // (two voters, one fast: the correct one; four, two fast: a correct one).
+        let mut pair = vec![fast, 0];
+        assert_eq!(median_target(own, &mut pair, 2), Some(own));
+        let mut four_all = vec![fast, 0, fast, 0];
+        assert_eq!(median_target(own, &mut four_all, 4), Some(own));
         // One slow clock among three (all sampled) does not move it either.
         let mut slow = vec![0, -fast, 0];
         assert_eq!(median_target(own, &mut slow, 3), Some(own));
@@ -441,6 +457,19 @@ mod tests {
         let mut none = Stamper::new(500);
         none.observe(t0, 0, Some(t0));
         assert_eq!(none.stamp(9, t0, 2_000, Some(t0 + 60_000)), t0 + 60_000);
+    }
+
+    /// Found reviewing this session's diff: an empty shard's applied time (0) observed
+    /// with a target (before `init`, the node's own clock) recorded a lag of the whole
+    /// wall clock, and the first stamp kept it: the shard's time began in 1970. An
+    /// applied time of 0 is not observed, and genesis takes the target.
+    #[test]
+    fn an_empty_shards_time_is_not_observed_and_genesis_takes_the_target() {
+        let t = 1_800_000_000_000;
+        let mut s = Stamper::new(500);
+        s.observe(0, 0, Some(t));
+        s.observe(0, 500, Some(t + 500));
+        assert_eq!(s.stamp(1, 0, 10_000, Some(t + 10_000)), t + 10_000);
     }
 
     /// Found by the same review: peers' samples were kept as offsets from this node's own
