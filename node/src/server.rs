@@ -1433,8 +1433,9 @@ impl Drop for AuditScanSlot {
 }
 
 /// How long a voter change waits for a majority of its new voters to acknowledge an entry
-/// appended after it was asked (an idle shard's leader appends a tick every `--tick-ms`).
-const NEW_VOTERS_WAIT: Duration = Duration::from_secs(5);
+/// appended after it was asked (the guard appends one at once). Well inside the 5 s an
+/// `allotctl` attempt allows, so that the refusal, not a deadline, reaches the operator.
+const NEW_VOTERS_WAIT: Duration = Duration::from_millis(2_500);
 
 /// Refuses a voter change whose new voter set has no live majority (`FAILED_PRECONDITION`,
 /// reason `VOTERS_UNREACHABLE`; nothing changed). openraft first commits a joint
@@ -1454,7 +1455,19 @@ async fn new_voters_live(
     let mut metrics = shard.raft.metrics();
     let start = metrics.borrow().last_log_index.unwrap_or(0);
     let deadline = tokio::time::Instant::now() + NEW_VOTERS_WAIT;
+    // An entry after `start` now (an empty batch, as a tick), rather than at the next
+    // tick. A leader handing over (or no longer leading) answers "not leader": the
+    // caller retries on the next one. Any other outcome — committed, or not within the
+    // wait — leaves the acknowledgements to decide.
+    let appended = tokio::time::timeout_at(deadline, shard.proposer.propose(Vec::new())).await;
+    if let Ok(Err(e @ ProposeError::NotLeader { .. })) = appended {
+        return Err(status_of(e));
+    }
     loop {
+        if leader_of(&shard.raft).0 != Some(me) {
+            let (leader, addr, _) = leader_of(&shard.raft);
+            return Err(status_of(ProposeError::NotLeader { leader, addr }));
+        }
         let silent: Vec<NodeId> = {
             let m = metrics.borrow();
             let acked = |v: &NodeId| {
