@@ -54,9 +54,16 @@ pub fn check(state: &State) -> Result<(), String> {
             // the active rules) holds nothing a bucket could no longer pay at its
             // placement: `Scheduler::renew_unplaced_hold` ran on every placement path.
             let first_placed_now = j.attempt == 1 && p.started_ms == state.time_ms;
-            if first_placed_now
-                && state.rules.active >= crate::ledger::QUEUED_HOLDS_LOSE_EXPIRED_CREDIT_FROM
-            {
+            // Under those rules: activated at an earlier instant (an activation later in
+            // this entry, or at the same logical ms, may follow a placement made before it).
+            let from = crate::ledger::QUEUED_HOLDS_LOSE_EXPIRED_CREDIT_FROM;
+            let ruled = state
+                .rules
+                .activations
+                .iter()
+                .find(|(v, _, _)| *v >= from)
+                .is_some_and(|(_, _, at)| *at < p.started_ms);
+            if first_placed_now && ruled {
                 let stale = hold.into_iter().flat_map(|h| &h.draws).find(|d| {
                     d.held > 0
                         && state
