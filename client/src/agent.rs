@@ -1814,6 +1814,18 @@ async fn report(shared: &Shared, (org, job): JobKey, attempt: u32, mut what: Rep
                 );
                 return;
             }
+            // Refused for now, nothing recorded: the shard's idempotency table (or a
+            // quota) is full. Dropping the report would leave the job to its lease, and a
+            // job that succeeded would be requeued, run and billed again.
+            Err(Error::Rejected(
+                e @ (CommandError::LimitReached(_) | CommandError::QuotaExceeded(_)),
+            )) if started.elapsed() < FINISH_PERSIST => {
+                warn!(
+                    job = job.0,
+                    attempt, "the report was refused for now, retrying: {e}"
+                );
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
             Err(Error::Rejected(e)) => {
                 warn!(
                     job = job.0,
