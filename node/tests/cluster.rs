@@ -2449,3 +2449,44 @@ async fn one_replica_commits_only_after_its_own_fsync_after_a_restart() {
         .expect("write");
     assert!(outs.iter().all(|o| o.is_ok()), "{outs:?}");
 }
+
+/// A shard's time starts at the cluster's time however long its nodes waited for
+/// `init`. Found reviewing the twenty-second session's diff: the clock's first draft
+/// recorded an empty shard's time (0) against the node's own clock as a lag of the whole
+/// wall clock, and a shard initialised more than a second after its nodes started began
+/// its time in 1970 (and kept it: every later leader kept the lag).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_initialised_late_starts_at_the_real_time() {
+    let (_dir, mut c) = cluster("late-init", 3, 1);
+    c.start_all().expect("start nodes");
+    for id in 1..=3 {
+        c.wait_listening(id, Duration::from_secs(30))
+            .expect("listening");
+    }
+    // The nodes sample clocks and observe their (empty) shard for a while first.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    c.init().await.expect("init");
+    c.wait_leaders(Duration::from_secs(30))
+        .await
+        .expect("leaders");
+    let wall = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64
+    };
+    let until = Instant::now() + Duration::from_secs(20);
+    let t = loop {
+        // The first stamped entry (a tick) gives the shard its time.
+        let t = shard_time(&c, 0).await;
+        if t > 0 || Instant::now() > until {
+            break t;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let now = wall();
+    assert!(
+        t + 10_000 >= now && t <= now + 1_000,
+        "the shard's time is {t}, the wall clock {now}"
+    );
+}
