@@ -167,13 +167,24 @@ pub struct Stamper {
     /// so an election's gap is counted whatever its target says.
     seen: Option<(u64, u64)>,
     /// How far this node's clock target was ahead of the applied time it saw, when it saw
-    /// it: the lag the shard's time was running with (behind a slow target that has
-    /// since caught up, say). A new leader keeps it and slews it away, as the old
-    /// leader would have: adopting the target at once would pay the whole lag back in
+    /// it stamped live: the lag the shard's time was running with (behind a slow target
+    /// that has since caught up, say). A new leader keeps it and slews it away, as the
+    /// old leader would have: adopting the target at once would pay the whole lag back in
     /// one entry, and end every lease, grace and deadline stamped during the lag early
-    /// by all of it.
+    /// by all of it. Only time this process saw a live leader stamp counts
+    /// ([`Stamper::observe`]): the time a restarted node's log replay reaches, or a
+    /// lagging replica catching up, is behind by an outage or a backlog, not by a lag
+    /// any lease was stamped in.
     seen_lag: Option<u64>,
+    /// The last observation of live time: (the leader's term, applied time, monotonic
+    /// clock).
+    live: Option<(u64, u64, u64)>,
 }
+
+/// How much faster than the monotonic clock the applied time may advance between two
+/// observations and still count as stamped live (ticks come every second, observations
+/// every half second, so a live shard's time moves in steps of about a second).
+pub const LIVE_RATE_SLACK_MS: u64 = 2_000;
 
 /// How far a new leader's first stamp may move past the time it carries over from what
 /// it saw (plus the lag it saw) toward its target: the age of the applied time it saw
@@ -191,13 +202,25 @@ impl Stamper {
             synced: false,
             seen: None,
             seen_lag: None,
+            live: None,
         }
     }
 
     /// Records that the shard's applied time is `applied_ms` at monotonic `mono_ms`, when
     /// this node's clock target is `target` (called by every replica as it goes; only a
-    /// newer time replaces the last; without a target the lag seen last is kept).
-    pub fn observe(&mut self, applied_ms: u64, mono_ms: u64, target: Option<u64>) {
+    /// newer time replaces the last). `live_term` is the term of a leader this node
+    /// knows whose entries it is applying (the last applied entry is of the current
+    /// term), if any: the lag is recorded only from applied time that advanced under
+    /// that leader, since the last such observation, no faster than the monotonic clock
+    /// (plus [`LIVE_RATE_SLACK_MS`]) — time stamped live, not a log replayed after a
+    /// restart or a backlog applied in a hurry. Otherwise the lag seen last is kept.
+    pub fn observe(
+        &mut self,
+        applied_ms: u64,
+        mono_ms: u64,
+        target: Option<u64>,
+        live_term: Option<u64>,
+    ) {
         // A shard with no time yet (nothing stamped: before `init`, or only its blank
         // and membership entries applied) is not an observation: its first stamp is the
         // target itself (genesis), and a "lag" of the whole wall clock would keep its
@@ -207,10 +230,25 @@ impl Stamper {
         }
         if self.seen.is_none_or(|(t, _)| applied_ms > t) {
             self.seen = Some((applied_ms, mono_ms));
-            if let Some(target) = target {
-                self.seen_lag = Some(target.saturating_sub(applied_ms));
-            }
         }
+        let Some(term) = live_term else {
+            return;
+        };
+        match self.live {
+            Some((t_term, t0, m0)) if t_term == term => {
+                if applied_ms <= t0 {
+                    return;
+                }
+                let real = mono_ms.saturating_sub(m0);
+                if let Some(target) =
+                    target.filter(|_| applied_ms - t0 <= real + LIVE_RATE_SLACK_MS)
+                {
+                    self.seen_lag = Some(target.saturating_sub(applied_ms));
+                }
+            }
+            _ => {}
+        }
+        self.live = Some((term, applied_ms, mono_ms));
     }
 
     /// Whether a stamp in `term` needs a clock target first: a leader that took office
@@ -406,10 +444,10 @@ mod tests {
         let t0 = 2_000_000_000;
         let mut s = Stamper::new(500);
         // As a follower, it saw the shard's time reach t0 at its monotonic 10_000.
-        s.observe(t0 - 200, 9_800, None);
-        s.observe(t0, 10_000, None);
+        s.observe(t0 - 200, 9_800, None, None);
+        s.observe(t0, 10_000, None, None);
         // The same applied time seen again later is not a newer observation.
-        s.observe(t0, 11_000, None);
+        s.observe(t0, 11_000, None, None);
         // Elected 3 s later; its target (the lower of a slow clock and a correct one)
         // is 10 minutes behind.
         let first = s.stamp(4, t0, 13_000, Some(t0 - 600_000));
@@ -438,7 +476,12 @@ mod tests {
         // As a follower it saw the shard's time run 120 s behind its target, the last
         // time at its monotonic 50_000.
         for k in 0..=50u64 {
-            s.observe(t0 + k * 1_000, k * 1_000, Some(t0 + lag + k * 1_000));
+            s.observe(
+                t0 + k * 1_000,
+                k * 1_000,
+                Some(t0 + lag + k * 1_000),
+                Some(8),
+            );
         }
         // Elected 2 s later; its target is the real time.
         let carried = t0 + 50_000 + 2_000;
@@ -455,8 +498,48 @@ mod tests {
         // was suspended, say) beyond the lag it saw: the target at once, as after an
         // outage.
         let mut none = Stamper::new(500);
-        none.observe(t0, 0, Some(t0));
-        assert_eq!(none.stamp(9, t0, 2_000, Some(t0 + 60_000)), t0 + 60_000);
+        none.observe(t0, 0, Some(t0), Some(8));
+        none.observe(t0 + 1_000, 1_000, Some(t0 + 1_000), Some(8));
+        assert_eq!(
+            none.stamp(9, t0 + 1_000, 3_000, Some(t0 + 60_000)),
+            t0 + 60_000
+        );
+    }
+
+    /// Found by a read-only review of the lag rule's first version: a node restarted
+    /// after an outage observed the time its log replay reached, against its clock
+    /// target, as a lag of the whole outage, and kept it as leader (time stayed the
+    /// outage's length behind). Time seen with no live leader, or advancing faster than
+    /// real time (a replay, a backlog), records no lag: the new leader adopts its target.
+    #[test]
+    fn time_replayed_or_caught_up_records_no_lag() {
+        let t0 = 4_000_000_000;
+        let outage = 3_600_000;
+        let now = t0 + outage;
+        // A restarted node replays its log (no leader known yet), ten seconds of old time
+        // per half second observed, with its target at the real time.
+        let mut replay = Stamper::new(500);
+        for k in 0..=10u64 {
+            replay.observe(
+                t0 - 100_000 + k * 10_000,
+                k * 500,
+                Some(now + k * 500),
+                None,
+            );
+        }
+        assert_eq!(replay.stamp(7, t0, 6_000, Some(now + 6_000)), now + 6_000);
+        // A replica catching up on a backlog under a leader it knows: too fast to be
+        // time stamped live.
+        let mut hurry = Stamper::new(500);
+        for k in 0..=10u64 {
+            hurry.observe(
+                t0 - 100_000 + k * 10_000,
+                k * 500,
+                Some(now + k * 500),
+                Some(6),
+            );
+        }
+        assert_eq!(hurry.stamp(7, t0, 6_000, Some(now + 6_000)), now + 6_000);
     }
 
     /// Found reviewing this session's diff: an empty shard's applied time (0) observed
@@ -467,8 +550,8 @@ mod tests {
     fn an_empty_shards_time_is_not_observed_and_genesis_takes_the_target() {
         let t = 1_800_000_000_000;
         let mut s = Stamper::new(500);
-        s.observe(0, 0, Some(t));
-        s.observe(0, 500, Some(t + 500));
+        s.observe(0, 0, Some(t), Some(1));
+        s.observe(0, 500, Some(t + 500), Some(1));
         assert_eq!(s.stamp(1, 0, 10_000, Some(t + 10_000)), t + 10_000);
     }
 

@@ -292,12 +292,20 @@ impl ProposerTask {
             // Every replica notes the applied time as it goes (a new leader continues
             // from it: `Stamper::observe`); the leader stamps from the same reading.
             let applied_ms = self.view.read().state.time_ms;
-            let target = {
+            let (target, live_term) = {
                 let m = self.raft.metrics().borrow().clone();
                 let nodes: Vec<NodeId> = m.membership_config.membership().voter_ids().collect();
-                self.clock.target_ms(self.me, &nodes, nodes.len())
+                // Time applied under a leader this node knows, of the current term:
+                // stamped live (`Stamper::observe`).
+                let live = m.current_leader.is_some()
+                    && m.last_applied
+                        .is_some_and(|l| l.leader_id.term == m.current_term);
+                (
+                    self.clock.target_ms(self.me, &nodes, nodes.len()),
+                    live.then_some(m.current_term),
+                )
             };
-            stamper.observe(applied_ms, self.clock.mono_ms(), target);
+            stamper.observe(applied_ms, self.clock.mono_ms(), target, live_term);
             let (leader, _, term) = leader_of(&self.raft);
             if leader != Some(self.me) || self.pause.active() {
                 // Handing over: no entry (nor tick) may refresh the followers' lease on
