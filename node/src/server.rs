@@ -1460,9 +1460,13 @@ async fn new_voters_live(
     // caller retries on the next one. Any other outcome — committed, or not within the
     // wait — leaves the acknowledgements to decide.
     let appended = tokio::time::timeout_at(deadline, shard.proposer.propose(Vec::new())).await;
-    if let Ok(Err(e @ ProposeError::NotLeader { .. })) = appended {
-        return Err(status_of(e));
-    }
+    // Not leading, or unable to append now (no clock sample yet, overloaded): a
+    // retryable answer of its own, not "voters unreachable" about healthy voters.
+    let unable = match appended {
+        Ok(Err(e @ ProposeError::NotLeader { .. })) => return Err(status_of(e)),
+        Ok(Err(e)) => Some(e),
+        _ => None,
+    };
     loop {
         if leader_of(&shard.raft).0 != Some(me) {
             let (leader, addr, _) = leader_of(&shard.raft);
@@ -1485,13 +1489,16 @@ async fn new_voters_live(
         }
         let waited = tokio::time::timeout_at(deadline, metrics.changed()).await;
         if !matches!(waited, Ok(Ok(()))) {
+            if let Some(e) = unable {
+                return Err(status_of(e));
+            }
             let status = Status::failed_precondition(format!(
                 "shard {}: the new voters {voters:?} have no live majority — {silent:?} \
-                 acknowledged no entry within {} s (down, cut off, or not members); the \
+                 acknowledged no entry within {} ms (down, cut off, or not members); the \
                  change would stop every write of the shard until they answer. Nothing was \
                  changed",
                 shard.id,
-                NEW_VOTERS_WAIT.as_secs()
+                NEW_VOTERS_WAIT.as_millis()
             ));
             return Err(edge::with_reason(status, "VOTERS_UNREACHABLE"));
         }
