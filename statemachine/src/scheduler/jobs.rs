@@ -486,17 +486,7 @@ impl Scheduler {
         if hc.books.renew_expired_draws(ctx, hc.hold).is_ok() {
             return true;
         }
-        self.end(
-            ctx,
-            ledger,
-            cfg,
-            id,
-            Ending {
-                settle: SettleReason::OutOfCredits,
-                to: JobState::Failed,
-                reason: Reason::OutOfCredits,
-            },
-        );
+        self.end(ctx, ledger, cfg, id, Ending::OUT_OF_CREDITS);
         false
     }
 
@@ -683,17 +673,7 @@ impl Scheduler {
         }
         if reply.stop.is_some() {
             // The ledger settled the hold: the job stops, even if non-preemptible.
-            self.end(
-                ctx,
-                ledger,
-                cfg,
-                id,
-                Ending {
-                    settle: SettleReason::OutOfCredits,
-                    to: JobState::Failed,
-                    reason: Reason::OutOfCredits,
-                },
-            );
+            self.end(ctx, ledger, cfg, id, Ending::OUT_OF_CREDITS);
         }
         Ok(Reply::JobHeartbeat(reply))
     }

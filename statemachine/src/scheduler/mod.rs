@@ -444,6 +444,16 @@ pub(crate) struct Ending {
     pub reason: Reason,
 }
 
+impl Ending {
+    /// The job's credit cannot pay for it: the meter could not top its hold up, or its
+    /// reservation could not be made whole before its first placement.
+    pub(crate) const OUT_OF_CREDITS: Ending = Ending {
+        settle: crate::command::SettleReason::OutOfCredits,
+        to: JobState::Failed,
+        reason: Reason::OutOfCredits,
+    };
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Scheduler {
     pub nodes: IdMap<NodeId, GpuNode>,
