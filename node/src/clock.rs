@@ -48,6 +48,42 @@ pub struct ClusterClock {
     offset_ms: AtomicI64,
     samples: Mutex<BTreeMap<NodeId, Sample>>,
     start: Instant,
+    /// The boot-time clock at start (`mono_ms`).
+    start_boot_ms: u64,
+}
+
+/// The boot-time clock in ms (`None` where the system has none: then `Instant`).
+fn boottime_ms() -> Option<u64> {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec for the call's duration.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    (rc == 0).then(|| (ts.tv_sec as u64).saturating_mul(1_000) + ts.tv_nsec as u64 / 1_000_000)
+}
+
+/// How many entries a replica's log may hold beyond what it has applied for its applied
+/// time to count as live ([`live_term`]): the replication pipeline's depth, not a
+/// backlog.
+pub const LIVE_APPLY_BACKLOG_MAX: u64 = 256;
+
+/// The term whose leader is stamping the time this replica applies now, if it is
+/// applying live: a leader known, the last applied entry of the current term, and no
+/// more than [`LIVE_APPLY_BACKLOG_MAX`] entries of its log left to apply (a replica
+/// draining a backlog applies time that is behind by the backlog — Raft may elect it,
+/// since it elects on the log, not on what is applied). `None` otherwise: the
+/// [`Stamper`] records no lag from what it observes then.
+pub fn live_term(
+    leader_known: bool,
+    current_term: u64,
+    last_applied: Option<(u64, u64)>,
+    last_log_index: Option<u64>,
+) -> Option<u64> {
+    let (term, applied) = last_applied?;
+    let backlog = last_log_index.unwrap_or(0).saturating_sub(applied);
+    (leader_known && term == current_term && backlog <= LIVE_APPLY_BACKLOG_MAX)
+        .then_some(current_term)
 }
 
 /// A peer's wall clock as read at one instant of ours. Anchored on our monotonic clock,
@@ -66,6 +102,7 @@ impl ClusterClock {
             offset_ms: AtomicI64::new(offset_ms),
             samples: Mutex::new(BTreeMap::new()),
             start: Instant::now(),
+            start_boot_ms: boottime_ms().unwrap_or(0),
         }
     }
 
@@ -83,9 +120,16 @@ impl ClusterClock {
         self.offset_ms.store(offset_ms, Ordering::Relaxed);
     }
 
-    /// Milliseconds of the monotonic clock since the node started.
+    /// Milliseconds of the node's monotonic clock since it started: the boot-time clock
+    /// (`CLOCK_BOOTTIME`), which never steps and, unlike `Instant` (`CLOCK_MONOTONIC`),
+    /// counts the time the host spent suspended — with `Instant` a leader whose host was
+    /// suspended for S fell S behind, and from this session's lag rule its followers
+    /// would keep that lag across a change of leader.
     pub fn mono_ms(&self) -> u64 {
-        self.start.elapsed().as_millis() as u64
+        match boottime_ms() {
+            Some(now) => now.saturating_sub(self.start_boot_ms),
+            None => self.start.elapsed().as_millis() as u64,
+        }
     }
 
     /// Records a peer's reading: `sent`/`received` are our monotonic clock around the
@@ -504,6 +548,24 @@ mod tests {
             none.stamp(9, t0 + 1_000, 3_000, Some(t0 + 60_000)),
             t0 + 60_000
         );
+    }
+
+    /// A replica is applying live only with a leader known, of the current term, and no
+    /// backlog to drain (a third review: one draining a backlog at up to five times the
+    /// real rate passed the rate check and recorded the backlog as a lag).
+    #[test]
+    fn only_a_replica_applying_live_under_a_known_leader_has_a_live_term() {
+        assert_eq!(live_term(true, 4, Some((4, 1_000)), Some(1_010)), Some(4));
+        assert_eq!(live_term(false, 4, Some((4, 1_000)), Some(1_010)), None);
+        assert_eq!(live_term(true, 5, Some((4, 1_000)), Some(1_010)), None);
+        assert_eq!(live_term(true, 4, None, Some(10)), None);
+        let far = 1_000 + LIVE_APPLY_BACKLOG_MAX + 1;
+        assert_eq!(live_term(true, 4, Some((4, 1_000)), Some(far)), None);
+        // The boot-time clock runs.
+        let c = ClusterClock::new(0);
+        let a = c.mono_ms();
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(c.mono_ms() >= a + 20);
     }
 
     /// Found by a read-only review of the lag rule's first version: a node restarted

@@ -295,15 +295,15 @@ impl ProposerTask {
             let (target, live_term) = {
                 let m = self.raft.metrics().borrow().clone();
                 let nodes: Vec<NodeId> = m.membership_config.membership().voter_ids().collect();
-                // Time applied under a leader this node knows, of the current term:
-                // stamped live (`Stamper::observe`).
-                let live = m.current_leader.is_some()
-                    && m.last_applied
-                        .is_some_and(|l| l.leader_id.term == m.current_term);
-                (
-                    self.clock.target_ms(self.me, &nodes, nodes.len()),
-                    live.then_some(m.current_term),
-                )
+                // Time applied live, under a leader of the current term this node
+                // knows, with no backlog to drain (`Stamper::observe`).
+                let live = crate::clock::live_term(
+                    m.current_leader.is_some(),
+                    m.current_term,
+                    m.last_applied.map(|l| (l.leader_id.term, l.index)),
+                    m.last_log_index,
+                );
+                (self.clock.target_ms(self.me, &nodes, nodes.len()), live)
             };
             stamper.observe(applied_ms, self.clock.mono_ms(), target, live_term);
             let (leader, _, term) = leader_of(&self.raft);
