@@ -578,30 +578,19 @@ mod tests {
         let t0 = 4_000_000_000;
         let outage = 3_600_000;
         let now = t0 + outage;
-        // A restarted node replays its log (no leader known yet), ten seconds of old time
-        // per half second observed, with its target at the real time.
-        let mut replay = Stamper::new(500);
-        for k in 0..=10u64 {
-            replay.observe(
-                t0 - 100_000 + k * 10_000,
-                k * 500,
-                Some(now + k * 500),
-                None,
-            );
+        // A restarted node replays its log (no leader known yet: `None`), or a replica
+        // catches up on a backlog under a leader it knows (`Some`): ten seconds of old
+        // time per half second observed, too fast to be time stamped live, with its
+        // target at the real time.
+        for live in [None, Some(6)] {
+            let mut s = Stamper::new(500);
+            for k in 0..=10u64 {
+                let applied = t0 - 100_000 + k * 10_000;
+                s.observe(applied, k * 500, Some(now + k * 500), live);
+            }
+            let first = s.stamp(7, t0, 6_000, Some(now + 6_000));
+            assert_eq!(first, now + 6_000, "live {live:?}");
         }
-        assert_eq!(replay.stamp(7, t0, 6_000, Some(now + 6_000)), now + 6_000);
-        // A replica catching up on a backlog under a leader it knows: too fast to be
-        // time stamped live.
-        let mut hurry = Stamper::new(500);
-        for k in 0..=10u64 {
-            hurry.observe(
-                t0 - 100_000 + k * 10_000,
-                k * 500,
-                Some(now + k * 500),
-                Some(6),
-            );
-        }
-        assert_eq!(hurry.stamp(7, t0, 6_000, Some(now + 6_000)), now + 6_000);
     }
 
     /// Found reviewing this session's diff: an empty shard's applied time (0) observed

@@ -2469,12 +2469,6 @@ async fn a_cluster_initialised_late_starts_at_the_real_time() {
     c.wait_leaders(Duration::from_secs(30))
         .await
         .expect("leaders");
-    let wall = || {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as u64
-    };
     let until = Instant::now() + Duration::from_secs(20);
     let t = loop {
         // The first stamped entry (a tick) gives the shard its time.
@@ -2484,7 +2478,7 @@ async fn a_cluster_initialised_late_starts_at_the_real_time() {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    let now = wall();
+    let now = real_now_ms();
     assert!(
         t + 10_000 >= now && t <= now + 1_000,
         "the shard's time is {t}, the wall clock {now}"
@@ -2503,12 +2497,6 @@ async fn after_a_whole_cluster_outage_the_shards_time_resumes_at_the_real_instan
     up(&mut c).await;
     let client = allot_node::local_cluster::client(c.endpoints());
     setup_shards(&client, 1).await;
-    let wall = || {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as u64
-    };
     let before = shard_time(&c, 0).await;
     for id in 1..=3 {
         c.kill(id);
@@ -2527,7 +2515,7 @@ async fn after_a_whole_cluster_outage_the_shards_time_resumes_at_the_real_instan
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    let now = wall();
+    let now = real_now_ms();
     assert!(
         t + 3_000 >= now && t <= now + 1_000,
         "the shard's time is {} ms behind the wall clock after the outage",
