@@ -1444,9 +1444,9 @@ const NEW_VOTERS_WAIT: Duration = Duration::from_millis(2_500);
 /// (`InProgress`): one mistyped `member remove` while a node was down stopped the shard's
 /// writes for as long as that node stayed down. Live: the leader itself, and each voter
 /// whose replication has acknowledged an entry appended after the request arrived. A
-/// majority of the new set that answers is all the change needs to complete, so nothing
-/// that could complete is refused; a learner still catching up counts once it
-/// acknowledges one.
+/// majority of the new set that answers is all the change needs to complete; what it can
+/// refuse that would have completed is a change whose majority needs a voter slower than
+/// [`NEW_VOTERS_WAIT`] to acknowledge (a learner still installing a snapshot).
 async fn new_voters_live(
     me: NodeId,
     shard: &Shard,
@@ -1468,8 +1468,8 @@ async fn new_voters_live(
         _ => None,
     };
     loop {
-        if leader_of(&shard.raft).0 != Some(me) {
-            let (leader, addr, _) = leader_of(&shard.raft);
+        let (leader, addr, _) = leader_of(&shard.raft);
+        if leader != Some(me) {
             return Err(status_of(ProposeError::NotLeader { leader, addr }));
         }
         let silent: Vec<NodeId> = {
