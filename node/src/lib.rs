@@ -27,6 +27,7 @@ pub mod node;
 pub mod peer;
 pub mod proposer;
 pub mod ratelimit;
+pub mod rejoin;
 pub mod serve;
 pub mod server;
 pub mod store;

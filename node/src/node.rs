@@ -117,6 +117,9 @@ pub struct Shard {
     pub pause: Arc<crate::transfer::Pause>,
     /// Elections held for another node's leader transfer.
     pub hold: Arc<crate::transfer::Hold>,
+    /// Whether the replica, if it opened empty, has caught up enough to vote
+    /// (`crate::rejoin`).
+    pub rejoin: Arc<crate::rejoin::Rejoin>,
 }
 
 pub struct Node {
@@ -249,7 +252,7 @@ impl Node {
                 store::log::PurgeFloor::open(&db, id, sm.stored_snapshot_index())
                     .map_err(|e| anyhow::anyhow!("opening shard {id}'s log: {e}"))?,
             );
-            let log = LogStore::new(db.clone(), id, syncer.clone())
+            let mut log = LogStore::new(db.clone(), id, syncer.clone())
                 .with_trigger(trigger.clone())
                 .with_timeline(timeline.clone())
                 .with_purge_floor(floor.clone());
@@ -263,6 +266,21 @@ impl Node {
                 .with_background(background.clone())
                 .with_test_hold(config.test_snapshot_hold_file.clone());
             let view = sm.view();
+            // Read from storage before Raft starts (its metrics are published later): a
+            // replica that opens with nothing may be one that lost its disk
+            // (`crate::rejoin`).
+            let started_empty = {
+                use openraft::storage::RaftLogStorage;
+                let st = log
+                    .get_log_state()
+                    .await
+                    .map_err(|e| anyhow::anyhow!("reading shard {id}'s log state: {e}"))?;
+                let vote = log
+                    .read_vote()
+                    .await
+                    .map_err(|e| anyhow::anyhow!("reading shard {id}'s vote: {e}"))?;
+                st.last_log_id.is_none() && vote.is_none() && view.read().last_applied.is_none()
+            };
             let active = store::sm::rules_on_disk(&db, id, &view.read().state)
                 .map_err(|e| anyhow::anyhow!("reading shard {id}'s rule version: {e}"))?;
             crate::versions::check_rules(id, active, config.rules_max)?;
@@ -297,6 +315,10 @@ impl Node {
             )
             .await
             .with_context(|| format!("starting raft of shard {id}"))?;
+            let rejoin = Arc::new(crate::rejoin::Rejoin::new(started_empty));
+            if started_empty {
+                raft.runtime_config().elect(false);
+            }
             let pause = Arc::new(crate::transfer::Pause::default());
             let proposer = ProposerTask {
                 pause: pause.clone(),
@@ -325,6 +347,7 @@ impl Node {
                 preloaded,
                 pause,
                 hold: Arc::default(),
+                rejoin,
             });
         }
         let peer_link = config.peer_link;

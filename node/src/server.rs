@@ -776,6 +776,7 @@ fn shard_status(node: &Node, shard: &Shard) -> ShardStatus {
         rules_active,
         audit_head_seq,
         audit_verified_seq: crate::audit_fill::verified_to(&node.db, shard.id),
+        rejoining: !shard.rejoin.is_whole(),
     }
 }
 
@@ -884,7 +885,11 @@ impl Admin for Services {
                 continue;
             }
             match s.raft.initialize(members.clone()).await {
-                Ok(()) => {}
+                // This replica holds the genesis log: it votes and stands for election.
+                Ok(()) => {
+                    s.rejoin.initialised_here();
+                    crate::transfer::rejoined(s);
+                }
                 // Idempotent: a retried init of an initialised shard is fine.
                 Err(openraft::error::RaftError::APIError(
                     openraft::error::InitializeError::NotAllowed(_),
@@ -1177,6 +1182,24 @@ impl Services {
             .inc();
     }
 
+    /// A rejoining replica (`crate::rejoin`) that now holds the commit index a leader
+    /// announced becomes whole: it votes and stands for election again.
+    fn rejoin_progress(&self, shard: &Shard) {
+        if shard.rejoin.is_whole() {
+            return;
+        }
+        let last = shard.raft.metrics().borrow().last_log_index;
+        if shard.rejoin.progress(last) {
+            crate::transfer::rejoined(shard);
+            tracing::info!(
+                shard = shard.id,
+                last_log_index = last,
+                "this replica, started with an empty log, holds a leader's commit index: it \
+                 votes and stands for election again"
+            );
+        }
+    }
+
     /// This replica's committed log id of `shard` (guards compare peer log ids with it).
     async fn committed(&self, shard: &Shard) -> Result<Option<crate::types::LogId>, Status> {
         shard
@@ -1206,7 +1229,14 @@ impl RaftService for Services {
         peer::check_append(&wire, self.node.id, committed.as_ref())
             .map_err(|e| self.peer_refused("raft:append", e))?;
         let entries = wire.entries.len();
+        let rejoining = !shard.rejoin.is_whole();
+        if rejoining {
+            shard.rejoin.heard(wire.leader_commit.map(|l| l.index));
+        }
         let r = shard.raft.append_entries(wire.into()).await;
+        if rejoining {
+            self.rejoin_progress(shard);
+        }
         let reply = encode_peer(&r);
         let label = shard.id.to_string();
         let m = &self.node.metrics;
@@ -1229,6 +1259,18 @@ impl RaftService for Services {
         let vote: openraft::raft::VoteRequest<NodeId> = decode_peer(&msg.payload)?;
         peer::check_vote_request(&vote, self.node.id)
             .map_err(|e| self.peer_refused("raft:vote", e))?;
+        self.rejoin_progress(shard);
+        if let Some(why) = shard.rejoin.vote_refusal(vote.last_log_id.map(|l| l.index)) {
+            self.node
+                .metrics
+                .refusals
+                .with_label_values(&["raft:vote", "rejoining"])
+                .inc();
+            return Err(edge::with_reason(
+                Status::failed_precondition(why),
+                "REJOINING",
+            ));
+        }
         let r = shard.raft.vote(vote).await;
         encode_peer(&r)
     }
@@ -1283,6 +1325,7 @@ impl RaftService for Services {
                     .map_err(openraft::error::RaftError::Fatal)
             }
         };
+        self.rejoin_progress(shard);
         encode_peer(&r)
     }
 

@@ -65,21 +65,26 @@ pub async fn step(shard: &Shard, step: Step, hold: Duration) -> Result<(), Statu
             *shard.hold.until.lock().unwrap_or_else(|p| p.into_inner()) = Some(until);
             shard.raft.runtime_config().elect(false);
             let (raft, hold_state) = (shard.raft.clone(), shard.hold.clone());
+            let rejoin = shard.rejoin.clone();
             tokio::spawn(async move {
                 tokio::time::sleep_until(until.into()).await;
                 let mut g = hold_state.until.lock().unwrap_or_else(|p| p.into_inner());
                 if g.is_some_and(|u| u <= Instant::now()) {
                     *g = None;
-                    raft.runtime_config().elect(true);
+                    resume_elections(&raft, &rejoin);
                 }
             });
             Ok(())
         }
         Step::ResumeElections => {
             *shard.hold.until.lock().unwrap_or_else(|p| p.into_inner()) = None;
-            shard.raft.runtime_config().elect(true);
+            resume_elections(&shard.raft, &shard.rejoin);
             Ok(())
         }
+        Step::Campaign if !shard.rejoin.is_whole() => Err(Status::failed_precondition(
+            "this replica started with an empty log and has not caught up: it stands for no \
+             election yet",
+        )),
         Step::Campaign => shard
             .raft
             .trigger()
@@ -87,6 +92,21 @@ pub async fn step(shard: &Shard, step: Step, hold: Duration) -> Result<(), Statu
             .await
             .map_err(|e| Status::internal(e.to_string())),
         Step::Unspecified => Err(Status::invalid_argument("a handoff step is required")),
+    }
+}
+
+/// Lets the replica stand for election again — unless it is still rejoining after
+/// opening empty (`crate::rejoin`): then it does once it is whole.
+pub fn resume_elections(raft: &crate::types::Raft, rejoin: &crate::rejoin::Rejoin) {
+    raft.runtime_config().elect(rejoin.is_whole());
+}
+
+/// Called when a rejoining replica became whole: it stands for election again unless a
+/// leader transfer holds its elections (the hold's end resumes them).
+pub fn rejoined(shard: &Shard) {
+    let held = shard.hold.until.lock().unwrap_or_else(|p| p.into_inner());
+    if held.is_none() {
+        resume_elections(&shard.raft, &shard.rejoin);
     }
 }
 
@@ -165,7 +185,7 @@ pub async fn transfer(
     let outcome = hand_over(node, shard, target, &others, election_max, deadline).await;
     // Undo everything, whatever happened.
     shard.raft.runtime_config().heartbeat(true);
-    shard.raft.runtime_config().elect(true);
+    resume_elections(&shard.raft, &shard.rejoin);
     shard.pause.end();
     for (_, addr) in &others {
         let _ = ask(node, addr, shard.id, Step::ResumeElections, Duration::ZERO).await;

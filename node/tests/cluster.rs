@@ -2522,3 +2522,91 @@ async fn after_a_whole_cluster_outage_the_shards_time_resumes_at_the_real_instan
         now.saturating_sub(t)
     );
 }
+
+/// Removes everything in node `id`'s data dir but its log: a lost disk.
+fn wipe_data_dir(c: &LocalCluster, dir: &std::path::Path, id: u64) {
+    let node_dir = dir.join(format!("node-{id}"));
+    for e in std::fs::read_dir(&node_dir).expect("data dir") {
+        let p = e.expect("entry").path();
+        if p == c.log_path(id) {
+            continue;
+        }
+        if p.is_dir() {
+            std::fs::remove_dir_all(&p).expect("wipe");
+        } else {
+            std::fs::remove_file(&p).expect("wipe");
+        }
+    }
+}
+
+/// DESIGN §67: a voter that lost its disk and came back empty under its node id must
+/// not elect a candidate lacking entries it had acknowledged. Entries are committed by
+/// nodes 1 and 3 while node 2 is down; node 3 loses its disk; node 1 (which holds them)
+/// is down when 2 and 3 come back. Node 3 is rejoining: it grants 2 no vote, so no
+/// leader without those entries; once node 1 is back they are all there, and node 3,
+/// caught up, is whole again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_voter_that_lost_its_disk_elects_no_leader_missing_what_it_acknowledged() {
+    let (dir, mut c) = cluster("lost-disk", 3, 1);
+    up(&mut c).await;
+    let client = allot_node::local_cluster::client(c.endpoints());
+    setup_shards(&client, 1).await;
+    c.kill(2);
+    let mut cycle = HoldCycle::new(7, 3_000_000);
+    for _ in 0..30 {
+        let r = cycle.request();
+        let (outs, _) = client
+            .execute(0, std::slice::from_ref(&r))
+            .await
+            .expect("write with node 2 down");
+        assert!(outs[0].is_ok(), "{outs:?}");
+    }
+    // What nodes 1 and 3 committed without node 2.
+    let leader = c.leader_of(0).await.expect("leader");
+    let head = c.status(leader).await.expect("status").shards[0].audit_head_seq;
+    assert!(head > 0);
+    c.kill(3);
+    wipe_data_dir(&c, dir.path(), 3);
+    c.kill(1);
+    c.start(2).expect("start 2");
+    c.start(3).expect("start 3 (empty)");
+    c.wait_listening(2, Duration::from_secs(60)).expect("2 up");
+    c.wait_listening(3, Duration::from_secs(60)).expect("3 up");
+    let s3 = c.status(3).await.expect("status of 3").shards[0].clone();
+    assert!(s3.rejoining, "node 3 opened empty: {s3:?}");
+    // Five election timeouts and more (at most 1.2 s each): 2 stands again and again,
+    // and 3 refuses it every time.
+    let until = Instant::now() + Duration::from_secs(6);
+    while Instant::now() < until {
+        for id in [2, 3] {
+            let s = c.status(id).await.expect("status").shards[0].clone();
+            assert!(
+                !s.is_leader,
+                "node {id} was elected without node 1's entries: {s:?}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    c.start(1).expect("start 1");
+    c.wait_listening(1, Duration::from_secs(60)).expect("1 up");
+    c.wait_leaders(Duration::from_secs(30))
+        .await
+        .expect("a leader once node 1 is back");
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut whole = true;
+        for id in 1..=3 {
+            let s = c.status(id).await.expect("status").shards[0].clone();
+            whole &= s.audit_head_seq >= head && !s.rejoining;
+        }
+        if whole {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "node 3 did not catch up: {:?}",
+            c.status(3).await
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
