@@ -227,3 +227,106 @@ fn dir_digest(dir: &std::path::Path) -> Vec<(PathBuf, Vec<u8>)> {
     out.sort();
     out
 }
+
+/// `allotctl backup create` into `out`: the files, and each shard's backed-up log index.
+fn backup_set(eps: &str, out: &std::path::Path) -> (Vec<PathBuf>, Vec<u64>) {
+    let rows = json(eps, &["backup", "create", "--out", out.to_str().unwrap()]);
+    let rows = rows.as_array().unwrap().clone();
+    (
+        rows.iter()
+            .map(|r| PathBuf::from(r["file"].as_str().unwrap()))
+            .collect(),
+        rows.iter()
+            .map(|r| r["log_index"].as_u64().unwrap())
+            .collect(),
+    )
+}
+
+/// DESIGN §68: nodes restored from two backup sets of one cluster (or one node restored
+/// from an older set than the rest) are two clusters. Old code: node 3, restored from
+/// the later set, took the appends of the leader of nodes 1 and 2 (restored from the
+/// earlier one) past its own committed index — a history that is not its own — and its
+/// state diverged without a word. Now every peer message carries the sender's cluster
+/// id and node 3 refuses theirs (and they its): it applies nothing of their history.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_restored_from_different_backup_sets_do_not_join_each_other() {
+    let dir = tempfile::Builder::new()
+        .prefix("allot-backup-sets-")
+        .tempdir()
+        .unwrap();
+    let mut a = LocalCluster::new(node_binary().unwrap(), dir.path().join("a"), 3, 1).unwrap();
+    a.start_all().unwrap();
+    a.init().await.unwrap();
+    a.wait_leaders(Duration::from_secs(30)).await.unwrap();
+    let genesis = a.status(1).await.unwrap().cluster_id;
+    assert_eq!(genesis.len(), 32, "a new cluster has an id");
+    for n in 2..=3 {
+        assert_eq!(a.status(n).await.unwrap().cluster_id, genesis);
+    }
+    let client = a.admin_client().unwrap();
+    let (outs, _) = client
+        .execute(0, &workload::setup(1_000_000_000))
+        .await
+        .unwrap();
+    assert!(outs.iter().all(|o| o.is_ok()), "{outs:?}");
+    let eps = a.endpoints().join(",");
+    let (earlier, _) = backup_set(&eps, &dir.path().join("earlier"));
+    let mut cycle = HoldCycle::new(7, 3_000_000);
+    let reqs: Vec<_> = (0..30).map(|_| cycle.request()).collect();
+    let (outs, _) = client.execute(0, &reqs).await.unwrap();
+    assert!(outs.iter().all(|o| o.is_ok()), "{outs:?}");
+    let (later, later_index) = backup_set(&eps, &dir.path().join("later"));
+    drop(client);
+    drop(a);
+
+    let mut b = LocalCluster::new(node_binary().unwrap(), dir.path().join("b"), 3, 1).unwrap();
+    let members = members(&b);
+    for n in 1..=3u64 {
+        let set = if n == 3 { &later } else { &earlier };
+        let o = restore(&b.dir.join(format!("node-{n}")), n, set, &members);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    b.start_all().unwrap();
+    let ids: Vec<String> = {
+        let mut v = Vec::new();
+        for n in 1..=3 {
+            v.push(b.status(n).await.unwrap().cluster_id);
+        }
+        v
+    };
+    assert_eq!(ids[0], ids[1], "one backup set, one cluster");
+    assert_ne!(ids[0], ids[2], "another backup set, another cluster");
+    assert!(
+        ids.iter().all(|i| i.len() == 32 && *i != genesis),
+        "{ids:?}"
+    );
+    // Nodes 1 and 2 elect a leader and take writes, one entry each.
+    let client = allot_node::local_cluster::client(b.endpoints()[..2].to_vec());
+    let mut cycle = HoldCycle::new(8, 3_000_000);
+    for _ in 0..20 {
+        let r = cycle.request();
+        let (outs, _) = client.execute(0, std::slice::from_ref(&r)).await.unwrap();
+        assert!(outs[0].is_ok(), "{outs:?}");
+    }
+    let leader_applied = b.status(1).await.unwrap().shards[0].applied_index;
+    assert!(
+        leader_applied > later_index[0] + 5,
+        "nodes 1 and 2 went past node 3's restored index {}: {leader_applied}",
+        later_index[0]
+    );
+    // Past several heartbeats: node 3 took nothing of theirs.
+    let until = std::time::Instant::now() + Duration::from_secs(3);
+    while std::time::Instant::now() < until {
+        let s3 = b.status(3).await.unwrap().shards[0].clone();
+        assert_eq!(
+            s3.applied_index, later_index[0],
+            "node 3 applied another cluster's entries: {s3:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let log = std::fs::read_to_string(b.log_path(1)).unwrap_or_default();
+    assert!(
+        log.contains("another cluster") || log.contains("belongs to cluster"),
+        "node 1 says why node 3 is not reached"
+    );
+}

@@ -161,6 +161,8 @@ pub enum RestoreError {
 
 /// What one shard's restore installed.
 pub struct Restored {
+    /// The restored cluster's id (`crate::identity`), the same in every shard's.
+    pub cluster: crate::identity::ClusterId,
     pub file: PathBuf,
     pub summary: BackupSummary,
     pub rows: u64,
@@ -291,6 +293,19 @@ fn build(
         )));
     }
     crate::node::check_shard_count(&db, shards).map_err(storage)?;
+    // The restored cluster is a cluster of its own (`crate::identity`): every node
+    // restored from this set with these members has this id, any other is refused.
+    let id = crate::identity::of_restore(
+        restored.iter().map(|r| {
+            let (term, index) = r.summary.position.map_or((0, 0), |p| (p.term, p.index));
+            (r.summary.shard, term, index, &r.summary.state_hash[..])
+        }),
+        members.map(|m| m.iter().map(|(id, addr)| (*id, addr.as_str()))),
+    );
+    crate::identity::store(&db, &id).map_err(storage)?;
+    for r in &mut restored {
+        r.cluster = id;
+    }
     db.flush_wal(true).map_err(storage)?;
     Ok(restored)
 }
@@ -402,6 +417,8 @@ fn restore_shard(
     store::log::write_synced(db, batch).map_err(storage)?;
     Ok((
         Restored {
+            // Known once the whole set is in (`build`).
+            cluster: Default::default(),
             file: file.to_path_buf(),
             summary: verified.summary,
             rows,

@@ -18,6 +18,7 @@ pub mod connections;
 pub mod decoded;
 pub mod disk;
 pub mod edge;
+pub mod identity;
 pub mod limits;
 pub mod link;
 pub mod local_cluster;

@@ -66,6 +66,12 @@ use tokio_rustls::rustls;
 
 /// The first bytes of a link connection, both ways; the last is the link's version.
 pub const MAGIC: &[u8; 8] = b"ALLOTPL\x01";
+/// A dialler's hello that also carries its cluster id (`crate::identity`): sent by a
+/// node that has one. A node without one (a data dir of an earlier release) sends
+/// [`MAGIC`], which an earlier release's listener understands; an earlier release's
+/// listener reads this one as no link, and the dialler uses gRPC (whose header carries
+/// the id).
+pub const MAGIC_WITH_CLUSTER: &[u8; 8] = b"ALLOTPL\x02";
 /// A request frame's fixed part after its length: id, kind, shard, timeout.
 const REQUEST_HEAD: usize = 8 + 1 + 4 + 4;
 /// A reply frame's fixed part after its length: id, status.
@@ -101,6 +107,8 @@ impl Kind {
 
 /// Hello refusal: the peer secret is missing or wrong.
 const REFUSED_UNAUTHENTICATED: u8 = 1;
+/// Hello refusal: the dialler belongs to another cluster (`crate::identity`).
+const REFUSED_OTHER_CLUSTER: u8 = 2;
 
 /// Why a call over the link did not produce the peer's answer.
 #[derive(Debug)]
@@ -693,10 +701,19 @@ where
     W: AsyncWrite + Send + Unpin + 'static,
 {
     let secret = credential.secret_bytes();
-    let mut hello = Vec::with_capacity(MAGIC.len() + 2 + secret.len());
-    hello.extend_from_slice(MAGIC);
+    let cluster = credential.cluster_id();
+    let mut hello = Vec::with_capacity(MAGIC.len() + 2 + secret.len() + 17);
+    hello.extend_from_slice(if cluster.is_some() {
+        MAGIC_WITH_CLUSTER
+    } else {
+        MAGIC
+    });
     hello.extend_from_slice(&(secret.len() as u16).to_le_bytes());
     hello.extend_from_slice(secret);
+    if let Some(id) = cluster {
+        hello.push(id.len() as u8);
+        hello.extend_from_slice(&id);
+    }
     if let Err(e) = async {
         w.write_all(&hello).await?;
         w.flush().await
@@ -717,6 +734,12 @@ where
     // header at least), then closes the connection.
     if &ack[..8] != MAGIC {
         return Dialled::Unsupported;
+    }
+    if ack[8] == REFUSED_OTHER_CLUSTER {
+        return Dialled::Refused(format!(
+            "{dial}: the peer belongs to another cluster (a node restored from another \
+             backup set, or from an old backup: DESIGN §68)"
+        ));
     }
     if ack[8] != 0 {
         return Dialled::Refused(format!(
@@ -796,7 +819,7 @@ impl Links {
 /// [`MAGIC`] is seen, `Some(false)` as soon as a byte differs, `None` while undecided.
 pub fn classify(prefix: &[u8]) -> Option<bool> {
     let n = prefix.len().min(MAGIC.len());
-    if prefix[..n] != MAGIC[..n] {
+    if prefix[..n] != MAGIC[..n] && prefix[..n] != MAGIC_WITH_CLUSTER[..n] {
         return Some(false);
     }
     (n == MAGIC.len()).then_some(true)
@@ -887,19 +910,27 @@ where
     R: AsyncRead + Send + Unpin + 'static,
 {
     let mut r = tokio::io::BufReader::new(r);
-    let secret = tokio::time::timeout(HELLO_TIMEOUT, async {
+    let malformed =
+        || std::io::Error::new(std::io::ErrorKind::InvalidData, "a malformed link hello");
+    let (secret, cluster) = tokio::time::timeout(HELLO_TIMEOUT, async {
         let mut magic = [0u8; 8];
         r.read_exact(&mut magic).await?;
         let len = r.read_u16_le().await? as usize;
-        if magic != *MAGIC || len > HELLO_SECRET_MAX {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                "a malformed link hello",
-            ));
+        if (magic != *MAGIC && magic != *MAGIC_WITH_CLUSTER) || len > HELLO_SECRET_MAX {
+            return Err(malformed());
         }
         let mut secret = vec![0u8; len];
         r.read_exact(&mut secret).await?;
-        Ok(secret)
+        let mut cluster = None;
+        if magic == *MAGIC_WITH_CLUSTER {
+            let mut id: crate::identity::ClusterId = Default::default();
+            if r.read_u8().await? as usize != id.len() {
+                return Err(malformed());
+            }
+            r.read_exact(&mut id).await?;
+            cluster = Some(id);
+        }
+        Ok((secret, cluster))
     })
     .await
     .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no link hello in time"))??;
@@ -911,6 +942,17 @@ where
             .with_label_values(&["unauthenticated"])
             .inc();
         ack[8] = REFUSED_UNAUTHENTICATED;
+        writer.send(ack.to_vec()).await?;
+        return Ok(());
+    }
+    // Authenticated first: only a peer may make a new node adopt its cluster.
+    if let Err(refused) = served.auth.admits_cluster(cluster) {
+        served
+            .connections
+            .with_label_values(&["other_cluster"])
+            .inc();
+        tracing::warn!(reason = %refused.message(), "peer link refused");
+        ack[8] = REFUSED_OTHER_CLUSTER;
         writer.send(ack.to_vec()).await?;
         return Ok(());
     }

@@ -571,6 +571,13 @@ fn restore(
             r.file.display()
         );
     }
+    if let Some(r) = restored.first() {
+        println!(
+            "cluster id {} (every node restored from this backup set with these members has \
+             it; peers of any other are refused)",
+            allot_node::identity::hex(&r.cluster)
+        );
+    }
     println!(
         "data dir {} is ready: start the node with `allot-node run --node-id {node_id} \
          --data-dir {} --shards {shards} ...` (no init)",

@@ -143,6 +143,8 @@ pub struct Node {
     pub tls: Option<crate::tls::Tls>,
     /// How peers authenticate to this node.
     pub peer_auth: crate::peer::PeerAuth,
+    /// The cluster this node's data belongs to (`crate::identity`).
+    pub identity: Arc<crate::identity::Identity>,
     /// Whether this node serves (and dials) the peer link: `--peer-link on` without TLS.
     pub peer_link: bool,
     /// Raft messages being decoded and handled now (`RAFT_MESSAGES_IN_FLIGHT_MAX`).
@@ -200,6 +202,9 @@ impl Node {
         let db = store::open_db(&config.data_dir.join("db"))
             .with_context(|| format!("opening RocksDB in {}", config.data_dir.display()))?;
         check_shard_count(&db, config.shards)?;
+        // Which cluster this data belongs to (`crate::identity`); whether a new node may
+        // adopt its first peer's is known once every shard has opened (below).
+        let identity = Arc::new(crate::identity::Identity::open(db.clone())?);
         let clock = Arc::new(ClusterClock::new(config.clock_offset_ms));
         let tls = config
             .tls
@@ -209,10 +214,12 @@ impl Node {
         let channels = Arc::new(Channels::new(
             config.peer_routes.iter().cloned().collect(),
             tls.as_ref(),
-            crate::peer::PeerCredential::new(config.peer_secret.as_deref())?,
+            crate::peer::PeerCredential::new(config.peer_secret.as_deref())?
+                .with_identity(identity.clone()),
             config.peer_link,
         ));
-        let peer_auth = crate::peer::PeerAuth::new(tls.is_some(), config.peer_secret.as_deref());
+        let peer_auth = crate::peer::PeerAuth::new(tls.is_some(), config.peer_secret.as_deref())
+            .with_identity(identity.clone());
         if !peer_auth.configured() {
             tracing::warn!(
                 "peers are not authenticated (no TLS, no --peer-secret-file): anyone who can \
@@ -233,7 +240,8 @@ impl Node {
         // Every shard opened: from here this binary's log and audit format may be
         // written (snapshots mark their own format as they are stored).
         crate::versions::mark_data_dir(&config.data_dir, crate::versions::START_FORMAT)?;
-        let mut shards = Vec::new();
+        let mut shards: Vec<Shard> = Vec::new();
+        let mut every_shard_empty = true;
         let background = Arc::new(store::sm::Background::default());
         for id in 0..config.shards {
             let trigger = Arc::new(SnapshotTrigger::new(
@@ -279,8 +287,21 @@ impl Node {
                     .read_vote()
                     .await
                     .map_err(|e| anyhow::anyhow!("reading shard {id}'s vote: {e}"))?;
-                st.last_log_id.is_none() && vote.is_none() && view.read().last_applied.is_none()
+                let g = view.read();
+                st.last_log_id.is_none()
+                    && vote.is_none()
+                    && g.last_applied.is_none()
+                    && g.membership.membership().nodes().next().is_none()
             };
+            // Rejoining lasts across restarts until the replica is whole: a marker,
+            // synced before Raft starts (it may accept a leader's vote at once).
+            let marked = crate::rejoin::marked(&db, id)
+                .map_err(|e| anyhow::anyhow!("reading shard {id}'s rejoining marker: {e}"))?;
+            if started_empty && !marked {
+                crate::rejoin::mark(&db, id)
+                    .map_err(|e| anyhow::anyhow!("marking shard {id} rejoining: {e}"))?;
+            }
+            let rejoining = started_empty || marked;
             let active = store::sm::rules_on_disk(&db, id, &view.read().state)
                 .map_err(|e| anyhow::anyhow!("reading shard {id}'s rule version: {e}"))?;
             crate::versions::check_rules(id, active, config.rules_max)?;
@@ -315,8 +336,15 @@ impl Node {
             )
             .await
             .with_context(|| format!("starting raft of shard {id}"))?;
-            let rejoin = Arc::new(crate::rejoin::Rejoin::new(started_empty));
-            if started_empty {
+            every_shard_empty &= started_empty;
+            let rejoin = Arc::new(crate::rejoin::Rejoin::new(rejoining).stored_in(db.clone(), id));
+            if rejoining {
+                tracing::info!(
+                    shard = id,
+                    "this replica opened with an empty log (a new node, or one that lost its \
+                     disk): it votes only for a candidate holding a leader's commit, and \
+                     stands for no election, until it has caught up (DESIGN §67)"
+                );
                 raft.runtime_config().elect(false);
             }
             let pause = Arc::new(crate::transfer::Pause::default());
@@ -350,6 +378,10 @@ impl Node {
                 rejoin,
             });
         }
+        identity.set_fresh(every_shard_empty);
+        if let Some(id) = identity.current() {
+            tracing::info!(cluster = %crate::identity::hex(&id), "this node's cluster");
+        }
         let peer_link = config.peer_link;
         let node = Arc::new(Node {
             id: config.id,
@@ -366,6 +398,7 @@ impl Node {
             audit_scans: Default::default(),
             tls,
             peer_auth,
+            identity,
             peer_link,
             raft_in_flight: Arc::new(tokio::sync::Semaphore::new(
                 crate::limits::RAFT_MESSAGES_IN_FLIGHT_MAX,

@@ -17,6 +17,7 @@
 //! it with a typed error before openraft is called; answers from peers are checked the
 //! same way before they are handed back to openraft.
 
+use crate::identity::{ClusterId, Identity};
 use crate::limits::{INDEX_MAX, SNAPSHOT_BYTES_MAX, TERM_MAX};
 use crate::network::{AppendWire, SnapshotChunk};
 use crate::types::{LogEntry, LogId, NodeId, SnapshotMeta, Vote};
@@ -24,6 +25,7 @@ use openraft::raft::{AppendEntriesResponse, VoteRequest, VoteResponse};
 use openraft::{EntryPayload, Membership};
 use sha2::{Digest, Sha256};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 use tonic::metadata::{MetadataMap, MetadataValue};
 
@@ -42,6 +44,8 @@ pub const SNAPSHOT_INSTALL_TIMEOUT: Duration = Duration::from_secs(300);
 #[derive(Clone, Default)]
 pub struct PeerCredential {
     secret: Option<MetadataValue<tonic::metadata::Ascii>>,
+    /// The cluster this node belongs to, sent with every peer message.
+    identity: Option<Arc<Identity>>,
 }
 
 impl PeerCredential {
@@ -62,7 +66,21 @@ impl PeerCredential {
                 Some(MetadataValue::try_from(s)?)
             }
         };
-        Ok(PeerCredential { secret })
+        Ok(PeerCredential {
+            secret,
+            identity: None,
+        })
+    }
+
+    pub fn with_identity(mut self, identity: Arc<Identity>) -> PeerCredential {
+        self.identity = Some(identity);
+        self
+    }
+
+    /// The cluster id this node sends (none: a data dir of an earlier release, or a new
+    /// node that has not heard a peer yet).
+    pub fn cluster_id(&self) -> Option<ClusterId> {
+        self.identity.as_ref().and_then(|i| i.current())
     }
 
     /// The secret's bytes (empty without one): what a peer-link hello carries.
@@ -74,6 +92,11 @@ impl PeerCredential {
         if let Some(s) = &self.secret {
             meta.insert(PEER_SECRET, s.clone());
         }
+        if let Some(id) = self.cluster_id() {
+            if let Ok(v) = MetadataValue::try_from(crate::identity::hex(&id)) {
+                meta.insert(crate::identity::HEADER, v);
+            }
+        }
     }
 }
 
@@ -84,6 +107,8 @@ pub struct PeerAuth {
     pub tls: bool,
     /// SHA-256 of the peer secret, when one is configured.
     pub secret_digest: Option<[u8; 32]>,
+    /// The cluster this node belongs to: a peer of another is refused.
+    pub identity: Option<Arc<Identity>>,
 }
 
 impl PeerAuth {
@@ -91,7 +116,26 @@ impl PeerAuth {
         PeerAuth {
             tls,
             secret_digest: secret.map(|s| Sha256::digest(s.trim().as_bytes()).into()),
+            identity: None,
         }
+    }
+
+    pub fn with_identity(mut self, identity: Arc<Identity>) -> PeerAuth {
+        self.identity = Some(identity);
+        self
+    }
+
+    /// Whether a peer of cluster `theirs` is one of this node's cluster (a new node
+    /// takes the first authenticated peer's: `Identity::admit`). The refusal: reason
+    /// `OTHER_CLUSTER`.
+    #[allow(clippy::result_large_err)]
+    pub fn admits_cluster(&self, theirs: Option<ClusterId>) -> Result<(), tonic::Status> {
+        let Some(identity) = &self.identity else {
+            return Ok(());
+        };
+        identity.admit(theirs).map_err(|why| {
+            crate::edge::with_reason(tonic::Status::failed_precondition(why), "OTHER_CLUSTER")
+        })
     }
 
     /// Whether peers are authenticated at all (TLS or a secret).
@@ -139,6 +183,19 @@ impl PeerAuth {
     #[allow(clippy::result_large_err)]
     pub fn intercept(&self, req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
         if !self.configured() || self.credentials_ok(req.metadata(), has_peer_cert(&req)) {
+            let theirs = match req.metadata().get(crate::identity::HEADER) {
+                None => None,
+                Some(v) => Some(crate::identity::parse(v.as_bytes()).map_err(|e| {
+                    crate::edge::with_reason(
+                        tonic::Status::invalid_argument(format!(
+                            "{}: {e}",
+                            crate::identity::HEADER
+                        )),
+                        "MALFORMED",
+                    )
+                })?),
+            };
+            self.admits_cluster(theirs)?;
             return Ok(req);
         }
         Err(crate::edge::with_reason(

@@ -10,147 +10,269 @@
 //! lost. And once it holds its configuration again it stands for election itself with a
 //! part of the log.
 //!
-//! So a replica whose shard opened empty (no vote, no log, no snapshot) is *rejoining*:
-//! - it grants no vote, except to a candidate whose log is the genesis configuration
-//!   alone (index 0: a shard that never committed anything has nothing to lose, and a
-//!   new cluster's first election needs its members' votes);
+//! So a replica whose shard opened empty (no vote, no log, no snapshot, no membership) is
+//! *rejoining*, and stays so across restarts (a marker in its storage, written before
+//! Raft starts, removed when it is whole):
 //! - it stands for no election (openraft's election timer is off, and a leader
 //!   transfer's `Campaign` is refused);
-//! - it follows a leader as any replica does, and notes the highest commit index a
-//!   leader announced to it; once its own log reaches that index it holds every entry
-//!   it could have acknowledged before it lost its disk (those were committed, so a
-//!   later leader's commit index covers them) and becomes whole: it votes and stands
-//!   for election again.
+//! - it follows a leader as any replica does, and keeps the highest commit a leader
+//!   announced *in its own term* (a leader that has committed an entry of its term holds
+//!   every entry committed before: Raft's leader completeness; a commit index from an
+//!   earlier term, which a new leader carries until its first entry commits, is not
+//!   used);
+//! - it grants a vote only to a candidate whose last log id is at least that mark (such
+//!   a log holds every entry committed up to the mark, Raft §5.4.3), or, before any
+//!   mark, to a candidate whose log is the genesis configuration alone (index 0: a new
+//!   cluster's first election needs its members' votes, and a shard that never
+//!   committed anything has nothing to lose);
+//! - once its own commit index (openraft's, capped at what matches the leader's log)
+//!   reaches the mark, it holds every entry it can have acknowledged before it lost its
+//!   disk, and becomes whole: it votes and stands for election as any replica.
 //!
-//! The node that initialises a shard (`Admin.Init`) holds its genesis log and is whole
-//! from then on. A restored data dir holds a snapshot: it is not empty.
+//! The node that initialises a shard (`Admin.Init`) stands for election at once (its
+//! genesis configuration is the log), and becomes whole when it has led the shard to a
+//! commit in its own term or heard a leader's.
 //!
-//! What this does not do: tell whom the lost node had voted for in a term still under
-//! way (only removing the node and adding it back, which is the documented procedure
-//! after a lost disk, gives that guarantee); nor refuse to follow a deposed leader that
-//! reached it first (it then waits for that leader's, lower, commit index, and the real
-//! leader's next message raises the mark while it is still rejoining).
+//! What this does not do: know whom the lost node had voted for in a term still under
+//! way, or refuse an append from a deposed leader of an older term (an empty replica
+//! has no vote to compare with). Only removing the node and adding it back — the
+//! documented procedure after a lost disk — gives those guarantees.
 
+use crate::store;
+use crate::types::LogId;
+use rocksdb::DB;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+
+const MARKER: &[u8] = b"rejoining";
+
+fn marker_key(shard: u32) -> Vec<u8> {
+    store::shard_key(shard, MARKER)
+}
+
+/// Whether `shard`'s storage holds the rejoining marker (it opened empty before and has
+/// not been whole since).
+pub fn marked(db: &DB, shard: u32) -> anyhow::Result<bool> {
+    Ok(db
+        .get_cf(store::cf(db, store::CF_META), marker_key(shard))?
+        .is_some())
+}
+
+/// Writes the marker, synced, before Raft starts on an empty shard.
+pub fn mark(db: &DB, shard: u32) -> anyhow::Result<()> {
+    let mut opts = rocksdb::WriteOptions::default();
+    opts.set_sync(true);
+    let mut batch = rocksdb::WriteBatch::default();
+    batch.put_cf(store::cf(db, store::CF_META), marker_key(shard), [1u8]);
+    db.write_opt(batch, &opts)?;
+    Ok(())
+}
 
 pub struct Rejoin {
-    /// Whether this replica votes and stands for election (read on every vote and
-    /// append; written once).
+    /// Whether this replica votes as any replica (read on every vote and append).
     whole: AtomicBool,
-    /// While rejoining: the highest commit a leader announced (`Some(None)`: a leader
-    /// spoke and had committed nothing), `None` before any leader spoke.
-    mark: Mutex<Option<Option<u64>>>,
+    /// Whether it may stand for election: whole, or it initialised the shard.
+    may_stand: AtomicBool,
+    /// While rejoining: the highest commit a leader announced in its own term.
+    mark: Mutex<Option<LogId>>,
+    /// Where the marker is removed once whole (none: tests).
+    store: Option<(Arc<DB>, u32)>,
 }
 
 impl Rejoin {
-    /// `started_empty`: the shard opened with no vote, no log and no snapshot.
-    pub fn new(started_empty: bool) -> Rejoin {
+    /// `rejoining`: the shard opened empty, or with the marker of an earlier start.
+    pub fn new(rejoining: bool) -> Rejoin {
         Rejoin {
-            whole: AtomicBool::new(!started_empty),
+            whole: AtomicBool::new(!rejoining),
+            may_stand: AtomicBool::new(!rejoining),
             mark: Mutex::new(None),
+            store: None,
         }
+    }
+
+    pub fn stored_in(mut self, db: Arc<DB>, shard: u32) -> Rejoin {
+        self.store = Some((db, shard));
+        self
     }
 
     pub fn is_whole(&self) -> bool {
         self.whole.load(Ordering::Acquire)
     }
 
-    /// This node initialised the shard: its log is the genesis configuration.
-    pub fn initialised_here(&self) {
-        self.whole.store(true, Ordering::Release);
+    pub fn may_stand(&self) -> bool {
+        self.may_stand.load(Ordering::Acquire)
     }
 
-    /// A leader's append announced `leader_commit` (its commit index).
-    pub fn heard(&self, leader_commit: Option<u64>) {
+    /// This node initialised the shard: its log is the genesis configuration, and it
+    /// stands for election.
+    pub fn initialised_here(&self) {
+        self.may_stand.store(true, Ordering::Release);
+    }
+
+    /// A leader of term `term` announced `leader_commit`.
+    pub fn heard(&self, term: u64, leader_commit: Option<LogId>) {
         if self.is_whole() {
             return;
         }
+        let Some(c) = leader_commit.filter(|c| c.leader_id.term == term) else {
+            return;
+        };
         let mut g = self.mark.lock().unwrap_or_else(|p| p.into_inner());
-        *g = Some(match *g {
-            None => leader_commit,
-            Some(m) => m.max(leader_commit),
-        });
+        if g.is_none_or(|m| m < c) {
+            *g = Some(c);
+        }
     }
 
-    /// Records this replica's last log index; `true` when that made it whole (the
-    /// caller then lets it stand for election).
-    pub fn progress(&self, last_log_index: Option<u64>) -> bool {
+    /// Records this replica's commit; `true` when that made it whole (the caller then
+    /// lets it stand for election).
+    pub fn progress(&self, committed: Option<LogId>) -> bool {
         if self.is_whole() {
             return false;
         }
-        let g = self.mark.lock().unwrap_or_else(|p| p.into_inner());
-        let reached = match *g {
-            None => false,
-            Some(mark) => last_log_index >= mark,
-        };
-        if reached {
-            self.whole.store(true, Ordering::Release);
+        let mark = *self.mark.lock().unwrap_or_else(|p| p.into_inner());
+        match mark {
+            Some(m) if committed >= Some(m) => {
+                self.become_whole();
+                true
+            }
+            _ => false,
         }
-        reached
     }
 
-    /// Why this replica does not vote for a candidate whose last log index is
+    /// This replica led the shard to a commit in its own term (it initialised the shard
+    /// and won its first election): whole.
+    pub fn led(&self) -> bool {
+        if self.is_whole() {
+            return false;
+        }
+        self.become_whole();
+        true
+    }
+
+    fn become_whole(&self) {
+        self.may_stand.store(true, Ordering::Release);
+        self.whole.store(true, Ordering::Release);
+        if let Some((db, shard)) = &self.store {
+            let removed = db.delete_cf(store::cf(db, store::CF_META), marker_key(*shard));
+            if let Err(e) = removed {
+                tracing::warn!(shard, error = %e, "removing the rejoining marker (the replica \
+                    will be rejoining again after a restart)");
+            }
+        }
+    }
+
+    /// Why this replica does not vote for a candidate whose last log id is
     /// `candidate_last`, or `None` when it may (openraft then compares the logs).
-    pub fn vote_refusal(&self, candidate_last: Option<u64>) -> Option<String> {
-        if self.is_whole() || candidate_last.unwrap_or(0) == 0 {
+    pub fn vote_refusal(&self, candidate_last: Option<LogId>) -> Option<String> {
+        if self.is_whole() {
             return None;
         }
         let mark = *self.mark.lock().unwrap_or_else(|p| p.into_inner());
-        Some(match mark {
-            None => "this replica started with an empty log and has heard no leader yet: it \
-                     votes once it holds a leader's commit index"
-                .to_string(),
-            Some(m) => format!(
-                "this replica started with an empty log and has not yet caught up to a \
-                 leader's commit index {}: it votes once it has",
-                m.map_or("(none)".to_string(), |i| i.to_string())
+        match mark {
+            None if candidate_last.is_none_or(|l| l.index == 0) => None,
+            None => Some(
+                "this replica started with an empty log and has heard no leader's commit \
+                 yet: it votes for a candidate holding one"
+                    .to_string(),
             ),
-        })
+            Some(m) if candidate_last >= Some(m) => None,
+            Some(m) => Some(format!(
+                "this replica started with an empty log: it votes only for a candidate \
+                 holding the commit {m} a leader announced"
+            )),
+        }
     }
+}
+
+/// After `Admin.Init` on a rejoining replica: it is whole once it leads the shard and
+/// has applied an entry of its own term (committed by a majority that voted for its
+/// genesis log), or once it heard a leader's commit (the append handler). Ends then, or
+/// when the shard stops.
+pub fn whole_once_led(raft: crate::types::Raft, rejoin: Arc<Rejoin>, me: u64) {
+    tokio::spawn(async move {
+        let mut m = raft.metrics();
+        loop {
+            if rejoin.is_whole() {
+                return;
+            }
+            let led = {
+                let g = m.borrow_and_update();
+                g.current_leader == Some(me)
+                    && g.last_applied
+                        .is_some_and(|l| l.leader_id.term == g.current_term)
+            };
+            if led && rejoin.led() {
+                tracing::info!(
+                    "this replica initialised the shard and led it to a commit: it votes as \
+                     any replica"
+                );
+                return;
+            }
+            if m.changed().await.is_err() {
+                return;
+            }
+        }
+    });
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn log_id(term: u64, index: u64) -> LogId {
+        LogId::new(openraft::CommittedLeaderId::new(term, 1), index)
+    }
+
     #[test]
     fn a_replica_with_its_log_votes_and_one_started_empty_waits_for_a_leaders_commit() {
         let whole = Rejoin::new(false);
-        assert!(whole.is_whole());
-        assert_eq!(whole.vote_refusal(Some(40)), None);
+        assert!(whole.is_whole() && whole.may_stand());
+        assert_eq!(whole.vote_refusal(Some(log_id(3, 40))), None);
 
         let r = Rejoin::new(true);
-        assert!(!r.is_whole());
+        assert!(!r.is_whole() && !r.may_stand());
         // The genesis election: a candidate holding only the initial configuration.
-        assert_eq!(r.vote_refusal(Some(0)), None);
+        assert_eq!(r.vote_refusal(Some(log_id(0, 0))), None);
         assert_eq!(r.vote_refusal(None), None);
-        // Anything past genesis, before any leader spoke: refused.
-        assert!(r.vote_refusal(Some(1)).is_some());
-        assert!(!r.progress(Some(100)), "no leader heard: no mark to reach");
-        r.heard(Some(50));
+        // Anything past genesis, before any mark: refused.
+        assert!(r.vote_refusal(Some(log_id(1, 1))).is_some());
+        assert!(
+            !r.progress(Some(log_id(9, 100))),
+            "no leader heard: no mark to reach"
+        );
+        // A commit index of an earlier term (a new leader's, before its first entry
+        // commits) sets no mark.
+        r.heard(5, Some(log_id(4, 70)));
+        assert!(!r.progress(Some(log_id(4, 70))));
+        r.heard(4, Some(log_id(4, 50)));
         // A deposed leader's lower commit does not lower the mark.
-        r.heard(Some(20));
-        assert!(!r.progress(Some(49)));
-        assert!(r.vote_refusal(Some(60)).unwrap().contains("50"));
-        assert!(r.progress(Some(50)), "reaching the mark makes it whole");
-        assert!(r.is_whole());
-        assert!(!r.progress(Some(51)), "whole once: no second transition");
-        assert_eq!(r.vote_refusal(Some(60)), None);
+        r.heard(3, Some(log_id(3, 20)));
+        assert!(!r.progress(Some(log_id(4, 49))));
+        // Votes: only for a log at least the mark; none for genesis once there is one.
+        assert!(r.vote_refusal(Some(log_id(4, 49))).unwrap().contains("50"));
+        assert!(r.vote_refusal(Some(log_id(0, 0))).is_some());
+        assert_eq!(r.vote_refusal(Some(log_id(4, 50))), None);
+        assert_eq!(r.vote_refusal(Some(log_id(5, 10))), None);
+        assert!(
+            r.progress(Some(log_id(4, 50))),
+            "reaching the mark makes it whole"
+        );
+        assert!(r.is_whole() && r.may_stand());
+        assert!(
+            !r.progress(Some(log_id(4, 51))),
+            "whole once: no second transition"
+        );
+        assert_eq!(r.vote_refusal(Some(log_id(1, 3))), None);
     }
 
     #[test]
-    fn a_leader_that_committed_nothing_leaves_nothing_to_wait_for() {
-        let r = Rejoin::new(true);
-        r.heard(None);
-        assert!(r.progress(None));
-        assert!(r.is_whole());
-    }
-
-    #[test]
-    fn the_node_that_initialises_the_shard_is_whole() {
+    fn the_node_that_initialises_the_shard_stands_at_once_and_is_whole_once_it_led() {
         let r = Rejoin::new(true);
         r.initialised_here();
-        assert_eq!(r.vote_refusal(Some(9)), None);
+        assert!(r.may_stand() && !r.is_whole());
+        assert!(r.vote_refusal(Some(log_id(1, 9))).is_some());
+        assert!(r.led());
+        assert!(r.is_whole());
+        assert!(!r.led());
     }
 }

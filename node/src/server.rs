@@ -880,6 +880,15 @@ impl Admin for Services {
         for id in &msg.shards {
             shard_of(&self.node, *id)?;
         }
+        // A new node takes the cluster's id before its shard's first vote request goes
+        // out (`crate::identity`); a node of another cluster is not initialised into
+        // this one.
+        let genesis =
+            crate::identity::of_genesis(members.iter().map(|(id, n)| (*id, n.addr.as_str())));
+        self.node
+            .identity
+            .initialise(genesis)
+            .map_err(|why| edge::with_reason(Status::failed_precondition(why), "OTHER_CLUSTER"))?;
         for s in &self.node.shards {
             if !msg.shards.is_empty() && !msg.shards.contains(&s.id) {
                 continue;
@@ -889,6 +898,7 @@ impl Admin for Services {
                 Ok(()) => {
                     s.rejoin.initialised_here();
                     crate::transfer::rejoined(s);
+                    crate::rejoin::whole_once_led(s.raft.clone(), s.rejoin.clone(), self.node.id);
                 }
                 // Idempotent: a retried init of an initialised shard is fine.
                 Err(openraft::error::RaftError::APIError(
@@ -1030,6 +1040,13 @@ impl Admin for Services {
             disk_free_bytes: self.node.disk.free().unwrap_or(0),
             disk_low: self.node.disk.low(),
             min_free_disk_bytes: self.node.disk.min_free(),
+            cluster_id: self
+                .node
+                .identity
+                .current()
+                .filter(|_| !tenant)
+                .map(|id| crate::identity::hex(&id))
+                .unwrap_or_default(),
         }))
     }
 
@@ -1182,20 +1199,22 @@ impl Services {
             .inc();
     }
 
-    /// A rejoining replica (`crate::rejoin`) that now holds the commit index a leader
+    /// A rejoining replica (`crate::rejoin`) whose commit reached the mark a leader
     /// announced becomes whole: it votes and stands for election again.
-    fn rejoin_progress(&self, shard: &Shard) {
+    async fn rejoin_progress(&self, shard: &Shard) {
         if shard.rejoin.is_whole() {
             return;
         }
-        let last = shard.raft.metrics().borrow().last_log_index;
-        if shard.rejoin.progress(last) {
+        let Ok(committed) = self.committed(shard).await else {
+            return;
+        };
+        if shard.rejoin.progress(committed) {
             crate::transfer::rejoined(shard);
             tracing::info!(
                 shard = shard.id,
-                last_log_index = last,
-                "this replica, started with an empty log, holds a leader's commit index: it \
-                 votes and stands for election again"
+                committed = ?committed,
+                "this replica, started with an empty log, holds a leader's commit: it votes \
+                 and stands for election again"
             );
         }
     }
@@ -1231,11 +1250,13 @@ impl RaftService for Services {
         let entries = wire.entries.len();
         let rejoining = !shard.rejoin.is_whole();
         if rejoining {
-            shard.rejoin.heard(wire.leader_commit.map(|l| l.index));
+            shard
+                .rejoin
+                .heard(wire.vote.leader_id().term, wire.leader_commit);
         }
         let r = shard.raft.append_entries(wire.into()).await;
         if rejoining {
-            self.rejoin_progress(shard);
+            self.rejoin_progress(shard).await;
         }
         let reply = encode_peer(&r);
         let label = shard.id.to_string();
@@ -1259,8 +1280,8 @@ impl RaftService for Services {
         let vote: openraft::raft::VoteRequest<NodeId> = decode_peer(&msg.payload)?;
         peer::check_vote_request(&vote, self.node.id)
             .map_err(|e| self.peer_refused("raft:vote", e))?;
-        self.rejoin_progress(shard);
-        if let Some(why) = shard.rejoin.vote_refusal(vote.last_log_id.map(|l| l.index)) {
+        self.rejoin_progress(shard).await;
+        if let Some(why) = shard.rejoin.vote_refusal(vote.last_log_id) {
             self.node
                 .metrics
                 .refusals
@@ -1325,7 +1346,7 @@ impl RaftService for Services {
                     .map_err(openraft::error::RaftError::Fatal)
             }
         };
-        self.rejoin_progress(shard);
+        self.rejoin_progress(shard).await;
         encode_peer(&r)
     }
 

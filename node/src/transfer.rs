@@ -81,7 +81,7 @@ pub async fn step(shard: &Shard, step: Step, hold: Duration) -> Result<(), Statu
             resume_elections(&shard.raft, &shard.rejoin);
             Ok(())
         }
-        Step::Campaign if !shard.rejoin.is_whole() => Err(Status::failed_precondition(
+        Step::Campaign if !shard.rejoin.may_stand() => Err(Status::failed_precondition(
             "this replica started with an empty log and has not caught up: it stands for no \
              election yet",
         )),
@@ -98,11 +98,12 @@ pub async fn step(shard: &Shard, step: Step, hold: Duration) -> Result<(), Statu
 /// Lets the replica stand for election again — unless it is still rejoining after
 /// opening empty (`crate::rejoin`): then it does once it is whole.
 pub fn resume_elections(raft: &crate::types::Raft, rejoin: &crate::rejoin::Rejoin) {
-    raft.runtime_config().elect(rejoin.is_whole());
+    raft.runtime_config().elect(rejoin.may_stand());
 }
 
-/// Called when a rejoining replica became whole: it stands for election again unless a
-/// leader transfer holds its elections (the hold's end resumes them).
+/// Called when a rejoining replica may stand for election (it became whole, or it
+/// initialised the shard), unless a leader transfer holds its elections (the hold's end
+/// resumes them).
 pub fn rejoined(shard: &Shard) {
     let held = shard.hold.until.lock().unwrap_or_else(|p| p.into_inner());
     if held.is_none() {

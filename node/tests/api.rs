@@ -361,9 +361,26 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     // A peer's malformed message is refused as such.
     let secret = c.peer_secret.clone().unwrap();
+    let cluster = c.status(1).await.unwrap().cluster_id;
     let mut req = tonic::Request::new(not_raft());
     req.metadata_mut()
         .insert(allot_node::peer::PEER_SECRET, secret.parse().unwrap());
+    // With the secret but without the cluster's id: a node of another cluster (or of an
+    // earlier release's data dir), refused before the message is read (DESIGN §68).
+    let e = raft.append(req).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert_eq!(
+        e.metadata()
+            .get("allot-reason")
+            .and_then(|v| v.to_str().ok()),
+        Some("OTHER_CLUSTER"),
+        "{e:?}"
+    );
+    let mut req = tonic::Request::new(not_raft());
+    req.metadata_mut()
+        .insert(allot_node::peer::PEER_SECRET, secret.parse().unwrap());
+    req.metadata_mut()
+        .insert(allot_node::identity::HEADER, cluster.parse().unwrap());
     let e = raft.append(req).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     // The membership guard's coverage question is a peer call like the others.
@@ -372,6 +389,8 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
         if with_secret {
             req.metadata_mut()
                 .insert(allot_node::peer::PEER_SECRET, secret.parse().unwrap());
+            req.metadata_mut()
+                .insert(allot_node::identity::HEADER, cluster.parse().unwrap());
         }
         req
     };

@@ -2610,3 +2610,55 @@ async fn a_voter_that_lost_its_disk_elects_no_leader_missing_what_it_acknowledge
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// DESIGN §67: rejoining lasts across a restart. A replica that opened empty and then
+/// stored something without becoming whole — here a vote granted in a new shard's first
+/// election — is still rejoining after a restart. Old code: it opened "not empty" and
+/// voted for anyone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_opened_empty_is_still_rejoining_after_a_restart() {
+    use allot_statemachine::codec;
+    let (_dir, mut c) = cluster("rejoin-restart", 3, 1);
+    c.start(3).expect("start 3");
+    c.wait_listening(3, Duration::from_secs(60)).expect("3 up");
+    assert!(c.status(3).await.unwrap().shards[0].rejoining);
+    // A genesis candidate's vote request, as a peer sends it.
+    let vote = openraft::raft::VoteRequest::<u64> {
+        vote: allot_node::types::Vote::new(5, 1),
+        last_log_id: Some(allot_node::types::LogId::new(
+            openraft::CommittedLeaderId::new(0, 0),
+            0,
+        )),
+    };
+    let mut req = tonic::Request::new(allot_proto::RaftMessage {
+        shard: 0,
+        payload: codec::encode(&vote),
+    });
+    req.metadata_mut().insert(
+        allot_node::peer::PEER_SECRET,
+        c.peer_secret.clone().unwrap().parse().unwrap(),
+    );
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{}", c.node(3).addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let reply = allot_proto::raft_client::RaftClient::new(ch)
+        .vote(req)
+        .await
+        .expect("a genesis vote request is answered")
+        .into_inner();
+    let answer: Result<openraft::raft::VoteResponse<u64>, openraft::error::RaftError<u64>> =
+        codec::decode(&reply.payload).expect("a vote response");
+    assert!(
+        answer.expect("granted or not").vote_granted,
+        "a genesis vote"
+    );
+    c.kill(3);
+    c.start(3).expect("restart 3");
+    c.wait_listening(3, Duration::from_secs(60))
+        .expect("3 up again");
+    let s = c.status(3).await.unwrap().shards[0].clone();
+    assert_eq!(s.term, 5, "the vote was stored: {s:?}");
+    assert!(s.rejoining, "rejoining survives the restart: {s:?}");
+}

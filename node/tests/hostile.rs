@@ -34,6 +34,15 @@ struct Hostile {
     c: LocalCluster,
     admin: ::allot_client::Client,
     token: String,
+    /// The cluster's id (`allot_node::identity`): peers send it with every message.
+    cluster: String,
+}
+
+/// What a peer presents: the peer secret and its cluster's id.
+#[derive(Clone)]
+struct PeerSecret {
+    secret: String,
+    cluster: String,
 }
 
 /// A secured 3-node cluster (admin token bootstrapped, peers sharing a secret).
@@ -63,11 +72,14 @@ async fn secured_with(shards: u32, node1_args: &[&str]) -> Hostile {
         .unwrap();
     c.admin_token = Some(token.clone());
     let admin = c.admin_client().unwrap();
+    let cluster = c.status(1).await.unwrap().cluster_id;
+    assert_eq!(cluster.len(), 32, "a new cluster has an id");
     Hostile {
         _dir: dir,
         c,
         admin,
         token,
+        cluster,
     }
 }
 
@@ -101,10 +113,12 @@ fn bearer<T>(msg: T, token: Option<&str>) -> tonic::Request<T> {
     r
 }
 
-fn as_peer<T>(msg: T, secret: &str) -> tonic::Request<T> {
+fn as_peer<T>(msg: T, peer: &PeerSecret) -> tonic::Request<T> {
     let mut r = tonic::Request::new(msg);
     r.metadata_mut()
-        .insert(PEER_SECRET, secret.parse().unwrap());
+        .insert(PEER_SECRET, peer.secret.parse().unwrap());
+    r.metadata_mut()
+        .insert(allot_node::identity::HEADER, peer.cluster.parse().unwrap());
     r
 }
 
@@ -142,8 +156,11 @@ fn rss_kib(pid: u32) -> (u64, u64) {
 }
 
 impl Hostile {
-    fn secret(&self) -> String {
-        self.c.peer_secret.clone().unwrap()
+    fn secret(&self) -> PeerSecret {
+        PeerSecret {
+            secret: self.c.peer_secret.clone().unwrap(),
+            cluster: self.cluster.clone(),
+        }
     }
 
     fn addr(&self, id: u64) -> String {
@@ -1175,7 +1192,7 @@ async fn defect_4_a_forged_vote_of_the_largest_term_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_peer_link_needs_the_secret_bounds_its_frames_and_checks_what_it_carries() {
     use allot_node::limits::{LINK_FRAME_MAX as FRAME_MAX, LINK_HELLO_TIMEOUT as HELLO_TIMEOUT};
-    use allot_node::link::{Kind, Link, LinkError, MAGIC};
+    use allot_node::link::{Kind, Link, LinkError, MAGIC, MAGIC_WITH_CLUSTER};
     use allot_node::peer::PeerCredential;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut h = secured(1).await;
@@ -1187,6 +1204,22 @@ async fn the_peer_link_needs_the_secret_bounds_its_frames_and_checks_what_it_car
         b.extend_from_slice(&(presented.len() as u16).to_le_bytes());
         b.extend_from_slice(presented.as_bytes());
         b
+    };
+    let cluster = allot_node::identity::parse(secret.cluster.as_bytes()).unwrap();
+    // A member's hello: the secret and a cluster id.
+    let member_hello = |presented: &str, id: &[u8; 16]| {
+        let mut b = MAGIC_WITH_CLUSTER.to_vec();
+        b.extend_from_slice(&(presented.len() as u16).to_le_bytes());
+        b.extend_from_slice(presented.as_bytes());
+        b.push(16);
+        b.extend_from_slice(id);
+        b
+    };
+    let member = |id: Option<[u8; 16]>| {
+        let c = PeerCredential::new(Some(&secret.secret)).unwrap();
+        c.with_identity(std::sync::Arc::new(
+            allot_node::identity::Identity::in_memory(id, false),
+        ))
     };
     // Reads until the node closes the connection (bounded wait).
     // (A close with unread bytes in the node's buffer arrives as a reset: also an end.)
@@ -1258,7 +1291,7 @@ async fn the_peer_link_needs_the_secret_bounds_its_frames_and_checks_what_it_car
     );
 
     // 2. With the secret, the gRPC service's guards: a forged vote of the largest term.
-    let link = Link::new(target.clone(), PeerCredential::new(Some(&secret)).unwrap());
+    let link = Link::new(target.clone(), member(Some(cluster)));
     link.connect(Duration::from_secs(5))
         .await
         .expect("the link connects");
@@ -1272,10 +1305,35 @@ async fn the_peer_link_needs_the_secret_bounds_its_frames_and_checks_what_it_car
         }
     }
 
+    // 2b. With the secret, from another cluster (DESIGN §68) — a node of an earlier
+    // release's data dir (no id), or of another backup set: refused in the hello.
+    let other_cluster = "allot_peer_link_connections_total{result=\"other_cluster\"}";
+    let mut ack = [0u8; 9];
+    for h_bytes in [
+        hello(&secret.secret),
+        member_hello(&secret.secret, &[7u8; 16]),
+    ] {
+        let mut s = tokio::net::TcpStream::connect(&target).await.unwrap();
+        s.write_all(&h_bytes).await.unwrap();
+        s.read_exact(&mut ack).await.unwrap();
+        assert_eq!(ack[8], 2, "another cluster's hello is refused");
+    }
+    for id in [None, Some([7u8; 16])] {
+        match Link::new(target.clone(), member(id))
+            .connect(Duration::from_secs(5))
+            .await
+        {
+            Err(LinkError::Status(s)) => assert!(s.message().contains("another cluster"), "{s:?}"),
+            other => panic!("a link of another cluster: {other:?}"),
+        }
+    }
+    assert_eq!(h.metric(1, other_cluster).await, 4.0);
+
     // 3. A frame longer than the bound: closed before its body is read.
     let mut s = tokio::net::TcpStream::connect(&target).await.unwrap();
-    s.write_all(&hello(&secret)).await.unwrap();
-    let mut ack = [0u8; 9];
+    s.write_all(&member_hello(&secret.secret, &cluster))
+        .await
+        .unwrap();
     s.read_exact(&mut ack).await.unwrap();
     assert_eq!(ack[8], 0, "the secret is accepted");
     s.write_all(&((FRAME_MAX + 1) as u32).to_le_bytes())
@@ -1285,7 +1343,9 @@ async fn the_peer_link_needs_the_secret_bounds_its_frames_and_checks_what_it_car
 
     // 4. An unknown request kind: refused, the connection stays usable.
     let mut s = tokio::net::TcpStream::connect(&target).await.unwrap();
-    s.write_all(&hello(&secret)).await.unwrap();
+    s.write_all(&member_hello(&secret.secret, &cluster))
+        .await
+        .unwrap();
     s.read_exact(&mut ack).await.unwrap();
     let mut frame = Vec::new();
     frame.extend_from_slice(&(17u32 + 3).to_le_bytes());
@@ -2193,7 +2253,7 @@ fn the_fuzz_knows_every_method() {
 
 /// Sends one random hostile message to `addr`; any answer is fine as long as the
 /// cluster survives and applies nothing. Returns the gRPC code (None: a raw socket).
-async fn one_hostile_message(r: &mut Rng, addr: &str, me: u64, secret: &str, revoked: &str) {
+async fn one_hostile_message(r: &mut Rng, addr: &str, me: u64, secret: &PeerSecret, revoked: &str) {
     let ch = match tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .unwrap()
         .connect_timeout(Duration::from_secs(2))

@@ -196,7 +196,15 @@ async fn tls_peers_replicate_over_the_link_and_it_admits_only_cluster_certificat
     let refused_before = common::metric(&c.node(leader).metrics_addr, unauthenticated).await;
     // Every dialler below presents the cluster's peer secret: only the certificate
     // differs.
-    let secret = || PeerCredential::new(c.peer_secret.as_deref()).unwrap();
+    let cluster =
+        allot_node::identity::parse(c.status(leader).await.unwrap().cluster_id.as_bytes()).unwrap();
+    let secret = || {
+        PeerCredential::new(c.peer_secret.as_deref())
+            .unwrap()
+            .with_identity(std::sync::Arc::new(
+                allot_node::identity::Identity::in_memory(Some(cluster), false),
+            ))
+    };
     // The cluster's own certificate: admitted.
     let node_tls = allot_node::tls::link_client_config(
         &ca,
