@@ -40,6 +40,23 @@ impl Client {
                 addr: addr.clone(),
             })
             .collect();
+        // One id for the new cluster, sent with every shard's init (DESIGN §68): the one
+        // a member already has (an earlier init that did not finish), or a new random
+        // one — so a node left from an earlier cluster on these addresses is not a peer.
+        let mut cluster_id = String::new();
+        for (_, addr) in members {
+            if let Ok(s) = self.status_of(addr).await {
+                if !s.cluster_id.is_empty() {
+                    cluster_id = s.cluster_id;
+                    break;
+                }
+            }
+        }
+        if cluster_id.is_empty() {
+            let mut b = [0u8; 16];
+            getrandom::fill(&mut b).map_err(|e| Error::Config(format!("no OS randomness: {e}")))?;
+            cluster_id = b.iter().map(|x| format!("{x:02x}")).collect();
+        }
         let mut through = BTreeMap::new();
         for (i, (id, addr)) in members.iter().enumerate() {
             let mine: Vec<u32> = (0..shards)
@@ -48,7 +65,8 @@ impl Client {
             if mine.is_empty() {
                 continue;
             }
-            self.init_through(addr, &voters, &mine, deadline).await?;
+            self.init_through(addr, &voters, &mine, &cluster_id, deadline)
+                .await?;
             through.extend(mine.into_iter().map(|s| (s, *id)));
         }
         Ok(through)
@@ -59,16 +77,25 @@ impl Client {
         addr: &str,
         voters: &[Member],
         shards: &[u32],
+        cluster_id: &str,
         deadline: Instant,
     ) -> Result<()> {
         loop {
             let req = self.grpc_request(InitRequest {
                 members: voters.to_vec(),
                 shards: shards.to_vec(),
+                cluster_id: cluster_id.to_string(),
             });
             match self.admin_at(addr)?.init(req).await {
                 Ok(_) => return Ok(()),
-                Err(s) if s.code() == tonic::Code::InvalidArgument => {
+                // A bad argument, or a node of another cluster: a retry changes nothing.
+                Err(s)
+                    if s.code() == tonic::Code::InvalidArgument
+                        || (s.code() == tonic::Code::FailedPrecondition
+                            && s.metadata()
+                                .get(allot_proto::meta::REASON)
+                                .is_some_and(|r| r == "OTHER_CLUSTER")) =>
+                {
                     return Err(Error::from_status(&s))
                 }
                 Err(s) if Instant::now() >= deadline => {

@@ -180,54 +180,89 @@ const RESTORE_BATCH_BYTES: usize = 4 << 20;
 /// one cluster, once, with agreeing operator tokens. `members` replaces the backed-up
 /// voters (a cluster restored on other hosts).
 ///
-/// `data_dir` must not exist or be empty: the restore is built in `<data_dir>.restoring`
-/// (removed first if an interrupted restore left it) and renamed into place only when
-/// every shard is in and synced, so a refusal or a crash leaves `data_dir` as it was.
+/// `data_dir` must not exist or be empty. Where it does not exist the restore is built in
+/// `<data_dir>.restoring` (removed first if an interrupted restore left it) and renamed
+/// into place when every shard is in and synced. Where it exists — empty, often a mount
+/// point, which cannot be renamed over and may be another filesystem than its parent —
+/// the restore is built inside it, in [`INSIDE_STAGING`] (an interrupted restore's
+/// leftover removed first), and its entries are moved up when complete, the format
+/// marker last; a node refuses to start on a dir that still holds the staging. So a
+/// refusal or a crash during the copy leaves `data_dir` as it was (or holding only the
+/// staging), and nothing is copied before the install is known to be possible.
 pub fn restore(
     data_dir: &Path,
     node_id: u64,
     files: &[PathBuf],
     members: Option<&[(u64, String)]>,
 ) -> Result<Vec<Restored>, RestoreError> {
-    if let Ok(mut entries) = std::fs::read_dir(data_dir) {
-        if entries.next().is_some() {
-            return Err(RestoreError::NotEmpty(data_dir.to_path_buf()));
+    let exists = data_dir.exists();
+    if exists {
+        let entries = std::fs::read_dir(data_dir)
+            .map_err(|_| RestoreError::NotEmpty(data_dir.to_path_buf()))?;
+        for e in entries {
+            let e = e.map_err(storage)?;
+            // An interrupted restore's staging is the one thing that may be there.
+            if e.file_name() != INSIDE_STAGING {
+                return Err(RestoreError::NotEmpty(data_dir.to_path_buf()));
+            }
         }
-    } else if data_dir.exists() {
-        return Err(RestoreError::NotEmpty(data_dir.to_path_buf()));
     }
     if files.is_empty() {
         return Err(RestoreError::Set("no backup files".into()));
     }
-    let staging = staging_dir(data_dir)?;
+    let staging = if exists {
+        data_dir.join(INSIDE_STAGING)
+    } else {
+        staging_dir(data_dir)?
+    };
     if staging.exists() {
         std::fs::remove_dir_all(&staging).map_err(storage)?;
     }
     std::fs::create_dir_all(&staging).map_err(storage)?;
-    let result = build(&staging, node_id, files, members);
-    let restored = match result {
-        Ok(r) => r,
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&staging);
-            return Err(e);
-        }
-    };
-    let install = || -> anyhow::Result<()> {
-        crate::versions::mark_data_dir(&staging, crate::versions::START_FORMAT)?;
+    let installed = build(&staging, node_id, files, members).and_then(|restored| {
+        crate::versions::mark_data_dir(&staging, crate::versions::START_FORMAT)
+            .and_then(|()| install(&staging, data_dir, exists))
+            .map_err(|e| storage(format!("installing {}: {e:#}", data_dir.display())))?;
+        Ok(restored)
+    });
+    if installed.is_err() {
+        let _ = std::fs::remove_dir_all(&staging);
+    }
+    installed
+}
+
+/// The staging dir of a restore into an existing (empty) data dir, inside it.
+pub const INSIDE_STAGING: &str = ".restoring";
+
+/// Puts the complete, synced `staging` in place as `data_dir`.
+fn install(staging: &Path, data_dir: &Path, exists: bool) -> anyhow::Result<()> {
+    if !exists {
         if let Some(parent) = data_dir.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent)?;
         }
-        // Over an empty dir, or where none was: atomic on one filesystem.
-        std::fs::rename(&staging, data_dir)?;
+        // Where none was: atomic on one filesystem (the staging is its sibling).
+        std::fs::rename(staging, data_dir)?;
         let parent = data_dir
             .parent()
             .filter(|p| !p.as_os_str().is_empty())
             .unwrap_or(Path::new("."));
         std::fs::File::open(parent)?.sync_all()?;
-        Ok(())
-    };
-    install().map_err(|e| storage(format!("installing {}: {e:#}", data_dir.display())))?;
-    Ok(restored)
+        return Ok(());
+    }
+    // Inside an existing dir: each entry moved up (one filesystem), the format marker
+    // last, then the empty staging removed — a node refuses the dir until it is gone.
+    let marker = crate::versions::FORMAT_FILE;
+    let mut names: Vec<std::ffi::OsString> = std::fs::read_dir(staging)?
+        .map(|e| e.map(|e| e.file_name()))
+        .collect::<Result<_, _>>()?;
+    names.sort_by_key(|n| n == marker);
+    for name in names {
+        std::fs::rename(staging.join(&name), data_dir.join(&name))?;
+    }
+    std::fs::File::open(data_dir)?.sync_all()?;
+    std::fs::remove_dir(staging)?;
+    std::fs::File::open(data_dir)?.sync_all()?;
+    Ok(())
 }
 
 fn storage(e: impl std::fmt::Display) -> RestoreError {
@@ -477,5 +512,72 @@ mod tests {
             None,
         )
         .expect("the bounds themselves restore");
+    }
+
+    /// A restore into a data dir that exists and is empty — a mount point, typically —
+    /// is built inside it and moved up, not renamed over it: the old code copied
+    /// everything, then failed the rename over a mount point (`EBUSY`/`EXDEV`) and left
+    /// its staging on the parent filesystem. Without the right to mount (not root) the
+    /// existing dir is a plain one, which takes the same path.
+    #[test]
+    fn a_restore_into_an_existing_empty_dir_or_a_mount_point_installs_in_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = file_with(dir.path(), 1, Some(LogPosition { term: 1, index: 1 }));
+        let data = dir.path().join("mounted");
+        std::fs::create_dir(&data).unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=64m", "tmpfs"])
+            .arg(&data)
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !mounted {
+            eprintln!("note: no tmpfs mount (needs root): restoring into a plain empty dir");
+        }
+        // An interrupted restore's staging is cleared, not counted as content.
+        std::fs::create_dir_all(data.join(INSIDE_STAGING).join("db")).unwrap();
+        let restored = restore(&data, 1, std::slice::from_ref(&file), None);
+        let installed: Vec<String> = std::fs::read_dir(&data)
+            .map(|d| {
+                d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let staged_beside = dir.path().join("mounted.restoring").exists();
+        // Checked once the mount is gone, whatever the outcome.
+        let checked = crate::versions::check_data_dir(&data);
+        let db_opens = crate::store::open_db(&data.join("db")).is_ok();
+        if mounted {
+            let _ = std::process::Command::new("umount").arg(&data).status();
+        }
+        restored.expect("restored in place");
+        assert!(installed.contains(&"db".to_string()), "{installed:?}");
+        assert!(
+            installed.contains(&crate::versions::FORMAT_FILE.to_string()),
+            "{installed:?}"
+        );
+        assert!(
+            !installed.contains(&INSIDE_STAGING.to_string()),
+            "{installed:?}"
+        );
+        assert!(!staged_beside, "no staging on the parent filesystem");
+        checked.expect("a node starts on it");
+        assert!(db_opens);
+        // A dir holding anything else is refused untouched.
+        let busy = dir.path().join("busy");
+        std::fs::create_dir_all(busy.join("db")).unwrap();
+        assert!(matches!(
+            restore(&busy, 1, &[file], None),
+            Err(RestoreError::NotEmpty(_))
+        ));
+    }
+
+    /// A node does not start on a data dir that still holds a restore's staging.
+    #[test]
+    fn a_data_dir_holding_an_unfinished_restore_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join(INSIDE_STAGING)).unwrap();
+        let e = crate::versions::check_data_dir(dir.path()).unwrap_err();
+        assert!(e.to_string().contains("did not finish"), "{e}");
     }
 }

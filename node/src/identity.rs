@@ -224,25 +224,32 @@ impl Identity {
         self.admit(theirs)
     }
 
-    /// `Admin.Init` on this node: a fresh node takes the new cluster's id (before its
-    /// shard is initialised, so its first vote requests carry it). `Err` when the node
-    /// already belongs to another cluster.
-    pub fn initialise(&self, genesis: ClusterId) -> Result<(), String> {
+    /// `Admin.Init` on this node with the new cluster's id `genesis`. A node with no id
+    /// whose shards are all empty (new, or one that heard only a peer without an id)
+    /// takes it — before its shard is initialised, so its first vote requests carry it.
+    /// `Err` when a shard would be initialised (`would_initialise`) on a node that
+    /// belongs to another cluster; otherwise (a re-run init of an initialised cluster,
+    /// of this release or an earlier one) nothing changes.
+    pub fn initialise(
+        &self,
+        genesis: ClusterId,
+        every_shard_empty: bool,
+        would_initialise: bool,
+    ) -> Result<(), String> {
         let mut g = self.state.write().unwrap_or_else(|p| p.into_inner());
-        if g.fresh {
+        if g.fresh || (g.id.is_none() && every_shard_empty) {
             self.persist(&genesis)?;
             g.id = Some(genesis);
             g.fresh = false;
             return Ok(());
         }
         match g.id {
-            Some(id) if id != genesis => Err(format!(
-                "this node belongs to cluster {}, not to the one these members make ({})",
+            Some(id) if id != genesis && would_initialise => Err(format!(
+                "this node belongs to cluster {}, not to the new one ({}): it is not \
+                 initialised into it",
                 hex(&id),
                 hex(&genesis)
             )),
-            // Its own cluster (a retried init), or a data dir of an earlier release
-            // (whose shards are initialised already: init changes nothing there).
             _ => Ok(()),
         }
     }
@@ -273,20 +280,29 @@ mod tests {
     }
 
     #[test]
-    fn init_gives_a_fresh_node_the_members_id_and_is_refused_on_another_cluster() {
+    fn init_gives_a_fresh_node_the_new_id_and_is_idempotent_elsewhere() {
         let members = [(2, "h:2"), (1, "h:1")];
         let g = of_genesis(members.into_iter());
         assert_eq!(g, of_genesis(members.iter().rev().copied()), "order-free");
         let fresh = Identity::in_memory(None, true);
-        fresh.initialise(g).unwrap();
+        fresh.initialise(g, true, true).unwrap();
         assert_eq!(fresh.current(), Some(g));
-        fresh.initialise(g).unwrap();
+        fresh.initialise(g, false, true).unwrap();
         let other = of_genesis([(1, "h:1")].into_iter());
-        assert!(fresh.initialise(other).is_err());
+        // A re-run init with another id: nothing to initialise, nothing changes.
+        fresh.initialise(other, false, false).unwrap();
+        assert_eq!(fresh.current(), Some(g));
+        // A shard to initialise on a node of another cluster: refused.
+        assert!(fresh.initialise(other, false, true).is_err());
         // A data dir of an earlier release: its shards are initialised already.
         let legacy = Identity::in_memory(None, false);
-        legacy.initialise(g).unwrap();
+        legacy.initialise(g, false, false).unwrap();
         assert_eq!(legacy.current(), None);
+        // A new node that heard a peer without an id first, then the init.
+        let heard_none = Identity::in_memory(None, true);
+        heard_none.admit(None).unwrap();
+        heard_none.initialise(g, true, true).unwrap();
+        assert_eq!(heard_none.current(), Some(g));
     }
 
     #[test]

@@ -1059,8 +1059,9 @@ mod tests {
         assert_eq!(classify(&[0x16, 0x03, 0x01]), Some(false));
         assert_eq!(classify(b"GET / HTTP/1.1"), Some(false));
         assert_eq!(classify(b"ALLOT"), None);
-        assert_eq!(classify(b"ALLOTPL\x02"), Some(false));
+        assert_eq!(classify(b"ALLOTPL\x03"), Some(false));
         assert_eq!(classify(MAGIC), Some(true));
+        assert_eq!(classify(MAGIC_WITH_CLUSTER), Some(true));
         assert_eq!(classify(b""), None);
     }
 

@@ -120,6 +120,8 @@ pub struct Shard {
     /// Whether the replica, if it opened empty, has caught up enough to vote
     /// (`crate::rejoin`).
     pub rejoin: Arc<crate::rejoin::Rejoin>,
+    /// A reader of the shard's log store (the last log id, for `crate::rejoin`).
+    log: LogStore,
 }
 
 pub struct Node {
@@ -164,6 +166,17 @@ const SHARD_COUNT_KEY: &[u8] = b"cluster/shards";
 pub const BACKGROUND_STOP_MAX: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl Shard {
+    /// The replica's last log id (an entry's, or its snapshot's once the log before it
+    /// was purged), read from its store.
+    pub async fn last_log_id(&self) -> Result<Option<crate::types::LogId>, String> {
+        use openraft::storage::RaftLogStorage;
+        let mut log = self.log.clone();
+        log.get_log_state()
+            .await
+            .map(|st| st.last_log_id)
+            .map_err(|e| e.to_string())
+    }
+
     /// Every member of the shard's current configuration (voters and learners), with
     /// the address it is reached at.
     pub fn members(&self) -> Vec<(NodeId, String)> {
@@ -295,13 +308,14 @@ impl Node {
             };
             // Rejoining lasts across restarts until the replica is whole: a marker,
             // synced before Raft starts (it may accept a leader's vote at once).
-            let marked = crate::rejoin::marked(&db, id)
+            let mut rejoining = crate::rejoin::marked(&db, id)
                 .map_err(|e| anyhow::anyhow!("reading shard {id}'s rejoining marker: {e}"))?;
-            if started_empty && !marked {
-                crate::rejoin::mark(&db, id)
+            if started_empty && rejoining.is_none() {
+                let fresh = crate::rejoin::Marker::default();
+                crate::rejoin::mark(&db, id, &fresh)
                     .map_err(|e| anyhow::anyhow!("marking shard {id} rejoining: {e}"))?;
+                rejoining = Some(fresh);
             }
-            let rejoining = started_empty || marked;
             let active = store::sm::rules_on_disk(&db, id, &view.read().state)
                 .map_err(|e| anyhow::anyhow!("reading shard {id}'s rule version: {e}"))?;
             crate::versions::check_rules(id, active, config.rules_max)?;
@@ -321,6 +335,7 @@ impl Node {
             }
             .validate()
             .context("raft config")?;
+            let log_reader = log.clone();
             let raft = Raft::new(
                 config.id,
                 Arc::new(rc),
@@ -338,14 +353,19 @@ impl Node {
             .with_context(|| format!("starting raft of shard {id}"))?;
             every_shard_empty &= started_empty;
             let rejoin = Arc::new(crate::rejoin::Rejoin::new(rejoining).stored_in(db.clone(), id));
-            if rejoining {
+            if rejoining.is_some() {
                 tracing::info!(
                     shard = id,
+                    stands = rejoin.may_stand(),
                     "this replica opened with an empty log (a new node, or one that lost its \
                      disk): it votes only for a candidate holding a leader's commit, and \
-                     stands for no election, until it has caught up (DESIGN §67)"
+                     stands for no election unless it initialised the shard, until it has \
+                     caught up (DESIGN §67)"
                 );
-                raft.runtime_config().elect(false);
+                raft.runtime_config().elect(rejoin.may_stand());
+                if rejoin.may_stand() {
+                    crate::rejoin::whole_once_led(raft.clone(), rejoin.clone(), config.id);
+                }
             }
             let pause = Arc::new(crate::transfer::Pause::default());
             let proposer = ProposerTask {
@@ -376,6 +396,7 @@ impl Node {
                 pause,
                 hold: Arc::default(),
                 rejoin,
+                log: log_reader,
             });
         }
         identity.set_fresh(every_shard_empty);

@@ -50,20 +50,72 @@ fn marker_key(shard: u32) -> Vec<u8> {
     store::shard_key(shard, MARKER)
 }
 
-/// Whether `shard`'s storage holds the rejoining marker (it opened empty before and has
-/// not been whole since).
-pub fn marked(db: &DB, shard: u32) -> anyhow::Result<bool> {
-    Ok(db
-        .get_cf(store::cf(db, store::CF_META), marker_key(shard))?
-        .is_some())
+/// What a rejoining replica keeps in its storage: that it is rejoining, whether it
+/// initialised the shard, and its mark. Value: a flags byte (bit 0: initialised here),
+/// then the mark's term and index (`u64` LE each) when there is one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Marker {
+    pub initialised_here: bool,
+    pub mark: Option<LogId>,
 }
 
-/// Writes the marker, synced, before Raft starts on an empty shard.
-pub fn mark(db: &DB, shard: u32) -> anyhow::Result<()> {
+impl Marker {
+    fn encode(&self) -> Vec<u8> {
+        let mut v = vec![u8::from(self.initialised_here)];
+        if let Some(m) = self.mark {
+            v.extend_from_slice(&m.leader_id.term.to_le_bytes());
+            v.extend_from_slice(&m.index.to_le_bytes());
+        }
+        v
+    }
+
+    fn decode(v: &[u8]) -> Option<Marker> {
+        let initialised_here = match v.first()? {
+            0 => false,
+            1 => true,
+            _ => return None,
+        };
+        let mark = match v.len() {
+            1 => None,
+            17 => {
+                let term = u64::from_le_bytes(v[1..9].try_into().ok()?);
+                let index = u64::from_le_bytes(v[9..17].try_into().ok()?);
+                Some(log_id(term, index))
+            }
+            _ => return None,
+        };
+        Some(Marker {
+            initialised_here,
+            mark,
+        })
+    }
+}
+
+fn log_id(term: u64, index: u64) -> LogId {
+    LogId::new(openraft::CommittedLeaderId::new(term, 0), index)
+}
+
+/// `shard`'s marker, if it is rejoining (it opened empty before and has not been whole
+/// since).
+pub fn marked(db: &DB, shard: u32) -> anyhow::Result<Option<Marker>> {
+    match db.get_cf(store::cf(db, store::CF_META), marker_key(shard))? {
+        None => Ok(None),
+        Some(v) => Marker::decode(&v)
+            .map(Some)
+            .ok_or_else(|| anyhow::anyhow!("corrupt rejoining marker of shard {shard}")),
+    }
+}
+
+/// Writes `shard`'s marker, synced.
+pub fn mark(db: &DB, shard: u32, marker: &Marker) -> anyhow::Result<()> {
     let mut opts = rocksdb::WriteOptions::default();
     opts.set_sync(true);
     let mut batch = rocksdb::WriteBatch::default();
-    batch.put_cf(store::cf(db, store::CF_META), marker_key(shard), [1u8]);
+    batch.put_cf(
+        store::cf(db, store::CF_META),
+        marker_key(shard),
+        marker.encode(),
+    );
     db.write_opt(batch, &opts)?;
     Ok(())
 }
@@ -73,19 +125,21 @@ pub struct Rejoin {
     whole: AtomicBool,
     /// Whether it may stand for election: whole, or it initialised the shard.
     may_stand: AtomicBool,
-    /// While rejoining: the highest commit a leader announced in its own term.
-    mark: Mutex<Option<LogId>>,
-    /// Where the marker is removed once whole (none: tests).
+    /// While rejoining: what the storage's marker says.
+    marker: Mutex<Marker>,
+    /// Where the marker is kept (none: tests).
     store: Option<(Arc<DB>, u32)>,
 }
 
 impl Rejoin {
-    /// `rejoining`: the shard opened empty, or with the marker of an earlier start.
-    pub fn new(rejoining: bool) -> Rejoin {
+    /// A replica that is whole (its shard opened with its storage), or rejoining with
+    /// `marker` (it opened empty, now or at an earlier start).
+    pub fn new(rejoining: Option<Marker>) -> Rejoin {
+        let marker = rejoining.unwrap_or_default();
         Rejoin {
-            whole: AtomicBool::new(!rejoining),
-            may_stand: AtomicBool::new(!rejoining),
-            mark: Mutex::new(None),
+            whole: AtomicBool::new(rejoining.is_none()),
+            may_stand: AtomicBool::new(rejoining.is_none() || marker.initialised_here),
+            marker: Mutex::new(marker),
             store: None,
         }
     }
@@ -103,10 +157,46 @@ impl Rejoin {
         self.may_stand.load(Ordering::Acquire)
     }
 
-    /// This node initialised the shard: its log is the genesis configuration, and it
-    /// stands for election.
-    pub fn initialised_here(&self) {
+    fn marker(&self) -> std::sync::MutexGuard<'_, Marker> {
+        self.marker.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keeps the marker. `synced`: before what it allows happens.
+    fn keep(&self, marker: &Marker, synced: bool) -> Result<(), String> {
+        let Some((db, shard)) = &self.store else {
+            return Ok(());
+        };
+        let r = if synced {
+            mark(db, *shard, marker)
+        } else {
+            db.put_cf(
+                store::cf(db, store::CF_META),
+                marker_key(*shard),
+                marker.encode(),
+            )
+            .map_err(Into::into)
+        };
+        r.map_err(|e| format!("keeping shard {shard}'s rejoining marker: {e:#}"))
+    }
+
+    /// This node is about to initialise the shard: its log will be the genesis
+    /// configuration, and it stands for election — also after a restart (kept, synced,
+    /// before `initialize`).
+    pub fn initialising_here(&self) -> Result<(), String> {
+        if self.is_whole() {
+            return Ok(());
+        }
+        let mut g = self.marker();
+        if !g.initialised_here {
+            let next = Marker {
+                initialised_here: true,
+                ..*g
+            };
+            self.keep(&next, true)?;
+            *g = next;
+        }
         self.may_stand.store(true, Ordering::Release);
+        Ok(())
     }
 
     /// A leader of term `term` announced `leader_commit`.
@@ -117,9 +207,17 @@ impl Rejoin {
         let Some(c) = leader_commit.filter(|c| c.leader_id.term == term) else {
             return;
         };
-        let mut g = self.mark.lock().unwrap_or_else(|p| p.into_inner());
-        if g.is_none_or(|m| m < c) {
-            *g = Some(c);
+        let mut g = self.marker();
+        if g.mark.is_none_or(|m| m < c) {
+            let next = Marker {
+                mark: Some(c),
+                ..*g
+            };
+            // Not synced: a mark lost in a crash is heard again from the next leader.
+            if let Err(e) = self.keep(&next, false) {
+                tracing::warn!(error = %e, "rejoining mark not kept");
+            }
+            *g = next;
         }
     }
 
@@ -129,7 +227,7 @@ impl Rejoin {
         if self.is_whole() {
             return false;
         }
-        let mark = *self.mark.lock().unwrap_or_else(|p| p.into_inner());
+        let mark = self.marker().mark;
         match mark {
             Some(m) if committed >= Some(m) => {
                 self.become_whole();
@@ -153,8 +251,13 @@ impl Rejoin {
         self.may_stand.store(true, Ordering::Release);
         self.whole.store(true, Ordering::Release);
         if let Some((db, shard)) = &self.store {
-            let removed = db.delete_cf(store::cf(db, store::CF_META), marker_key(*shard));
-            if let Err(e) = removed {
+            // Synced: a marker back after a power loss would leave a replica that had
+            // been whole unable to stand.
+            let mut opts = rocksdb::WriteOptions::default();
+            opts.set_sync(true);
+            let mut batch = rocksdb::WriteBatch::default();
+            batch.delete_cf(store::cf(db, store::CF_META), marker_key(*shard));
+            if let Err(e) = db.write_opt(batch, &opts) {
                 tracing::warn!(shard, error = %e, "removing the rejoining marker (the replica \
                     will be rejoining again after a restart)");
             }
@@ -163,13 +266,28 @@ impl Rejoin {
 
     /// Why this replica does not vote for a candidate whose last log id is
     /// `candidate_last`, or `None` when it may (openraft then compares the logs).
-    pub fn vote_refusal(&self, candidate_last: Option<LogId>) -> Option<String> {
+    /// `own_last`: this replica's last log id.
+    pub fn vote_refusal(
+        &self,
+        candidate_last: Option<LogId>,
+        own_last: Option<LogId>,
+    ) -> Option<String> {
         if self.is_whole() {
             return None;
         }
-        let mark = *self.mark.lock().unwrap_or_else(|p| p.into_inner());
-        match mark {
+        match self.marker().mark {
+            // A new shard's first election: the candidate holds the genesis
+            // configuration alone.
             None if candidate_last.is_none_or(|l| l.index == 0) => None,
+            // A new shard whose first leader committed but went before it told anyone
+            // (nothing of a later term exists here): its successor holds at least what
+            // this replica received. A replica that lost its disk in an older shard
+            // hears a leader's commit of its own term with its first append.
+            None if own_last.is_some_and(|o| o.leader_id.term <= 1)
+                && candidate_last >= own_last =>
+            {
+                None
+            }
             None => Some(
                 "this replica started with an empty log and has heard no leader's commit \
                  yet: it votes for a candidate holding one"
@@ -219,23 +337,22 @@ pub fn whole_once_led(raft: crate::types::Raft, rejoin: Arc<Rejoin>, me: u64) {
 mod tests {
     use super::*;
 
-    fn log_id(term: u64, index: u64) -> LogId {
-        LogId::new(openraft::CommittedLeaderId::new(term, 1), index)
-    }
-
     #[test]
     fn a_replica_with_its_log_votes_and_one_started_empty_waits_for_a_leaders_commit() {
-        let whole = Rejoin::new(false);
+        let whole = Rejoin::new(None);
         assert!(whole.is_whole() && whole.may_stand());
-        assert_eq!(whole.vote_refusal(Some(log_id(3, 40))), None);
+        assert_eq!(whole.vote_refusal(Some(log_id(3, 40)), None), None);
 
-        let r = Rejoin::new(true);
+        let r = Rejoin::new(Some(Marker::default()));
         assert!(!r.is_whole() && !r.may_stand());
         // The genesis election: a candidate holding only the initial configuration.
-        assert_eq!(r.vote_refusal(Some(log_id(0, 0))), None);
-        assert_eq!(r.vote_refusal(None), None);
+        assert_eq!(r.vote_refusal(Some(log_id(0, 0)), None), None);
+        assert_eq!(r.vote_refusal(None, None), None);
         // Anything past genesis, before any mark: refused.
-        assert!(r.vote_refusal(Some(log_id(1, 1))).is_some());
+        assert!(r.vote_refusal(Some(log_id(1, 1)), None).is_some());
+        assert!(r
+            .vote_refusal(Some(log_id(3, 9)), Some(log_id(2, 5)))
+            .is_some());
         assert!(
             !r.progress(Some(log_id(9, 100))),
             "no leader heard: no mark to reach"
@@ -249,10 +366,13 @@ mod tests {
         r.heard(3, Some(log_id(3, 20)));
         assert!(!r.progress(Some(log_id(4, 49))));
         // Votes: only for a log at least the mark; none for genesis once there is one.
-        assert!(r.vote_refusal(Some(log_id(4, 49))).unwrap().contains("50"));
-        assert!(r.vote_refusal(Some(log_id(0, 0))).is_some());
-        assert_eq!(r.vote_refusal(Some(log_id(4, 50))), None);
-        assert_eq!(r.vote_refusal(Some(log_id(5, 10))), None);
+        assert!(r
+            .vote_refusal(Some(log_id(4, 49)), None)
+            .unwrap()
+            .contains("50"));
+        assert!(r.vote_refusal(Some(log_id(0, 0)), None).is_some());
+        assert_eq!(r.vote_refusal(Some(log_id(4, 50)), None), None);
+        assert_eq!(r.vote_refusal(Some(log_id(5, 10)), None), None);
         assert!(
             r.progress(Some(log_id(4, 50))),
             "reaching the mark makes it whole"
@@ -262,17 +382,57 @@ mod tests {
             !r.progress(Some(log_id(4, 51))),
             "whole once: no second transition"
         );
-        assert_eq!(r.vote_refusal(Some(log_id(1, 3))), None);
+        assert_eq!(r.vote_refusal(Some(log_id(1, 3)), None), None);
+    }
+
+    #[test]
+    fn a_new_shards_followers_elect_the_successor_of_a_first_leader_that_went_early() {
+        // The first leader committed its term-1 entry and went before announcing it.
+        let r = Rejoin::new(Some(Marker::default()));
+        let own = Some(log_id(1, 1));
+        assert_eq!(r.vote_refusal(Some(log_id(1, 1)), own), None);
+        assert_eq!(r.vote_refusal(Some(log_id(2, 2)), own), None);
+        assert!(r.vote_refusal(Some(log_id(0, 0)), own).is_none());
+        assert!(
+            r.vote_refusal(Some(log_id(1, 0)), own).is_none(),
+            "index 0: genesis"
+        );
+        // A log of a later term here: not a new shard.
+        assert!(r
+            .vote_refusal(Some(log_id(3, 9)), Some(log_id(2, 4)))
+            .is_some());
     }
 
     #[test]
     fn the_node_that_initialises_the_shard_stands_at_once_and_is_whole_once_it_led() {
-        let r = Rejoin::new(true);
-        r.initialised_here();
+        let r = Rejoin::new(Some(Marker::default()));
+        r.initialising_here().unwrap();
         assert!(r.may_stand() && !r.is_whole());
-        assert!(r.vote_refusal(Some(log_id(1, 9))).is_some());
+        assert!(r.vote_refusal(Some(log_id(1, 9)), None).is_some());
         assert!(r.led());
         assert!(r.is_whole());
         assert!(!r.led());
+        // After a restart before it led: it still stands.
+        let again = Rejoin::new(Some(Marker {
+            initialised_here: true,
+            mark: None,
+        }));
+        assert!(again.may_stand() && !again.is_whole());
+    }
+
+    #[test]
+    fn the_marker_round_trips_and_refuses_garbage() {
+        for m in [
+            Marker::default(),
+            Marker {
+                initialised_here: true,
+                mark: Some(log_id(7, 1 << 40)),
+            },
+        ] {
+            assert_eq!(Marker::decode(&m.encode()), Some(m));
+        }
+        assert_eq!(Marker::decode(&[]), None);
+        assert_eq!(Marker::decode(&[2]), None);
+        assert_eq!(Marker::decode(&[1, 0, 0]), None);
     }
 }

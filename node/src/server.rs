@@ -881,22 +881,50 @@ impl Admin for Services {
             shard_of(&self.node, *id)?;
         }
         // A new node takes the cluster's id before its shard's first vote request goes
-        // out (`crate::identity`); a node of another cluster is not initialised into
-        // this one.
-        let genesis =
-            crate::identity::of_genesis(members.iter().map(|(id, n)| (*id, n.addr.as_str())));
+        // out (`crate::identity`): the one the caller chose (`allotctl` picks one for
+        // all the nodes it initialises), or, from an older caller, one derived from the
+        // members. A node of another cluster is not initialised into this one.
+        let genesis = if msg.cluster_id.is_empty() {
+            crate::identity::of_genesis(members.iter().map(|(id, n)| (*id, n.addr.as_str())))
+        } else {
+            crate::identity::parse(msg.cluster_id.as_bytes()).map_err(|e| {
+                edge::with_reason(
+                    Status::invalid_argument(format!("cluster_id: {e}")),
+                    "INVALID_ARGUMENT",
+                )
+            })?
+        };
+        let mut every_shard_empty = true;
+        let mut would_initialise = false;
+        for s in &self.node.shards {
+            let empty = s
+                .last_log_id()
+                .await
+                .map_err(Status::unavailable)?
+                .is_none();
+            every_shard_empty &= empty;
+            would_initialise |= empty && (msg.shards.is_empty() || msg.shards.contains(&s.id));
+        }
         self.node
             .identity
-            .initialise(genesis)
+            .initialise(genesis, every_shard_empty, would_initialise)
             .map_err(|why| edge::with_reason(Status::failed_precondition(why), "OTHER_CLUSTER"))?;
         for s in &self.node.shards {
             if !msg.shards.is_empty() && !msg.shards.contains(&s.id) {
                 continue;
             }
+            // A shard this node initialises stands for election, also after a restart
+            // (kept before `initialize`): its genesis configuration is its log.
+            let empty = s
+                .last_log_id()
+                .await
+                .map_err(Status::unavailable)?
+                .is_none();
+            if empty {
+                s.rejoin.initialising_here().map_err(Status::internal)?;
+            }
             match s.raft.initialize(members.clone()).await {
-                // This replica holds the genesis log: it votes and stands for election.
                 Ok(()) => {
-                    s.rejoin.initialised_here();
                     crate::transfer::rejoined(s);
                     crate::rejoin::whole_once_led(s.raft.clone(), s.rejoin.clone(), self.node.id);
                 }
@@ -1281,7 +1309,12 @@ impl RaftService for Services {
         peer::check_vote_request(&vote, self.node.id)
             .map_err(|e| self.peer_refused("raft:vote", e))?;
         self.rejoin_progress(shard).await;
-        if let Some(why) = shard.rejoin.vote_refusal(vote.last_log_id) {
+        let own_last = if shard.rejoin.is_whole() {
+            None
+        } else {
+            shard.last_log_id().await.map_err(Status::unavailable)?
+        };
+        if let Some(why) = shard.rejoin.vote_refusal(vote.last_log_id, own_last) {
             self.node
                 .metrics
                 .refusals

@@ -39,6 +39,15 @@ pub fn data_dir_format(dir: &Path) -> anyhow::Result<Option<u8>> {
 
 /// Refuses a data dir written by a format this build does not read.
 pub fn check_data_dir(dir: &Path) -> anyhow::Result<()> {
+    let staging = dir.join(crate::backup::INSIDE_STAGING);
+    if staging.exists() {
+        bail!(
+            "the data dir {} holds {}: a restore into it did not finish. Nothing was \
+             changed: run the restore again (it removes the staging first) or empty the dir",
+            dir.display(),
+            staging.display()
+        );
+    }
     match data_dir_format(dir)? {
         Some(v) if v > FORMAT_VERSION => bail!(
             "the data dir {} holds format {v}, written by a newer release; this binary \

@@ -416,6 +416,7 @@ async fn the_grpc_surface_answers_typed_errors_and_serves_every_api() {
         .init(InitRequest {
             members: vec![],
             shards: vec![],
+            cluster_id: String::new(),
         })
         .await
         .unwrap_err();

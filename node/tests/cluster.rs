@@ -2662,3 +2662,56 @@ async fn a_replica_that_opened_empty_is_still_rejoining_after_a_restart() {
     assert_eq!(s.term, 5, "the vote was stored: {s:?}");
     assert!(s.rejoining, "rejoining survives the restart: {s:?}");
 }
+
+/// DESIGN §67, found by review: the node that initialised a shard stands for election
+/// after a restart too. Init reaches node 1 while 2 and 3 are still down; node 1
+/// restarts before they come up. Old code (rejoining kept, "initialised here" not): no
+/// replica of the shard could stand, for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_initialised_before_its_peers_started_elects_after_its_first_node_restarts() {
+    let (_dir, mut c) = cluster("init-early", 3, 1);
+    c.start(1).expect("start 1");
+    c.wait_listening(1, Duration::from_secs(60)).expect("1 up");
+    let members: Vec<(u64, String)> = (1..=3).map(|id| (id, c.node(id).addr.clone())).collect();
+    let mut a = allot_node::local_cluster::admin(&c.node(1).addr)
+        .await
+        .expect("admin");
+    a.init(allot_proto::InitRequest {
+        members: members
+            .iter()
+            .map(|(id, addr)| allot_proto::Member {
+                node_id: *id,
+                addr: addr.clone(),
+            })
+            .collect(),
+        shards: vec![],
+        cluster_id: String::new(),
+    })
+    .await
+    .expect("init through node 1 alone");
+    c.kill(1);
+    c.start_all().expect("start every node");
+    c.wait_leaders(Duration::from_secs(30))
+        .await
+        .expect("a leader once the peers are up");
+    let client = allot_node::local_cluster::client(c.endpoints());
+    setup_shards(&client, 1).await;
+    // Every replica heard a commit of the leader's term by now, or soon: all whole.
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut rejoining = Vec::new();
+        for id in 1..=3 {
+            if c.status(id).await.expect("status").shards[0].rejoining {
+                rejoining.push(id);
+            }
+        }
+        if rejoining.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "nodes {rejoining:?} stay rejoining with the shard under way"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

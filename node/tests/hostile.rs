@@ -2360,6 +2360,7 @@ async fn one_hostile_message(r: &mut Rng, addr: &str, me: u64, secret: &PeerSecr
                         InitRequest {
                             members: vec![member],
                             shards: vec![shard],
+                            cluster_id: r.string(34),
                         },
                         tok,
                     ))
