@@ -44,13 +44,24 @@ impl Client {
         // a member already has (an earlier init that did not finish), or a new random
         // one — so a node left from an earlier cluster on these addresses is not a peer.
         let mut cluster_id = String::new();
-        for (_, addr) in members {
+        let mut held: Vec<(u64, String)> = Vec::new();
+        for (id, addr) in members {
             if let Ok(s) = self.status_of(addr).await {
                 if !s.cluster_id.is_empty() {
+                    held.push((*id, s.cluster_id.clone()));
                     cluster_id = s.cluster_id;
-                    break;
                 }
             }
+        }
+        if held.iter().any(|(_, c)| *c != cluster_id) {
+            return Err(Error::Config(format!(
+                "the members belong to different clusters ({}): a new cluster's members \
+                 must be empty, or of one earlier init of it",
+                held.iter()
+                    .map(|(id, c)| format!("node {id}: {c}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
         }
         if cluster_id.is_empty() {
             let mut b = [0u8; 16];
@@ -65,8 +76,18 @@ impl Client {
             if mine.is_empty() {
                 continue;
             }
-            self.init_through(addr, &voters, &mine, &cluster_id, deadline)
+            let theirs = self
+                .init_through(addr, &voters, &mine, &cluster_id, deadline)
                 .await?;
+            // A node that already belonged to another cluster (its shards initialised,
+            // so nothing to refuse there): said, not taken for success.
+            if !theirs.is_empty() && theirs != cluster_id {
+                return Err(Error::Config(format!(
+                    "node {id} ({addr}) belongs to cluster {theirs}, not to {cluster_id}: it \
+                     holds another cluster's data (empty its data dir), or an earlier init \
+                     of this one chose that id (run init again once every member is up)"
+                )));
+            }
             through.extend(mine.into_iter().map(|s| (s, *id)));
         }
         Ok(through)
@@ -79,7 +100,7 @@ impl Client {
         shards: &[u32],
         cluster_id: &str,
         deadline: Instant,
-    ) -> Result<()> {
+    ) -> Result<String> {
         loop {
             let req = self.grpc_request(InitRequest {
                 members: voters.to_vec(),
@@ -87,7 +108,7 @@ impl Client {
                 cluster_id: cluster_id.to_string(),
             });
             match self.admin_at(addr)?.init(req).await {
-                Ok(_) => return Ok(()),
+                Ok(r) => return Ok(r.into_inner().cluster_id),
                 // A bad argument, or a node of another cluster: a retry changes nothing.
                 Err(s)
                     if s.code() == tonic::Code::InvalidArgument

@@ -310,6 +310,8 @@ impl Cluster {
                     all_shards: true,
                     voters: v,
                     allow_audit_loss: false,
+                    // The harness is the only one changing membership, on every shard.
+                    expected_membership_index: None,
                 })
                 .await
                 .map(drop)

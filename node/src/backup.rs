@@ -196,13 +196,19 @@ pub fn restore(
     members: Option<&[(u64, String)]>,
 ) -> Result<Vec<Restored>, RestoreError> {
     let exists = data_dir.exists();
+    // A restore that had completed its copy and was moving it up: finished, and the dir
+    // is then not empty.
+    if exists && finish_install(data_dir).map_err(storage)? {
+        return Err(RestoreError::NotEmpty(data_dir.to_path_buf()));
+    }
     if exists {
         let entries = std::fs::read_dir(data_dir)
             .map_err(|_| RestoreError::NotEmpty(data_dir.to_path_buf()))?;
         for e in entries {
             let e = e.map_err(storage)?;
-            // An interrupted restore's staging is the one thing that may be there.
-            if e.file_name() != INSIDE_STAGING {
+            // An interrupted restore's unfinished staging may be there (removed below),
+            // and a new filesystem's `lost+found` (left in place).
+            if e.file_name() != INSIDE_STAGING && e.file_name() != "lost+found" {
                 return Err(RestoreError::NotEmpty(data_dir.to_path_buf()));
             }
         }
@@ -225,10 +231,41 @@ pub fn restore(
             .map_err(|e| storage(format!("installing {}: {e:#}", data_dir.display())))?;
         Ok(restored)
     });
-    if installed.is_err() {
+    // A staging marked complete is moved up by the next restore or start, never lost.
+    if installed.is_err() && !staging.join(STAGING_COMPLETE).exists() {
         let _ = std::fs::remove_dir_all(&staging);
     }
     installed
+}
+
+/// In a staging dir inside the data dir: the copy is complete and synced, the entries
+/// may be moved up.
+const STAGING_COMPLETE: &str = "COMPLETE";
+
+/// Finishes moving up a restore into an existing dir that had completed its copy
+/// (its staging holds [`STAGING_COMPLETE`]): `Ok(true)` when there was one. Each entry
+/// is renamed (atomic), so each is either still staged or in place; the format marker
+/// goes last. A staging without the sentinel is left (a node refuses to start on it; a
+/// restore removes it and copies again).
+pub fn finish_install(data_dir: &Path) -> anyhow::Result<bool> {
+    let staging = data_dir.join(INSIDE_STAGING);
+    if !staging.join(STAGING_COMPLETE).exists() {
+        return Ok(false);
+    }
+    let marker = crate::versions::FORMAT_FILE;
+    let mut names: Vec<std::ffi::OsString> = std::fs::read_dir(&staging)?
+        .map(|e| e.map(|e| e.file_name()))
+        .filter(|n| n.as_ref().map_or(true, |n| n != STAGING_COMPLETE))
+        .collect::<Result<_, _>>()?;
+    names.sort_by_key(|n| n == marker);
+    for name in names {
+        std::fs::rename(staging.join(&name), data_dir.join(&name))?;
+    }
+    std::fs::File::open(data_dir)?.sync_all()?;
+    std::fs::remove_file(staging.join(STAGING_COMPLETE))?;
+    std::fs::remove_dir(&staging)?;
+    std::fs::File::open(data_dir)?.sync_all()?;
+    Ok(true)
 }
 
 /// The staging dir of a restore into an existing (empty) data dir, inside it.
@@ -249,19 +286,14 @@ fn install(staging: &Path, data_dir: &Path, exists: bool) -> anyhow::Result<()> 
         std::fs::File::open(parent)?.sync_all()?;
         return Ok(());
     }
-    // Inside an existing dir: each entry moved up (one filesystem), the format marker
-    // last, then the empty staging removed — a node refuses the dir until it is gone.
-    let marker = crate::versions::FORMAT_FILE;
-    let mut names: Vec<std::ffi::OsString> = std::fs::read_dir(staging)?
-        .map(|e| e.map(|e| e.file_name()))
-        .collect::<Result<_, _>>()?;
-    names.sort_by_key(|n| n == marker);
-    for name in names {
-        std::fs::rename(staging.join(&name), data_dir.join(&name))?;
-    }
-    std::fs::File::open(data_dir)?.sync_all()?;
-    std::fs::remove_dir(staging)?;
-    std::fs::File::open(data_dir)?.sync_all()?;
+    // Inside an existing dir: marked complete (synced), then each entry moved up (one
+    // filesystem), the format marker last, then the staging removed. A crash or error
+    // in between is finished by the next start or restore (`finish_install`).
+    let complete = staging.join(STAGING_COMPLETE);
+    std::fs::write(&complete, b"")?;
+    std::fs::File::open(&complete)?.sync_all()?;
+    std::fs::File::open(staging)?.sync_all()?;
+    finish_install(data_dir)?;
     Ok(())
 }
 
@@ -534,8 +566,10 @@ mod tests {
         if !mounted {
             eprintln!("note: no tmpfs mount (needs root): restoring into a plain empty dir");
         }
-        // An interrupted restore's staging is cleared, not counted as content.
+        // An interrupted restore's staging is cleared, not counted as content; a new
+        // filesystem's `lost+found` is left in place.
         std::fs::create_dir_all(data.join(INSIDE_STAGING).join("db")).unwrap();
+        std::fs::create_dir_all(data.join("lost+found")).unwrap();
         let restored = restore(&data, 1, std::slice::from_ref(&file), None);
         let installed: Vec<String> = std::fs::read_dir(&data)
             .map(|d| {
@@ -570,6 +604,36 @@ mod tests {
             restore(&busy, 1, &[file], None),
             Err(RestoreError::NotEmpty(_))
         ));
+    }
+
+    /// A restore that completed its copy but stopped while moving it up is finished by
+    /// the next start (or restore): each entry is either still staged or in place.
+    #[test]
+    fn an_install_interrupted_while_moving_up_is_finished() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = file_with(dir.path(), 1, Some(LogPosition { term: 1, index: 1 }));
+        let data = dir.path().join("data");
+        std::fs::create_dir(&data).unwrap();
+        restore(&data, 1, std::slice::from_ref(&file), None).expect("restored");
+        // Put it back as a crash would leave it: the copy complete, `db` moved up, the
+        // format marker still staged.
+        let staging = data.join(INSIDE_STAGING);
+        std::fs::create_dir(&staging).unwrap();
+        std::fs::write(staging.join(STAGING_COMPLETE), b"").unwrap();
+        let marker = crate::versions::FORMAT_FILE;
+        std::fs::rename(data.join(marker), staging.join(marker)).unwrap();
+        assert!(
+            crate::versions::check_data_dir(&data).is_err(),
+            "refused as it is"
+        );
+        // A restore again: the earlier one is finished, and the dir is not empty.
+        assert!(matches!(
+            restore(&data, 1, &[file], None),
+            Err(RestoreError::NotEmpty(_))
+        ));
+        assert!(data.join(marker).exists() && !staging.exists());
+        crate::versions::check_data_dir(&data).expect("a node starts on it");
+        assert!(!finish_install(&data).unwrap(), "nothing left to finish");
     }
 
     /// A node does not start on a data dir that still holds a restore's staging.

@@ -67,7 +67,20 @@ enum Cmd {
     /// of the new cluster and run this there (with the same --member list when the hosts
     /// changed), then start the nodes with `run` — no `init`: the shards continue the
     /// backed-up log, and secured shards keep their tokens. The data dir must not exist
-    /// or be empty; it is built beside it and renamed into place when complete.
+    /// or be empty; it is built beside it and renamed into place when complete (inside
+    /// it and moved up, when it exists — a mount point).
+    /// Lets a replica that opened with an empty log (a new node, or one that lost its
+    /// disk) vote and stand for election as any replica, before it has heard a leader's
+    /// commit (DESIGN §67). For a shard left with no leader because every replica able
+    /// to lead is rejoining. Unsafe: a replica that lost its disk may then elect a leader
+    /// missing entries it had acknowledged. Run it with the node stopped.
+    ForceWhole {
+        #[arg(long, env = "ALLOT_DATA_DIR")]
+        data_dir: PathBuf,
+        /// Only this shard (default: every shard of the data dir).
+        #[arg(long)]
+        shard: Option<u32>,
+    },
     Restore {
         #[arg(long, env = "ALLOT_NODE_ID")]
         node_id: u64,
@@ -323,6 +336,12 @@ fn main() -> anyhow::Result<()> {
                 backups,
                 members,
             } => restore(node_id, data_dir, backups, members),
+            Cmd::ForceWhole { data_dir, shard } => {
+                for line in allot_node::rejoin::force_whole(&data_dir, shard)? {
+                    println!("{line}");
+                }
+                Ok(())
+            }
             Cmd::DevCerts { out, hosts } => {
                 allot_node::tls::write_dev_certs(&out, &hosts)?;
                 println!(

@@ -177,6 +177,16 @@ impl Shard {
             .map_err(|e| e.to_string())
     }
 
+    /// Whether the replica holds nothing: no log entry, no snapshot, no vote.
+    pub async fn is_empty_replica(&self) -> Result<bool, String> {
+        use openraft::storage::RaftLogStorage;
+        if self.last_log_id().await?.is_some() {
+            return Ok(false);
+        }
+        let mut log = self.log.clone();
+        Ok(log.read_vote().await.map_err(|e| e.to_string())?.is_none())
+    }
+
     /// Every member of the shard's current configuration (voters and learners), with
     /// the address it is reached at.
     pub fn members(&self) -> Vec<(NodeId, String)> {
@@ -211,6 +221,12 @@ impl Node {
             .with_context(|| format!("creating data dir {}", config.data_dir.display()))?;
         // Before anything opens (and so touches) the data dir: a dir written by a newer
         // format is refused as it is.
+        // A restore into this (existing) dir that completed its copy but not its move.
+        if crate::backup::finish_install(&config.data_dir)
+            .with_context(|| format!("finishing a restore into {}", config.data_dir.display()))?
+        {
+            tracing::info!("finished installing an interrupted restore");
+        }
         crate::versions::check_data_dir(&config.data_dir)?;
         let db = store::open_db(&config.data_dir.join("db"))
             .with_context(|| format!("opening RocksDB in {}", config.data_dir.display()))?;
@@ -530,18 +546,27 @@ impl Node {
     }
 }
 
-pub(crate) fn check_shard_count(db: &rocksdb::DB, shards: u32) -> anyhow::Result<()> {
+/// The shard count stored in a data dir (none before its first start).
+pub fn stored_shard_count(db: &rocksdb::DB) -> anyhow::Result<Option<u32>> {
     let meta = store::cf(db, store::CF_META);
-    let key = store::shard_key(u32::MAX, SHARD_COUNT_KEY);
-    match db.get_cf(meta, &key)? {
-        Some(v) if v.len() == 4 => {
-            let have = u32::from_be_bytes([v[0], v[1], v[2], v[3]]);
-            if have != shards {
-                bail!("this data dir holds {have} shards; started with --shards {shards}");
-            }
-        }
+    match db.get_cf(meta, store::shard_key(u32::MAX, SHARD_COUNT_KEY))? {
+        Some(v) if v.len() == 4 => Ok(Some(u32::from_be_bytes([v[0], v[1], v[2], v[3]]))),
         Some(_) => bail!("corrupt shard count in the data dir"),
-        None => db.put_cf(meta, &key, shards.to_be_bytes())?,
+        None => Ok(None),
+    }
+}
+
+pub(crate) fn check_shard_count(db: &rocksdb::DB, shards: u32) -> anyhow::Result<()> {
+    match stored_shard_count(db)? {
+        Some(have) if have != shards => {
+            bail!("this data dir holds {have} shards; started with --shards {shards}")
+        }
+        Some(_) => {}
+        None => db.put_cf(
+            store::cf(db, store::CF_META),
+            store::shard_key(u32::MAX, SHARD_COUNT_KEY),
+            shards.to_be_bytes(),
+        )?,
     }
     Ok(())
 }

@@ -51,37 +51,44 @@ fn marker_key(shard: u32) -> Vec<u8> {
 }
 
 /// What a rejoining replica keeps in its storage: that it is rejoining, whether it
-/// initialised the shard, and its mark. Value: a flags byte (bit 0: initialised here),
-/// then the mark's term and index (`u64` LE each) when there is one.
+/// initialised the shard, and its mark. Value: [`MARKER_FORMAT`], a flags byte (bit 0:
+/// initialised here), then, when there is a mark, its term, leader node and index (`u64`
+/// LE each: a log id is ordered by all three).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Marker {
     pub initialised_here: bool,
     pub mark: Option<LogId>,
 }
 
+const MARKER_FORMAT: u8 = 1;
+
 impl Marker {
     fn encode(&self) -> Vec<u8> {
-        let mut v = vec![u8::from(self.initialised_here)];
+        let mut v = vec![MARKER_FORMAT, u8::from(self.initialised_here)];
         if let Some(m) = self.mark {
             v.extend_from_slice(&m.leader_id.term.to_le_bytes());
+            v.extend_from_slice(&m.leader_id.node_id.to_le_bytes());
             v.extend_from_slice(&m.index.to_le_bytes());
         }
         v
     }
 
     fn decode(v: &[u8]) -> Option<Marker> {
-        let initialised_here = match v.first()? {
+        if v.first() != Some(&MARKER_FORMAT) {
+            return None;
+        }
+        let initialised_here = match v.get(1)? {
             0 => false,
             1 => true,
             _ => return None,
         };
+        let u64_at = |at: usize| Some(u64::from_le_bytes(v.get(at..at + 8)?.try_into().ok()?));
         let mark = match v.len() {
-            1 => None,
-            17 => {
-                let term = u64::from_le_bytes(v[1..9].try_into().ok()?);
-                let index = u64::from_le_bytes(v[9..17].try_into().ok()?);
-                Some(log_id(term, index))
-            }
+            2 => None,
+            26 => Some(LogId::new(
+                openraft::CommittedLeaderId::new(u64_at(2)?, u64_at(10)?),
+                u64_at(18)?,
+            )),
             _ => return None,
         };
         Some(Marker {
@@ -89,10 +96,6 @@ impl Marker {
             mark,
         })
     }
-}
-
-fn log_id(term: u64, index: u64) -> LogId {
-    LogId::new(openraft::CommittedLeaderId::new(term, 0), index)
 }
 
 /// `shard`'s marker, if it is rejoining (it opened empty before and has not been whole
@@ -118,6 +121,44 @@ pub fn mark(db: &DB, shard: u32, marker: &Marker) -> anyhow::Result<()> {
     );
     db.write_opt(batch, &opts)?;
     Ok(())
+}
+
+/// `allot-node force-whole`: removes the rejoining marker of `shard` (or of every
+/// shard) in the stopped node's data dir, so the replica votes and stands at its next
+/// start. One line per shard saying what was done.
+pub fn force_whole(data_dir: &std::path::Path, shard: Option<u32>) -> anyhow::Result<Vec<String>> {
+    use anyhow::Context;
+    crate::versions::check_data_dir(data_dir)?;
+    let db = store::open_db(&data_dir.join("db")).with_context(|| {
+        format!(
+            "opening {} (is the node stopped?)",
+            data_dir.join("db").display()
+        )
+    })?;
+    let shards = crate::node::stored_shard_count(&db)?
+        .ok_or_else(|| anyhow::anyhow!("{} holds no shards", data_dir.display()))?;
+    let which: Vec<u32> = match shard {
+        Some(s) if s < shards => vec![s],
+        Some(s) => anyhow::bail!("shard {s}: the data dir holds shards 0 to {}", shards - 1),
+        None => (0..shards).collect(),
+    };
+    let mut out = Vec::new();
+    for s in which {
+        if marked(&db, s)?.is_none() {
+            out.push(format!("shard {s}: not rejoining"));
+            continue;
+        }
+        let mut opts = rocksdb::WriteOptions::default();
+        opts.set_sync(true);
+        let mut batch = rocksdb::WriteBatch::default();
+        batch.delete_cf(store::cf(&db, store::CF_META), marker_key(s));
+        db.write_opt(batch, &opts)?;
+        out.push(format!(
+            "shard {s}: rejoining marker removed: the replica votes and stands at its next \
+             start (one that holds no log entry at all is rejoining again)"
+        ));
+    }
+    Ok(out)
 }
 
 pub struct Rejoin {
@@ -181,56 +222,72 @@ impl Rejoin {
 
     /// This node is about to initialise the shard: its log will be the genesis
     /// configuration, and it stands for election — also after a restart (kept, synced,
-    /// before `initialize`).
-    pub fn initialising_here(&self) -> Result<(), String> {
-        if self.is_whole() {
-            return Ok(());
-        }
+    /// before `initialize`). `Ok(true)` when this call set it.
+    pub fn initialising_here(&self) -> Result<bool, String> {
         let mut g = self.marker();
-        if !g.initialised_here {
-            let next = Marker {
-                initialised_here: true,
-                ..*g
-            };
-            self.keep(&next, true)?;
-            *g = next;
+        if self.is_whole() || g.initialised_here {
+            return Ok(false);
         }
+        let next = Marker {
+            initialised_here: true,
+            ..*g
+        };
+        self.keep(&next, true)?;
+        *g = next;
         self.may_stand.store(true, Ordering::Release);
-        Ok(())
+        Ok(true)
+    }
+
+    /// `initialize` was refused after [`Rejoin::initialising_here`] set the flag: the
+    /// replica holds someone else's log (it voted, or received entries, meanwhile).
+    pub fn not_initialised_here(&self) {
+        let mut g = self.marker();
+        if self.is_whole() || !g.initialised_here {
+            return;
+        }
+        let next = Marker {
+            initialised_here: false,
+            ..*g
+        };
+        if let Err(e) = self.keep(&next, true) {
+            tracing::warn!(error = %e, "clearing the initialised flag");
+        }
+        *g = next;
+        self.may_stand.store(false, Ordering::Release);
     }
 
     /// A leader of term `term` announced `leader_commit`.
     pub fn heard(&self, term: u64, leader_commit: Option<LogId>) {
-        if self.is_whole() {
-            return;
-        }
         let Some(c) = leader_commit.filter(|c| c.leader_id.term == term) else {
             return;
         };
+        // Under the marker's lock, whole checked inside it: a write after the marker's
+        // removal would bring it back.
         let mut g = self.marker();
-        if g.mark.is_none_or(|m| m < c) {
-            let next = Marker {
-                mark: Some(c),
-                ..*g
-            };
-            // Not synced: a mark lost in a crash is heard again from the next leader.
-            if let Err(e) = self.keep(&next, false) {
-                tracing::warn!(error = %e, "rejoining mark not kept");
-            }
-            *g = next;
+        if self.is_whole() || g.mark.is_some_and(|m| m >= c) {
+            return;
         }
+        let next = Marker {
+            mark: Some(c),
+            ..*g
+        };
+        // Not synced: a mark lost in a crash is heard again from the next leader.
+        if let Err(e) = self.keep(&next, false) {
+            tracing::warn!(error = %e, "rejoining mark not kept");
+        }
+        *g = next;
     }
 
     /// Records this replica's commit; `true` when that made it whole (the caller then
     /// lets it stand for election).
     pub fn progress(&self, committed: Option<LogId>) -> bool {
+        let g = self.marker();
         if self.is_whole() {
             return false;
         }
-        let mark = self.marker().mark;
-        match mark {
+        match g.mark {
             Some(m) if committed >= Some(m) => {
-                self.become_whole();
+                self.become_whole(g);
                 true
             }
             _ => false,
@@ -240,14 +297,16 @@ impl Rejoin {
     /// This replica led the shard to a commit in its own term (it initialised the shard
     /// and won its first election): whole.
     pub fn led(&self) -> bool {
+        let g = self.marker();
         if self.is_whole() {
             return false;
         }
-        self.become_whole();
+        self.become_whole(g);
         true
     }
 
-    fn become_whole(&self) {
+    /// Under the marker's lock (`_g`): no marker write can follow the removal.
+    fn become_whole(&self, _g: std::sync::MutexGuard<'_, Marker>) {
         self.may_stand.store(true, Ordering::Release);
         self.whole.store(true, Ordering::Release);
         if let Some((db, shard)) = &self.store {
@@ -337,6 +396,10 @@ pub fn whole_once_led(raft: crate::types::Raft, rejoin: Arc<Rejoin>, me: u64) {
 mod tests {
     use super::*;
 
+    fn log_id(term: u64, index: u64) -> LogId {
+        LogId::new(openraft::CommittedLeaderId::new(term, 2), index)
+    }
+
     #[test]
     fn a_replica_with_its_log_votes_and_one_started_empty_waits_for_a_leaders_commit() {
         let whole = Rejoin::new(None);
@@ -421,7 +484,7 @@ mod tests {
     }
 
     #[test]
-    fn the_marker_round_trips_and_refuses_garbage() {
+    fn the_marker_round_trips_with_the_marks_leader_and_refuses_garbage() {
         for m in [
             Marker::default(),
             Marker {
@@ -431,8 +494,30 @@ mod tests {
         ] {
             assert_eq!(Marker::decode(&m.encode()), Some(m));
         }
+        // A mark read back compares as the one kept: above a lower index of its term
+        // (a log id is ordered by term, leader, index; the leader read back as 0 made
+        // every index of the term pass it — found by review).
+        let kept = Marker {
+            initialised_here: false,
+            mark: Some(log_id(5, 100)),
+        };
+        let back = Marker::decode(&kept.encode()).unwrap().mark.unwrap();
+        assert!(back > log_id(5, 90));
+        let r = Rejoin::new(Some(Marker::decode(&kept.encode()).unwrap()));
+        assert!(!r.progress(Some(log_id(5, 90))));
+        assert!(r.vote_refusal(Some(log_id(5, 95)), None).is_some());
         assert_eq!(Marker::decode(&[]), None);
-        assert_eq!(Marker::decode(&[2]), None);
-        assert_eq!(Marker::decode(&[1, 0, 0]), None);
+        assert_eq!(Marker::decode(&[1]), None, "the first draft's layout");
+        assert_eq!(Marker::decode(&[MARKER_FORMAT, 2]), None);
+        assert_eq!(Marker::decode(&[MARKER_FORMAT, 1, 0, 0]), None);
+    }
+
+    #[test]
+    fn an_initialise_refused_takes_the_flag_back() {
+        let r = Rejoin::new(Some(Marker::default()));
+        assert_eq!(r.initialising_here(), Ok(true));
+        assert_eq!(r.initialising_here(), Ok(false), "set once");
+        r.not_initialised_here();
+        assert!(!r.may_stand());
     }
 }

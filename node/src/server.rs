@@ -777,6 +777,7 @@ fn shard_status(node: &Node, shard: &Shard) -> ShardStatus {
         audit_head_seq,
         audit_verified_seq: crate::audit_fill::verified_to(&node.db, shard.id),
         rejoining: !shard.rejoin.is_whole(),
+        membership_index: m.membership_config.log_id().map_or(0, |l| l.index),
     }
 }
 
@@ -915,14 +916,11 @@ impl Admin for Services {
             }
             // A shard this node initialises stands for election, also after a restart
             // (kept before `initialize`): its genesis configuration is its log.
-            let empty = s
-                .last_log_id()
-                .await
-                .map_err(Status::unavailable)?
-                .is_none();
-            if empty {
-                s.rejoin.initialising_here().map_err(Status::internal)?;
-            }
+            let set = if s.is_empty_replica().await.map_err(Status::unavailable)? {
+                s.rejoin.initialising_here().map_err(Status::internal)?
+            } else {
+                false
+            };
             match s.raft.initialize(members.clone()).await {
                 Ok(()) => {
                     crate::transfer::rejoined(s);
@@ -931,12 +929,25 @@ impl Admin for Services {
                 // Idempotent: a retried init of an initialised shard is fine.
                 Err(openraft::error::RaftError::APIError(
                     openraft::error::InitializeError::NotAllowed(_),
-                )) => {}
+                )) => {
+                    // It voted, or took a leader's entries, between the check and the
+                    // call: not the genesis node.
+                    if set {
+                        s.rejoin.not_initialised_here();
+                        crate::transfer::resume_elections(&s.raft, &s.rejoin);
+                    }
+                }
                 Err(e) => return Err(raft_status(e)),
             }
         }
         Ok(tonic::Response::new(InitReply {
             shards: self.node.shards.len() as u32,
+            cluster_id: self
+                .node
+                .identity
+                .current()
+                .map(|id| crate::identity::hex(&id))
+                .unwrap_or_default(),
         }))
     }
 
@@ -993,6 +1004,11 @@ impl Admin for Services {
                 "voters must be a non-empty set of positive ids",
             ));
         }
+        if msg.all_shards && msg.expected_membership_index.is_some() {
+            return Err(bad_argument(
+                "expected_membership_index names one shard's membership: not with all_shards",
+            ));
+        }
         let mut out = Vec::new();
         for s in self.target_shards(msg.shard, msg.all_shards)? {
             // The guard runs where the change is proposed: on the leader. A replica that
@@ -1003,6 +1019,26 @@ impl Admin for Services {
             }
             if leads {
                 new_voters_live(self.node.id, s, &voters).await?;
+            }
+            // Last, right before the change (the guards above wait).
+            if let Some(expected) = msg.expected_membership_index.filter(|_| leads) {
+                let now = s
+                    .raft
+                    .metrics()
+                    .borrow()
+                    .membership_config
+                    .log_id()
+                    .map_or(0, |l| l.index);
+                if now != expected {
+                    return Err(edge::with_reason(
+                        Status::failed_precondition(format!(
+                            "the membership of shard {} changed since it was read (now at log \
+                             index {now}, read at {expected}): read it again; nothing changed",
+                            s.id
+                        )),
+                        "MEMBERSHIP_CHANGED",
+                    ));
+                }
             }
             let r = if leads {
                 s.raft.change_membership(voters.clone(), false).await
@@ -1019,6 +1055,7 @@ impl Admin for Services {
                                 all_shards: false,
                                 voters: voters.iter().copied().collect(),
                                 allow_audit_loss: msg.allow_audit_loss,
+                                expected_membership_index: msg.expected_membership_index,
                             };
                             let r = forward_with(&self.node, m, &req_meta);
                             async move { c.change_membership(r).await }
@@ -1057,6 +1094,7 @@ impl Admin for Services {
                             purged_index: 0,
                             audit_head_seq: 0,
                             audit_verified_seq: 0,
+                            membership_index: 0,
                             ..st
                         }
                     } else {

@@ -42,8 +42,9 @@ pub fn check_data_dir(dir: &Path) -> anyhow::Result<()> {
     let staging = dir.join(crate::backup::INSIDE_STAGING);
     if staging.exists() {
         bail!(
-            "the data dir {} holds {}: a restore into it did not finish. Nothing was \
-             changed: run the restore again (it removes the staging first) or empty the dir",
+            "the data dir {} holds {}: a restore into it did not finish copying. Nothing \
+             was changed: run the restore again (it removes the staging first) or empty \
+             the dir",
             dir.display(),
             staging.display()
         );

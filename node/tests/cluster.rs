@@ -926,6 +926,7 @@ async fn change_voters_when_the_trail_allows(
                 all_shards: true,
                 voters: voters.to_vec(),
                 allow_audit_loss: false,
+                expected_membership_index: None,
             })
             .await;
         match r {
@@ -1014,6 +1015,7 @@ async fn removing_the_last_members_with_the_whole_trail_waits_for_a_new_one() {
         all_shards: true,
         voters,
         allow_audit_loss,
+        expected_membership_index: None,
     };
     // Through a follower too: it forwards to the leader, which runs the guard.
     let follower = [1u64, 2, 3].into_iter().find(|n| *n != leader).unwrap();
@@ -1128,6 +1130,7 @@ async fn a_learner_joins_is_promoted_and_the_removed_voter_does_not_disrupt() {
                     all_shards: false,
                     voters: vec![1, 3],
                     allow_audit_loss: true,
+                    expected_membership_index: None,
                 })
                 .await;
             match r {
@@ -1172,6 +1175,7 @@ async fn a_learner_joins_is_promoted_and_the_removed_voter_does_not_disrupt() {
             all_shards: true,
             voters: vec![1, 2, 4],
             allow_audit_loss: false,
+            expected_membership_index: None,
         })
         .await
         .expect("change membership")
@@ -2661,6 +2665,29 @@ async fn a_replica_that_opened_empty_is_still_rejoining_after_a_restart() {
     let s = c.status(3).await.unwrap().shards[0].clone();
     assert_eq!(s.term, 5, "the vote was stored: {s:?}");
     assert!(s.rejoining, "rejoining survives the restart: {s:?}");
+    // The operator's way out of a shard wedged by rejoining replicas: refused while the
+    // node runs (its store is locked), applied once it is stopped.
+    let force = |c: &LocalCluster| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_allot-node"))
+            .args(["force-whole", "--data-dir"])
+            .arg(c.log_path(3).parent().unwrap())
+            .output()
+            .unwrap()
+    };
+    let o = force(&c);
+    assert!(!o.status.success(), "refused while the node runs");
+    c.kill(3);
+    let o = force(&c);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("shard 0: rejoining marker removed"),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    c.start(3).expect("restart 3");
+    c.wait_listening(3, Duration::from_secs(60)).expect("3 up");
+    let s = c.status(3).await.unwrap().shards[0].clone();
+    assert!(!s.rejoining, "forced whole: {s:?}");
 }
 
 /// DESIGN §67, found by review: the node that initialised a shard stands for election
@@ -2714,4 +2741,73 @@ async fn a_shard_initialised_before_its_peers_started_elects_after_its_first_nod
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// A voter set computed from an older view of the membership (a lagging replica's, or
+/// one another operator changed meanwhile) is refused, not applied: the change carries
+/// the log index of the membership it was computed from. Operator A reads voters
+/// {1, 2, 3} and learner 4; operator B promotes 4; A removes 3 from what A read. Old
+/// code applied A's {1, 2}: node 4's promotion undone (and node 4 dropped) without a
+/// word.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_membership_change_computed_from_an_older_view_is_refused() {
+    use allot_proto::{ChangeMembershipRequest, Member, MemberRequest};
+    let (_dir, mut c) = cluster("membership-cas", 4, 1);
+    c.start_all().expect("start nodes");
+    c.init_members(&[1, 2, 3]).await.expect("init 1-3");
+    c.wait_leaders(Duration::from_secs(30))
+        .await
+        .expect("leaders");
+    let leader = c.leader_of(0).await.expect("leader");
+    let mut a = allot_node::local_cluster::admin(&c.node(leader).addr)
+        .await
+        .unwrap();
+    a.add_learner(MemberRequest {
+        shard: 0,
+        all_shards: false,
+        member: Some(Member {
+            node_id: 4,
+            addr: c.node(4).addr.clone(),
+        }),
+    })
+    .await
+    .expect("node 4 a learner");
+    // Operator A's view.
+    let read = c.status(leader).await.unwrap().shards[0].clone();
+    assert_eq!(
+        (read.voters.clone(), read.learners.clone()),
+        (vec![1, 2, 3], vec![4])
+    );
+    let change = |voters: Vec<u64>, expected: u64| ChangeMembershipRequest {
+        shard: 0,
+        all_shards: false,
+        voters,
+        allow_audit_loss: true,
+        expected_membership_index: Some(expected),
+    };
+    // Operator B, from the same view: applied.
+    let r = a
+        .change_membership(change(vec![1, 2, 3, 4], read.membership_index))
+        .await
+        .expect("promoting 4 from the current view");
+    assert_eq!(r.into_inner().shards[0].voters, vec![1, 2, 3, 4]);
+    // Operator A removes 3 from the older view: {1, 2} would drop 4. Refused.
+    let e = a
+        .change_membership(change(vec![1, 2], read.membership_index))
+        .await
+        .expect_err("a change from an older view");
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    assert_eq!(reason(&e), Some("MEMBERSHIP_CHANGED"), "{e:?}");
+    let now = c.status(leader).await.unwrap().shards[0].clone();
+    assert_eq!(now.voters, vec![1, 2, 3, 4], "nothing changed");
+    assert!(now.membership_index > read.membership_index);
+    // One shard's index names one shard's membership.
+    let e = a
+        .change_membership(ChangeMembershipRequest {
+            all_shards: true,
+            ..change(vec![1, 2, 4], now.membership_index)
+        })
+        .await
+        .expect_err("an expected index for every shard");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
 }

@@ -2384,6 +2384,7 @@ async fn one_hostile_message(r: &mut Rng, addr: &str, me: u64, secret: &PeerSecr
                             all_shards: true,
                             voters: vec![r.big()],
                             allow_audit_loss: r.big().is_multiple_of(2),
+                            expected_membership_index: None,
                         },
                         tok,
                     ))

@@ -457,7 +457,9 @@ impl RaftLogStorage<TypeConfig> for LogStore {
 
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError> {
         let last_purged: Option<LogId> = self.get_meta(META_PURGED)?;
-        let last = self.last_entry()?.map(|e| e.log_id).or(last_purged);
+        // The later of the two: entries below the purge point are still there between
+        // the purge point's write and the range delete (or after a crash between them).
+        let last = self.last_entry()?.map(|e| e.log_id).max(last_purged);
         Ok(LogState {
             last_purged_log_id: last_purged,
             last_log_id: last,

@@ -157,34 +157,78 @@ async fn add_learner(ctx: &Ctx, a: AddLearnerArgs) -> anyhow::Result<()> {
     print_rows(ctx, out.iter())
 }
 
+/// How many times a change is computed again after the membership changed under it.
+const MEMBERSHIP_READS_MAX: usize = 5;
+
 async fn change(ctx: &Ctx, a: ChangeArgs, promote: bool) -> anyhow::Result<()> {
     let targets = ctx.shards_or_all(a.shard).await?;
-    let views = shard_views(ctx).await?;
+    let mut views = shard_views(ctx).await?;
     let mut out = Vec::new();
     for shard in targets {
-        let view = views
-            .get(&shard)
-            .ok_or_else(|| anyhow::anyhow!("no replica of shard {shard} answered"))?;
-        let voters = new_voters(view, a.id, promote)?;
         let what = format!(
             "{} node {} on shard {shard}",
             if promote { "promoting" } else { "removing" },
             a.id
         );
-        let reply = ctx
-            .admin_retry(&what, |mut c| {
-                let req = ctx.admin_req(ChangeMembershipRequest {
-                    shard,
-                    all_shards: false,
-                    voters: voters.clone(),
-                    allow_audit_loss: a.allow_audit_loss,
-                });
-                async move { c.change_membership(req).await }
-            })
-            .await?;
-        out.extend(reply.shards);
+        let mut reads = 0;
+        loop {
+            let view = views
+                .get(&shard)
+                .ok_or_else(|| anyhow::anyhow!("no replica of shard {shard} answered"))?
+                .clone();
+            // Read again after a refusal: a retried change that was made (its answer
+            // lost) finds the membership already as asked.
+            if reads > 0 && view.voters.contains(&a.id) == promote {
+                out.push(view);
+                break;
+            }
+            let voters = new_voters(&view, a.id, promote)?;
+            // A compare-and-set on the membership this voter set was computed from
+            // (a previous-release leader ignores it).
+            let expected = view.membership_index;
+            let reply = ctx
+                .admin_retry(&what, |mut c| {
+                    let req = ctx.admin_req(ChangeMembershipRequest {
+                        shard,
+                        all_shards: false,
+                        voters: voters.clone(),
+                        allow_audit_loss: a.allow_audit_loss,
+                        expected_membership_index: Some(expected),
+                    });
+                    async move {
+                        match c.change_membership(req).await {
+                            Ok(r) => Ok(r.map(Some)),
+                            Err(s) if reason(&s) == Some("MEMBERSHIP_CHANGED") => {
+                                Ok(tonic::Response::new(None))
+                            }
+                            Err(s) => Err(s),
+                        }
+                    }
+                })
+                .await?;
+            match reply {
+                Some(reply) => {
+                    out.extend(reply.shards);
+                    break;
+                }
+                None if reads + 1 < MEMBERSHIP_READS_MAX => {
+                    reads += 1;
+                    views = shard_views(ctx).await?;
+                }
+                None => anyhow::bail!(
+                    "{what}: the membership kept changing under the change \
+                     ({MEMBERSHIP_READS_MAX} reads): nothing changed"
+                ),
+            }
+        }
     }
     print_rows(ctx, out.iter())
+}
+
+fn reason(s: &tonic::Status) -> Option<&str> {
+    s.metadata()
+        .get(allot_proto::meta::REASON)
+        .and_then(|v| v.to_str().ok())
 }
 
 /// The voter set after promoting or removing `id`, checked against the current one.
