@@ -250,7 +250,16 @@ const STAGING_COMPLETE: &str = "COMPLETE";
 pub fn finish_install(data_dir: &Path) -> anyhow::Result<bool> {
     let staging = data_dir.join(INSIDE_STAGING);
     if !staging.join(STAGING_COMPLETE).exists() {
-        return Ok(false);
+        // Stopped after the sentinel's removal, before the staging's: every entry is in
+        // place (the format marker moved last).
+        let emptied = staging.is_dir()
+            && std::fs::read_dir(&staging)?.next().is_none()
+            && data_dir.join(crate::versions::FORMAT_FILE).exists();
+        if emptied {
+            std::fs::remove_dir(&staging)?;
+            std::fs::File::open(data_dir)?.sync_all()?;
+        }
+        return Ok(emptied);
     }
     let marker = crate::versions::FORMAT_FILE;
     let mut names: Vec<std::ffi::OsString> = std::fs::read_dir(&staging)?
@@ -634,6 +643,11 @@ mod tests {
         assert!(data.join(marker).exists() && !staging.exists());
         crate::versions::check_data_dir(&data).expect("a node starts on it");
         assert!(!finish_install(&data).unwrap(), "nothing left to finish");
+        // Stopped between the sentinel's removal and the staging's (found by review).
+        std::fs::create_dir(&staging).unwrap();
+        assert!(finish_install(&data).unwrap());
+        assert!(!staging.exists());
+        crate::versions::check_data_dir(&data).expect("a node starts on it");
     }
 
     /// A node does not start on a data dir that still holds a restore's staging.

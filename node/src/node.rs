@@ -157,6 +157,9 @@ pub struct Node {
     background: Arc<store::sm::Background>,
     /// The client and peer connection slots, once the node serves (`crate::serve`).
     pub connections: std::sync::OnceLock<crate::connections::Connections>,
+    /// `Admin.Init` calls, one at a time: a shard's emptiness check, its "initialised
+    /// here" flag and openraft's `initialize` are one step (`crate::rejoin`).
+    pub init_lock: tokio::sync::Mutex<()>,
 }
 
 const SHARD_COUNT_KEY: &[u8] = b"cluster/shards";
@@ -443,6 +446,7 @@ impl Node {
             log_throttle: Default::default(),
             background,
             connections: Default::default(),
+            init_lock: Default::default(),
         });
         tokio::spawn(sample_clocks(Arc::downgrade(&node)));
         tokio::spawn(crate::auth::flush_denials(Arc::downgrade(&node)));

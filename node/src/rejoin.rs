@@ -128,7 +128,12 @@ pub fn mark(db: &DB, shard: u32, marker: &Marker) -> anyhow::Result<()> {
 /// start. One line per shard saying what was done.
 pub fn force_whole(data_dir: &std::path::Path, shard: Option<u32>) -> anyhow::Result<Vec<String>> {
     use anyhow::Context;
+    crate::backup::finish_install(data_dir)?;
     crate::versions::check_data_dir(data_dir)?;
+    // Nothing is created: a dir that is not a node's data dir is refused as it is.
+    if !data_dir.join("db").is_dir() || crate::versions::data_dir_format(data_dir)?.is_none() {
+        anyhow::bail!("{} is not a node's data dir", data_dir.display());
+    }
     let db = store::open_db(&data_dir.join("db")).with_context(|| {
         format!(
             "opening {} (is the node stopped?)",
@@ -144,7 +149,11 @@ pub fn force_whole(data_dir: &std::path::Path, shard: Option<u32>) -> anyhow::Re
     };
     let mut out = Vec::new();
     for s in which {
-        if marked(&db, s)?.is_none() {
+        // The key itself, whatever it holds (a marker this release cannot read too).
+        if db
+            .get_cf(store::cf(&db, store::CF_META), marker_key(s))?
+            .is_none()
+        {
             out.push(format!("shard {s}: not rejoining"));
             continue;
         }

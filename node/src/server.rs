@@ -863,6 +863,10 @@ impl Admin for Services {
     ) -> Result<tonic::Response<InitReply>, Status> {
         auth::require_admin(&self.node, req.metadata(), "admin:init", true)?;
         let msg = req.into_inner();
+        // Two inits at once (two operators, a harness and an operator): the second sees
+        // the first's shard initialised, not half-way (review: it could take the
+        // first's "initialised here" flag back and leave no replica able to stand).
+        let _one_init = self.node.init_lock.lock().await;
         if msg.members.is_empty() {
             return Err(bad_argument("no members"));
         }

@@ -213,11 +213,14 @@ async fn change(ctx: &Ctx, a: ChangeArgs, promote: bool) -> anyhow::Result<()> {
                 }
                 None if reads + 1 < MEMBERSHIP_READS_MAX => {
                     reads += 1;
+                    // A lagging view catches up meanwhile.
+                    tokio::time::sleep(std::time::Duration::from_millis(200 * reads as u64)).await;
                     views = shard_views(ctx).await?;
                 }
                 None => anyhow::bail!(
                     "{what}: the membership kept changing under the change \
-                     ({MEMBERSHIP_READS_MAX} reads): nothing changed"
+                     ({MEMBERSHIP_READS_MAX} reads): not changed by this command (read it with \
+                     `allotctl member list`)"
                 ),
             }
         }
