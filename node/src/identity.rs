@@ -65,13 +65,7 @@ pub fn stored(db: &DB) -> anyhow::Result<Option<ClusterId>> {
 
 /// Stores `id` in `db`, synced.
 pub fn store(db: &DB, id: &ClusterId) -> anyhow::Result<()> {
-    let meta = crate::store::cf(db, crate::store::CF_META);
-    let mut opts = rocksdb::WriteOptions::default();
-    opts.set_sync(true);
-    let mut batch = rocksdb::WriteBatch::default();
-    batch.put_cf(meta, key(), id);
-    db.write_opt(batch, &opts)?;
-    Ok(())
+    Ok(crate::store::meta_synced(db, &key(), Some(id))?)
 }
 
 fn derive(what: &[u8], parts: &[Vec<u8>]) -> ClusterId {

@@ -111,16 +111,11 @@ pub fn marked(db: &DB, shard: u32) -> anyhow::Result<Option<Marker>> {
 
 /// Writes `shard`'s marker, synced.
 pub fn mark(db: &DB, shard: u32, marker: &Marker) -> anyhow::Result<()> {
-    let mut opts = rocksdb::WriteOptions::default();
-    opts.set_sync(true);
-    let mut batch = rocksdb::WriteBatch::default();
-    batch.put_cf(
-        store::cf(db, store::CF_META),
-        marker_key(shard),
-        marker.encode(),
-    );
-    db.write_opt(batch, &opts)?;
-    Ok(())
+    Ok(store::meta_synced(
+        db,
+        &marker_key(shard),
+        Some(&marker.encode()),
+    )?)
 }
 
 /// `allot-node force-whole`: removes the rejoining marker of `shard` (or of every
@@ -157,11 +152,7 @@ pub fn force_whole(data_dir: &std::path::Path, shard: Option<u32>) -> anyhow::Re
             out.push(format!("shard {s}: not rejoining"));
             continue;
         }
-        let mut opts = rocksdb::WriteOptions::default();
-        opts.set_sync(true);
-        let mut batch = rocksdb::WriteBatch::default();
-        batch.delete_cf(store::cf(&db, store::CF_META), marker_key(s));
-        db.write_opt(batch, &opts)?;
+        store::meta_synced(&db, &marker_key(s), None)?;
         out.push(format!(
             "shard {s}: rejoining marker removed: the replica votes and stands at its next \
              start (one that holds no log entry at all is rejoining again)"
@@ -321,11 +312,7 @@ impl Rejoin {
         if let Some((db, shard)) = &self.store {
             // Synced: a marker back after a power loss would leave a replica that had
             // been whole unable to stand.
-            let mut opts = rocksdb::WriteOptions::default();
-            opts.set_sync(true);
-            let mut batch = rocksdb::WriteBatch::default();
-            batch.delete_cf(store::cf(db, store::CF_META), marker_key(*shard));
-            if let Err(e) = db.write_opt(batch, &opts) {
+            if let Err(e) = store::meta_synced(db, &marker_key(*shard), None) {
                 tracing::warn!(shard, error = %e, "removing the rejoining marker (the replica \
                     will be rejoining again after a restart)");
             }

@@ -744,6 +744,12 @@ impl Services {
     }
 }
 
+/// The log index of the membership in effect on a replica (`ShardStatus.membership_index`,
+/// what a membership change's compare-and-set names).
+fn membership_index(m: &openraft::RaftMetrics<NodeId, BasicNode>) -> u64 {
+    m.membership_config.log_id().map_or(0, |l| l.index)
+}
+
 fn shard_status(node: &Node, shard: &Shard) -> ShardStatus {
     let m = shard.raft.metrics().borrow().clone();
     let (_, leader_addr, _) = leader_of(&shard.raft);
@@ -777,7 +783,7 @@ fn shard_status(node: &Node, shard: &Shard) -> ShardStatus {
         audit_head_seq,
         audit_verified_seq: crate::audit_fill::verified_to(&node.db, shard.id),
         rejoining: !shard.rejoin.is_whole(),
-        membership_index: m.membership_config.log_id().map_or(0, |l| l.index),
+        membership_index: membership_index(&m),
     }
 }
 
@@ -1026,13 +1032,7 @@ impl Admin for Services {
             }
             // Last, right before the change (the guards above wait).
             if let Some(expected) = msg.expected_membership_index.filter(|_| leads) {
-                let now = s
-                    .raft
-                    .metrics()
-                    .borrow()
-                    .membership_config
-                    .log_id()
-                    .map_or(0, |l| l.index);
+                let now = membership_index(&s.raft.metrics().borrow());
                 if now != expected {
                     return Err(edge::with_reason(
                         Status::failed_precondition(format!(

@@ -2751,7 +2751,7 @@ async fn a_shard_initialised_before_its_peers_started_elects_after_its_first_nod
 /// word.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_membership_change_computed_from_an_older_view_is_refused() {
-    use allot_proto::{ChangeMembershipRequest, Member, MemberRequest};
+    use allot_proto::ChangeMembershipRequest;
     let (_dir, mut c) = cluster("membership-cas", 4, 1);
     c.start_all().expect("start nodes");
     c.init_members(&[1, 2, 3]).await.expect("init 1-3");
@@ -2762,16 +2762,7 @@ async fn a_membership_change_computed_from_an_older_view_is_refused() {
     let mut a = allot_node::local_cluster::admin(&c.node(leader).addr)
         .await
         .unwrap();
-    a.add_learner(MemberRequest {
-        shard: 0,
-        all_shards: false,
-        member: Some(Member {
-            node_id: 4,
-            addr: c.node(4).addr.clone(),
-        }),
-    })
-    .await
-    .expect("node 4 a learner");
+    add_learner_everywhere(&mut a, &c, 4).await;
     // Operator A's view.
     let read = c.status(leader).await.unwrap().shards[0].clone();
     assert_eq!(

@@ -81,6 +81,19 @@ pub(crate) fn index_of_key(key: &[u8]) -> u64 {
     u64::from_be_bytes(b)
 }
 
+/// Writes (`Some`) or removes (`None`) one key of the meta column family, synced: a
+/// node-level record (cluster id, rejoining marker) that must outlive a power loss.
+pub fn meta_synced(db: &DB, key: &[u8], value: Option<&[u8]>) -> Result<(), rocksdb::Error> {
+    let mut opts = rocksdb::WriteOptions::default();
+    opts.set_sync(true);
+    let mut batch = rocksdb::WriteBatch::default();
+    match value {
+        Some(v) => batch.put_cf(cf(db, CF_META), key, v),
+        None => batch.delete_cf(cf(db, CF_META), key),
+    }
+    db.write_opt(batch, &opts)
+}
+
 pub(crate) fn cf<'a>(db: &'a DB, name: &str) -> &'a rocksdb::ColumnFamily {
     // The column families are created by `open_db`; a missing one is a programming error.
     db.cf_handle(name)
